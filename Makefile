@@ -1,0 +1,41 @@
+# Every target sets itself up: the virtual environment is created and filled on first use.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+PIP_FLAGS ?= -q
+
+.PHONY: tour test grade docs docs-build bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install $(PIP_FLAGS) -c constraints.txt -e '.[test,docs]'
+	@touch $(STAMP)
+
+## make tour: every lesson's algorithm on a local world, verified against dist.all_reduce
+tour: $(STAMP)
+	$(PY) -m collectives tour $(TOUR_ARGS)
+
+## make test: the whole suite (unit, grader, notebooks, site)
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+## make grade [LESSON=04]: score the exercises in lessons/*/exercise.py
+grade: $(STAMP)
+	$(PY) -m collectives grade $(if $(LESSON),--lesson $(LESSON))
+
+## make docs: build and serve the site on http://127.0.0.1:8000
+docs: $(STAMP)
+	$(PY) -m mkdocs serve
+
+docs-build: $(STAMP)
+	$(PY) -m mkdocs build --strict
+
+## make bench: nccl-tests-style benchmarks against dist.all_reduce (and torch DDP)
+bench: $(STAMP)
+	$(PY) -m collectives bench $(BENCH_ARGS)
+	$(PY) -m collectives bench-fused $(BENCH_ARGS)
+	$(PY) -m collectives bench-ddp $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) site bench-results

@@ -1,0 +1,61 @@
+"""Load the implementation under test: the reference module or a student's exercise file.
+
+Targets are strings, so they cross process boundaries: ``"collectives.ring"`` (a module),
+``"lessons/04_ring/exercise.py"`` (a file), or either with ``":function"`` appended.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from .lessons import ROOT, lesson
+
+_cache: dict[str, ModuleType] = {}
+
+
+def load_module(spec: str) -> ModuleType:
+    """Import a module by dotted name, or a ``.py`` file by path (relative to the repo root)."""
+    if spec in _cache:
+        return _cache[spec]
+    if spec.endswith(".py"):
+        path = Path(spec)
+        if not path.is_absolute():
+            path = ROOT / path
+        if not path.exists():
+            raise FileNotFoundError(f"no exercise file at {path}")
+        name = "exercise_" + path.parent.name
+        mod_spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(mod_spec)
+        sys.modules[name] = module
+        mod_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(spec)
+    _cache[spec] = module
+    return module
+
+
+def resolve(target: str) -> Any:
+    """``"module:attr"`` or ``"path.py:attr"`` -> the attribute; a bare module or path -> the module."""
+    if ":" in target:
+        spec, attr = target.rsplit(":", 1)
+        module = load_module(spec)
+        try:
+            return getattr(module, attr)
+        except AttributeError:
+            raise AttributeError(f"{spec} has no {attr!r}") from None
+    return load_module(target)
+
+
+def spec_for(number: int, kind: str = "reference") -> str:
+    """The module spec of lesson ``number``: its reference module or its exercise file."""
+    item = lesson(number)
+    if kind == "reference":
+        return item.module
+    if kind == "exercise":
+        return str(item.exercise.relative_to(ROOT))
+    raise ValueError(f"kind must be 'reference' or 'exercise', got {kind!r}")

@@ -1,0 +1,58 @@
+"""The lesson map: one entry per lesson, naming its five surfaces.
+
+Everything that walks the course -- the tour, the grader, the tests' ``--impl`` option,
+the site's checks -- reads this table, so a lesson is added in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Lesson:
+    number: int
+    slug: str        # lessons/NN_slug/, notebooks/NN_slug.ipynb, tests/test_NN_slug.py
+    title: str
+    module: str      # the reference implementation
+
+    @property
+    def nn(self) -> str:
+        return f"{self.number:02d}"
+
+    @property
+    def exercise(self) -> Path:
+        return ROOT / "lessons" / f"{self.nn}_{self.slug}" / "exercise.py"
+
+    @property
+    def notebook(self) -> Path:
+        return ROOT / "notebooks" / f"{self.nn}_{self.slug}.ipynb"
+
+    @property
+    def test_file(self) -> Path:
+        return ROOT / "tests" / f"test_{self.nn}_{self.slug}.py"
+
+    @property
+    def page(self) -> Path:
+        return ROOT / "docs" / "lessons" / f"{self.nn}-{self.slug.replace('_', '-')}.md"
+
+
+LESSONS = [
+    Lesson(1, "p2p", "Point-to-point: send, recv, isend, irecv", "collectives.p2p"),
+    Lesson(2, "collectives", "The collectives, and building them from send/recv", "collectives.basics"),
+    Lesson(3, "naive_ring", "The naive ring", "collectives.naive_ring"),
+    Lesson(4, "ring", "The bandwidth-optimal ring and its rivals", "collectives.ring"),
+    Lesson(5, "fused", "Fused buffers, after SINGA", "collectives.fused"),
+    Lesson(6, "bucketing", "DDP gradient bucketing", "collectives.bucketing"),
+]
+
+
+def lesson(number: int | str) -> Lesson:
+    n = int(number)
+    for item in LESSONS:
+        if item.number == n:
+            return item
+    raise KeyError(f"no lesson {number}; lessons are " + ", ".join(l.nn for l in LESSONS))

@@ -1,0 +1,110 @@
+"""Reduction operators and argument checks shared by every hand-written collective.
+
+Every algorithm in the course does three things besides communicating: it checks its
+arguments, it combines an incoming buffer into an accumulator with the requested
+``ReduceOp``, and (for AVG) it divides once at the end. They live here so that each
+lesson's code shows only its communication pattern.
+
+AVG is computed as SUM followed by one division by the group size -- the same order the
+equivalence harness uses for the reference, so integer-valued inputs agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+ReduceOp = dist.ReduceOp
+
+SUPPORTED_OPS = (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.AVG)
+OP_NAMES = {ReduceOp.SUM: "SUM", ReduceOp.PRODUCT: "PRODUCT", ReduceOp.MIN: "MIN",
+            ReduceOp.MAX: "MAX", ReduceOp.AVG: "AVG"}
+
+
+def op_name(op) -> str:
+    return OP_NAMES.get(op, str(op))
+
+
+def check_all_reduce_args(tensor, op=ReduceOp.SUM, group=None, *, what: str = "all_reduce") -> None:
+    """Raise a clear error for input an in-place all-reduce cannot honour.
+
+    * ``tensor`` must be a ``torch.Tensor``;
+    * ``op`` one of SUM, PRODUCT, MIN, MAX, AVG (AVG only on floating dtypes);
+    * no two elements may share memory (an ``expand``-ed tensor): an in-place result
+      cannot be written to both. gloo's own ``all_reduce`` crashes on such a tensor.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if op not in SUPPORTED_OPS:
+        raise ValueError(f"{what}: unsupported op {op}; use one of "
+                         + ", ".join(OP_NAMES.values()))
+    if op == ReduceOp.AVG and not (tensor.is_floating_point() or tensor.is_complex()):
+        raise ValueError(f"{what}: ReduceOp.AVG needs a floating-point tensor, got {tensor.dtype}")
+    if tensor.numel() > 1 and torch._debug_has_internal_overlap(tensor) == 1:
+        raise ValueError(f"{what}: the tensor has elements that share memory (an expanded "
+                         f"tensor, stride {tuple(tensor.stride())}); pass a tensor with distinct "
+                         "elements, e.g. tensor.contiguous()")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{what}: group must be a ProcessGroup from dist.new_group, got {type(group).__name__}")
+
+
+def combine_(acc: torch.Tensor, incoming: torch.Tensor, op) -> torch.Tensor:
+    """``acc <- acc (op) incoming``, in place. AVG accumulates as SUM (see :func:`finish_`)."""
+    if op in (ReduceOp.SUM, ReduceOp.AVG):
+        return acc.add_(incoming)
+    if op == ReduceOp.PRODUCT:
+        return acc.mul_(incoming)
+    if op == ReduceOp.MIN:
+        return torch.minimum(acc, incoming, out=acc)
+    if op == ReduceOp.MAX:
+        return torch.maximum(acc, incoming, out=acc)
+    raise ValueError(f"unsupported op {op}")
+
+
+def finish_(tensor: torch.Tensor, op, group_size: int) -> torch.Tensor:
+    """Apply what remains after the combining: for AVG, one division by the group size."""
+    if op == ReduceOp.AVG:
+        tensor.div_(group_size)
+    return tensor
+
+
+def work_buffer(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat, contiguous buffer holding ``tensor``'s elements: the tensor's own memory when
+    it is contiguous, else a copy (to be written back with :func:`write_back`)."""
+    return tensor.contiguous().view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
+
+
+def write_back(tensor: torch.Tensor, flat: torch.Tensor) -> None:
+    """Copy ``flat`` into ``tensor`` unless it already is ``tensor``'s memory."""
+    if tensor.numel() == 0:
+        return
+    if tensor.is_contiguous() and flat.data_ptr() == tensor.data_ptr():
+        return
+    tensor.copy_(flat.view(tensor.shape))
+
+
+def group_rank_and_size(group=None) -> tuple[int, int]:
+    """This rank's index in ``group`` and the group's size (the world when ``group`` is None)."""
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def global_rank(group, group_rank: int) -> int:
+    """The global rank of ``group_rank`` in ``group``: what ``send``/``recv`` take."""
+    if group is None:
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
+    """Split ``numel`` elements into ``parts`` contiguous chunks whose sizes differ by at most one.
+
+    The first ``numel % parts`` chunks get one element more; with fewer elements than
+    parts, the trailing chunks are empty. Returns ``[(start, end), ...]``.
+    """
+    base, extra = divmod(numel, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds

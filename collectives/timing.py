@@ -1,0 +1,106 @@
+"""Timing collectives fairly: warm up, align the ranks, time each run, take the median.
+
+A collective is as slow as its slowest rank, so every run's time is the maximum over
+ranks. On GPUs the time comes from CUDA events on the current stream; on CPU from
+``perf_counter``. Used by the tour and every benchmark.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from . import trace
+
+
+def measure(fn: Callable[[], object], *, warmup: int = 2, iters: int = 5, group=None,
+            device: torch.device | None = None) -> list[float]:
+    """Seconds for each of ``iters`` runs of ``fn()`` (after ``warmup`` runs), max over ranks.
+
+    Each run starts after a barrier so that no rank's time includes waiting for a late peer.
+    Not traced: the barriers and the max-reduction are the harness's, not the algorithm's.
+    """
+    cuda = device is not None and device.type == "cuda"
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize(device)
+    times = []
+    with trace.paused():
+        for _ in range(iters):
+            dist.barrier(group=group)
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize(device)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+        slowest = torch.tensor(times, dtype=torch.float64, device=device or "cpu")
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    return slowest.cpu().tolist()
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def algbw(nbytes: int, seconds: float) -> float:
+    """Algorithm bandwidth, bytes/s: the tensor's size over the time."""
+    return nbytes / seconds if seconds > 0 else float("nan")
+
+
+def busbw(nbytes: int, seconds: float, world_size: int) -> float:
+    """Bus bandwidth, bytes/s: algbw times 2(p-1)/p, the share of the data each link must
+    carry in a bandwidth-optimal all-reduce -- comparable across world sizes (nccl-tests)."""
+    if world_size <= 1:
+        return algbw(nbytes, seconds)
+    return algbw(nbytes, seconds) * 2 * (world_size - 1) / world_size
+
+
+def parse_size(text: str) -> int:
+    """``"64M"`` -> 67108864, ``"1K"`` -> 1024, ``"4096"`` -> 4096 (bytes)."""
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    if text and text[-1] in scale:
+        return int(float(text[:-1]) * scale[text[-1]])
+    return int(text)
+
+
+def parse_sizes(text: str) -> list[int]:
+    """``"1K..64M"`` -> powers of 4 from 1 KiB to 64 MiB; ``"1K,1M"`` -> those two."""
+    if ".." in text:
+        lo, hi = (parse_size(t) for t in text.split(".."))
+        sizes, s = [], lo
+        while s <= hi:
+            sizes.append(s)
+            s *= 4
+        if sizes[-1] != hi:
+            sizes.append(hi)
+        return sizes
+    return [parse_size(t) for t in text.split(",") if t]
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def human_seconds(s: float) -> str:
+    if s < 1e-3:
+        return f"{s * 1e6:.1f} µs"
+    if s < 1:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s:.2f} s"

@@ -1,0 +1,380 @@
+"""A per-rank record of every message and collective call.
+
+Inside a world started by :mod:`collectives.launch`, the point-to-point functions
+(``send``, ``recv``, ``isend``, ``irecv``, ``batch_isend_irecv``) and the collectives
+(``all_reduce``, ``broadcast``, ...) of ``torch.distributed`` are wrapped, so code that
+calls ``dist.isend(...)`` -- a student's exercise included -- is recorded without doing
+anything. Each record says what happened (kind), with whom (peer, as a global rank),
+how much (elements, bytes), in which order (seq) and when (t0 when posted, t1 when it
+completed: for ``isend``/``irecv``, when its ``wait()`` returned).
+
+Tests assert patterns on it::
+
+    with trace.recording() as t:
+        ring_all_reduce(x)
+    assert {e.peer for e in t.sends()} == {(rank + 1) % p}
+
+and the same wrappers tell the launcher's watchdog where a rank is waiting
+("rank 1 waiting in recv from rank 0").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+POINT_TO_POINT = ("send", "recv", "isend", "irecv")
+COLLECTIVES = (
+    "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
+    "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
+    "all_to_all_single", "barrier",
+)
+SENDS = ("send", "isend")
+RECVS = ("recv", "irecv")
+
+
+@dataclass
+class Event:
+    """One message or collective call, seen from the rank that made it."""
+
+    seq: int                 # order of the call on this rank, from 0
+    kind: str                # "isend", "recv", "all_reduce", ...
+    rank: int                # the rank that made the call (global)
+    peer: int | None         # the other end of a message (global rank); root of a rooted collective
+    numel: int               # elements in the tensor(s) of the call
+    nbytes: int              # bytes in the tensor(s) of the call
+    dtype: str
+    t0: float                # perf_counter when the call was made
+    t1: float | None = None  # when it completed (wait() returned); None while in flight
+    group: tuple[int, ...] | None = None  # global ranks of the group; None for the world
+    tag: int = 0
+    label: str = ""          # free text set by trace.label(...) around the call
+
+    @property
+    def is_send(self) -> bool:
+        return self.kind in SENDS
+
+    @property
+    def is_recv(self) -> bool:
+        return self.kind in RECVS
+
+    @property
+    def seconds(self) -> float | None:
+        return None if self.t1 is None else self.t1 - self.t0
+
+
+@dataclass
+class Trace:
+    """An ordered list of :class:`Event` with the questions tests ask of it."""
+
+    rank: int = -1
+    events: list[Event] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    def __iter__(self) -> Iterator[Event]:
+        return iter(self.events)
+
+    def of_kind(self, *kinds: str) -> list[Event]:
+        return [e for e in self.events if e.kind in kinds]
+
+    def sends(self) -> list[Event]:
+        """Messages this rank sent (``send`` and ``isend``), in order."""
+        return [e for e in self.events if e.is_send]
+
+    def recvs(self) -> list[Event]:
+        """Messages this rank received (``recv`` and ``irecv``), in order."""
+        return [e for e in self.events if e.is_recv]
+
+    def collectives(self) -> list[Event]:
+        return [e for e in self.events if e.kind in COLLECTIVES]
+
+    def bytes_sent(self) -> int:
+        return sum(e.nbytes for e in self.sends())
+
+    def bytes_received(self) -> int:
+        return sum(e.nbytes for e in self.recvs())
+
+    def peers_sent_to(self) -> set[int]:
+        return {e.peer for e in self.sends()}
+
+    def to_dicts(self) -> list[dict[str, Any]]:
+        """Plain dicts: cheap to pickle back to the launcher, a notebook or a plot."""
+        return [asdict(e) for e in self.events]
+
+    @classmethod
+    def from_dicts(cls, rank: int, rows: list[dict[str, Any]]) -> "Trace":
+        return cls(rank, [Event(**r) for r in rows])
+
+
+# ---------------------------------------------------------------------------------
+# Per-process state. One process is one rank, so module globals are per rank.
+
+_rank: int = -1
+_status = None           # the launcher's shared status slot for this rank, or None
+_recorders: list[Trace] = []   # open recording() blocks; every event goes to each
+_paused = 0
+_nested = 0      # >0 while inside a traced call: its internal calls pass straight through
+_seq = 0
+_label = ""
+_originals: dict[tuple[Any, str], Any] = {}
+
+
+def installed() -> bool:
+    return bool(_originals)
+
+
+def _set_status(text: str) -> None:
+    if _status is not None:
+        _status.set(text)
+
+
+def _group_ranks(group) -> tuple[int, ...] | None:
+    if group is None or group is c10d.GroupMember.WORLD:
+        return None
+    try:
+        return tuple(dist.get_process_group_ranks(group))
+    except Exception:  # pragma: no cover - a group this rank is not part of
+        return None
+
+
+def _global_peer(group, peer: int | None, group_peer: int | None) -> int | None:
+    if peer is not None:
+        return peer
+    if group_peer is None:
+        return None
+    if group is None or group is c10d.GroupMember.WORLD:
+        return group_peer
+    return dist.get_global_rank(group, group_peer)
+
+
+def _size(tensors) -> tuple[int, int, str]:
+    if isinstance(tensors, torch.Tensor):
+        tensors = [tensors]
+    flat = [t for t in tensors if isinstance(t, torch.Tensor)]
+    numel = sum(t.numel() for t in flat)
+    nbytes = sum(t.numel() * t.element_size() for t in flat)
+    dtype = str(flat[0].dtype).replace("torch.", "") if flat else ""
+    return numel, nbytes, dtype
+
+
+def _record(kind, peer, tensors, group, tag=0) -> Event | None:
+    global _seq
+    if _paused or not _recorders:
+        return None
+    numel, nbytes, dtype = _size(tensors)
+    event = Event(_seq, kind, _rank, peer, numel, nbytes, dtype, time.perf_counter(),
+                  None, _group_ranks(group), tag or 0, _label)
+    _seq += 1
+    for rec in _recorders:
+        rec.events.append(event)
+    return event
+
+
+def _describe(kind: str, peer: int | None) -> str:
+    if kind in SENDS:
+        return f"{kind} to rank {peer}"
+    if kind in RECVS:
+        return f"{kind} from rank {peer}"
+    return kind if peer is None else f"{kind} (root rank {peer})"
+
+
+class TracedWork:
+    """Wraps a ``Work`` handle so that ``wait()`` completes the event and tells the watchdog."""
+
+    def __init__(self, work, event: Event | None, what: str):
+        self._work = work
+        self._event = event
+        self._what = what
+
+    def wait(self, *args, **kwargs):
+        _set_status(f"waiting on {self._what}")
+        try:
+            result = self._work.wait(*args, **kwargs)
+        finally:
+            _set_status("")
+        if self._event is not None and self._event.t1 is None:
+            self._event.t1 = time.perf_counter()
+        return result
+
+    def __getattr__(self, name):  # is_completed, exception, get_future, result, ...
+        return getattr(self._work, name)
+
+
+def _wrap_p2p(kind: str, original):
+    is_send = kind in SENDS
+    blocking = kind in ("send", "recv")
+
+    @functools.wraps(original)
+    def wrapper(tensor, *args, **kwargs):
+        global _nested
+        if _nested:
+            return original(tensor, *args, **kwargs)
+        names = ("dst", "group", "tag") if is_send else ("src", "group", "tag")
+        bound = dict(zip(names, args))
+        bound.update(kwargs)
+        group = bound.get("group")
+        peer = _global_peer(group, bound.get(names[0]),
+                            bound.get("group_dst" if is_send else "group_src"))
+        event = _record(kind, peer, tensor, group, bound.get("tag", 0))
+        what = _describe(kind, peer)
+        if blocking:
+            _set_status(f"in {what}")
+            _nested += 1
+            try:
+                result = original(tensor, *args, **kwargs)
+            finally:
+                _nested -= 1
+                _set_status("")
+            if event is not None:
+                event.t1 = time.perf_counter()
+            return result
+        work = original(tensor, *args, **kwargs)
+        return None if work is None else TracedWork(work, event, what)
+
+    wrapper.__collectives_traced__ = True
+    return wrapper
+
+
+# For each collective: the argument whose tensor(s) this rank contributes, and the
+# arguments that name a root (global rank, then group rank), if it has one.
+_COLLECTIVE_ARGS = {
+    "all_reduce": ("tensor", None, None),
+    "broadcast": ("tensor", "src", "group_src"),
+    "reduce": ("tensor", "dst", "group_dst"),
+    "all_gather": ("tensor", None, None),
+    "all_gather_into_tensor": ("input_tensor", None, None),
+    "gather": ("tensor", "dst", "group_dst"),
+    "scatter": ("tensor", "src", "group_src"),
+    "reduce_scatter": ("input_list", None, None),
+    "reduce_scatter_tensor": ("input", None, None),
+    "all_to_all": ("input_tensor_list", None, None),
+    "all_to_all_single": ("input", None, None),
+    "barrier": (None, None, None),
+}
+
+
+def _wrap_collective(kind: str, original):
+    signature = inspect.signature(original)
+    tensor_arg, root_arg, group_root_arg = _COLLECTIVE_ARGS[kind]
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        global _nested
+        if _nested:
+            return original(*args, **kwargs)
+        if _paused or not _recorders:
+            event = None
+            bound = signature.bind_partial(*args, **kwargs).arguments
+            what = kind
+        else:
+            bound = signature.bind_partial(*args, **kwargs).arguments
+            group = bound.get("group")
+            root = None
+            if root_arg is not None:
+                root = _global_peer(group, bound.get(root_arg), bound.get(group_root_arg))
+            tensors = bound.get(tensor_arg) if tensor_arg else []
+            event = _record(kind, root, tensors if tensors is not None else [], group)
+            what = _describe(kind, root)
+        if bound.get("async_op"):
+            work = original(*args, **kwargs)
+            return None if work is None else TracedWork(work, event, what)
+        _set_status(f"in {what}")
+        _nested += 1
+        try:
+            result = original(*args, **kwargs)
+        finally:
+            _nested -= 1
+            _set_status("")
+        if event is not None:
+            event.t1 = time.perf_counter()
+        return result
+
+    wrapper.__collectives_traced__ = True
+    return wrapper
+
+
+def install(rank: int, status=None) -> None:
+    """Wrap ``torch.distributed``'s communication functions in this process (idempotent).
+
+    ``isend``/``irecv`` are also replaced inside ``distributed_c10d``, so that
+    ``dist.P2POp(dist.isend, ...)`` and ``batch_isend_irecv`` see the traced versions.
+    Collectives are replaced only in the public namespace: the internal calls that
+    ``all_gather_object`` and friends make are not counted twice.
+    """
+    global _rank, _status
+    _rank, _status = rank, status
+    if _originals:
+        return
+    for kind in POINT_TO_POINT:
+        original = getattr(c10d, kind)
+        wrapped = _wrap_p2p(kind, original)
+        targets = [dist] + ([c10d] if kind in ("isend", "irecv") else [])
+        for module in targets:
+            _originals[(module, kind)] = getattr(module, kind)
+            setattr(module, kind, wrapped)
+    for kind in COLLECTIVES:
+        _originals[(dist, kind)] = getattr(dist, kind)
+        setattr(dist, kind, _wrap_collective(kind, getattr(dist, kind)))
+
+
+def uninstall() -> None:
+    for (module, name), original in _originals.items():
+        setattr(module, name, original)
+    _originals.clear()
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[Trace]:
+    """Record every event of this rank made inside the block into a fresh :class:`Trace`."""
+    rank = dist.get_rank() if dist.is_initialized() else _rank
+    if not _originals:
+        install(rank, _status)
+    rec = Trace(rank)
+    _recorders.append(rec)
+    try:
+        yield rec
+    finally:
+        _recorders.remove(rec)
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """Calls made inside the block are not recorded (a reference computation, say)."""
+    global _paused
+    _paused += 1
+    try:
+        yield
+    finally:
+        _paused -= 1
+
+
+@contextlib.contextmanager
+def label(text: str) -> Iterator[None]:
+    """Tag the events made inside the block (e.g. "reduce-scatter step 2")."""
+    global _label
+    before, _label = _label, text
+    try:
+        yield
+    finally:
+        _label = before
+
+
+def step_table(traces: list[Trace]) -> list[list[tuple[int, int, int]]]:
+    """Group every rank's sends into steps: step k holds each rank's k-th send.
+
+    Returns ``steps[k] = [(src, dst, numel), ...]`` -- the input a step diagram needs.
+    """
+    per_rank = [t.sends() for t in traces]
+    n_steps = max((len(s) for s in per_rank), default=0)
+    return [[(e.rank, e.peer, e.numel) for s in per_rank if k < len(s) for e in [s[k]]]
+            for k in range(n_steps)]

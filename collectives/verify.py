@@ -1,0 +1,382 @@
+"""The equivalence harness: an implementation against ``dist.all_reduce`` on the same inputs.
+
+Inside a running world, :func:`check_all_reduce` feeds an implementation and
+``dist.all_reduce`` identical inputs case by case and compares the results::
+
+    report = verify.check_all_reduce(ring_all_reduce)      # on every rank
+    report.raise_if_failed()
+
+From outside a world (a test, the tour), :func:`check_in_world` starts one and merges
+every rank's report.
+
+The cases (:func:`default_cases`) cover world sizes 1-4 (the caller's), sizes 0, 1,
+fewer elements than ranks, not divisible by the world size and over 1 Mi elements;
+float32/64, float16, bfloat16, int32/64; SUM, PRODUCT, MIN, MAX, AVG; non-contiguous
+views; subgroups. They are a covering set, not the full cross product: each dtype meets
+each op once, each size and layout meets a few dtype/op pairs.
+
+Two rules keep the reference honest:
+
+* **integer-valued inputs must match bit for bit**: values are small integers chosen so
+  every partial result is exactly representable in the dtype, whatever order an
+  algorithm combines them in; random floats are compared within :data:`TOLERANCES`.
+* **gloo is never handed a view**: its ``all_reduce`` on a non-contiguous view silently
+  reduces the wrong elements, and on an expanded tensor it crashes. The reference is
+  always computed on a contiguous copy; the implementation gets the view itself, and the
+  harness also checks that the elements *between* the view's elements were left alone.
+
+A mismatch names the case, the rank, the first differing index, expected and got.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from . import trace
+from .ops import ReduceOp, op_name
+
+FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+INT_DTYPES = (torch.int32, torch.int64)
+ALL_DTYPES = FLOAT_DTYPES + INT_DTYPES
+ALL_OPS = (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.AVG)
+LARGE = (1 << 20) + 3  # over 1 Mi elements, and odd
+
+# Random floats: |got - expected| <= atol + rtol * |expected|, with the world size p
+# folded in (a sum of p terms in another order rounds up to p times differently).
+# Values are drawn from [-1, 1], so partial sums stay below p in magnitude.
+TOLERANCES = {  # dtype: (rtol per rank, atol per rank), both multiplied by p
+    torch.float64: (1e-15, 1e-15),
+    torch.float32: (2e-7, 5e-7),
+    torch.float16: (1e-3, 4e-3),
+    torch.bfloat16: (8e-3, 3e-2),
+}
+SENTINEL = 77  # what the gaps between a strided view's elements hold; must survive
+
+
+@dataclass(frozen=True)
+class Case:
+    """One input configuration. ``group`` lists the global ranks of a subgroup, or None."""
+
+    numel: int
+    dtype: torch.dtype = torch.float32
+    op: object = ReduceOp.SUM
+    layout: str = "contiguous"      # "contiguous" | "strided" (every 2nd element) | "transposed"
+    values: str = "int"             # "int": integer-valued, exact | "random": floats, tolerance
+    group: tuple[int, ...] | None = None
+
+    @property
+    def name(self) -> str:
+        parts = [f"n={self.numel}", str(self.dtype).replace("torch.", ""), op_name(self.op)]
+        if self.layout != "contiguous":
+            parts.append(self.layout)
+        if self.values != "int":
+            parts.append(self.values)
+        if self.group is not None:
+            parts.append("group=" + ",".join(map(str, self.group)))
+        return " ".join(parts)
+
+
+@dataclass
+class CaseResult:
+    case: str
+    rank: int
+    ok: bool
+    detail: str = ""
+
+
+@dataclass
+class Report:
+    """What one or more ranks saw. ``failures`` holds only the cases that did not match."""
+
+    results: list[CaseResult] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.results)
+
+    @property
+    def failures(self) -> list[CaseResult]:
+        return [r for r in self.results if not r.ok]
+
+    @property
+    def cases(self) -> int:
+        return len({r.case for r in self.results})
+
+    def merge(self, other: "Report") -> "Report":
+        return Report(self.results + other.results)
+
+    def summary(self, limit: int = 8) -> str:
+        bad = self.failures
+        if not bad:
+            return f"all {self.cases} cases match dist.all_reduce"
+        lines = [f"{len({r.case for r in bad})} of {self.cases} cases differ from dist.all_reduce:"]
+        lines += [f"  [{r.case}] rank {r.rank}: {r.detail}" for r in bad[:limit]]
+        if len(bad) > limit:
+            lines.append(f"  ... and {len(bad) - limit} more")
+        return "\n".join(lines)
+
+    def raise_if_failed(self) -> None:
+        if not self.ok:
+            raise AssertionError(self.summary())
+
+
+def default_cases(world_size: int, *, quick: bool = False, large: bool = True) -> list[Case]:
+    """The covering set of cases for a world of ``world_size`` ranks (see the module doc)."""
+    p = world_size
+    cases: list[Case] = []
+    odd = 1001 if p > 1 else 7  # not divisible by 2, 3 or 4
+    # every dtype meets every op (AVG only for floats), integer-valued -> exact
+    for dtype in ALL_DTYPES:
+        for op in ALL_OPS:
+            if op == ReduceOp.AVG and dtype in INT_DTYPES:
+                continue
+            if quick and op not in (ReduceOp.SUM, ReduceOp.MAX) and dtype != torch.float32:
+                continue
+            cases.append(Case(odd, dtype, op))
+    # sizes that break naive chunking: empty, one element, fewer elements than ranks
+    sizes = [0, 1, max(p - 1, 1), 7 * p + 3]
+    for n in sizes:
+        cases.append(Case(n, torch.float32, ReduceOp.SUM))
+        if not quick:
+            cases.append(Case(n, torch.int64, ReduceOp.MAX))
+            cases.append(Case(n, torch.float64, ReduceOp.AVG))
+    if large:
+        cases.append(Case(LARGE, torch.float32, ReduceOp.SUM))
+    # random floats, within tolerance
+    for dtype in FLOAT_DTYPES if not quick else (torch.float32,):
+        cases.append(Case(4099, dtype, ReduceOp.SUM, values="random"))
+    if not quick:
+        cases.append(Case(4099, torch.float32, ReduceOp.AVG, values="random"))
+        cases.append(Case(4099, torch.float32, ReduceOp.PRODUCT, values="random"))
+    # views: the implementation must write through them, and only to their elements
+    for layout in ("strided", "transposed"):
+        cases.append(Case(odd, torch.float32, ReduceOp.SUM, layout=layout))
+        if not quick:
+            cases.append(Case(odd, torch.int32, ReduceOp.MIN, layout=layout))
+            cases.append(Case(odd, torch.float16, ReduceOp.PRODUCT, layout=layout))
+    # subgroups: a prefix of the ranks and (where there are 3 or more) the even ranks
+    groups = [tuple(range(max(p - 1, 1)))]
+    if p >= 3:
+        groups.append(tuple(range(0, p, 2)))
+    if p == 2:
+        groups.append((1,))
+    for g in groups:
+        cases.append(Case(odd, torch.float32, ReduceOp.SUM, group=g))
+        if not quick:
+            cases.append(Case(odd, torch.int64, ReduceOp.PRODUCT, group=g))
+    return cases
+
+
+def _generator(case: Case, rank: int, seed: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(zlib.crc32(f"{seed}|{case.name}|{rank}".encode()))
+    return g
+
+
+def make_values(case: Case, rank: int, seed: int = 0) -> torch.Tensor:
+    """This rank's input values for ``case``, contiguous, 1-D, on the CPU."""
+    g = _generator(case, rank, seed)
+    n, dtype, op = case.numel, case.dtype, case.op
+    if case.values == "random":
+        if op == ReduceOp.PRODUCT:
+            x = torch.rand(n, generator=g, dtype=torch.float64) + 0.5
+        else:
+            x = torch.rand(n, generator=g, dtype=torch.float64) * 2 - 1
+        return x.to(dtype)
+    # Integer-valued, chosen so that any order of combining is exact in every dtype:
+    # sums of up to 8 terms in [-8, 8] (|sum| <= 64), products of {-2,-1,1,2} (|prod| <= 256),
+    # min/max of integers in [-100, 100].
+    if op in (ReduceOp.SUM, ReduceOp.AVG):
+        x = torch.randint(-8, 9, (n,), generator=g)
+    elif op == ReduceOp.PRODUCT:
+        choices = torch.tensor([-2, -1, 1, 2])
+        x = choices[torch.randint(0, 4, (n,), generator=g)]
+    else:
+        x = torch.randint(-100, 101, (n,), generator=g)
+    return x.to(dtype)
+
+
+def make_input(case: Case, rank: int, seed: int = 0, device=None):
+    """``(tensor, base)``: the tensor handed to the implementation, laid out as the case says,
+    and the buffer it lives in (``base`` is None when the tensor owns its memory)."""
+    values = make_values(case, rank, seed)
+    device = device or torch.device("cpu")
+    n = case.numel
+    if case.layout == "contiguous":
+        return values.to(device), None
+    if case.layout == "strided":  # every other element of a buffer twice as long
+        base = torch.full((2 * n,), SENTINEL, dtype=case.dtype, device=device)
+        view = base[::2]
+        view.copy_(values.to(device))
+        return view, base
+    if case.layout == "transposed":  # a (cols, rows) transpose of a contiguous (rows, cols)
+        rows = 7 if n % 7 == 0 and n else 1
+        for r in (13, 11, 7, 3):
+            if n % r == 0:
+                rows = r
+                break
+        cols = n // rows if rows else 0
+        base = torch.empty((rows, cols), dtype=case.dtype, device=device)
+        view = base.t()
+        view.copy_(values.view(cols, rows).to(device))
+        return view, base
+    raise ValueError(f"unknown layout {case.layout!r}")
+
+
+def reference_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None) -> torch.Tensor:
+    """``dist.all_reduce`` of a contiguous copy of ``tensor``; returns the copy. Not traced.
+
+    Never the view itself: gloo reduces the wrong elements of a non-contiguous view and
+    crashes on an expanded one. AVG falls back to SUM and one division where the backend
+    lacks it.
+    """
+    buf = tensor.contiguous().clone() if tensor.is_contiguous() else tensor.reshape(-1).clone().view(tensor.shape)
+    with trace.paused():
+        if op == ReduceOp.AVG:
+            try:
+                dist.all_reduce(buf, op=op, group=group)
+            except (RuntimeError, ValueError):
+                dist.all_reduce(buf, op=ReduceOp.SUM, group=group)
+                buf.div_(dist.get_world_size(group))
+        else:
+            dist.all_reduce(buf, op=op, group=group)
+    return buf
+
+
+def compare(expected: torch.Tensor, got: torch.Tensor, *, exact: bool = True,
+            rtol: float = 0.0, atol: float = 0.0) -> str | None:
+    """None when ``got`` matches ``expected``, else a one-line description of the first mismatch."""
+    if tuple(got.shape) != tuple(expected.shape):
+        return f"shape {tuple(got.shape)}, expected {tuple(expected.shape)}"
+    if got.dtype != expected.dtype:
+        return f"dtype {got.dtype}, expected {expected.dtype}"
+    e = expected.detach().reshape(-1).cpu()
+    g = got.detach().reshape(-1).cpu()
+    if exact:
+        bad = (e != g) & ~(torch.isnan(e) & torch.isnan(g)) if e.is_floating_point() else e != g
+    else:
+        bad = ~torch.isclose(g.double(), e.double(), rtol=rtol, atol=atol)
+    if not bool(bad.any()):
+        return None
+    i = int(bad.nonzero()[0])
+    return (f"{int(bad.sum())} of {e.numel()} elements differ; first at index {i}: "
+            f"expected {e[i].item()!r}, got {g[i].item()!r}")
+
+
+def tolerance(dtype: torch.dtype, world_size: int) -> tuple[float, float]:
+    rtol, atol = TOLERANCES.get(dtype, (0.0, 0.0))
+    return rtol * world_size, atol * world_size
+
+
+def rank_device() -> torch.device:
+    """The device this rank's tensors belong on: its GPU under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _make_groups(cases: Iterable[Case]) -> dict[tuple[int, ...], object]:
+    """Create every subgroup the cases need -- collectively, in the same order on every rank."""
+    groups = {}
+    world = dist.get_world_size()
+    with trace.paused():
+        for case in cases:
+            if case.group is not None and case.group not in groups:
+                if max(case.group) >= world:
+                    raise ValueError(f"case {case.name} names ranks outside a world of {world}")
+                groups[case.group] = dist.new_group(list(case.group))
+    return groups
+
+
+def run_case(fn: Callable, case: Case, group=None, seed: int = 0) -> CaseResult:
+    """Run one case on this rank: reference on a copy, ``fn`` in place, compare."""
+    rank = dist.get_rank()
+    group_rank = rank if case.group is None else case.group.index(rank)
+    p = dist.get_world_size(group)
+    tensor, base = make_input(case, group_rank, seed, rank_device())
+    expected = reference_all_reduce(tensor, case.op, group)
+    try:
+        if group is None:
+            fn(tensor, op=case.op)
+        else:
+            fn(tensor, op=case.op, group=group)
+    except NotImplementedError as exc:
+        return CaseResult(case.name, rank, False, f"not implemented: {exc}")
+    except Exception as exc:  # noqa: BLE001 - reported, not raised: other cases still run
+        return CaseResult(case.name, rank, False, f"raised {type(exc).__name__}: {exc}")
+    exact = case.values == "int" or case.op in (ReduceOp.MIN, ReduceOp.MAX)
+    rtol, atol = (0.0, 0.0) if exact else tolerance(case.dtype, p)
+    if case.op == ReduceOp.PRODUCT and not exact:
+        rtol, atol = rtol * 2, 0.0
+    problem = compare(expected, tensor, exact=exact, rtol=rtol, atol=atol)
+    if problem is None and base is not None and case.layout == "strided":
+        gaps = base[1::2]
+        if bool((gaps != SENTINEL).any()):
+            i = int((gaps != SENTINEL).nonzero()[0])
+            problem = (f"wrote outside the view: element {2 * i + 1} of the underlying buffer "
+                       f"changed from {SENTINEL} to {gaps[i].item()!r}")
+    return CaseResult(case.name, rank, problem is None, problem or "")
+
+
+def check_all_reduce(fn: Callable, cases: list[Case] | None = None, *, seed: int = 0,
+                     quick: bool = False) -> Report:
+    """On every rank of the world: run ``fn`` and ``dist.all_reduce`` on each case, compare.
+
+    ``fn(tensor, op=..., group=...)`` must reduce ``tensor`` in place. Returns this rank's
+    :class:`Report`; exceptions from ``fn`` become failed cases, so one unfinished task
+    does not hide the others.
+    """
+    world = dist.get_world_size()
+    cases = default_cases(world, quick=quick) if cases is None else cases
+    groups = _make_groups(cases)
+    rank = dist.get_rank()
+    report = Report()
+    for case in cases:
+        if case.group is not None and rank not in case.group:
+            continue
+        report.results.append(run_case(fn, case, groups.get(case.group), seed))
+    return report
+
+
+def check_expanded_rejected(fn: Callable) -> CaseResult:
+    """An expanded tensor (elements sharing memory) must get a clear ValueError, not a crash."""
+    rank = dist.get_rank()
+    tensor = torch.ones(1, device=rank_device()).expand(8)
+    name = "expanded tensor is rejected"
+    try:
+        fn(tensor, op=ReduceOp.SUM)
+    except ValueError as exc:
+        return CaseResult(name, rank, "memory" in str(exc) or "expand" in str(exc),
+                          f"ValueError without saying why: {exc}")
+    except Exception as exc:  # noqa: BLE001
+        return CaseResult(name, rank, False, f"raised {type(exc).__name__} instead of ValueError: {exc}")
+    return CaseResult(name, rank, False, "accepted an expanded tensor without an error")
+
+
+def _check_in_rank(target: str, quick: bool, seed: int, expanded: bool) -> Report:
+    from .impl import resolve
+
+    fn = resolve(target)
+    report = check_all_reduce(fn, quick=quick, seed=seed)
+    if expanded:
+        report.results.append(check_expanded_rejected(fn))
+    return report
+
+
+def check_in_world(target: str, world_size: int, *, quick: bool = False, seed: int = 0,
+                   expanded: bool = True, **launch_kwargs) -> Report:
+    """Start a world, check ``target`` (``"module:function"`` or ``"path/file.py:function"``)
+    on every rank, and return the merged report."""
+    from . import launch
+
+    reports = launch.run(_check_in_rank, world_size, args=(target, quick, seed, expanded),
+                         **launch_kwargs)
+    merged = Report()
+    for r in reports:
+        merged = merged.merge(r)
+    return merged
