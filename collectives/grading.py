@@ -9,6 +9,7 @@ untouched stubs prints 0 and fails.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass, field
 
@@ -96,7 +97,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="grade only this lesson (e.g. 04); may be repeated")
     parser.add_argument("--impl", choices=["exercise", "reference"], default="exercise",
                         help="what to grade: your exercises (default) or the reference solution")
+    parser.add_argument("--exercises", default="",
+                        help="grade another copy of lessons/ (a student's submission): the folder "
+                             "holding 01_p2p/exercise.py, 02_collectives/exercise.py, ...")
     args = parser.parse_args(argv)
+    if args.exercises:
+        os.environ["COLLECTIVES_EXERCISE_DIR"] = os.path.abspath(args.exercises)
     _, _, tasks = grade([int(x) for x in args.lesson] or None, args.impl)
     earned, total = render(tasks)
     print(f"SCORE {earned}/{total}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -57,5 +58,9 @@ def spec_for(number: int, kind: str = "reference") -> str:
     if kind == "reference":
         return item.module
     if kind == "exercise":
+        # An instructor grades a student's copy of lessons/ with --exercises DIR.
+        other = os.environ.get("COLLECTIVES_EXERCISE_DIR")
+        if other:
+            return str(Path(other).resolve() / item.exercise.parent.name / "exercise.py")
         return str(item.exercise.relative_to(ROOT))
     raise ValueError(f"kind must be 'reference' or 'exercise', got {kind!r}")

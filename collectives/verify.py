@@ -358,25 +358,39 @@ def check_expanded_rejected(fn: Callable) -> CaseResult:
     return CaseResult(name, rank, False, "accepted an expanded tensor without an error")
 
 
-def _check_in_rank(target: str, quick: bool, seed: int, expanded: bool) -> Report:
+def _check_in_rank(target: str, quick: bool, seed: int) -> Report:
     from .impl import resolve
 
-    fn = resolve(target)
-    report = check_all_reduce(fn, quick=quick, seed=seed)
-    if expanded:
-        report.results.append(check_expanded_rejected(fn))
-    return report
+    return check_all_reduce(resolve(target), quick=quick, seed=seed)
+
+
+def _expanded_in_rank(target: str) -> CaseResult:
+    from .impl import resolve
+
+    return check_expanded_rejected(resolve(target))
 
 
 def check_in_world(target: str, world_size: int, *, quick: bool = False, seed: int = 0,
                    expanded: bool = True, **launch_kwargs) -> Report:
     """Start a world, check ``target`` (``"module:function"`` or ``"path/file.py:function"``)
-    on every rank, and return the merged report."""
+    on every rank, and return the merged report.
+
+    The expanded-tensor check runs in a world of its own: an implementation that hands
+    such a tensor to gloo crashes the process (SIGABRT/SIGSEGV), and that crash must cost
+    one failed case, not every result of the world.
+    """
     from . import launch
 
-    reports = launch.run(_check_in_rank, world_size, args=(target, quick, seed, expanded),
-                         **launch_kwargs)
     merged = Report()
-    for r in reports:
+    for r in launch.run(_check_in_rank, world_size, args=(target, quick, seed), **launch_kwargs):
         merged = merged.merge(r)
+    if expanded:
+        name = "expanded tensor is rejected"
+        try:
+            results = launch.run(_expanded_in_rank, world_size, args=(target,), **launch_kwargs)
+            merged.results.extend(results)
+        except launch.RankError as exc:
+            merged.results.append(CaseResult(name, exc.rank, False, f"crashed: {exc.summary}"))
+        except launch.WorldTimeout:
+            merged.results.append(CaseResult(name, -1, False, "hung on an expanded tensor"))
     return merged

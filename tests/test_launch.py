@@ -1,0 +1,95 @@
+"""The launcher: results back in rank order, errors that name the rank, a watchdog, no leftovers."""
+
+import os
+import time
+
+import pytest
+
+from collectives import launch
+
+from . import workers
+
+
+def _children_of_this_process():
+    me = str(os.getpid())
+    kids = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[1] == me and fields[0] != "Z":  # state, ppid
+            kids.append(int(pid))
+    return kids
+
+
+def test_results_come_back_in_rank_order():
+    results = launch.run(workers.rank_and_env, world_size=4)
+    assert [r[0] for r in results] == [0, 1, 2, 3]
+    assert all(r[1] == 4 for r in results)
+
+
+def test_ranks_see_the_launcher_variables_of_their_simulated_machine():
+    # 4 ranks as 2 machines of 2: LOCAL_RANK restarts at each machine, GROUP_RANK counts machines
+    results = launch.run(workers.rank_and_env, world_size=4, local_world_size=2)
+    envs = [r[2] for r in results]
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "0", "1"]
+    assert [e["GROUP_RANK"] for e in envs] == ["0", "0", "1", "1"]
+    assert {e["LOCAL_WORLD_SIZE"] for e in envs} == {"2"}
+    assert {e["MASTER_PORT"] for e in envs} != {"29500"}
+
+
+def test_a_world_of_one_rank_works():
+    assert launch.run(workers.sum_of_ranks, world_size=1) == [0]
+
+
+def test_a_raising_rank_is_named_with_its_traceback_and_the_world_ends_quickly():
+    start = time.monotonic()
+    with pytest.raises(launch.RankError) as info:
+        launch.run(workers.rank_two_raises_others_wait, world_size=4, timeout=60)
+    assert time.monotonic() - start < 10, "the other ranks must be stopped, not waited for"
+    err = info.value
+    assert err.rank == 2
+    assert "ValueError: rank two cannot go on" in str(err)
+    assert "rank_two_raises_others_wait" in err.remote_traceback
+    assert not _children_of_this_process()
+
+
+def test_the_watchdog_says_where_each_rank_was_waiting():
+    start = time.monotonic()
+    with pytest.raises(launch.WorldTimeout) as info:
+        launch.run(workers.both_receive_first, world_size=2, timeout=2)
+    assert time.monotonic() - start < 8
+    message = str(info.value)
+    assert "rank 0 waiting in recv from rank 1" in message
+    assert "rank 1 waiting in recv from rank 0" in message
+    assert not _children_of_this_process()
+
+
+def test_a_rank_that_exits_without_a_result_is_reported_with_its_exit_code():
+    with pytest.raises(launch.RankError) as info:
+        launch.run(workers.rank_one_exits, world_size=2, args=(3,), timeout=20)
+    assert info.value.rank == 1
+    assert "exit code 3" in str(info.value)
+
+
+def test_a_crashing_rank_is_reported_with_its_signal():
+    with pytest.raises(launch.RankError) as info:
+        launch.run(workers.rank_one_segfaults, world_size=2, timeout=20)
+    assert info.value.rank == 1
+    assert "signal 11" in str(info.value)
+    assert not _children_of_this_process()
+
+
+def test_no_process_is_left_behind_after_a_normal_world():
+    pids = launch.run(workers.sleepy_children_pids, world_size=3)
+    assert len(set(pids)) == 3 and os.getpid() not in pids
+    assert not _children_of_this_process()
+
+
+def test_bad_arguments_are_refused_before_anything_starts():
+    with pytest.raises(ValueError, match="world_size"):
+        launch.run(workers.sum_of_ranks, world_size=0)

@@ -1,0 +1,156 @@
+"""Module-level functions run inside test worlds (a world runs module-level functions)."""
+
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from collectives import trace
+
+
+def rank_and_env():
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_PORT")
+    return dist.get_rank(), dist.get_world_size(), {k: os.environ.get(k) for k in keys}, os.getpid()
+
+
+def sum_of_ranks():
+    t = torch.tensor([dist.get_rank()])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def rank_two_raises_others_wait():
+    """Rank 2 raises at once; every other rank blocks in a recv that will never be matched."""
+    if dist.get_rank() == 2:
+        raise ValueError("rank two cannot go on")
+    dist.recv(torch.zeros(1), src=(dist.get_rank() + 1) % dist.get_world_size())
+
+
+def both_receive_first():
+    """The classic deadlock: each of two ranks waits to receive before it sends."""
+    buf = torch.zeros(4)
+    dist.recv(buf, src=1 - dist.get_rank())
+    dist.send(buf, dst=1 - dist.get_rank())
+
+
+def rank_one_exits(code):
+    if dist.get_rank() == 1:
+        os._exit(code)
+    time.sleep(30)
+
+
+def rank_one_segfaults():
+    if dist.get_rank() == 1:
+        import faulthandler
+        faulthandler.disable()  # the crash is the point; its stack dump is noise
+        os.kill(os.getpid(), signal.SIGSEGV)
+    time.sleep(30)
+
+
+def sleepy_children_pids():
+    return os.getpid()
+
+
+def traced_messages():
+    """Every kind of call the trace wraps, on a world of 3; returns this rank's events as dicts."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % p, (rank - 1) % p
+    evens = dist.new_group([0, 2])
+    with trace.recording() as t:
+        with trace.label("blocking"):
+            if rank == 0:
+                dist.send(torch.ones(5), dst=1)
+            elif rank == 1:
+                dist.recv(torch.zeros(5), src=0)
+        with trace.label("immediate"):
+            recv = dist.irecv(torch.zeros(7, dtype=torch.float64), src=left)
+            send = dist.isend(torch.ones(7, dtype=torch.float64), dst=right)
+            send.wait()
+            recv.wait()
+        with trace.label("batched"):
+            ops = [dist.P2POp(dist.isend, torch.ones(3), right),
+                   dist.P2POp(dist.irecv, torch.zeros(3), left)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        with trace.label("collectives"):
+            dist.all_reduce(torch.ones(11))
+            dist.broadcast(torch.ones(2), src=1)
+            work = dist.all_reduce(torch.ones(4), async_op=True)
+            work.wait()
+            if rank in (0, 2):
+                # group rank 1 of the even group is global rank 2
+                if rank == 0:
+                    dist.send(torch.ones(2), group_dst=1, group=evens)
+                else:
+                    dist.recv(torch.zeros(2), group_src=0, group=evens)
+        with trace.paused():
+            dist.all_reduce(torch.ones(1))  # a reference computation: not recorded
+    return t.to_dicts()
+
+
+# --- all-reduce implementations for the harness's own tests ---------------------------
+
+def ar_correct(tensor, op=dist.ReduceOp.SUM, group=None):
+    """Right everywhere: checks, a contiguous work buffer, gloo, write back."""
+    from collectives.ops import check_all_reduce_args, work_buffer, write_back
+    check_all_reduce_args(tensor, op, group)
+    flat = work_buffer(tensor)
+    dist.all_reduce(flat, op=op, group=group)
+    write_back(tensor, flat)
+
+
+def ar_trusts_gloo_with_views(tensor, op=dist.ReduceOp.SUM, group=None):
+    """Hands the tensor to gloo as it is: wrong on strided views (gloo's trap)."""
+    dist.all_reduce(tensor, op=op, group=group)
+
+
+def ar_aborts_on_expanded(tensor, op=dist.ReduceOp.SUM, group=None):
+    """Like gloo at 4 ranks: the process aborts when handed an expanded tensor."""
+    if tensor.numel() > 1 and tensor.stride(-1) == 0:
+        import faulthandler
+        faulthandler.disable()  # the crash is the point; its stack dump is noise
+        os.abort()
+    ar_correct(tensor, op, group)
+
+
+def ar_forgets_to_average(tensor, op=dist.ReduceOp.SUM, group=None):
+    from collectives.ops import work_buffer, write_back
+    flat = work_buffer(tensor)
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM if op == dist.ReduceOp.AVG else op, group=group)
+    write_back(tensor, flat)
+
+
+def ar_scribbles_outside_the_view(tensor, op=dist.ReduceOp.SUM, group=None):
+    ar_correct(tensor, op, group)
+    if tensor.dim() == 1 and tensor.stride(0) == 2 and tensor.numel() > 1:
+        base = tensor.as_strided((2 * tensor.numel(),), (1,))
+        base[1] = 0  # an element between the view's elements
+
+
+def ar_off_by_one_on_tiny_tensors(tensor, op=dist.ReduceOp.SUM, group=None):
+    ar_correct(tensor, op, group)
+    if 0 < tensor.numel() < dist.get_world_size(group):
+        tensor.view(-1)[-1] += 1
+
+
+def harness_catches(targets):
+    """Run the quick cases on each target in this world; return {name: (ok, summary)}."""
+    from collectives import verify
+    out = {}
+    for name in targets:
+        report = verify.check_all_reduce(globals()[name])
+        out[name] = (report.ok, report.summary(limit=50), [r.case for r in report.failures])
+    return out
+
+
+def gloo_view_trap():
+    """What gloo itself does with a strided view, against the same data made contiguous."""
+    base = torch.arange(16, dtype=torch.float32) * (dist.get_rank() + 1)
+    view = base[::2]
+    expected = view.contiguous().clone()
+    dist.all_reduce(expected)
+    got = view.clone() if False else view
+    dist.all_reduce(got)
+    return bool(torch.equal(got, expected))
