@@ -123,22 +123,36 @@ def _die_with_parent() -> None:
         pass
 
 
-def _worker(rank, world_size, local_world_size, fn, args, kwargs, backend, port, conn,
-            board, pg_timeout, threads, env):
+def _worker(rank, world_size, local_world_size, fn, args, kwargs, backend, port_box, conn,
+            board, pg_timeout, init_timeout, threads, env):
     _die_with_parent()
     status = board.slot(rank)
     try:
         os.environ.update(env)
+        if threads:
+            torch.set_num_threads(threads)
+        status.set("starting: joining the store")
+        # Rank 0 hosts the rendezvous store on a port the kernel picks and publishes it;
+        # the parent runs no store thread, so nothing it holds is forked mid-operation.
+        init = datetime.timedelta(seconds=init_timeout)
+        if rank == 0:
+            store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,
+                                  wait_for_workers=False, timeout=init)
+            port_box.value = store.port
+        else:
+            deadline = time.monotonic() + init_timeout
+            while port_box.value == 0:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rank 0 did not open the store within {init_timeout:g} s")
+                time.sleep(0.002)
+            store = dist.TCPStore("127.0.0.1", port_box.value, world_size, is_master=False, timeout=init)
+        port = port_box.value
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size),
                           LOCAL_RANK=str(rank % local_world_size),
                           LOCAL_WORLD_SIZE=str(local_world_size),
                           GROUP_RANK=str(rank // local_world_size),
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        if threads:
-            torch.set_num_threads(threads)
-        status.set("starting: joining the store")
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
-                              timeout=datetime.timedelta(seconds=pg_timeout))
+        store.set_timeout(datetime.timedelta(seconds=pg_timeout))
         device_id = None
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -158,6 +172,11 @@ def _worker(rank, world_size, local_world_size, fn, args, kwargs, backend, port,
     try:
         conn.send_bytes(payload)
         conn.close()
+        if rank == 0 and world_size > 1:
+            # Rank 0 hosts the store: it stays up until the launcher has every result and
+            # reaps the world, so late ranks can still rendezvous (subgroups, NCCL comms).
+            while True:
+                time.sleep(3600)
     finally:
         # No destroy_process_group(): it can wait on peers. The parent reaps us.
         sys.stdout.flush()
@@ -168,7 +187,7 @@ def _worker(rank, world_size, local_world_size, fn, args, kwargs, backend, port,
 def run(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwargs: dict | None = None,
         *, backend: str | None = None, timeout: float = 120.0, start_method: str | None = None,
         local_world_size: int | None = None, threads: int | None = 1,
-        env: dict[str, str] | None = None) -> list[Any]:
+        env: dict[str, str] | None = None, init_timeout: float = 30.0) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the results, rank 0 first.
 
     Args:
@@ -180,6 +199,7 @@ def run(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwargs: d
         local_world_size: ranks per simulated machine (``LOCAL_WORLD_SIZE``); default all.
         threads: intra-op threads per rank (1: ranks share few cores); ``None`` leaves torch's default.
         env: extra environment variables for the ranks.
+        init_timeout: seconds the ranks may take to find each other before failing.
 
     Raises:
         RankError: a rank raised or died; the message names it and carries its traceback.
@@ -194,10 +214,9 @@ def run(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwargs: d
         start_method = "spawn" if backend == "nccl" else "fork"
     ctx = mp.get_context(start_method)
     board = _StatusBoard(ctx, world_size)
-    # The store lives in this process: its port is picked by the kernel, so two worlds
-    # (two test runs, a notebook and a test) never fight over 29500.
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout))
+    # The store's port is picked by the kernel (rank 0 publishes it here), so two worlds
+    # -- two test runs, a notebook and a test -- never fight over 29500.
+    port_box = ctx.Value(ctypes.c_int, 0, lock=False)
     pg_timeout = max(5.0, timeout)
     procs, conns = [], {}
     try:
@@ -205,8 +224,8 @@ def run(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwargs: d
             parent_end, child_end = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_worker, name=f"rank{rank}", daemon=True,
                             args=(rank, world_size, local_world_size or world_size, fn, args,
-                                  kwargs, backend, store.port, child_end, board, pg_timeout,
-                                  threads, dict(env or {})))
+                                  kwargs, backend, port_box, child_end, board, pg_timeout,
+                                  min(init_timeout, timeout), threads, dict(env or {})))
             p.start()
             child_end.close()
             procs.append(p)
@@ -220,7 +239,6 @@ def run(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwargs: d
             p.join(timeout=5)
         for c in conns:
             c.close()
-        del store
 
 
 def _collect(procs, conns, board, timeout):
