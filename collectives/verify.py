@@ -94,6 +94,7 @@ class Report:
     """What one or more ranks saw. ``failures`` holds only the cases that did not match."""
 
     results: list[CaseResult] = field(default_factory=list)
+    reference: str = "the reference"  # what the cases were compared with, for the summary
 
     @property
     def ok(self) -> bool:
@@ -108,13 +109,13 @@ class Report:
         return len({r.case for r in self.results})
 
     def merge(self, other: "Report") -> "Report":
-        return Report(self.results + other.results)
+        return Report(self.results + other.results, self.reference)
 
     def summary(self, limit: int = 8) -> str:
         bad = self.failures
         if not bad:
-            return f"all {self.cases} cases match dist.all_reduce"
-        lines = [f"{len({r.case for r in bad})} of {self.cases} cases differ from dist.all_reduce:"]
+            return f"all {self.cases} cases match {self.reference}"
+        lines = [f"{len({r.case for r in bad})} of {self.cases} cases differ from {self.reference}:"]
         lines += [f"  [{r.case}] rank {r.rank}: {r.detail}" for r in bad[:limit]]
         if len(bad) > limit:
             lines.append(f"  ... and {len(bad) - limit} more")
@@ -335,7 +336,7 @@ def check_all_reduce(fn: Callable, cases: list[Case] | None = None, *, seed: int
     cases = default_cases(world, quick=quick) if cases is None else cases
     groups = _make_groups(cases)
     rank = dist.get_rank()
-    report = Report()
+    report = Report(reference="dist.all_reduce")
     for case in cases:
         if case.group is not None and rank not in case.group:
             continue
@@ -381,7 +382,7 @@ def check_in_world(target: str, world_size: int, *, quick: bool = False, seed: i
     """
     from . import launch
 
-    merged = Report()
+    merged = Report(reference="dist.all_reduce")
     for r in launch.run(_check_in_rank, world_size, args=(target, quick, seed), **launch_kwargs):
         merged = merged.merge(r)
     if expanded:
