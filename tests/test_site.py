@@ -1,0 +1,95 @@
+"""The course site: it builds with ``mkdocs build --strict``, and every page works in a browser.
+
+The browser check (``tools/check_site.py``) needs Debian's Chromium. Without it the test
+is skipped on a workstation, and fails under CI (``CI`` set), where ``.ci/run`` installs it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import sys
+
+import pytest
+import yaml
+
+from collectives.lessons import LESSONS, ROOT
+
+_spec = importlib.util.spec_from_file_location("check_site", ROOT / "tools" / "check_site.py")
+check_site = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("check_site", check_site)  # its dataclasses look their module up
+_spec.loader.exec_module(check_site)
+
+REFERENCE = ROOT / "docs" / "reference"
+
+
+def _nav_files(node) -> list[str]:
+    if isinstance(node, str):
+        return [node]
+    if isinstance(node, dict):
+        return [f for value in node.values() for f in _nav_files(value)]
+    if isinstance(node, list):
+        return [f for value in node for f in _nav_files(value)]
+    return []
+
+
+def test_nav_lists_every_lesson_page_and_notebook():
+    # mkdocs.yml has no python-specific tags, so the plain YAML loader reads it.
+    nav = _nav_files(yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"])
+    for item in LESSONS:
+        assert f"lessons/{item.page.name}" in nav, f"lesson {item.nn}'s page is not in the nav"
+        assert f"notebooks/{item.notebook.name}" in nav, f"lesson {item.nn}'s notebook is not in the nav"
+
+
+def test_notebooks_are_reachable_from_docs():
+    # docs/notebooks is a symlink to ../notebooks: the notebooks are built as pages
+    # without a second copy in git.
+    link = ROOT / "docs" / "notebooks"
+    assert link.is_dir() and link.resolve() == (ROOT / "notebooks").resolve(), \
+        "docs/notebooks must be a symlink to ../notebooks"
+
+
+def test_every_module_has_a_reference_page():
+    documented = set()
+    for page in REFERENCE.glob("*.md"):
+        documented |= set(re.findall(r"^::: (collectives(?:\.\w+)*)\s*$", page.read_text(), re.M))
+    modules = {f"collectives.{p.stem}" for p in (ROOT / "collectives").glob("*.py")
+               if p.stem == "__main__" or not p.stem.startswith("_")}
+    missing = sorted(modules - documented)
+    assert not missing, f"modules with no '::: module' block under docs/reference/: {missing}"
+
+
+@pytest.fixture(scope="module")
+def built_site(tmp_path_factory):
+    site = tmp_path_factory.mktemp("site")
+    try:
+        seconds = check_site.build(site)
+    except check_site.BuildError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    return site, seconds
+
+
+@pytest.mark.slow
+def test_site_builds_strictly(built_site):
+    site, seconds = built_site
+    for item in LESSONS:
+        assert (site / "lessons" / item.page.stem / "index.html").exists()
+        assert (site / "notebooks" / item.notebook.stem / "index.html").exists()
+        assert (site / "notebooks" / item.notebook.stem / item.notebook.name).exists(), \
+            "include_source should copy each notebook beside its page for download"
+
+
+@pytest.mark.slow
+def test_every_page_works_in_a_browser(request):
+    chromium = check_site.find_chromium()
+    if chromium is None or importlib.util.find_spec("playwright") is None:
+        missing = "Chromium" if chromium is None else "the playwright package"
+        message = f"{missing} not found: apt-get install chromium (the site check opens every page in it)"
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must install chromium: {message}", pytrace=False)
+        pytest.skip(message)
+    site, _ = request.getfixturevalue("built_site")  # built once, shared with the build test
+    result = check_site.check(site, chromium)
+    assert result.pages, "no pages were checked"
+    assert result.ok, f"{len(result.problems)} problems:\n" + "\n".join(result.problems)

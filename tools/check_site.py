@@ -1,0 +1,432 @@
+"""Build the course site strictly and open every page in a headless browser.
+
+    .venv/bin/python tools/check_site.py              # build with mkdocs --strict, then check every page
+    .venv/bin/python tools/check_site.py --site site  # check a site built already
+
+Each built HTML page is served from 127.0.0.1 (a free port) and opened in headless
+Chromium, with no network beyond that server. A page fails on:
+
+* a console error, an uncaught exception, a failed request or an HTTP error status;
+* any request that leaves the local server (a web font, a script from a CDN): the site
+  must read offline;
+* missing content: a lesson page without the sections every lesson promises
+  (objectives, a diagram, the cost, the exercise tasks as a table with difficulty and
+  minutes, how to run it with torchrun and ``make grade``, credits, a link to its
+  notebook); a notebook page that does not show every cell of its notebook, or whose
+  download link is broken; an API page that documents nothing.
+
+Exit status 0 when every page passes. Chromium is Debian's ``/usr/bin/chromium`` unless
+``--chromium`` or the ``CHROMIUM`` environment variable names another; it is driven
+through Playwright with that executable, so no browser is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import http.server
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urljoin, urlparse
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from collectives.lessons import LESSONS  # noqa: E402
+
+CHROMIUM_CANDIDATES = ("/usr/bin/chromium", "chromium", "chromium-browser", "google-chrome")
+CHROMIUM_FLAGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--disable-dev-shm-usage",
+]
+
+# The sections every lesson page promises (docs/lessons/NN-topic.md), found by heading.
+# Each is a regular expression matched against the page's h2/h3 headings, lower-cased:
+# "Objectives", "The cost: α and β", "Exercise", "Credits" pass, and so do variants that
+# keep the key word ("Learning objectives", "Exercise tasks").
+LESSON_SECTIONS = {
+    "objectives": r"objective",
+    "cost": r"\bcost",
+    "exercise": r"exercise|tasks",
+    "credits": r"credit",
+}
+DIAGRAM_LANGUAGES = {"", "text", "txt", "plain", "none", "ascii"}
+
+
+class BuildError(RuntimeError):
+    """``mkdocs build --strict`` failed; the message carries its output."""
+
+
+@dataclass
+class PageResult:
+    path: str                   # the page's URL path, e.g. "lessons/04-ring/"
+    seconds: float = 0.0
+    problems: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SiteResult:
+    pages: list[PageResult]
+    build_seconds: float = 0.0
+    browse_seconds: float = 0.0
+
+    @property
+    def problems(self) -> list[str]:
+        return [f"{p.path or '/'}: {msg}" for p in self.pages for msg in p.problems]
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.pages) and not self.problems
+
+
+# --------------------------------------------------------------------------- build
+
+def build(dest: Path) -> float:
+    """``mkdocs build --strict`` into ``dest``; return the seconds it took."""
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(dest),
+         "--config-file", str(ROOT / "mkdocs.yml")],
+        cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        output = (proc.stdout + proc.stderr).splitlines()
+        warnings = [l for l in output if l.startswith(("WARNING", "ERROR", "Aborted"))]
+        shown = warnings if warnings and "Traceback" not in proc.stderr else output[-40:]
+        raise BuildError("mkdocs build --strict failed:\n" + "\n".join(shown))
+    return time.perf_counter() - start
+
+
+def find_chromium(explicit: str | None = None) -> str | None:
+    """The Chromium executable to use, or None when there is none."""
+    for name in ([explicit] if explicit else []) + [os.environ.get("CHROMIUM", "")] + list(CHROMIUM_CANDIDATES):
+        if not name:
+            continue
+        path = shutil.which(name) or (name if os.access(name, os.X_OK) else None)
+        if path:
+            return path
+    return None
+
+
+# --------------------------------------------------------------------------- serve
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):  # the browser check reports what matters
+        pass
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):
+        # a tab closed while a file was still being sent: not the site's fault
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
+@contextmanager
+def serve(site: Path):
+    """Serve ``site`` on 127.0.0.1 at a port the kernel picks; yield the base URL."""
+    handler = functools.partial(_QuietHandler, directory=str(site))
+    server = _Server(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, name="site-server", daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+def page_paths(site: Path) -> list[str]:
+    """URL paths of every built HTML page: "" for the home page, "setup/", "404.html"."""
+    paths = []
+    for html in sorted(site.rglob("*.html")):
+        rel = html.relative_to(site).as_posix()
+        paths.append(rel[: -len("index.html")] if rel.endswith("index.html") else rel)
+    return paths
+
+
+# --------------------------------------------------------------------------- content
+
+# Runs in the page once it has loaded: what a reader sees, as plain data.
+_INSPECT = r"""
+() => {
+  const article = document.querySelector("article.md-content__inner") || document.body;
+  const outermost = (sel) => [...article.querySelectorAll(sel)]
+      .filter(e => !e.parentElement.closest(sel));
+  const codeLanguage = (pre) => {
+    const holder = pre.closest("[class*=language-]") || pre.querySelector("code[class*=language-]");
+    const m = holder && holder.className.match(/language-([\w+-]+)/);
+    return m ? m[1] : "";
+  };
+  return {
+    title: (article.querySelector("h1") || {}).textContent || "",
+    text: article.innerText,
+    textLength: article.innerText.trim().length,
+    headings: [...article.querySelectorAll("h2, h3")].map(h => h.textContent.replace("¶", "").trim()),
+    pres: [...article.querySelectorAll("pre")].filter(p => !p.closest(".jp-Cell"))
+        .map(p => ({lang: codeLanguage(p), lines: p.innerText.trim().split("\n").length})),
+    images: [...article.querySelectorAll("img")].map(i => ({src: i.currentSrc || i.src,
+        ok: i.complete && i.naturalWidth > 0})),
+    tables: [...article.querySelectorAll("table")].map(t => ({
+        head: [...t.querySelectorAll("th")].map(th => th.textContent.trim().toLowerCase()),
+        text: t.innerText})),
+    links: [...article.querySelectorAll("a[href]")].map(a => a.href),
+    codeCells: outermost(".jp-CodeCell").map(c => (c.querySelector(".jp-InputArea pre, pre") || {}).textContent || ""),
+    markdownCells: outermost(".jp-MarkdownCell").length,
+    download: [...article.querySelectorAll(".nb-download a[href]")].map(a => a.href),
+    docObjects: article.querySelectorAll(".doc-heading, .doc-object").length,
+  };
+}
+"""
+
+
+def _lesson_for(path: str):
+    for item in LESSONS:
+        if path.rstrip("/") == f"lessons/{item.page.stem}":
+            return item
+    return None
+
+
+def _notebook_for(path: str):
+    for item in LESSONS:
+        if path.rstrip("/") == f"notebooks/{item.notebook.stem}":
+            return item
+    return None
+
+
+def check_lesson_page(item, seen: dict, base: str) -> list[str]:
+    """The promised sections of a lesson page, from what the browser shows."""
+    problems = []
+    headings = [h.lower() for h in seen["headings"]]
+    for section, pattern in LESSON_SECTIONS.items():
+        if not any(re.search(pattern, h) for h in headings):
+            problems.append(f"lesson {item.nn}: no section heading for {section!r} "
+                            f"(headings: {', '.join(seen['headings']) or 'none'})")
+    diagrams = [p for p in seen["pres"] if p["lang"] in DIAGRAM_LANGUAGES and p["lines"] >= 3]
+    if not diagrams and not seen["images"]:
+        problems.append(f"lesson {item.nn}: no diagram (an image, or a text code block of 3+ lines)")
+    task_tables = [t for t in seen["tables"] if "★" in t["text"]]
+    if not task_tables:
+        problems.append(f"lesson {item.nn}: no exercise task table with difficulty (★)")
+    elif not any(any(re.search(r"min|time", h) for h in t["head"]) for t in task_tables):
+        problems.append(f"lesson {item.nn}: the task table has no minutes column")
+    if "torchrun --nproc-per-node" not in seen["text"]:
+        problems.append(f"lesson {item.nn}: no torchrun command for the exercise")
+    if not re.search(rf"make grade LESSON=0?{item.number}\b", seen["text"]):
+        problems.append(f"lesson {item.nn}: no 'make grade LESSON={item.nn}' command")
+    notebook_url = urljoin(base, f"notebooks/{item.notebook.stem}/")
+    if not any(link.split("#")[0] == notebook_url for link in seen["links"]):
+        problems.append(f"lesson {item.nn}: no link to its lab notebook {item.notebook.name}")
+    return problems
+
+
+def check_notebook_page(item, seen: dict, fetch) -> list[str]:
+    """Every cell of the notebook is on its page, and the download link works."""
+    problems = []
+    if not item.notebook.exists():
+        return [f"notebook {item.notebook.name} is not in the repository"]
+    cells = json.loads(item.notebook.read_text(encoding="utf-8"))["cells"]
+    code = [c for c in cells if c["cell_type"] == "code"]
+    markdown = [c for c in cells if c["cell_type"] == "markdown"]
+    if len(seen["codeCells"]) != len(code):
+        problems.append(f"shows {len(seen['codeCells'])} code cells, the notebook has {len(code)}")
+    else:
+        for i, (cell, shown) in enumerate(zip(code, seen["codeCells"])):
+            source = "".join(cell["source"]).strip()
+            first = source.splitlines()[0].strip() if source else ""
+            if first and first not in shown:
+                problems.append(f"code cell {i + 1} does not show its source (expected {first[:40]!r})")
+                break
+    if seen["markdownCells"] != len(markdown):
+        problems.append(f"shows {seen['markdownCells']} markdown cells, the notebook has {len(markdown)}")
+    if not seen["download"]:
+        problems.append("no download link for the notebook")
+    for url in seen["download"]:
+        status, body = fetch(url)
+        try:
+            ok = status == 200 and json.loads(body).get("cells") is not None
+        except ValueError:
+            ok = False
+        if not ok:
+            problems.append(f"download link {url} does not return the notebook (HTTP {status})")
+    return problems
+
+
+# --------------------------------------------------------------------------- browse
+
+class _Tab:
+    """One browser tab that checks page after page; its listeners report to ``result``.
+
+    Reusing a tab (one per worker) keeps one renderer process per worker instead of one
+    per page, which is most of the cost on a small machine.
+    """
+
+    def __init__(self, page, base: str):
+        self.page, self.base = page, base
+        self.result = PageResult("")
+        page.on("console", self._on_console)
+        page.on("pageerror", lambda exc: self.result.problems.append(f"uncaught exception: {exc}"))
+        page.on("request", self._on_request)
+        page.on("requestfailed", self._on_failed)
+        page.on("response", self._on_response)
+
+    def _on_console(self, msg):
+        if msg.type == "error" and "ERR_BLOCKED_BY_CLIENT" not in msg.text:  # blocked: see _on_request
+            where = msg.location.get("url", "") if msg.location else ""
+            self.result.problems.append(f"console error: {msg.text}" + (f" ({where})" if where else ""))
+
+    def _on_request(self, req):
+        if urlparse(req.url).scheme in ("http", "https") and not req.url.startswith(self.base):
+            self.result.problems.append(f"request leaves the local server: {req.url}")
+
+    def _on_failed(self, req):
+        # Requests to the outside were blocked by us and named already; ERR_ABORTED is a
+        # load the previous page still had running when the tab moved on (a missing file
+        # is an HTTP 404, reported by _on_response).
+        if req.url.startswith(self.base) and "ERR_ABORTED" not in (req.failure or ""):
+            self.result.problems.append(f"request failed: {req.url} ({req.failure})")
+
+    def _on_response(self, resp):
+        if resp.status >= 400:
+            self.result.problems.append(f"HTTP {resp.status}: {resp.url}")
+
+    async def check(self, path: str, settle_ms: int) -> PageResult:
+        from playwright.async_api import Error as PlaywrightError
+
+        result = self.result = PageResult(path)
+        start = time.perf_counter()
+        try:
+            response = await self.page.goto(self.base + path, wait_until="load", timeout=20_000)
+            if response is None or response.status != 200:
+                result.problems.append(f"page answered HTTP {response.status if response else '-'}")
+            await self.page.wait_for_timeout(settle_ms)  # late scripts (search worker) report too
+            seen = await self.page.evaluate(_INSPECT)
+        except PlaywrightError as exc:
+            result.problems.append(f"could not load: {str(exc).splitlines()[0]}")
+            result.seconds = time.perf_counter() - start
+            return result
+        result.problems += await _check_content(self.page.context, self.base, path, seen)
+        result.seconds = time.perf_counter() - start
+        return result
+
+
+async def _check_content(context, base: str, path: str, seen: dict) -> list[str]:
+    problems = []
+    if not seen["title"].strip() and not path.endswith("404.html"):
+        problems.append("no h1 title")
+    if seen["textLength"] < 40 and not path.endswith("404.html"):
+        problems.append("the page is (nearly) empty")
+    for img in seen["images"]:
+        if not img["ok"]:
+            problems.append(f"image does not load: {img['src']}")
+    if (lesson := _lesson_for(path)) is not None:
+        problems += check_lesson_page(lesson, seen, base)
+    elif (nb := _notebook_for(path)) is not None:
+        fetched = {}
+        for url in seen["download"]:
+            resp = await context.request.get(url)
+            fetched[url] = (resp.status, await resp.text())
+        problems += [f"notebook {nb.nn}: {p}" for p in check_notebook_page(nb, seen, fetched.get)]
+    elif path.startswith("reference/") and path != "reference/" and seen["docObjects"] == 0:
+        problems.append("API page documents nothing (no mkdocstrings object)")
+    return problems
+
+
+async def _browse(base: str, paths: list[str], chromium: str, jobs: int, settle_ms: int) -> list[PageResult]:
+    from playwright.async_api import async_playwright
+
+    async def only_local(route):
+        # The site must read offline: whatever leaves the local server is blocked here
+        # (and reported by the tab that asked for it).
+        if route.request.url.startswith(base):
+            await route.continue_()
+        else:
+            await route.abort("blockedbyclient")
+
+    todo = list(paths)
+    results: dict[str, PageResult] = {}
+    with tempfile.TemporaryDirectory(prefix="check-site-profile-") as profile:
+        async with async_playwright() as pw:
+            context = await pw.chromium.launch_persistent_context(
+                profile, executable_path=chromium, headless=True, args=CHROMIUM_FLAGS,
+                service_workers="block")
+            try:
+                await context.route("**/*", only_local)
+
+                async def worker(page):
+                    tab = _Tab(page, base)
+                    while todo:
+                        path = todo.pop(0)
+                        results[path] = await tab.check(path, settle_ms)
+
+                pages = list(context.pages[:1])
+                while len(pages) < max(1, min(jobs, len(paths))):
+                    pages.append(await context.new_page())
+                await asyncio.gather(*(worker(p) for p in pages))
+            finally:
+                await context.close()
+    return [results[p] for p in paths]
+
+
+def browse(site: Path, chromium: str, jobs: int = 4, settle_ms: int = 150) -> list[PageResult]:
+    """Open every page of ``site`` in Chromium; return one result per page."""
+    paths = page_paths(site)
+    with serve(site) as base:
+        return asyncio.run(_browse(base, paths, chromium, jobs, settle_ms))
+
+
+def check(site: Path | None = None, chromium: str | None = None, jobs: int = 4) -> SiteResult:
+    """Build (unless ``site`` is given) and browse; raises :class:`BuildError` on a failed build."""
+    exe = find_chromium(chromium)
+    if exe is None:
+        raise FileNotFoundError("no Chromium found (apt-get install chromium, or set CHROMIUM)")
+    with tempfile.TemporaryDirectory(prefix="check-site-") as tmp:
+        build_seconds = 0.0
+        if site is None:
+            site = Path(tmp) / "site"
+            build_seconds = build(site)
+        start = time.perf_counter()
+        pages = browse(Path(site), exe, jobs=jobs)
+        return SiteResult(pages, build_seconds, time.perf_counter() - start)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--site", type=Path, help="check this built site instead of building one")
+    parser.add_argument("--chromium", help="Chromium executable (default: /usr/bin/chromium)")
+    parser.add_argument("--jobs", type=int, default=4, help="pages open at once (default 4)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="list every page")
+    args = parser.parse_args(argv)
+    try:
+        result = check(args.site, args.chromium, args.jobs)
+    except (BuildError, FileNotFoundError) as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    for page in result.pages:
+        if args.verbose or page.problems:
+            print(f"{'FAIL' if page.problems else 'ok  '} {page.path or '/'} ({page.seconds:.2f} s)")
+            for msg in page.problems:
+                print(f"     {msg}")
+    bad = sum(1 for p in result.pages if p.problems)
+    print(f"{len(result.pages)} pages, {bad} with problems; build {result.build_seconds:.1f} s, "
+          f"browser {result.browse_seconds:.1f} s")
+    return 0 if result.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
