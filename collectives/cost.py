@@ -3,8 +3,10 @@
 α is the per-message latency (start-up, scheduling, a round trip through the stack);
 β the inverse bandwidth (seconds per byte). Lesson 1's ping-pong measures both on your
 machine (:func:`fit_alpha_beta`); each algorithm below predicts its time from them as
-(messages on the critical path)·α + (bytes on the critical path)·β, ignoring the time
-to combine (γ), which on these sizes hides under β.
+(messages on the critical path)·α + (bytes on the critical path)·β. A third, optional
+coefficient γ (seconds per byte combined, :func:`measure_gamma`) adds the time spent in
+the reduction's arithmetic: zero by default, it matters on CPUs, where adding two large
+buffers runs at a few GB/s, not far above the link.
 
 Every model also says how many bytes each rank sends, which the tour and the tests
 compare with what the trace measured.
@@ -23,6 +25,7 @@ class AlphaBeta:
 
     alpha: float
     beta: float
+    gamma: float = 0.0   # seconds per byte combined (the add of a reduction); 0: ignored
 
     def message(self, nbytes: float) -> float:
         """Predicted seconds for one message of ``nbytes``."""
@@ -58,10 +61,12 @@ class Cost:
 
     steps: int            # messages on the critical path (each costs α)
     bytes_on_path: float  # bytes on the critical path (each costs β)
-    bytes_per_rank: float  # bytes each rank sends in total
+    bytes_per_rank: float  # bytes each rank sends in total (the most any rank sends)
+    combine_bytes: float = 0.0  # bytes combined on the critical path (each costs γ)
 
     def seconds(self, link: AlphaBeta) -> float:
-        return self.steps * link.alpha + self.bytes_on_path * link.beta
+        return (self.steps * link.alpha + self.bytes_on_path * link.beta
+                + self.combine_bytes * link.gamma)
 
 
 # name -> cost(nbytes, p). Lessons add their algorithms here.
@@ -90,17 +95,156 @@ def predict(name: str, nbytes: float, p: int, link: AlphaBeta) -> float:
 
 @model("naive_ring")
 def naive_ring(n: float, p: int) -> Cost:
-    """The whole tensor passed p−1 times around the ring: (p−1)·α + (p−1)·n·β."""
-    return Cost(p - 1, (p - 1) * n, (p - 1) * n)
+    """The whole tensor passed p−1 times around the ring: (p−1)·α + (p−1)·n·β + (p−1)·n·γ."""
+    return Cost(p - 1, (p - 1) * n, (p - 1) * n, (p - 1) * n)
 
 
 @model("ring")
 def ring(n: float, p: int) -> Cost:
-    """Reduce-scatter then all-gather over p chunks: 2(p−1)·α + 2(p−1)/p·n·β."""
+    """Reduce-scatter then all-gather over p chunks: 2(p−1)·α + 2(p−1)/p·n·β + (p−1)/p·n·γ."""
     if p == 1:
         return Cost(0, 0.0, 0.0)
-    return Cost(2 * (p - 1), 2 * (p - 1) / p * n, 2 * (p - 1) / p * n)
+    return Cost(2 * (p - 1), 2 * (p - 1) / p * n, 2 * (p - 1) / p * n, (p - 1) / p * n)
 
 
 def log2_ceil(p: int) -> int:
     return max(0, math.ceil(math.log2(p))) if p > 1 else 0
+
+
+def _pof2_below(p: int) -> int:
+    """The largest power of two ≤ p."""
+    return 1 << (p.bit_length() - 1)
+
+
+PIPELINE_PIECES = 4   # collectives.ring.PIPELINE_PIECES: the default split of each chunk
+CHANNELS = 2          # collectives.ring.multi_ring_all_reduce's default
+
+
+def pipelined_ring_cost(n: float, p: int, pieces: int = PIPELINE_PIECES) -> Cost:
+    """The ring with each chunk cut into ``pieces``: k× the messages, the same bytes, and only
+    one piece's combine per step left uncovered: 2(p−1)k·α + 2(p−1)/p·n·β + (p−1)/p·n/k·γ."""
+    if p == 1:
+        return Cost(0, 0.0, 0.0)
+    return Cost(2 * (p - 1) * pieces, 2 * (p - 1) / p * n, 2 * (p - 1) / p * n,
+                (p - 1) / p * n / pieces)
+
+
+@model("pipelined_ring")
+def pipelined_ring(n: float, p: int) -> Cost:
+    """:func:`pipelined_ring_cost` with the reference's default of 4 pieces per chunk."""
+    return pipelined_ring_cost(n, p, PIPELINE_PIECES)
+
+
+def multi_ring_cost(n: float, p: int, channels: int = CHANNELS, links: int = 2) -> Cost:
+    """``channels`` rings side by side, each over n/channels bytes, spread over ``links``
+    independent outgoing links per rank (2: one to each neighbour, both used at once)."""
+    if p == 1:
+        return Cost(0, 0.0, 0.0)
+    share = n / min(channels, links)     # bytes one link carries, in total
+    return Cost(2 * (p - 1), 2 * (p - 1) / p * share, 2 * (p - 1) / p * n,
+                (p - 1) / p * share)
+
+
+@model("multi_ring")
+def multi_ring(n: float, p: int) -> Cost:
+    """Two rings in opposite directions, each on a link of its own: half the ring's β term.
+    On one shared link (gloo over loopback) the plain ring's model is the right one."""
+    return multi_ring_cost(n, p, CHANNELS)
+
+
+@model("recursive_doubling")
+def recursive_doubling(n: float, p: int) -> Cost:
+    """log2 p exchanges of the whole tensor: L·α + L·n·β + L·n·γ for p = 2^L.
+    Other p fold the extra ranks in and out first: two more messages of n."""
+    if p == 1:
+        return Cost(0, 0.0, 0.0)
+    steps = _pof2_below(p).bit_length() - 1
+    fold = 0 if p == _pof2_below(p) else 1
+    return Cost(steps + 2 * fold, (steps + 2 * fold) * n, (steps + fold) * n, (steps + fold) * n)
+
+
+@model("halving_doubling")
+def halving_doubling(n: float, p: int) -> Cost:
+    """Reduce-scatter by recursive halving, all-gather by doubling (Rabenseifner):
+    2L·α + 2(p−1)/p·n·β + (p−1)/p·n·γ for p = 2^L; two more messages of n otherwise."""
+    if p == 1:
+        return Cost(0, 0.0, 0.0)
+    q = _pof2_below(p)
+    steps = 2 * (q.bit_length() - 1)
+    fold = 0 if p == q else 1
+    core = 2 * (q - 1) / q * n
+    return Cost(steps + 2 * fold, core + 2 * fold * n, core + fold * n, (q - 1) / q * n + fold * n)
+
+
+def tree_schedule(p: int) -> tuple[int, int, int]:
+    """(reduce rounds, broadcast rounds, most messages any rank sends) of the binary-heap tree
+    (children of r: 2r+1, 2r+2), with one message in or out of a rank at a time: a parent
+    takes its children's messages one after the other, in child order, and sends to them
+    one after the other."""
+    ready = [0] * p                      # when rank r's partial result is ready to go up
+    for r in reversed(range(p)):
+        t = 0
+        for c in (2 * r + 1, 2 * r + 2):
+            if c < p:
+                t = max(t, ready[c]) + 1
+        ready[r] = t
+    arrives = [0] * p                    # when the result reaches rank r going down
+    for r in range(p):
+        for i, c in enumerate(x for x in (2 * r + 1, 2 * r + 2) if x < p):
+            arrives[c] = arrives[r] + i + 1
+    sends = [(1 if r > 0 else 0) + sum(1 for c in (2 * r + 1, 2 * r + 2) if c < p) for r in range(p)]
+    return ready[0], max(arrives), max(sends)
+
+
+@model("tree")
+def tree(n: float, p: int) -> Cost:
+    """Binary-tree reduce then broadcast of the whole tensor, one message at a time per
+    rank: at most 4·⌊log2 p⌋·(α + n·β); an inner rank sends up to 3n."""
+    if p == 1:
+        return Cost(0, 0.0, 0.0)
+    up, down, most = tree_schedule(p)
+    return Cost(up + down, (up + down) * n, most * n, up * n)
+
+
+@model("reduce_scatter")
+def reduce_scatter(n: float, p: int) -> Cost:
+    """Ring reduce-scatter of an n-byte input: (p−1)·α + (p−1)/p·n·β + (p−1)/p·n·γ."""
+    if p == 1:
+        return Cost(0, 0.0, 0.0)
+    return Cost(p - 1, (p - 1) / p * n, (p - 1) / p * n, (p - 1) / p * n)
+
+
+@model("all_gather")
+def all_gather(n: float, p: int) -> Cost:
+    """Ring all-gather into an n-byte output: (p−1)·α + (p−1)/p·n·β, nothing to combine."""
+    if p == 1:
+        return Cost(0, 0.0, 0.0)
+    return Cost(p - 1, (p - 1) / p * n, (p - 1) / p * n)
+
+
+def fastest(names: list[str], nbytes: float, p: int, link: AlphaBeta) -> str:
+    """The name of the algorithm the model predicts fastest for ``nbytes`` on ``p`` ranks."""
+    return min(names, key=lambda name: predict(name, nbytes, p, link))
+
+
+def measure_gamma(nbytes: int = 16 << 20, repeats: int = 5, dtype=None) -> float:
+    """Seconds per byte of ``acc += incoming`` on this machine's CPU (median of ``repeats``).
+
+    The per-byte cost of combining, γ, for :class:`AlphaBeta`: measure it in the process
+    that will do the adding (a rank of a world, which has one thread).
+    """
+    import statistics
+    import time
+
+    import torch
+
+    dtype = dtype or torch.float32
+    n = max(nbytes // torch.empty((), dtype=dtype).element_size(), 1)
+    acc, incoming = torch.zeros(n, dtype=dtype), torch.ones(n, dtype=dtype)
+    acc.add_(incoming)                   # first touch: page faults are not the add's
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        acc.add_(incoming)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / (n * acc.element_size())

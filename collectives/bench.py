@@ -1,0 +1,254 @@
+"""``python -m collectives bench``: all-reduce algorithms against ``dist.all_reduce``, nccl-tests style.
+
+::
+
+    python -m collectives bench                                   # every lesson 3-4 algorithm, 4 ranks, 1K..64M
+    python -m collectives bench --algo ring,pipelined_ring --sizes 64M --iters 20
+    python -m collectives bench --backend nccl --world 4 --algo ring,multi_ring --channels 4
+
+One world runs everything: at each size, ``dist.all_reduce`` (the baseline, named after
+the backend: "gloo" or "nccl") and every chosen algorithm all-reduce the same tensor,
+each warmed up, then timed in turn -- one run of each per round, ``--iters`` rounds, so
+that a slow spell of a shared machine hits them all alike. Each run is barrier-aligned
+and takes the slowest rank's time (CUDA events on GPU: :func:`collectives.timing.measure`);
+the median is reported. Before it is timed, each algorithm's result on integer-valued
+data is compared with the baseline's ("ok" column); that run counts as a warm-up run. The table gives time, algbw, busbw and the ratio to the baseline's time
+(above 1: faster than ``dist.all_reduce``); the rows go to ``DIR/allreduce.json`` and
+busbw against size is drawn in ``DIR/allreduce.png`` (``--out DIR``, default
+``bench-results``).
+
+Algorithms are named in :data:`ALGORITHMS` (name -> "module:function"); a
+"module:function" of your own works too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from . import launch, timing, verify
+
+ALGORITHMS = {
+    "naive_ring": "collectives.naive_ring:naive_ring_all_reduce",
+    "ring": "collectives.ring:ring_all_reduce",
+    "pipelined_ring": "collectives.ring:pipelined_ring_all_reduce",
+    "multi_ring": "collectives.ring:multi_ring_all_reduce",
+    "recursive_doubling": "collectives.topologies:recursive_doubling_all_reduce",
+    "halving_doubling": "collectives.topologies:halving_doubling_all_reduce",
+    "tree": "collectives.topologies:tree_all_reduce",
+    "gloo": "torch.distributed:all_reduce",     # the baselines: dist.all_reduce itself
+    "nccl": "torch.distributed:all_reduce",
+}
+BASELINES = ("gloo", "nccl")
+DEFAULT_ALGOS = "naive_ring,ring,pipelined_ring,recursive_doubling,halving_doubling,tree"
+COST_MODEL = {name: name for name in ALGORITHMS if name not in BASELINES}   # collectives.cost names
+
+
+def _target(name: str) -> str:
+    if name in ALGORITHMS:
+        return ALGORITHMS[name]
+    if ":" in name:
+        return name
+    raise SystemExit(f"unknown algorithm {name!r}; known: {', '.join(ALGORITHMS)} (or module:function)")
+
+
+def _options(name: str, pieces: int | None, channels: int | None) -> dict:
+    if name == "pipelined_ring" and pieces:
+        return {"pieces": pieces}
+    if name == "multi_ring" and channels:
+        return {"channels": channels}
+    return {}
+
+
+def _results_agree(fn, options, numel, dtype, device) -> bool:
+    """One run on integer-valued data (exact in any order) against dist.all_reduce, on all ranks."""
+    values = torch.randint(-4, 5, (numel,), generator=torch.Generator().manual_seed(dist.get_rank()))
+    mine = values.to(dtype=dtype, device=device)
+    expected = verify.reference_all_reduce(mine)
+    try:
+        fn(mine, **options)
+        ok = verify.compare(expected, mine) is None
+    except Exception:  # noqa: BLE001 - reported as not ok; the timing below would fail too
+        ok = False
+    flag = torch.tensor([int(ok)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _bench_rank(names: list[str], sizes: list[int], dtype_name: str, warmup: int, iters: int,
+                options: dict, check: bool, progress_path: str | None) -> list[dict]:
+    """Runs on every rank: every size, the baseline then each algorithm. Rank 0's rows count."""
+    from .impl import resolve
+
+    device = verify.rank_device()
+    dtype = getattr(torch, dtype_name)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    p, backend = dist.get_world_size(), dist.get_backend()
+    fns = {name: resolve(_target(name)) for name in names}
+    rows = []
+
+    def note(row):
+        rows.append(row)
+        if progress_path and dist.get_rank() == 0:
+            with open(progress_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    for nbytes in sizes:
+        numel = max(nbytes // itemsize, 1)
+        x = torch.rand(numel, device=device).to(dtype)
+        runs = {backend: lambda: dist.all_reduce(x)}
+        oks = {backend: True}
+        for name in names:
+            if name not in BASELINES:
+                fn, kw = fns[name], options.get(name, {})
+                runs[name] = lambda fn=fn, kw=kw: fn(x, **kw)
+                oks[name] = _results_agree(fn, kw, numel, dtype, device) if check else None
+        for name, run in runs.items():      # warm-up (a checked run already counts as one)
+            for _ in range(max(warmup - (name != backend and oks[name] is not None), 0)):
+                run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times = {name: [] for name in runs}
+        for _ in range(iters):              # side by side: one run of each, in turn, per round
+            for name, run in runs.items():
+                times[name] += timing.measure(run, warmup=0, iters=1, device=device)
+        base = timing.median(times[backend])
+        for name in runs:
+            note(_row(name, numel * itemsize, numel, timing.median(times[name]), base, p, backend,
+                      dtype_name, oks[name]))
+        del x, runs
+    return rows
+
+
+def _row(algo, nbytes, numel, seconds, baseline, p, backend, dtype, ok) -> dict:
+    return dict(algo=algo, nbytes=nbytes, numel=numel, seconds=seconds,
+                algbw=timing.algbw(nbytes, seconds), busbw=timing.busbw(nbytes, seconds, p),
+                baseline_seconds=baseline, ratio=baseline / seconds if seconds > 0 else float("nan"),
+                ok=ok, world_size=p, backend=backend, dtype=dtype)
+
+
+def run_bench(names: list[str], world_size: int = 4, sizes: list[int] | None = None, *,
+              backend: str = "gloo", iters: int = 5, warmup: int = 2, dtype: str = "float32",
+              options: dict | None = None, check: bool = True, progress: bool = True,
+              timeout: float = 3600) -> list[dict]:
+    """Measure ``names`` (keys of :data:`ALGORITHMS` or "module:function") against
+    ``dist.all_reduce`` on one world; return one dict per (size, algorithm), baseline first."""
+    sizes = sizes or timing.parse_sizes("1K..64M")
+    total = len(sizes) * (1 + sum(1 for n in names if n not in BASELINES))
+    fd, progress_path = tempfile.mkstemp(prefix="collectives-bench-", suffix=".jsonl")
+    os.close(fd)
+    outcome: dict = {}
+
+    def work():
+        try:
+            outcome["rows"] = launch.run(_bench_rank, world_size,
+                                         args=(names, sizes, dtype, warmup, iters, options or {},
+                                               check, progress_path),
+                                         backend=backend, timeout=timeout)[0]
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            outcome["error"] = exc
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    worker = threading.Thread(target=work, daemon=True)
+    try:
+        with Progress(TextColumn("[bold]bench[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), transient=True, disable=not progress) as bar:
+            task = bar.add_task(f"{world_size} ranks, {backend}", total=total)
+            worker.start()
+            while worker.is_alive():
+                worker.join(0.2)
+                with open(progress_path) as f:
+                    done = f.read().splitlines()
+                if done:
+                    last = json.loads(done[-1])
+                    bar.update(task, completed=len(done),
+                               description=f"{timing.human_bytes(last['nbytes'])}: {last['algo']}")
+    finally:
+        os.unlink(progress_path)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["rows"]
+
+
+def render(rows: list[dict], title: str) -> None:
+    """Print the rows as an nccl-tests-style table (a rule between sizes)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("size", "algorithm", "time", "algbw", "busbw", "ratio", "ok"):
+        table.add_column(col, justify="left" if col == "algorithm" else "right", no_wrap=True)
+    previous = None
+    for r in rows:
+        if previous is not None and r["nbytes"] != previous:
+            table.add_section()
+        previous = r["nbytes"]
+        baseline = r["algo"] in BASELINES
+        ok = "" if r["ok"] is None else ("[green]yes[/]" if r["ok"] else "[red]NO[/]")
+        table.add_row(timing.human_bytes(r["nbytes"]),
+                      f"[bold]{r['algo']}[/]" if baseline else r["algo"],
+                      timing.human_seconds(r["seconds"]), f"{r['algbw'] / 1e9:.3f} GB/s",
+                      f"{r['busbw'] / 1e9:.3f} GB/s", f"{r['ratio']:.2f}×", ok)
+    console = Console()
+    if not console.is_terminal:   # a log file or a pipe: wide enough that no name is cut
+        console = Console(width=120)
+    console.print(table)
+    console.print("gloo / nccl: dist.all_reduce itself. busbw = algbw · 2(p−1)/p. ratio = "
+                  "dist.all_reduce time / algorithm time (above 1: faster). Times: medians.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m collectives bench",
+                                     description=__doc__.splitlines()[0].split(": ", 1)[1])
+    parser.add_argument("--algo", default=DEFAULT_ALGOS,
+                        help=f"comma-separated, from: {', '.join(ALGORITHMS)} (default: {DEFAULT_ALGOS})")
+    parser.add_argument("--world", type=int, default=4, help="ranks (default 4)")
+    parser.add_argument("--sizes", default="1K..64M",
+                        help='bytes per all-reduce: "1K..64M" (powers of 4) or "1K,1M,64M" (default 1K..64M)')
+    parser.add_argument("--backend", choices=["gloo", "nccl"], default=None,
+                        help="default: nccl when there is a GPU per rank, else gloo")
+    parser.add_argument("--iters", type=int, default=5, help="timed runs per measurement (default 5)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed runs first (default 2)")
+    parser.add_argument("--dtype", default="float32", help="float32 (default), float16, bfloat16, ...")
+    parser.add_argument("--pieces", type=int, default=None, help="pipelined_ring: pieces per chunk")
+    parser.add_argument("--channels", type=int, default=None, help="multi_ring: number of rings")
+    parser.add_argument("--no-check", action="store_true", help="skip the correctness check before timing")
+    parser.add_argument("--out", default="bench-results", help="directory for allreduce.json/.png")
+    args = parser.parse_args(argv)
+
+    backend = args.backend or ("nccl" if torch.cuda.device_count() >= args.world else "gloo")
+    names = [n for n in args.algo.split(",") if n]
+    for n in names:
+        _target(n)
+    options = {n: _options(n, args.pieces, args.channels) for n in names}
+    sizes = timing.parse_sizes(args.sizes)
+    started = datetime.datetime.now().astimezone()
+    rows = run_bench(names, args.world, sizes, backend=backend, iters=args.iters, warmup=args.warmup,
+                     dtype=args.dtype, options=options, check=not args.no_check)
+    title = (f"all-reduce, {args.world} ranks, {backend}, {args.dtype}, "
+             f"median of {args.iters} after {args.warmup} warm-up")
+    render(rows, title)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(command="python -m collectives bench " + " ".join(argv if argv is not None else []),
+                date=started.isoformat(timespec="seconds"), torch=torch.__version__,
+                backend=backend, world_size=args.world, dtype=args.dtype, iters=args.iters,
+                warmup=args.warmup, host=platform.node(), cpus=os.cpu_count(),
+                device=torch.cuda.get_device_name(0) if backend == "nccl" else platform.processor() or "cpu")
+    (out / "allreduce.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    from .plots import plot_busbw
+    plot_busbw(rows, title).savefig(out / "allreduce.png", dpi=110)
+    print(f"wrote {out / 'allreduce.json'} and {out / 'allreduce.png'}")
+    bad = [r for r in rows if r["ok"] is False]
+    return 1 if bad else 0

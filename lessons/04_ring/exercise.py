@@ -1,0 +1,305 @@
+"""Lesson 4 exercise: the bandwidth-optimal ring and its rivals.
+
+Seven functions, seven tasks. The first three build the ring all-reduce out of its two
+halves; the fourth pipelines it; the last three are the algorithms that beat it on small
+tensors. Every all-reduce has ``dist.all_reduce``'s contract: in place, every op and
+dtype, views, subgroups, world sizes 1 to 4 (3 is not a power of two!).
+
+Check your work:
+
+    torchrun --nproc-per-node 4 lessons/04_ring/exercise.py   # PASS/FAIL per task, per rank
+    python lessons/04_ring/exercise.py --world 3              # the same, on a local world of 3
+    make grade LESSON=04                                      # the graded tests
+
+The graded tests look at your messages too (from the trace): a correct all-reduce that
+sends the wrong pattern -- say, the naive ring for task 3 -- does not pass.
+
+Functions you may use: ``ops.check_all_reduce_args``, ``ops.work_buffer`` / ``ops.write_back``,
+``ops.combine_`` / ``ops.finish_``, ``ops.chunk_bounds``, ``ops.group_rank_and_size``,
+``ops.global_rank``. The reference is ``collectives/ring.py`` and ``collectives/topologies.py``;
+the lesson page is docs/lessons/04-ring.md.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from collectives import ops, trace, verify
+from collectives.exercise_runner import Task, run_tasks
+from collectives.ops import ReduceOp
+
+LESSON = 4
+
+
+def ring_neighbours(group=None) -> tuple[int, int, int, int]:
+    """Given: (my rank in the group, group size, right neighbour, left neighbour), the
+    neighbours as global ranks -- what ``dist.isend``/``dist.irecv`` take."""
+    rank, p = ops.group_rank_and_size(group)
+    return rank, p, ops.global_rank(group, (rank + 1) % p), ops.global_rank(group, (rank - 1) % p)
+
+
+def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM,
+                        group=None) -> None:
+    """Lesson 4, task 1: ``output`` <- chunk ``rank`` of the reduction of every rank's ``input``.
+
+    TODO:     like ``dist.reduce_scatter_tensor(output, input, op, group)``: split ``input``
+              with ``ops.chunk_bounds(input.numel(), p)``; rank r's ``output`` gets chunk r,
+              reduced over all ranks. Do not modify ``input``.
+    APPROACH: work on a flat copy of the input. p − 1 steps: at step s send chunk
+              (rank − 1 − s) % p to the right, receive chunk (rank − 2 − s) % p from the left
+              into a landing buffer, and combine it into that chunk of the copy. What you
+              send at step s is what you finished combining at step s − 1.
+    EXAMPLE:  p = 2, input [1, 2, 3, 4] on rank 0 and [10, 20, 30, 40] on rank 1
+              -> output [11, 22] on rank 0, [33, 44] on rank 1.
+    HINT:     ``ops.check_all_reduce_args(input, op, group)`` first; AVG: ``ops.finish_`` on
+              your chunk. Chunks may be empty when numel < p: sending 0 elements is fine.
+              Allocate the landing buffer once (the size of the largest chunk), not per step.
+    """
+    raise NotImplementedError("Lesson 4, task 1: ring_reduce_scatter")
+
+
+def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
+    """Lesson 4, task 2: ``output`` <- every rank's ``input``, concatenated in rank order.
+
+    TODO:     like ``dist.all_gather_into_tensor(output, input, group)``; rank r's ``input``
+              is chunk r of ``output`` under ``ops.chunk_bounds(output.numel(), p)``.
+    APPROACH: copy ``input`` into chunk ``rank`` of a flat view of ``output``. p − 1 steps:
+              at step s send chunk (rank − s) % p to the right and receive chunk
+              (rank − 1 − s) % p from the left straight into its place -- no copies.
+    EXAMPLE:  p = 3, input [r] on rank r  ->  output [0, 1, 2] everywhere.
+    HINT:     ``flat = ops.work_buffer(output)`` ... ``ops.write_back(output, flat)`` makes
+              a non-contiguous ``output`` work.
+    """
+    raise NotImplementedError("Lesson 4, task 2: ring_all_gather")
+
+
+def ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None) -> None:
+    """Lesson 4, task 3: the bandwidth-optimal ring all-reduce, in place.
+
+    TODO:     reduce-scatter the p chunks around the ring, then all-gather them.
+    APPROACH: ``flat = ops.work_buffer(tensor)``; the reduce-scatter loop of task 1 on
+              ``flat`` itself (no copy: you are allowed to change it); AVG: ``finish_`` your
+              own chunk; the all-gather loop of task 2; ``ops.write_back``.
+    EXAMPLE:  p = 4, tensor = [r, r, r, r] on rank r  ->  [6, 6, 6, 6] everywhere.
+    HINT:     each rank sends exactly 2(p − 1) messages, all to its right neighbour, each
+              of ⌈n/p⌉ or ⌊n/p⌋ elements: 2(p − 1)/p·n elements in all. Post the irecv
+              before the isend, and wait on both every step.
+    """
+    raise NotImplementedError("Lesson 4, task 3: ring_all_reduce")
+
+
+def pipelined_ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
+                              pieces: int = 4) -> None:
+    """Lesson 4, task 4: the ring with every chunk cut into ``pieces``, so transfers overlap combines.
+
+    TODO:     the ring of task 3, but each step's chunk travels as ``pieces`` messages
+              (``ops.chunk_bounds(chunk_size, pieces)``), and a piece is sent on to the next
+              step as soon as it has been combined -- while later pieces are still arriving.
+    APPROACH: post the receives (into a landing buffer) and sends of all pieces of step 0.
+              Then for each step, for each piece j: wait for its receive, combine it, and
+              at once post piece j of the next step (its receive and its send). Use two
+              landing buffers, alternating by step, so that piece j of step s + 1 cannot
+              land on piece j + 1 of step s before that one is combined. Wait for every
+              send before the all-gather, which writes into chunks you sent.
+    EXAMPLE:  p = 4, pieces = 4, 4000 elements: chunks of 1000, messages of 250;
+              2(p − 1)·pieces = 24 messages per rank, the same bytes as the ring.
+    HINT:     messages between two ranks are matched in the order they were posted, so
+              post pieces in the same order on every rank. Use ``min(pieces, chunk size)``
+              pieces for tiny tensors. The graded test checks that the first piece of a
+              step leaves before the last piece of the previous step has arrived.
+    """
+    raise NotImplementedError("Lesson 4, task 4: pipelined_ring_all_reduce")
+
+
+def recursive_doubling_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None) -> None:
+    """Lesson 4, task 5: all-reduce in log2 p steps by swapping whole tensors with rank XOR 2^k.
+
+    TODO:     at step k exchange the whole tensor with the rank 2^k away (rank ^ (1 << k))
+              and combine what arrives. For p not a power of two, fold the extra ranks in
+              first and hand them the result at the end.
+    APPROACH: let q be the largest power of two ≤ p and e = p − q. Ranks 0..2e−1 pair up:
+              each even one sends its tensor to the odd one after it and sits out; the
+              odd one combines it and plays virtual rank r // 2; ranks from 2e on play
+              virtual rank r − e. The q virtual ranks run the exchanges (partner: virtual
+              rank v ^ (1 << k), mapped back to a real rank); at the end each odd rank
+              sends the result to the even rank before it.
+    EXAMPLE:  p = 4: step 0 pairs (0,1), (2,3); step 1 pairs (0,2), (1,3).
+              p = 3: rank 0 folds into rank 1; ranks 1, 2 exchange; rank 1 hands back to 0.
+    HINT:     receive into a separate buffer and combine after both the send and the
+              receive have finished: you are sending the buffer you combine into.
+    """
+    raise NotImplementedError("Lesson 4, task 5: recursive_doubling_all_reduce")
+
+
+def halving_doubling_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None) -> None:
+    """Lesson 4, task 6: Rabenseifner's all-reduce -- reduce-scatter by recursive halving,
+    all-gather by recursive doubling.
+
+    TODO:     cut the tensor into q blocks (q: largest power of two ≤ p;
+              ``ops.chunk_bounds(n, q)``). Halving: at distances q/2, ..., 2, 1 exchange
+              with rank v ^ d: keep half of your block range, send the other half, combine
+              what arrives into the half you keep. Then virtual rank v owns block v.
+              Doubling: distances 1, 2, ..., q/2, exchanging everything you own, so what you
+              own doubles. Fold extra ranks in and out as in task 5.
+    APPROACH: keep [first, last) = the blocks you are responsible for, starting [0, q). At
+              distance d, with middle = first + d: if v & d keep [middle, last) and send
+              [first, middle), else the other way round.
+    EXAMPLE:  p = 4, blocks b0..b3. Rank 0: sends b2,b3 to rank 2 and keeps b0,b1; sends b1
+              to rank 1 and keeps b0 (now fully reduced); receives b1 from rank 1; receives
+              b2,b3 from rank 2. 2·log2 p = 4 messages, 2(p − 1)/p·n elements: the ring's
+              bytes in far fewer steps.
+    HINT:     the data you receive while doubling goes straight into place, like the
+              ring's all-gather. AVG: finish your own block before the doubling.
+    """
+    raise NotImplementedError("Lesson 4, task 6: halving_doubling_all_reduce")
+
+
+def tree_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None) -> None:
+    """Lesson 4, task 7: reduce up a binary tree to rank 0, then broadcast down it.
+
+    TODO:     the ranks form a binary heap: rank r's children are 2r + 1 and 2r + 2 (those
+              below p), its parent (r − 1) // 2. Up: receive each child's partial result,
+              combine it into yours, send the sum to your parent. Down: receive the result
+              from your parent (rank 0 has it already), send it to your children.
+    APPROACH: post the receives from both children at once (a landing buffer each), then
+              wait and combine in child order -- the same order every run, so the same bits.
+    EXAMPLE:  p = 4: 3 -> 1, then 1 -> 0 and 2 -> 0; then 0 -> 1 and 0 -> 2, then 1 -> 3.
+              Every message carries the whole tensor: 2(p − 1) messages in all.
+    HINT:     group ranks → global ranks with ``ops.global_rank(group, r)``. AVG: only the
+              root divides, before the broadcast.
+    """
+    raise NotImplementedError("Lesson 4, task 7: tree_all_reduce")
+
+
+# ---------------------------------------------------------------------------------------
+# The checks `python lessons/04_ring/exercise.py` runs (on every rank).
+
+def _problems_as_report(name: str, problems: list[str]) -> verify.Report:
+    rank = dist.get_rank()
+    return verify.Report([verify.CaseResult(name, rank, False, p) for p in problems]
+                         or [verify.CaseResult(name, rank, True)])
+
+
+def _traced(fn, numel: int, **kwargs) -> trace.Trace:
+    x = torch.ones(numel)
+    with trace.recording() as t:
+        fn(x, **kwargs)
+    return t
+
+
+def _check_scatter_gather(which: str) -> verify.Report:
+    rank, p = dist.get_rank(), dist.get_world_size()
+    problems = []
+    for numel, dtype, op in [(12 * p, torch.float32, ReduceOp.SUM), (12 * p, torch.int64, ReduceOp.MAX),
+                             (1001, torch.float64, ReduceOp.SUM), (max(p - 1, 1), torch.int32, ReduceOp.SUM),
+                             (12 * p, torch.float32, ReduceOp.AVG)]:
+        values = verify.make_values(verify.Case(numel, dtype, op), rank)
+        bounds = ops.chunk_bounds(numel, p)
+        lo, hi = bounds[rank]
+        full = verify.reference_all_reduce(values, op)
+        if which == "reduce_scatter":
+            got = torch.zeros(hi - lo, dtype=dtype)
+            ring_reduce_scatter(got, values.clone(), op)
+            expected = full[lo:hi]
+        else:
+            if op != ReduceOp.SUM:
+                continue
+            got = torch.zeros(numel, dtype=dtype)
+            ring_all_gather(got, values[lo:hi].clone())
+            placed = torch.zeros(numel, dtype=dtype)
+            placed[lo:hi] = values[lo:hi]
+            expected = verify.reference_all_reduce(placed, ReduceOp.SUM)
+        problem = verify.compare(expected, got)
+        if problem:
+            problems.append(f"n={numel} {dtype} {ops.op_name(op)}: {problem}")
+    with trace.recording() as t:
+        if which == "reduce_scatter":
+            ring_reduce_scatter(torch.zeros(100), torch.ones(100 * p))
+        else:
+            ring_all_gather(torch.zeros(100 * p), torch.ones(100))
+    if len(t.sends()) != p - 1 or any(e.peer != (rank + 1) % p for e in t.sends()):
+        problems.append(f"expected p - 1 = {p - 1} messages to rank {(rank + 1) % p}, "
+                        f"sent {[e.peer for e in t.sends()]}")
+    return _problems_as_report(which, problems)
+
+
+def check_reduce_scatter() -> verify.Report:
+    return _check_scatter_gather("reduce_scatter")
+
+
+def check_all_gather() -> verify.Report:
+    return _check_scatter_gather("all_gather")
+
+
+def _ring_pattern(t: trace.Trace, numel: int, messages: int) -> list[str]:
+    rank, p = dist.get_rank(), dist.get_world_size()
+    sends, problems = t.sends(), []
+    if len(sends) != messages:
+        problems.append(f"sent {len(sends)} messages, expected {messages}")
+    if any(e.peer != (rank + 1) % p for e in sends):
+        problems.append(f"sent to {sorted({e.peer for e in sends})}, expected only {(rank + 1) % p}")
+    if abs(sum(e.numel for e in sends) - 2 * (p - 1) * numel / p) > 2:
+        problems.append(f"sent {sum(e.numel for e in sends)} elements, expected 2(p-1)/p·n "
+                        f"= {2 * (p - 1) * numel / p:.0f}")
+    return problems
+
+
+def check_ring_all_reduce() -> verify.Report:
+    p = dist.get_world_size()
+    report = verify.check_all_reduce(ring_all_reduce)
+    return report.merge(_problems_as_report("ring pattern", _ring_pattern(
+        _traced(ring_all_reduce, 1000), 1000, 2 * (p - 1))))
+
+
+def check_pipelined() -> verify.Report:
+    p = dist.get_world_size()
+    report = verify.check_all_reduce(pipelined_ring_all_reduce)
+    return report.merge(_problems_as_report("pipelined pattern", _ring_pattern(
+        _traced(pipelined_ring_all_reduce, 4000, pieces=4), 4000, 2 * (p - 1) * 4)))
+
+
+def _partner_pattern(t: trace.Trace, numel: int, per_partner: int, whole: bool) -> list[str]:
+    rank, p = dist.get_rank(), dist.get_world_size()
+    if p & (p - 1):
+        return []   # the XOR pattern is for powers of two; other sizes fold first
+    expected = sorted(rank ^ (1 << k) for k in range(p.bit_length() - 1) for _ in range(per_partner))
+    got = sorted(e.peer for e in t.sends())
+    problems = [] if got == expected else [f"sent to {got}, expected {expected} (rank XOR 2^k)"]
+    if whole and any(e.numel != numel for e in t.sends()):
+        problems.append("every message should carry the whole tensor")
+    return problems
+
+
+def check_recursive_doubling() -> verify.Report:
+    report = verify.check_all_reduce(recursive_doubling_all_reduce)
+    return report.merge(_problems_as_report("recursive doubling pattern", _partner_pattern(
+        _traced(recursive_doubling_all_reduce, 1024), 1024, 1, True)))
+
+
+def check_halving_doubling() -> verify.Report:
+    report = verify.check_all_reduce(halving_doubling_all_reduce)
+    return report.merge(_problems_as_report("halving-doubling pattern", _partner_pattern(
+        _traced(halving_doubling_all_reduce, 1024), 1024, 2, False)))
+
+
+def check_tree() -> verify.Report:
+    rank, p = dist.get_rank(), dist.get_world_size()
+    report = verify.check_all_reduce(tree_all_reduce)
+    t = _traced(tree_all_reduce, 1000)
+    neighbours = {c for c in (2 * rank + 1, 2 * rank + 2) if c < p} | ({(rank - 1) // 2} if rank else set())
+    problems = [] if {e.peer for e in t.sends()} == neighbours else \
+        [f"sent to {sorted({e.peer for e in t.sends()})}, expected the tree neighbours {sorted(neighbours)}"]
+    return report.merge(_problems_as_report("tree pattern", problems))
+
+
+if __name__ == "__main__":
+    run_tasks(LESSON, [
+        Task(1, "ring reduce-scatter", check_reduce_scatter),
+        Task(2, "ring all-gather", check_all_gather),
+        Task(3, "ring all-reduce", check_ring_all_reduce),
+        Task(4, "pipelined ring", check_pipelined),
+        Task(5, "recursive doubling", check_recursive_doubling),
+        Task(6, "halving-doubling", check_halving_doubling),
+        Task(7, "binary tree", check_tree),
+    ])

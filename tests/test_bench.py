@@ -1,0 +1,36 @@
+"""``python -m collectives bench``: the registry, and a tiny run end to end (table, JSON, plot)."""
+
+import json
+
+from collectives import bench
+from collectives.impl import resolve
+
+
+def test_the_registry_names_every_lesson_3_and_4_algorithm_and_the_baselines():
+    for name in ("naive_ring", "ring", "pipelined_ring", "multi_ring", "recursive_doubling",
+                 "halving_doubling", "tree", "gloo", "nccl"):
+        assert callable(resolve(bench.ALGORITHMS[name])), name
+
+
+def test_a_tiny_run_prints_the_table_and_writes_the_json_and_the_plot(tmp_path, capsys):
+    # 2 sizes x (the baseline + 2 algorithms) on 2 ranks, one timed run each: a few seconds
+    code = bench.main(["--algo", "ring,halving_doubling", "--world", "2", "--sizes", "1K,64K",
+                       "--iters", "1", "--warmup", "0", "--out", str(tmp_path)])
+    assert code == 0
+    table = capsys.readouterr().out
+    for text in ("ring", "halving_doubling", "gloo", "busbw", "1 KiB", "64 KiB"):
+        assert text in table, text
+
+    saved = json.loads((tmp_path / "allreduce.json").read_text())
+    rows = saved["rows"]
+    assert [(r["nbytes"], r["algo"]) for r in rows] == [
+        (1024, "gloo"), (1024, "ring"), (1024, "halving_doubling"),
+        (65536, "gloo"), (65536, "ring"), (65536, "halving_doubling")]
+    for r in rows:
+        assert r["ok"] is True and r["seconds"] > 0 and r["world_size"] == 2
+        assert abs(r["busbw"] - r["algbw"]) < 1e-6 * r["algbw"]       # p = 2: 2(p-1)/p = 1
+        assert abs(r["ratio"] - r["baseline_seconds"] / r["seconds"]) < 1e-9
+    assert saved["meta"]["torch"] and saved["meta"]["backend"] == "gloo"
+
+    png = (tmp_path / "allreduce.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
