@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import launch, timing, verify
+from . import launch, nccl_memory, timing, verify
 
 ALGORITHMS = {
     "naive_ring": "collectives.naive_ring:naive_ring_all_reduce",
@@ -85,7 +85,8 @@ def _results_agree(fn, options, numel, dtype, device) -> bool:
 
 
 def _bench_rank(names: list[str], sizes: list[int], dtype_name: str, warmup: int, iters: int,
-                options: dict, check: bool, progress_path: str | None) -> list[dict]:
+                options: dict, check: bool, progress_path: str | None,
+                registered: bool = True) -> list[dict]:
     """Runs on every rank: every size, the baseline then each algorithm. Rank 0's rows count."""
     from .impl import resolve
 
@@ -104,7 +105,13 @@ def _bench_rank(names: list[str], sizes: list[int], dtype_name: str, warmup: int
 
     for nbytes in sizes:
         numel = max(nbytes // itemsize, 1)
-        x = torch.rand(numel, device=device).to(dtype)
+        # Under NCCL the tensor comes from memory registered with NCCL (collectives.nccl_memory),
+        # so point-to-point transfers are zero-copy; NCCL's all_reduce gets the same tensor.
+        x = nccl_memory.empty(numel, dtype=dtype, device=device) if registered else \
+            torch.empty(numel, dtype=dtype, device=device)
+        x.copy_(torch.rand(numel, device=device).to(dtype))
+        if registered:
+            nccl_memory.register()
         runs = {backend: lambda: dist.all_reduce(x)}
         oks = {backend: True}
         for name in names:
@@ -139,7 +146,7 @@ def _row(algo, nbytes, numel, seconds, baseline, p, backend, dtype, ok) -> dict:
 def run_bench(names: list[str], world_size: int = 4, sizes: list[int] | None = None, *,
               backend: str = "gloo", iters: int = 5, warmup: int = 2, dtype: str = "float32",
               options: dict | None = None, check: bool = True, progress: bool = True,
-              timeout: float = 3600) -> list[dict]:
+              timeout: float = 3600, registered: bool = True) -> list[dict]:
     """Measure ``names`` (keys of :data:`ALGORITHMS` or "module:function") against
     ``dist.all_reduce`` on one world; return one dict per (size, algorithm), baseline first."""
     sizes = sizes or timing.parse_sizes("1K..64M")
@@ -152,7 +159,7 @@ def run_bench(names: list[str], world_size: int = 4, sizes: list[int] | None = N
         try:
             outcome["rows"] = launch.run(_bench_rank, world_size,
                                          args=(names, sizes, dtype, warmup, iters, options or {},
-                                               check, progress_path),
+                                               check, progress_path, registered),
                                          backend=backend, timeout=timeout)[0]
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             outcome["error"] = exc
@@ -224,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--channels", type=int, default=None, help="multi_ring: number of rings")
     parser.add_argument("--no-check", action="store_true", help="skip the correctness check before timing")
     parser.add_argument("--out", default="bench-results", help="directory for allreduce.json/.png")
+    parser.add_argument("--plain-memory", action="store_true",
+                        help="NCCL: time on ordinary memory instead of NCCL-registered memory "
+                             "(point-to-point then goes through NCCL's staging buffers)")
     args = parser.parse_args(argv)
 
     backend = args.backend or ("nccl" if torch.cuda.device_count() >= args.world else "gloo")
@@ -234,8 +244,11 @@ def main(argv: list[str] | None = None) -> int:
     sizes = timing.parse_sizes(args.sizes)
     started = datetime.datetime.now().astimezone()
     rows = run_bench(names, args.world, sizes, backend=backend, iters=args.iters, warmup=args.warmup,
-                     dtype=args.dtype, options=options, check=not args.no_check)
-    title = (f"all-reduce, {args.world} ranks, {backend}, {args.dtype}, "
+                     dtype=args.dtype, options=options, check=not args.no_check,
+                     registered=not args.plain_memory)
+    memory = ", plain memory" if args.plain_memory and backend == "nccl" else \
+        (", NCCL-registered memory" if backend == "nccl" else "")
+    title = (f"all-reduce, {args.world} ranks, {backend}{memory}, {args.dtype}, "
              f"median of {args.iters} after {args.warmup} warm-up")
     render(rows, title)
 
@@ -245,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                 date=started.isoformat(timespec="seconds"), torch=torch.__version__,
                 backend=backend, world_size=args.world, dtype=args.dtype, iters=args.iters,
                 warmup=args.warmup, host=platform.node(), cpus=os.cpu_count(),
+                nccl=".".join(map(str, torch.cuda.nccl.version())) if backend == "nccl" else None,
+                registered_memory=backend == "nccl" and not args.plain_memory,
                 device=torch.cuda.get_device_name(0) if backend == "nccl" else platform.processor() or "cpu")
     (out / "allreduce.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     from .plots import plot_busbw

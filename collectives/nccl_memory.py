@@ -76,3 +76,26 @@ def register() -> None:
         _backend.deregister_mem_pool(_pool)
     _backend.register_mem_pool(_pool)
     _registered = True
+
+
+_scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A landing buffer of ``numel`` elements for received chunks.
+
+    Under NCCL it is cached per (dtype, device), grown from the registered pool when a
+    larger one is asked for (and the pool registered again), so a ring's arrivals are
+    zero-copy from the second call on. Elsewhere it is a fresh ``torch.empty``.
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or pool(device) is None:
+        return torch.empty(numel, dtype=dtype, device=device)
+    key = (dtype, device)
+    buf = _scratch.get(key)
+    if buf is None or buf.numel() < numel:
+        with allocating():
+            buf = torch.empty(max(numel, 1), dtype=dtype, device=device)
+        _scratch[key] = buf
+        register()
+    return buf[:numel]

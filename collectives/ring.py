@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import ops, trace
+from . import nccl_memory, ops, trace
 from .ops import ReduceOp
 from .tour import TourEntry
 from .topologies import (halving_doubling_all_reduce, recursive_doubling_all_reduce,
@@ -65,6 +65,36 @@ def _isend(buf, dst: int, group):
     return dist.isend(buf, dst, group=group) if buf.numel() else _NoMessage()
 
 
+class _Works:
+    """The handles of one batched step, waited on together."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
+def _step(send_buf, to: int, recv_buf, frm: int, group):
+    """Post one step's receive and send; return the (receive, send) handles.
+
+    On GPUs both go into one ``batch_isend_irecv``: a single NCCL group call on the
+    group's own communicator -- the one :mod:`collectives.nccl_memory` registers buffers
+    with, so a transfer between registered buffers is zero-copy. (Separate ``isend`` and
+    ``irecv`` calls would each open a two-rank communicator of their own.) Measured on
+    4 H200s at 256 MiB: 0.44× NCCL's all_reduce from ordinary memory, 0.77× from
+    registered memory. On gloo the two are posted separately, so the combine can start
+    while our own send is still going.
+    """
+    if recv_buf.is_cuda:
+        p2p = [dist.P2POp(dist.irecv, recv_buf, frm, group=group),
+               dist.P2POp(dist.isend, send_buf, to, group=group)]
+        p2p = [op for op in p2p if op.tensor.numel()]
+        return _Works(dist.batch_isend_irecv(p2p) if p2p else []), _NoMessage()
+    return _irecv(recv_buf, frm, group), _isend(send_buf, to, group)
+
+
 def _neighbours(group) -> tuple[int, int, int, int]:
     """(rank in group, group size, right neighbour, left neighbour); neighbours as global ranks."""
     rank, p = ops.group_rank_and_size(group)
@@ -81,15 +111,14 @@ def _reduce_scatter_in_place(flat, bounds, op, rank, p, right, left, group) -> N
     different chunks.
     """
     largest = max(hi - lo for lo, hi in bounds)
-    landing = flat.new_empty(largest)
+    landing = nccl_memory.scratch(largest, flat.dtype, flat.device)
     for step in range(p - 1):
         send_chunk, recv_chunk = (rank - 1 - step) % p, (rank - 2 - step) % p
         s_lo, s_hi = bounds[send_chunk]
         r_lo, r_hi = bounds[recv_chunk]
         arrived = landing[: r_hi - r_lo]
         with trace.label(f"reduce-scatter {step}: c{send_chunk}"):
-            recv = _irecv(arrived, left, group)
-            send = _isend(flat[s_lo:s_hi], right, group)
+            recv, send = _step(flat[s_lo:s_hi], right, arrived, left, group)
             recv.wait()
         ops.combine_(flat[r_lo:r_hi], arrived, op)
         send.wait()
@@ -106,8 +135,7 @@ def _all_gather_in_place(flat, bounds, rank, p, right, left, group) -> None:
         s_lo, s_hi = bounds[send_chunk]
         r_lo, r_hi = bounds[recv_chunk]
         with trace.label(f"all-gather {step}: c{send_chunk}"):
-            recv = _irecv(flat[r_lo:r_hi], left, group)
-            send = _isend(flat[s_lo:s_hi], right, group)
+            recv, send = _step(flat[s_lo:s_hi], right, flat[r_lo:r_hi], left, group)
             recv.wait()
             send.wait()
 

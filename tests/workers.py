@@ -154,3 +154,27 @@ def gloo_view_trap():
     got = view.clone() if False else view
     dist.all_reduce(got)
     return bool(torch.equal(got, expected))
+
+
+def check_targets(targets, quick):
+    """Check several all-reduce targets in this one world; {target: (ok, summary)}."""
+    from collectives import verify
+    from collectives.impl import resolve
+    out = {}
+    for target in targets:
+        report = verify.check_all_reduce(resolve(target), quick=quick)
+        out[target] = (report.ok, report.summary())
+    return out
+
+
+def ring_in_registered_memory(nbytes):
+    """The ring on buffers from the NCCL-registered pool, against dist.all_reduce."""
+    from collectives import nccl_memory, verify
+    from collectives.ring import ring_all_reduce
+    n = nbytes // 4
+    x = nccl_memory.empty(n, dtype=torch.float32)
+    x.copy_(torch.randint(-8, 9, (n,), device=x.device).float() * (dist.get_rank() + 1))
+    expected = verify.reference_all_reduce(x)
+    nccl_memory.register()
+    ring_all_reduce(x)
+    return verify.compare(expected, x)

@@ -1,0 +1,32 @@
+"""The same algorithms on GPUs through NCCL (marked gpu: skipped without two CUDA GPUs)."""
+
+import pytest
+import torch
+
+from collectives import launch, tour
+
+from . import workers
+
+pytestmark = pytest.mark.gpu
+
+
+def gpu_worlds():
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return [p for p in (2, 4) if p <= n] or [2]
+
+
+@pytest.mark.parametrize("world_size", gpu_worlds())
+def test_every_all_reduce_of_the_tour_matches_nccl(world_size):
+    targets = [e.target for e in tour.entries() if e.runner is None]
+    assert targets
+    results = launch.run(workers.check_targets, world_size, args=(targets, True),
+                         backend="nccl", timeout=600)
+    for rank, per_target in enumerate(results):
+        for target, (ok, summary) in per_target.items():
+            assert ok, f"{target} on rank {rank}: {summary}"
+
+
+def test_the_ring_is_exact_on_nccl_registered_memory():
+    problems = launch.run(workers.ring_in_registered_memory, 2, args=(64 << 20,),
+                          backend="nccl", timeout=300)
+    assert problems == [None, None]
