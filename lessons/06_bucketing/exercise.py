@@ -1,0 +1,518 @@
+"""Lesson 6 exercise: a DDP-style bucketed gradient reducer.
+
+Fill in the stubs in task order; each task builds on the ones before it. The rest of the
+class -- set-up, forward, the hook that calls you, the launch of one bucket, the
+end-of-backward callback -- is given: read it first, it tells you what state there is.
+
+    torchrun --nproc-per-node 4 lessons/06_bucketing/exercise.py   # or: python lessons/06_bucketing/exercise.py
+    make grade LESSON=06
+
+| task | what                                   | stub                                   |
+|------|----------------------------------------|----------------------------------------|
+| 1    | bucket assignment                      | assign_buckets                         |
+| 2    | mark a gradient ready, launch in order | BucketedReducer._mark_ready            |
+| 3    | finish backward: wait, write back      | BucketedReducer._finalize              |
+| 4    | rebuild buckets from the observed order| BucketedReducer._rebuild_buckets       |
+| 5    | unused parameters                      | _find_unused, _globally_used           |
+| 6    | gradient accumulation without sync     | BucketedReducer.no_sync                |
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from collectives import ops, trace
+from collectives.bucketing_model import BranchNet, SmallMLP, TwoBranchNet
+from collectives.exercise_runner import Task, run_tasks
+
+LESSON = 6
+MiB = 1 << 20
+
+
+def assign_buckets(params, bucket_cap_bytes: int, first_bucket_cap_bytes: int | None = None,
+                   order: list[int] | None = None) -> list[list[int]]:
+    """Lesson 6, task 1: group tensors into buckets; return each bucket's indices into ``params``.
+
+    TODO:     walk the tensors in ``order`` (default: reversed registration order,
+              ``n-1, ..., 0``) and put each into the open bucket of its (dtype, device).
+              A bucket closes as soon as it holds at least its cap in bytes:
+              ``first_bucket_cap_bytes`` for the first bucket of a (dtype, device)
+              (``None``: the same as ``bucket_cap_bytes``), ``bucket_cap_bytes`` after.
+              Buckets still open at the end are kept. Return the buckets sorted by the
+              position (in ``order``) of their first tensor.
+    APPROACH: a dict (dtype, device) -> (indices, bytes so far) for the open buckets, and a
+              count of closed buckets per key to know which cap applies.
+    EXAMPLE:  float64 sizes, backward order: 32, 512, 128, 2048, 128, 1024 bytes
+              (indices 5, 4, 3, 2, 1, 0), cap 544  ->  [[5, 4], [3, 2], [1, 0]];
+              cap 1 MiB, first cap 32  ->  [[5], [4, 3, 2, 1, 0]].
+    HINT:     bytes = t.numel() * t.element_size(). Reject an ``order`` that is not a
+              permutation of range(len(params)) with a ValueError.
+    """
+    raise NotImplementedError("Lesson 6, task 1: assign_buckets")
+
+
+@dataclass
+class Bucket:
+    """Gradients of one dtype on one device, reduced by one all-reduce."""
+
+    params: list[int]            # indices into reducer.params, in the order they sit in `flat`
+    flat: torch.Tensor           # every gradient of the bucket end to end: what is all-reduced
+    views: list[torch.Tensor]    # views[k]: the slice of `flat` for params[k], shaped like it
+    pending: int = 0             # gradients still to arrive this iteration
+    work: object = None          # the in-flight all-reduce, waited on at the end of backward
+
+
+@dataclass
+class BackwardStats:
+    """One synchronized backward on this rank, in ``time.perf_counter()`` seconds."""
+
+    start: float = math.nan
+    param_ready: dict = field(default_factory=dict)
+    bucket_bytes: list = field(default_factory=list)
+    bucket_ready: list = field(default_factory=list)
+    bucket_launched: list = field(default_factory=list)
+    bucket_done: list = field(default_factory=list)
+    end: float = math.nan
+    finished: float = math.nan
+
+    def relative(self) -> dict:
+        t0 = self.start
+
+        def rel(xs):
+            return [x - t0 for x in xs]
+        return dict(param_ready={i: t - t0 for i, t in self.param_ready.items()},
+                    bucket_bytes=list(self.bucket_bytes), bucket_ready=rel(self.bucket_ready),
+                    bucket_launched=rel(self.bucket_launched), bucket_done=rel(self.bucket_done),
+                    end=self.end - t0, finished=self.finished - t0)
+
+
+class BucketedReducer(nn.Module):
+    """Data-parallel wrapper that all-reduces gradients in buckets, overlapped with backward.
+
+    Used like ``torch.nn.parallel.DistributedDataParallel``::
+
+        model = BucketedReducer(net, bucket_cap_mb=25)
+        loss_fn(model(x), y).backward()       # gradients arrive averaged over the ranks
+        optimizer.step()
+    """
+
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, first_bucket_cap_mb: float = 1,
+                 find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False,
+                 group=None):
+        super().__init__()
+        if bucket_cap_mb <= 0 or first_bucket_cap_mb <= 0:
+            raise ValueError(f"bucket caps must be positive, got {bucket_cap_mb} and {first_bucket_cap_mb} MiB")
+        self.module = module
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.bucket_cap_bytes = max(1, int(bucket_cap_mb * MiB))
+        self.first_bucket_cap_bytes = max(1, int(first_bucket_cap_mb * MiB))
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        # named_parameters() lists a tied Parameter once; frozen ones need no reduction.
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        self.names = [name for name, _ in named]
+        self.params = [p for _, p in named]
+        self._broadcast_from_rank0()
+        self.buckets: list[Bucket] = []
+        self._where: list[tuple[int, int]] = []      # param index -> (bucket, slot in bucket)
+        self._install_buckets(assign_buckets(self.params, self.bucket_cap_bytes,
+                                             self.first_bucket_cap_bytes))
+        n = len(self.params)
+        self._sync = True                 # False inside no_sync()
+        self._expect_hooks = False        # the last forward was synced: its backward reduces
+        self._started = False             # a hook of this backward ran (callback queued)
+        self._next_bucket = 0             # every bucket before this one has been launched
+        self._marked = [False] * n        # parameter marked ready this iteration
+        self._used = [False] * n          # its hook ran since the last synced step
+        self._unused_in_forward: list[int] = []   # found unreachable from the outputs
+        self._ready_order: list[int] = []  # hook order of the first synced backward
+        self._order_observed = False
+        self._rebuilt = False
+        self.stats = BackwardStats()
+        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._hook, i))
+                       for i, p in enumerate(self.params)]
+
+    # ---- given: set-up -----------------------------------------------------------------
+
+    def _comm_device(self) -> torch.device:
+        if dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _broadcast_from_rank0(self) -> None:
+        state = list(self.module.parameters()) + list(self.module.buffers())
+        by_key: dict[tuple, list[torch.Tensor]] = {}
+        for t in state:
+            by_key.setdefault((t.dtype, t.device), []).append(t)
+        with torch.no_grad(), trace.label("initial broadcast"):
+            for tensors in by_key.values():
+                flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+                dist.broadcast(flat, src=ops.global_rank(self.group, 0), group=self.group)
+                offset = 0
+                for t in tensors:
+                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
+
+    def _install_buckets(self, layout: list[list[int]]) -> None:
+        """Allocate one flat buffer per bucket and a view of it per parameter."""
+        self.buckets, self._where = [], [(-1, -1)] * len(self.params)
+        for b, members in enumerate(layout):
+            first = self.params[members[0]]
+            flat = torch.zeros(sum(self.params[i].numel() for i in members),
+                               dtype=first.dtype, device=first.device)
+            views, offset = [], 0
+            for slot, i in enumerate(members):
+                p = self.params[i]
+                view = flat[offset:offset + p.numel()].view(p.shape)
+                offset += p.numel()
+                views.append(view)
+                self._where[i] = (b, slot)
+                if self.gradient_as_bucket_view and p.grad is not None:
+                    view.copy_(p.grad)
+                    p.grad = view
+            self.buckets.append(Bucket(list(members), flat, views, len(members)))
+
+    @property
+    def bucket_indices(self) -> list[list[int]]:
+        return [list(b.params) for b in self.buckets]
+
+    # ---- given: forward ------------------------------------------------------------------
+
+    def forward(self, *args, **kwargs):
+        if self._started:
+            raise RuntimeError("the previous backward did not finish reducing its gradients "
+                               "(it raised part-way); build a new BucketedReducer")
+        if torch.is_grad_enabled() and self._order_observed and not self._rebuilt:
+            self._rebuild_buckets()
+        out = self.module(*args, **kwargs)
+        self._expect_hooks = torch.is_grad_enabled() and self._sync
+        if self._expect_hooks:
+            outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+            self.stats = BackwardStats(bucket_bytes=[b.flat.numel() * b.flat.element_size()
+                                                     for b in self.buckets])
+            for key in ("bucket_ready", "bucket_launched", "bucket_done"):
+                setattr(self.stats, key, [math.nan] * len(self.buckets))
+            for t in outputs:
+                t.register_hook(self._note_backward_start)
+            self._unused_in_forward = self._find_unused(outputs) if self.find_unused_parameters else []
+        return out
+
+    def _note_backward_start(self, grad):
+        if math.isnan(self.stats.start):
+            self.stats.start = time.perf_counter()
+
+    def _find_unused(self, outputs: list[torch.Tensor]) -> list[int]:
+        """Lesson 6, task 5a: indices of parameters the autograd graph of ``outputs`` does not reach.
+
+        TODO:     walk the graph from every output's ``grad_fn`` through
+                  ``node.next_functions`` (pairs ``(node or None, input_nr)``); an
+                  ``AccumulateGrad`` node has a ``.variable``: the parameter it feeds.
+                  Return the indices (into ``self.params``) of parameters never reached.
+        APPROACH: a stack and a ``seen`` set of nodes; collect ``id(node.variable)``. An
+                  output that is itself a parameter (no ``grad_fn``) counts as reached.
+        EXAMPLE:  BranchNet used with ``use_b=False``: branch_b and never are not reached
+                  -> the indices of branch_b.weight, branch_b.bias, never.weight, never.bias.
+        HINT:     the given ``_start_backward`` marks these ready (zeros) when backward
+                  starts, so a bucket of unused parameters does not wait for the end.
+        """
+        raise NotImplementedError("Lesson 6, task 5: _find_unused")
+
+    # ---- given: the hook, the first hook, launching one bucket, the end of backward --------
+
+    def _hook(self, index: int, param: torch.Tensor) -> None:
+        """Runs after ``param.grad`` has been accumulated (once per backward)."""
+        self._used[index] = True
+        if not self._expect_hooks:          # forward ran under no_sync(): keep it local
+            return
+        now = time.perf_counter()
+        if not self._started:
+            self._start_backward(now)
+        self.stats.param_ready[index] = now
+        if not self._order_observed:
+            self._ready_order.append(index)
+        self._mark_ready(index)
+
+    def _start_backward(self, now: float) -> None:
+        self._started = True
+        if math.isnan(self.stats.start):
+            self.stats.start = now
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+        for i in self._unused_in_forward:
+            self._mark_ready(i)
+
+    def _launch(self, b: int) -> None:
+        """Start bucket ``b``'s all-reduce without waiting for it (sets ``bucket.work``)."""
+        bucket, stats = self.buckets[b], self.stats
+        stats.bucket_launched[b] = time.perf_counter()
+        with trace.label(f"bucket {b}"):
+            bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+        if not bucket.flat.is_cuda:
+            bucket.work.get_future().add_done_callback(
+                lambda _, b=b: stats.bucket_done.__setitem__(b, time.perf_counter()))
+
+    def _backward_end(self) -> None:
+        self.stats.end = time.perf_counter()
+        missing = [self.names[i] for i, marked in enumerate(self._marked) if not marked]
+        self._finalize()
+        self._end_iteration()
+        self.stats.finished = time.perf_counter()
+        if missing and not self.find_unused_parameters:
+            raise RuntimeError(f"parameters received no gradient on this rank: {missing}. Pass "
+                               "find_unused_parameters=True when some parameters may go unused.")
+
+    def _end_iteration(self) -> None:
+        for bucket in self.buckets:
+            bucket.pending = len(bucket.params)
+        self._marked = [False] * len(self.params)
+        self._used = [False] * len(self.params)
+        self._next_bucket = 0
+        self._started = False
+        self._expect_hooks = False
+        self._order_observed = True
+
+    # ---- your tasks ----------------------------------------------------------------------
+
+    def _mark_ready(self, index: int) -> None:
+        """Lesson 6, task 2: put parameter ``index``'s gradient into its bucket; launch buckets.
+
+        TODO:     refuse a second mark in one iteration (RuntimeError; use ``self._marked``).
+                  Find the bucket and view (``self._where[index]``). Write
+                  ``grad / world_size`` into the view -- zeros when ``grad`` is None; when
+                  the grad already *is* the view (``gradient_as_bucket_view``), divide in
+                  place; after a copy under ``gradient_as_bucket_view``, point
+                  ``param.grad`` at the view. Decrement ``bucket.pending``; when it hits 0,
+                  record ``self.stats.bucket_ready[b]`` and launch, with ``self._launch``,
+                  every bucket from ``self._next_bucket`` on whose pending is 0 -- stopping
+                  at the first that is not.
+        APPROACH: the in-order rule is what keeps ranks in step: each rank's hooks may run
+                  in a different order, but every rank must issue bucket 0's all-reduce,
+                  then bucket 1's, ...
+        EXAMPLE:  3 buckets; bucket 1 completes first: nothing is launched; bucket 0
+                  completes: buckets 0 and 1 are launched; then bucket 2 when it completes.
+        HINT:     ``torch.mul(grad, 1.0 / p, out=view)`` scales and copies in one pass (a
+                  multiply, as DDP does: cheaper than a divide, the same for p = 2, 4, 8);
+                  ``grad.data_ptr() == view.data_ptr()`` tells you the grad is the view.
+        """
+        raise NotImplementedError("Lesson 6, task 2: _mark_ready")
+
+    def _finalize(self) -> None:
+        """Lesson 6, task 3: at the end of backward, finish every bucket and write back.
+
+        TODO:     1. mark ready every parameter not marked yet (their hook never ran):
+                     this launches the buckets still waiting, so every rank issues every
+                     all-reduce. 2. if ``self.find_unused_parameters``, get the global used
+                     map: ``used = self._globally_used()``. 3. wait on every bucket's
+                     ``work`` (then set it to None) and record ``self.stats.bucket_done[b]``
+                     if still NaN. 4. write back: for each parameter, skip it if
+                     ``used`` says no rank used it (its grad stays None); under
+                     ``gradient_as_bucket_view`` set ``param.grad = view``; else copy the
+                     view into ``param.grad`` (``view.clone()`` when grad is None).
+        APPROACH: the bucket now holds the average: each rank added grad / p.
+        EXAMPLE:  p = 2, grads 1.0 and 3.0: the bucket holds 0.5 + 1.5 = 2.0 on both ranks.
+        HINT:     ``zip(bucket.params, bucket.views)`` walks a bucket's parameters;
+                  ``torch._foreach_copy_(grads, views)`` copies many tensors in one call.
+        """
+        raise NotImplementedError("Lesson 6, task 3: _finalize")
+
+    def _rebuild_buckets(self) -> None:
+        """Lesson 6, task 4: re-bucket once, in the order gradients really arrived.
+
+        TODO:     the order is ``self._ready_order`` (the hook order of the first synced
+                  backward) followed by the parameters missing from it, in current bucket
+                  order. Broadcast rank 0's order (an int64 tensor on
+                  ``self._comm_device()``, from the group's rank 0:
+                  ``ops.global_rank(self.group, 0)``) so every rank agrees, compute
+                  ``assign_buckets(self.params, self.bucket_cap_bytes,
+                  self.first_bucket_cap_bytes, order)``, install it with
+                  ``self._install_buckets`` and set ``self._rebuilt = True``.
+        APPROACH: the given ``forward`` calls this once, before the second synced forward.
+        EXAMPLE:  rank 0 saw [9, 8, 3, 2, 1, 0, 7, 6, 5, 4]; rank 1 saw another order:
+                  both build buckets from rank 0's.
+        HINT:     label the broadcast: ``with trace.label("rebuild buckets"):``.
+        """
+        raise NotImplementedError("Lesson 6, task 4: _rebuild_buckets")
+
+    def _globally_used(self) -> list[bool]:
+        """Lesson 6, task 5b: was each parameter used on *any* rank since the last synced step?
+
+        TODO:     all-reduce ``self._used`` as an int32 tensor (on ``self._comm_device()``)
+                  over ``self.group``; return a list of bools (sum > 0).
+        APPROACH: one small all-reduce per synced step, and only with find_unused_parameters.
+        EXAMPLE:  rank 0 used [1, 1, 0], rank 1 [1, 0, 0] -> [True, True, False].
+        HINT:     ``(t > 0).tolist()``; label it ``trace.label("used map")``.
+        """
+        raise NotImplementedError("Lesson 6, task 5: _globally_used")
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Lesson 6, task 6: forwards inside the block get a backward that only accumulates.
+
+        TODO:     set ``self._sync = False`` for the duration of the block, and restore the
+                  previous value after (also when the block raises).
+        APPROACH: the given ``forward`` reads ``self._sync``; the given ``_hook`` then only
+                  records that the parameter was used. The next synced backward reduces
+                  the accumulated ``.grad``.
+        EXAMPLE:  ``with model.no_sync(): loss(model(x1)).backward()`` then
+                  ``loss(model(x2)).backward()`` -> grad = average over ranks of g1 + g2.
+        HINT:     ``try: yield`` / ``finally:``.
+        """
+        raise NotImplementedError("Lesson 6, task 6: no_sync")
+        yield  # (makes this a generator, as contextmanager needs)
+
+    def close(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+
+# ---- checks: `python lessons/06_bucketing/exercise.py` -------------------------------------
+# Each compares with a plain reference on the same data: every rank runs backward on its own
+# copy of the model and all-reduces each gradient, divided by the world size.
+
+def _reference_grads(model, run):
+    """Gradients of ``run(model)``, averaged over the ranks one tensor at a time."""
+    model.zero_grad(set_to_none=True)
+    run(model)
+    with trace.paused():
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad.div_(dist.get_world_size())
+    return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+def _same(got, want, what: str, tol: float = 1e-12) -> None:
+    for k, (g, w) in enumerate(zip(got, want)):
+        if (g is None) != (w is None):
+            raise AssertionError(f"{what}: tensor {k} is {'None' if g is None else 'set'}, "
+                                 f"expected {'None' if w is None else 'set'}")
+        if g is not None and (g - w).abs().max().item() > tol:
+            raise AssertionError(f"{what}: tensor {k} differs by {(g - w).abs().max().item():.2e}")
+
+
+def _data(rows: int = 4, d_out: int = 4, seed: int = 0):
+    g = torch.Generator().manual_seed(seed + dist.get_rank())
+    return (torch.randn(rows, 8, generator=g, dtype=torch.float64),
+            torch.randn(rows, d_out, generator=g, dtype=torch.float64))
+
+
+def check_assign_buckets():
+    params = list(SmallMLP().double().parameters())
+    for cap, first, want in ((MiB, MiB, [[5, 4, 3, 2, 1, 0]]), (2720, 2720, [[5, 4, 3, 2], [1, 0]]),
+                             (544, 544, [[5, 4], [3, 2], [1, 0]]), (MiB, 32, [[5], [4, 3, 2, 1, 0]])):
+        got = assign_buckets(params, cap, first)
+        assert got == want, f"cap {cap} B, first {first} B: got {got}, expected {want}"
+    mixed = [torch.zeros(4), torch.zeros(4, dtype=torch.float64)] * 2
+    got = assign_buckets(mixed, MiB)
+    assert got == [[3, 1], [2, 0]], f"float32/float64 mix: got {got}, expected [[3, 1], [2, 0]]"
+
+
+def check_mark_ready():
+    torch.manual_seed(0)
+    r = BucketedReducer(TwoBranchNet().double(), bucket_cap_mb=1 / MiB, first_bucket_cap_mb=1 / MiB)
+    with trace.recording() as t:
+        try:
+            r(_data()[0], f_first=False).sum().backward()
+        except NotImplementedError:
+            pass           # _finalize is task 3
+    labels = [e.label for e in t.of_kind("all_reduce")]
+    assert labels == [f"bucket {b}" for b in range(len(r.buckets))], f"launch order {labels}"
+    first = t.of_kind("all_reduce")[0].t0
+    assert first < max(r.stats.param_ready.values()), "bucket 0 should start before backward ends"
+
+
+def check_finalize():
+    torch.manual_seed(0)
+    net = SmallMLP().double()
+    plain = copy.deepcopy(net)
+    x, y = _data()
+    for view in (False, True):
+        r = BucketedReducer(copy.deepcopy(net), bucket_cap_mb=544 / MiB, first_bucket_cap_mb=544 / MiB,
+                            gradient_as_bucket_view=view)
+        F.mse_loss(r(x), y).backward()
+        want = _reference_grads(plain, lambda m: F.mse_loss(m(x), y).backward())
+        _same([p.grad for p in r.module.parameters()], want, f"gradient_as_bucket_view={view}")
+        r.close()
+
+
+def check_rebuild():
+    torch.manual_seed(0)
+    r = BucketedReducer(TwoBranchNet().double(), bucket_cap_mb=136 / MiB, first_bucket_cap_mb=136 / MiB)
+    x, y = _data(d_out=2)
+    before = r.bucket_indices
+    for _ in range(2):
+        r.zero_grad()
+        # rank 0 computes g first, so backward reaches f first: not the registration order
+        F.mse_loss(r(x, f_first=dist.get_rank() % 2 == 1), y).backward()
+    layouts = [None] * dist.get_world_size()
+    with trace.paused():
+        dist.all_gather_object(layouts, r.bucket_indices)
+    assert all(lay == layouts[0] for lay in layouts), f"ranks disagree on the layout: {layouts}"
+    if dist.get_world_size() > 1:
+        assert layouts[0] != before, "the layout should follow the order gradients arrived in"
+
+
+def check_unused():
+    torch.manual_seed(0)
+    net = BranchNet().double()
+    plain = copy.deepcopy(net)
+    use_b = dist.get_rank() == 0
+    r = BucketedReducer(copy.deepcopy(net), bucket_cap_mb=288 / MiB, first_bucket_cap_mb=288 / MiB,
+                        find_unused_parameters=True)
+    x, y = _data()
+    F.mse_loss(r(x, use_b=use_b), y).backward()
+    got = [p.grad for p in r.module.parameters()]
+    names = [n for n, _ in net.named_parameters()]
+    assert [n for n, g in zip(names, got) if g is None] == ["never.weight", "never.bias"], \
+        "only `never` (unused on every rank) keeps grad None"
+    plain.zero_grad(set_to_none=True)
+    F.mse_loss(plain(x, use_b=use_b), y).backward()
+    with trace.paused():
+        for p in plain.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad)
+            p.grad.div_(dist.get_world_size())
+    _same([g for g in got if g is not None], [p.grad for n, p in plain.named_parameters()
+                                              if not n.startswith("never")], "used parameters")
+
+
+def check_no_sync():
+    torch.manual_seed(0)
+    net = SmallMLP().double()
+    plain = copy.deepcopy(net)
+    r = BucketedReducer(copy.deepcopy(net), bucket_cap_mb=544 / MiB, first_bucket_cap_mb=544 / MiB)
+    batches = [_data(seed=10 * k) for k in range(3)]
+    with trace.recording() as t:
+        with r.no_sync():
+            for x, y in batches[:2]:
+                F.mse_loss(r(x), y).backward()
+    assert not t.of_kind("all_reduce"), "no all-reduce inside no_sync()"
+    x, y = batches[2]
+    F.mse_loss(r(x), y).backward()
+
+    def run(m):
+        for x, y in batches:
+            F.mse_loss(m(x), y).backward()
+    _same([p.grad for p in r.module.parameters()], _reference_grads(plain, run), "after no_sync")
+
+
+if __name__ == "__main__":
+    run_tasks(LESSON, [Task(1, "assign_buckets", check_assign_buckets),
+                       Task(2, "mark ready, launch in order", check_mark_ready),
+                       Task(3, "finalize and write back", check_finalize),
+                       Task(4, "rebuild from the observed order", check_rebuild),
+                       Task(5, "unused parameters", check_unused),
+                       Task(6, "no_sync", check_no_sync)])
