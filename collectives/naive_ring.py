@@ -70,8 +70,7 @@ def naive_ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None) -> 
         incoming = landing[step % 2]
         origin = (rank - step) % p          # whose input we forward this step
         with trace.label(f"step {step}: x{origin}"):
-            recv = dist.irecv(incoming, left, group=group)
-            send = dist.isend(forward, right, group=group)
+            recv, send = ops.sendrecv(forward, right, incoming, left, group)  # irecv, then isend
             recv.wait()
             send.wait()                      # `forward` may be `flat`: finish before writing it
         ops.combine_(flat, incoming, op)

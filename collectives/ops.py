@@ -108,3 +108,45 @@ def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
         bounds.append((start, end))
         start = end
     return bounds
+
+
+class _Posted:
+    """The handle of a receive and a send posted together, or of nothing (an empty message)."""
+
+    def __init__(self, works=()):
+        self.works = list(works)
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
+def sendrecv(send_buf: torch.Tensor, dst: int, recv_buf: torch.Tensor, src: int, group=None):
+    """Post a receive of ``recv_buf`` from ``src`` and a send of ``send_buf`` to ``dst``;
+    return the ``(receive, send)`` handles. ``dst``/``src`` are global ranks.
+
+    An empty buffer is not posted at all: both ends know its size (a chunk of a tensor
+    smaller than the world), and NCCL need not see a 0-byte message.
+
+    On GPUs (NCCL) both go into one ``batch_isend_irecv``, and they must: NCCL runs
+    point-to-point operations posted one by one to the same peer in order, on one stream,
+    so when two ranks each post "receive from you, then send to you" each receive waits
+    for a send queued behind the other's receive -- a deadlock, at every world of two.
+    Grouped, NCCL starts both together; and the group runs on the group's own
+    communicator, the one :mod:`collectives.nccl_memory` registers buffers with, so a
+    transfer between registered buffers is zero-copy. The receive handle then waits for
+    both; the send handle waits for nothing.
+
+    On gloo they are posted one by one, receive first, so the caller can combine an
+    arrival while its own send is still going.
+    """
+    if recv_buf.is_cuda or send_buf.is_cuda:
+        p2p = []
+        if recv_buf.numel():
+            p2p.append(dist.P2POp(dist.irecv, recv_buf, src, group=group))
+        if send_buf.numel():
+            p2p.append(dist.P2POp(dist.isend, send_buf, dst, group=group))
+        return _Posted(dist.batch_isend_irecv(p2p) if p2p else ()), _Posted()
+    recv = _Posted([dist.irecv(recv_buf, src, group=group)] if recv_buf.numel() else [])
+    send = _Posted([dist.isend(send_buf, dst, group=group)] if send_buf.numel() else [])
+    return recv, send

@@ -127,8 +127,13 @@ def exchange(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, send_to: int,
     landing = recv_tensor if recv_tensor.is_contiguous() else torch.empty(
         recv_tensor.shape, dtype=recv_tensor.dtype, device=recv_tensor.device)
     outgoing = send_tensor.contiguous()
-    recv_work = dist.irecv(landing, recv_from, group=group)
-    send_work = dist.isend(outgoing, send_to, group=group)
+    if landing.is_cuda:
+        # NCCL runs one-by-one posts to the same peer in order: two ranks each posting
+        # "receive, then send" would deadlock. One group posts both at once.
+        recv_work, send_work = ops.sendrecv(outgoing, send_to, landing, recv_from, group)
+    else:
+        recv_work = dist.irecv(landing, recv_from, group=group)
+        send_work = dist.isend(outgoing, send_to, group=group)
     recv_work.wait()
     send_work.wait()
     if landing is not recv_tensor:

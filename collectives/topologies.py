@@ -36,14 +36,12 @@ __all__ = ["recursive_doubling_all_reduce", "halving_doubling_all_reduce", "tree
 def _exchange(send_buf, recv_buf, peer: int, group) -> None:
     """Send ``send_buf`` to ``peer`` and receive ``recv_buf`` from it, at the same time.
 
-    An empty buffer (a block of a tensor smaller than the world) is neither sent nor
-    received: both ends know its size, and NCCL need not see a 0-byte message.
+    :func:`collectives.ops.sendrecv` posts both (an empty block is not posted at all; on
+    NCCL the two go in one group, without which two ranks exchanging would deadlock).
     """
-    recv = dist.irecv(recv_buf, peer, group=group) if recv_buf.numel() else None
-    send = dist.isend(send_buf, peer, group=group) if send_buf.numel() else None
-    for work in (recv, send):
-        if work is not None:
-            work.wait()
+    recv, send = ops.sendrecv(send_buf, peer, recv_buf, peer, group)
+    recv.wait()
+    send.wait()
 
 
 class _Fold:

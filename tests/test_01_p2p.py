@@ -349,7 +349,7 @@ def _nccl_world():
 
 @pytest.mark.gpu
 def test_p2p_helpers_run_on_nccl_with_gpu_tensors():
-    results = launch.run(_nccl_world, 2, backend="nccl", timeout=300)
+    results = launch.run(_nccl_world, 2, backend="nccl", timeout=150)
     for rank, (token, landing, round_trips, one_way, link) in enumerate(results):
         left = (rank - 1) % 2
         assert token == left

@@ -20,7 +20,7 @@ def test_every_all_reduce_of_the_tour_matches_nccl(world_size):
     targets = [e.target for e in tour.entries() if e.runner is None]
     assert targets
     results = launch.run(workers.check_targets, world_size, args=(targets, True),
-                         backend="nccl", timeout=600)
+                         backend="nccl", timeout=150)
     for rank, per_target in enumerate(results):
         for target, (ok, summary) in per_target.items():
             assert ok, f"{target} on rank {rank}: {summary}"
@@ -28,5 +28,5 @@ def test_every_all_reduce_of_the_tour_matches_nccl(world_size):
 
 def test_the_ring_is_exact_on_nccl_registered_memory():
     problems = launch.run(workers.ring_in_registered_memory, 2, args=(64 << 20,),
-                          backend="nccl", timeout=300)
+                          backend="nccl", timeout=150)
     assert problems == [None, None]
