@@ -68,10 +68,15 @@ def empty(*shape, dtype=torch.float32, device=None) -> torch.Tensor:
 
 
 def register() -> None:
-    """(Re-)register every segment of the pool with NCCL; call after allocating."""
+    """(Re-)register every segment of the pool with NCCL.
+
+    Call it once everything you will communicate is allocated and a warm-up call has run,
+    and with no transfer in flight (``torch.cuda.synchronize()`` first).
+    """
     global _registered
     if _pool is None:
         return
+    torch.cuda.synchronize()
     if _registered:
         _backend.deregister_mem_pool(_pool)
     _backend.register_mem_pool(_pool)
@@ -84,9 +89,11 @@ _scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 def scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A landing buffer of ``numel`` elements for received chunks.
 
-    Under NCCL it is cached per (dtype, device), grown from the registered pool when a
-    larger one is asked for (and the pool registered again), so a ring's arrivals are
-    zero-copy from the second call on. Elsewhere it is a fresh ``torch.empty``.
+    Under NCCL it is cached per (dtype, device) and comes from the pool, grown when a
+    larger one is asked for. It is *not* registered here: registering (or re-registering)
+    while earlier asynchronous transfers may still be in flight is unsafe. Warm up once,
+    then call :func:`register` -- from then on the arrivals are zero-copy. Elsewhere it is
+    a fresh ``torch.empty``.
     """
     device = torch.device(device)
     if device.type != "cuda" or pool(device) is None:
@@ -97,5 +104,4 @@ def scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tenso
         with allocating():
             buf = torch.empty(max(numel, 1), dtype=dtype, device=device)
         _scratch[key] = buf
-        register()
     return buf[:numel]

@@ -1,0 +1,61 @@
+"""The library's ring against NCCL's all_reduce on registered memory: exactness, then speed.
+
+    torchrun --nproc-per-node 4 tools/gpu_ring_check.py --sizes 64M,256M
+
+Prints one JSON line per measurement as it goes (rank 0). The tensor for both comes from
+collectives.nccl_memory; the ring warms up once (allocating its landing buffer in the
+pool), then the pool is registered, then results are checked bit for bit on integer data,
+then both are timed with CUDA events (median of 20 after 5, max over ranks).
+"""
+import argparse
+import datetime
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from collectives import nccl_memory, timing
+from collectives.ring import ring_all_reduce
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="64M,256M")
+    ap.add_argument("--plain", action="store_true", help="ordinary memory, no registration")
+    args = ap.parse_args()
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    device = torch.device("cuda", local)
+    dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(seconds=60))
+    rank, p = dist.get_rank(), dist.get_world_size()
+    for nbytes in timing.parse_sizes(args.sizes):
+        n = nbytes // 4
+        make = (lambda: torch.empty(n, device=device)) if args.plain else \
+            (lambda: nccl_memory.empty(n, dtype=torch.float32, device=device))
+        x, y = make(), make()
+        x.normal_()
+        y.normal_()
+        ring_all_reduce(y)                     # warm-up: the landing buffer now exists
+        if not args.plain:
+            nccl_memory.register()
+        values = torch.randint(-8, 9, (n,), device=device).float() * (rank + 1)
+        expected = values.clone()
+        dist.all_reduce(expected)
+        y.copy_(values)
+        ring_all_reduce(y)
+        exact = bool(torch.equal(y, expected))
+        t_nccl = timing.median(timing.measure(lambda: dist.all_reduce(x), warmup=5, iters=20, device=device))
+        t_ring = timing.median(timing.measure(lambda: ring_all_reduce(x), warmup=5, iters=20, device=device))
+        if rank == 0:
+            print(json.dumps(dict(p=p, bytes=nbytes, memory="plain" if args.plain else "registered",
+                                  exact=exact, nccl_s=t_nccl, ring_s=t_ring,
+                                  nccl_busbw=timing.busbw(nbytes, t_nccl, p) / 1e9,
+                                  ring_busbw=timing.busbw(nbytes, t_ring, p) / 1e9,
+                                  ratio=t_nccl / t_ring)), flush=True)
+        del x, y
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
