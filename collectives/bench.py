@@ -110,8 +110,6 @@ def _bench_rank(names: list[str], sizes: list[int], dtype_name: str, warmup: int
         x = nccl_memory.empty(numel, dtype=dtype, device=device) if registered else \
             torch.empty(numel, dtype=dtype, device=device)
         x.copy_(torch.rand(numel, device=device).to(dtype))
-        if registered:
-            nccl_memory.register()
         runs = {backend: lambda: dist.all_reduce(x)}
         oks = {backend: True}
         for name in names:
@@ -122,6 +120,8 @@ def _bench_rank(names: list[str], sizes: list[int], dtype_name: str, warmup: int
         for name, run in runs.items():      # warm-up (a checked run already counts as one)
             for _ in range(max(warmup - (name != backend and oks[name] is not None), 0)):
                 run()
+        if registered:                      # now every buffer exists (landing buffers too):
+            nccl_memory.register()          # register them, with nothing in flight
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times = {name: [] for name in runs}
