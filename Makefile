@@ -32,10 +32,11 @@ docs-build: $(STAMP)
 	$(PY) -m mkdocs build --strict
 
 ## make bench: nccl-tests-style benchmarks against dist.all_reduce (and torch DDP)
+##   make bench BENCH_ARGS="--sizes 64M --algo ring" FUSED_ARGS="--iters 40" DDP_ARGS="--model mlp"
 bench: $(STAMP)
 	$(PY) -m collectives bench $(BENCH_ARGS)
-	$(PY) -m collectives bench-fused $(BENCH_ARGS)
-	$(PY) -m collectives bench-ddp $(BENCH_ARGS)
+	$(PY) -m collectives bench-fused $(FUSED_ARGS)
+	$(PY) -m collectives bench-ddp $(DDP_ARGS)
 
 clean:
 	rm -rf $(VENV) site bench-results
