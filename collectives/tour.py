@@ -129,7 +129,8 @@ def render(rows: list[TourRow], world_size: int, backend: str) -> None:
     table = Table(title=f"Collectives from Scratch — the tour ({world_size} ranks, {backend})")
     for col in ("lesson", "algorithm", "verified", "size", "time", "busbw", "baseline",
                 "ratio", "sent / rank", "theory"):
-        table.add_column(col, justify="left" if col in ("algorithm", "baseline") else "right")
+        table.add_column(col, justify="left" if col in ("algorithm", "baseline") else "right",
+                         no_wrap=col != "verified")
     for r in rows:
         ok = "[green]yes[/]" if r.verified else f"[red]NO[/] {r.detail[:60]}"
         table.add_row(str(r.lesson), r.algorithm, ok, timing.human_bytes(r.nbytes),
@@ -139,6 +140,8 @@ def render(rows: list[TourRow], world_size: int, backend: str) -> None:
                       timing.human_bytes(r.bytes_sent) if r.bytes_sent == r.bytes_sent else "-",
                       timing.human_bytes(r.bytes_theory) if r.bytes_theory == r.bytes_theory else "-")
     console = Console()
+    if not console.is_terminal:  # a log or a pipe: don't squeeze the table into 80 columns
+        console = Console(width=150)
     console.print(table)
     console.print("ratio = baseline time / algorithm time (above 1: faster than the baseline). "
                   "sent / rank is measured from the trace; theory from collectives.cost.")
