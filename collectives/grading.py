@@ -72,7 +72,10 @@ def render(tasks: list[TaskScore]) -> tuple[int, int]:
     total = sum(t.points for t in tasks)
     table.add_section()
     table.add_row("", "", "[bold]total[/]", f"[bold]{earned}/{total}[/]", "")
-    Console().print(table)
+    console = Console()
+    if not console.is_terminal:  # a log or a pipe: don't squeeze the table into 80 columns
+        console = Console(width=120)
+    console.print(table)
     return earned, total
 
 
