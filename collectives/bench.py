@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                              "(point-to-point then goes through NCCL's staging buffers)")
     args = parser.parse_args(argv)
 
-    backend = args.backend or ("nccl" if torch.cuda.device_count() >= args.world else "gloo")
+    backend = args.backend or launch.auto_backend(args.world)
     names = [n for n in args.algo.split(",") if n]
     for n in names:
         _target(n)

@@ -53,10 +53,6 @@ def _run_checks(lesson: int, tasks: list[Task]) -> list[tuple[int, str, bool, st
     return lines
 
 
-def _in_launched_world(lesson: int, tasks: list[Task]):
-    return _run_checks(lesson, tasks)
-
-
 def run_tasks(lesson: int, tasks: list[Task], argv: list[str] | None = None) -> None:
     """Check every task on every rank and exit non-zero if any failed."""
     parser = argparse.ArgumentParser(description=f"Lesson {lesson}: check the exercise tasks")
@@ -73,7 +69,7 @@ def run_tasks(lesson: int, tasks: list[Task], argv: list[str] | None = None) -> 
     from . import launch
 
     try:
-        per_rank = launch.run(_in_launched_world, args.world, args=(lesson, tasks), timeout=180)
+        per_rank = launch.run(_run_checks, args.world, args=(lesson, tasks), timeout=180)
     except (launch.RankError, launch.WorldTimeout) as exc:
         print(exc)
         sys.exit(1)

@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(args.figures, exist_ok=True)
         print("wrote", figures(args.figures))
         return 0
-    backend = args.backend or ("nccl" if torch.cuda.device_count() >= args.world else "gloo")
+    backend = args.backend or launch.auto_backend(args.world)
     separate_iters = args.separate_iters or 2
     split = timing.parse_size(args.split)
     start = time.perf_counter()

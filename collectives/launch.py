@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from . import trace
 
-__all__ = ["run", "RankError", "WorldTimeout", "default_backend"]
+__all__ = ["run", "RankError", "WorldTimeout", "auto_backend"]
 
 _SLOT_BYTES = 200
 
@@ -110,9 +110,10 @@ class _Slot:
         self.board.since[self.rank] = time.time()
 
 
-def default_backend() -> str:
-    """``"gloo"``: every lesson runs on CPU; pass ``backend="nccl"`` for GPUs."""
-    return "gloo"
+def auto_backend(world_size: int) -> str:
+    """What the command line picks: ``"nccl"`` when there is a GPU for every rank, else
+    ``"gloo"``. :func:`run` itself defaults to gloo, so tests and notebooks stay on CPU."""
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
 
 
 def _die_with_parent() -> None:
@@ -207,7 +208,7 @@ def run(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwargs: d
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
-    backend = backend or default_backend()
+    backend = backend or "gloo"
     if backend == "nccl" and torch.cuda.device_count() < world_size:
         raise RuntimeError(f"backend='nccl' needs {world_size} GPUs, found {torch.cuda.device_count()}")
     if start_method is None:

@@ -42,7 +42,8 @@ def pool(device: torch.device | None = None):
     """This process's NCCL-backed ``torch.cuda.MemPool``, or None off NCCL."""
     global _pool, _backend
     if _pool is None:
-        device = device or torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        if device is None and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
         backend = _nccl_backend(device) if device is not None else None
         if backend is None:
             return None

@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="comma-separated algorithm names")
     parser.add_argument("--json", default="", help="also write the rows to this file")
     args = parser.parse_args(argv)
-    backend = args.backend or ("nccl" if torch.cuda.device_count() >= args.world else "gloo")
+    backend = args.backend or launch.auto_backend(args.world)
     rows = run_tour(args.world, timing.parse_size(args.size), backend,
                     [s for s in args.only.split(",") if s] or None)
     render(rows, args.world, backend)

@@ -272,12 +272,11 @@ def _wrap_collective(kind: str, original):
         global _nested
         if _nested:
             return original(*args, **kwargs)
+        bound = signature.bind_partial(*args, **kwargs).arguments
         if _paused or not _recorders:
             event = None
-            bound = signature.bind_partial(*args, **kwargs).arguments
             what = kind
         else:
-            bound = signature.bind_partial(*args, **kwargs).arguments
             group = bound.get("group")
             root = None
             if root_arg is not None:

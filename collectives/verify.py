@@ -236,7 +236,7 @@ def reference_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None) -> t
     crashes on an expanded one. AVG falls back to SUM and one division where the backend
     lacks it.
     """
-    buf = tensor.contiguous().clone() if tensor.is_contiguous() else tensor.reshape(-1).clone().view(tensor.shape)
+    buf = tensor.clone(memory_format=torch.contiguous_format)
     with trace.paused():
         if op == ReduceOp.AVG:
             try:

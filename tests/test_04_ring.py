@@ -212,6 +212,18 @@ def _chunk_sizes(n, p):
     return {n // p, -(-n // p)}
 
 
+def _assert_p_minus_1_chunks_to_the_right(worlds, p, key):
+    """Each rank sends p − 1 chunks of ⌊n/p⌋ or ⌈n/p⌉ elements, all to rank + 1: (p − 1)·n in all."""
+    n = 100 * p + SCATTER_EXTRA
+    traces = _traces(worlds, p, key)
+    for t in traces:
+        sends = t.sends()
+        assert len(sends) == p - 1, f"rank {t.rank} sent {len(sends)} messages, expected {p - 1}"
+        assert {e.peer for e in sends} == {(t.rank + 1) % p}
+        assert {e.numel for e in sends} <= _chunk_sizes(n, p)
+    assert sum(e.numel for t in traces for e in t.sends()) == (p - 1) * n
+
+
 # ---- task 1: reduce-scatter -----------------------------------------------------------
 
 @pytest.mark.task(lesson=4, task=1, points=3, title="ring reduce-scatter")
@@ -224,14 +236,7 @@ def test_reduce_scatter_matches_dist_reduce_scatter(worlds):
 @pytest.mark.task(lesson=4, task=1, points=3, title="ring reduce-scatter")
 @pytest.mark.parametrize("p", [2, 3, 4])
 def test_reduce_scatter_sends_p_minus_1_chunks_to_the_right(worlds, p):
-    n = 100 * p + SCATTER_EXTRA
-    traces = _traces(worlds, p, "reduce_scatter")
-    for t in traces:
-        sends = t.sends()
-        assert len(sends) == p - 1, f"rank {t.rank} sent {len(sends)} messages, expected {p - 1}"
-        assert {e.peer for e in sends} == {(t.rank + 1) % p}
-        assert {e.numel for e in sends} <= _chunk_sizes(n, p)
-    assert sum(e.numel for t in traces for e in t.sends()) == (p - 1) * n
+    _assert_p_minus_1_chunks_to_the_right(worlds, p, "reduce_scatter")
 
 
 # ---- task 2: all-gather ---------------------------------------------------------------
@@ -246,14 +251,7 @@ def test_all_gather_matches_dist_all_gather(worlds):
 @pytest.mark.task(lesson=4, task=2, points=3, title="ring all-gather")
 @pytest.mark.parametrize("p", [2, 3, 4])
 def test_all_gather_forwards_p_minus_1_chunks_to_the_right(worlds, p):
-    n = 100 * p + SCATTER_EXTRA
-    traces = _traces(worlds, p, "all_gather")
-    for t in traces:
-        sends = t.sends()
-        assert len(sends) == p - 1, f"rank {t.rank} sent {len(sends)} messages, expected {p - 1}"
-        assert {e.peer for e in sends} == {(t.rank + 1) % p}
-        assert {e.numel for e in sends} <= _chunk_sizes(n, p)
-    assert sum(e.numel for t in traces for e in t.sends()) == (p - 1) * n
+    _assert_p_minus_1_chunks_to_the_right(worlds, p, "all_gather")
 
 
 # ---- task 3: ring all-reduce ----------------------------------------------------------
