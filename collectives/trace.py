@@ -357,9 +357,20 @@ def paused() -> Iterator[None]:
         _paused -= 1
 
 
+_NO_LABEL = contextlib.nullcontext()
+
+
+def label(text: str):
+    """Tag the events made inside the block (e.g. "reduce-scatter step 2").
+
+    Costs nothing when no :func:`recording` is open: the hot loops of the algorithms
+    call it at every step, timed runs included.
+    """
+    return _labelled(text) if _recorders and not _paused else _NO_LABEL
+
+
 @contextlib.contextmanager
-def label(text: str) -> Iterator[None]:
-    """Tag the events made inside the block (e.g. "reduce-scatter step 2")."""
+def _labelled(text: str) -> Iterator[None]:
     global _label
     before, _label = _label, text
     try:

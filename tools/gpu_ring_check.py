@@ -5,12 +5,16 @@
 Prints one JSON line per measurement as it goes (rank 0). The tensor for both comes from
 collectives.nccl_memory; the ring warms up once (allocating its landing buffer in the
 pool), then the pool is registered, then results are checked bit for bit on integer data,
-then both are timed with CUDA events (median of 20 after 5, max over ranks).
+then both are timed with CUDA events (median of 20 after 5, max over ranks), then the
+host time to issue one ring (perf_counter, no synchronization inside: if it approaches the
+ring's GPU time, the host is the limit).
 """
 import argparse
 import datetime
 import json
 import os
+import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -47,12 +51,22 @@ def main():
         exact = bool(torch.equal(y, expected))
         t_nccl = timing.median(timing.measure(lambda: dist.all_reduce(x), warmup=5, iters=20, device=device))
         t_ring = timing.median(timing.measure(lambda: ring_all_reduce(x), warmup=5, iters=20, device=device))
+        host = []                              # how long the host takes to issue one ring
+        for _ in range(20):
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            ring_all_reduce(x)
+            host.append(time.perf_counter() - t0)
+        torch.cuda.synchronize(device)
         if rank == 0:
             print(json.dumps(dict(p=p, bytes=nbytes, memory="plain" if args.plain else "registered",
                                   exact=exact, nccl_s=t_nccl, ring_s=t_ring,
                                   nccl_busbw=timing.busbw(nbytes, t_nccl, p) / 1e9,
                                   ring_busbw=timing.busbw(nbytes, t_ring, p) / 1e9,
-                                  ratio=t_nccl / t_ring)), flush=True)
+                                  ratio=t_nccl / t_ring, ring_host_s=statistics.median(host),
+                                  env={k: v for k, v in os.environ.items() if k.startswith("NCCL_P2P")
+                                       or k.startswith("NCCL_MIN_P2P") or k.startswith("NCCL_MAX_P2P")})),
+                  flush=True)
         del x, y
     dist.destroy_process_group()
 
