@@ -69,17 +69,20 @@ def _options(name: str, pieces: int | None, channels: int | None) -> dict:
     return {}
 
 
-def _results_agree(fn, options, numel, dtype, device) -> bool:
-    """One run on integer-valued data (exact in any order) against dist.all_reduce, on all ranks."""
+def _results_agree(fn, options, mine: torch.Tensor) -> bool:
+    """One run on integer-valued data (exact in any order) against dist.all_reduce, on all ranks.
+
+    ``mine`` is overwritten with the data (it comes from the same memory as the timed tensor)."""
+    numel = mine.numel()
     values = torch.randint(-4, 5, (numel,), generator=torch.Generator().manual_seed(dist.get_rank()))
-    mine = values.to(dtype=dtype, device=device)
+    mine.copy_(values.to(dtype=mine.dtype))
     expected = verify.reference_all_reduce(mine)
     try:
         fn(mine, **options)
         ok = verify.compare(expected, mine) is None
     except Exception:  # noqa: BLE001 - reported as not ok; the timing below would fail too
         ok = False
-    flag = torch.tensor([int(ok)], device=device)
+    flag = torch.tensor([int(ok)], device=mine.device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 
@@ -103,25 +106,37 @@ def _bench_rank(names: list[str], sizes: list[int], dtype_name: str, warmup: int
             with open(progress_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
 
+    # Under NCCL every tensor comes from memory registered with NCCL (collectives.nccl_memory),
+    # so point-to-point transfers are zero-copy; NCCL's all_reduce gets the same tensor.
+    # Registration is once per process: allocate for the largest size, warm every algorithm
+    # up there (its landing buffers reach their final size), register, then use views.
+    largest = max(max(nbytes // itemsize, 1) for nbytes in sizes)
+    make = (lambda: nccl_memory.empty(largest, dtype=dtype, device=device)) if registered else \
+        (lambda: torch.empty(largest, dtype=dtype, device=device))
+    whole, checked = make(), make()   # the timed tensor; the correctness check's tensor
+    whole.copy_(torch.rand(largest, device=device).to(dtype))
+    dist.all_reduce(whole)
+    for name in names:
+        if name not in BASELINES:
+            try:
+                fns[name](whole, **options.get(name, {}))
+            except Exception:  # noqa: BLE001 - the check below reports it as not ok
+                pass
+    if registered:
+        nccl_memory.register()
     for nbytes in sizes:
         numel = max(nbytes // itemsize, 1)
-        # Under NCCL the tensor comes from memory registered with NCCL (collectives.nccl_memory),
-        # so point-to-point transfers are zero-copy; NCCL's all_reduce gets the same tensor.
-        x = nccl_memory.empty(numel, dtype=dtype, device=device) if registered else \
-            torch.empty(numel, dtype=dtype, device=device)
-        x.copy_(torch.rand(numel, device=device).to(dtype))
+        x = whole[:numel]
         runs = {backend: lambda: dist.all_reduce(x)}
         oks = {backend: True}
         for name in names:
             if name not in BASELINES:
                 fn, kw = fns[name], options.get(name, {})
                 runs[name] = lambda fn=fn, kw=kw: fn(x, **kw)
-                oks[name] = _results_agree(fn, kw, numel, dtype, device) if check else None
+                oks[name] = _results_agree(fn, kw, checked[:numel]) if check else None
         for name, run in runs.items():      # warm-up (a checked run already counts as one)
             for _ in range(max(warmup - (name != backend and oks[name] is not None), 0)):
                 run()
-        if registered:                      # now every buffer exists (landing buffers too):
-            nccl_memory.register()          # register them, with nothing in flight
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times = {name: [] for name in runs}
@@ -167,6 +182,7 @@ def run_bench(names: list[str], world_size: int = 4, sizes: list[int] | None = N
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     worker = threading.Thread(target=work, daemon=True)
+    reported = 0
     try:
         with Progress(TextColumn("[bold]bench[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), transient=True, disable=not progress) as bar:
@@ -180,6 +196,12 @@ def run_bench(names: list[str], world_size: int = 4, sizes: list[int] | None = N
                     last = json.loads(done[-1])
                     bar.update(task, completed=len(done),
                                description=f"{timing.human_bytes(last['nbytes'])}: {last['algo']}")
+                    if progress and not bar.console.is_terminal:   # a log: one line per new row
+                        for line in done[reported:]:
+                            row = json.loads(line)
+                            print(f"bench: {timing.human_bytes(row['nbytes'])} {row['algo']} "
+                                  f"{timing.human_seconds(row['seconds'])} ok={row['ok']}", flush=True)
+                        reported = len(done)
     finally:
         os.unlink(progress_path)
     if "error" in outcome:
@@ -231,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--channels", type=int, default=None, help="multi_ring: number of rings")
     parser.add_argument("--no-check", action="store_true", help="skip the correctness check before timing")
     parser.add_argument("--out", default="bench-results", help="directory for allreduce.json/.png")
+    parser.add_argument("--timeout", type=float, default=3600,
+                        help="seconds before the world is stopped, naming where each rank waits (default 3600)")
     parser.add_argument("--plain-memory", action="store_true",
                         help="NCCL: time on ordinary memory instead of NCCL-registered memory "
                              "(point-to-point then goes through NCCL's staging buffers)")
@@ -245,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     started = datetime.datetime.now().astimezone()
     rows = run_bench(names, args.world, sizes, backend=backend, iters=args.iters, warmup=args.warmup,
                      dtype=args.dtype, options=options, check=not args.no_check,
-                     registered=not args.plain_memory)
+                     registered=not args.plain_memory, timeout=args.timeout)
     memory = ", plain memory" if args.plain_memory and backend == "nccl" else \
         (", NCCL-registered memory" if backend == "nccl" else "")
     title = (f"all-reduce, {args.world} ranks, {backend}{memory}, {args.dtype}, "

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import importlib
 import json
 import math
 import os
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                steps=args.steps, warmup=args.warmup, model=args.model,
                sizes=MODELS[args.model]["sizes"], batch=args.batch or MODELS[args.model]["batch"])
     if args.backend == "gloo":
-        import torch._dynamo  # noqa: F401 - DDP imports it on first use (3 s): do it once, before forking
+        importlib.import_module("torch._dynamo")  # DDP imports it on first use (3 s): once, before forking
     result = launch.run(run_rank, args.world, args=(cfg,), backend=args.backend, timeout=600)[0]
     _render(result, cfg)
     os.makedirs(args.out, exist_ok=True)

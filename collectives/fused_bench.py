@@ -111,7 +111,7 @@ def bench(count: int, numel: int, split_bytes: int, iters: int, separate_iters: 
                  iters=len(times[name]), cpu_per_rank=cpu[name] / len(times[name]))
             for name, detail, _ in cases]
     flat_s = next(r["seconds"] for r in rows if r["case"] == "flat all_reduce")
-    cpu_all = torch.tensor([r["cpu_per_rank"] for r in rows], dtype=torch.float64)
+    cpu_all = torch.tensor([r["cpu_per_rank"] for r in rows], dtype=torch.float64, device=device)
     dist.all_reduce(cpu_all)              # mean over ranks (CPU time is per process)
     for r, c in zip(rows, (cpu_all / dist.get_world_size()).tolist()):
         r["vs_flat"] = r["seconds"] / flat_s

@@ -11,7 +11,7 @@ Usage::
     from collectives import nccl_memory
     x = nccl_memory.empty(n, dtype=torch.float32)   # from the registered pool under NCCL
     ...                                              # allocate everything you will send
-    nccl_memory.register()                           # register the pool's segments
+    nccl_memory.register()                           # register the pool's segments, once
     ring_all_reduce(x)                               # zero-copy transfers
 
 On CPU (gloo), or when the backend offers no NCCL allocator, :func:`empty` is
@@ -69,17 +69,26 @@ def empty(*shape, dtype=torch.float32, device=None) -> torch.Tensor:
 
 
 def register() -> None:
-    """(Re-)register every segment of the pool with NCCL.
+    """Register every segment of the pool with NCCL -- once per process.
 
-    Call it once everything you will communicate is allocated and a warm-up call has run,
-    and with no transfer in flight (``torch.cuda.synchronize()`` first).
+    Call it when everything you will communicate is allocated and a warm-up call has run
+    (so landing buffers exist too); it synchronizes the device first. Memory allocated
+    from the pool afterwards works, through NCCL's staging buffers, until freed.
+
+    Registration is once and for all: NCCL ranks keep mappings of the registered buffers
+    of their peers, so deregistering and registering again mid-run left peers writing
+    through stale mappings -- an illegal memory access on 2 H200s, a wrong ring result on
+    4. Allocate the largest buffer first and work on views of it (as ``python -m
+    collectives bench`` does), and keep registered memory alive until the end.
     """
     global _registered
     if _pool is None:
         return
-    torch.cuda.synchronize()
     if _registered:
-        _backend.deregister_mem_pool(_pool)
+        raise RuntimeError("nccl_memory.register(): the pool is already registered; registering "
+                           "again is unsafe while peers hold mappings of it. Allocate everything "
+                           "first (views of one large buffer) and register once.")
+    torch.cuda.synchronize()
     _backend.register_mem_pool(_pool)
     _registered = True
 

@@ -2,17 +2,19 @@
 
     torchrun --nproc-per-node 4 tools/gpu_ring_check.py --sizes 64M,256M
 
-Prints one JSON line per measurement as it goes (rank 0). The tensor for both comes from
-collectives.nccl_memory; the ring warms up once (allocating its landing buffer in the
-pool), then the pool is registered, then results are checked bit for bit on integer data,
-then both are timed with CUDA events (median of 20 after 5, max over ranks), then the
-host time to issue one ring (perf_counter, no synchronization inside: if it approaches the
-ring's GPU time, the host is the limit).
+Prints one JSON line per measurement as it goes (rank 0). Both tensors come from
+collectives.nccl_memory, allocated for the largest size; the ring warms up once there
+(allocating its landing buffer in the pool), the pool is registered -- once: see
+nccl_memory.register -- and every size works on views. Results are checked bit for bit on
+integer data, then both are timed with CUDA events (median of 20 after 5, max over
+ranks), then the host time to issue one ring is taken (perf_counter, no synchronization
+inside: if it approached the ring's GPU time, the host would be the limit).
 """
 import argparse
 import datetime
 import json
 import os
+import sys
 import statistics
 import time
 
@@ -33,16 +35,18 @@ def main():
     device = torch.device("cuda", local)
     dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(seconds=60))
     rank, p = dist.get_rank(), dist.get_world_size()
-    for nbytes in timing.parse_sizes(args.sizes):
+    sizes = timing.parse_sizes(args.sizes)
+    largest = max(sizes) // 4
+    make = (lambda: torch.empty(largest, device=device)) if args.plain else \
+        (lambda: nccl_memory.empty(largest, dtype=torch.float32, device=device))
+    whole_x, whole_y = make(), make()          # views of these for every size: register once
+    whole_x.normal_()
+    ring_all_reduce(whole_y.normal_())         # warm-up: the landing buffer now has its final size
+    if not args.plain:
+        nccl_memory.register()
+    for nbytes in sizes:
         n = nbytes // 4
-        make = (lambda: torch.empty(n, device=device)) if args.plain else \
-            (lambda: nccl_memory.empty(n, dtype=torch.float32, device=device))
-        x, y = make(), make()
-        x.normal_()
-        y.normal_()
-        ring_all_reduce(y)                     # warm-up: the landing buffer now exists
-        if not args.plain:
-            nccl_memory.register()
+        x, y = whole_x[:n], whole_y[:n]
         values = torch.randint(-8, 9, (n,), device=device).float() * (rank + 1)
         expected = values.clone()
         dist.all_reduce(expected)
@@ -67,8 +71,10 @@ def main():
                                   env={k: v for k, v in os.environ.items() if k.startswith("NCCL_P2P")
                                        or k.startswith("NCCL_MIN_P2P") or k.startswith("NCCL_MAX_P2P")})),
                   flush=True)
-        del x, y
-    dist.destroy_process_group()
+    # No destroy_process_group() and no interpreter teardown: with registered memory alive,
+    # either aborts (the pool is freed after its communicator). The launcher does the same.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -25,12 +25,10 @@ step() {  # step SECONDS command...
   echo "=== exit ${PIPESTATUS[0]}" | tee -a "$LOG"
 }
 for part in $PARTS; do case $part in
-  ringcheck)   # the library ring on registered memory: exactness, ratio, host time; then two NCCL p2p knobs
+  ringcheck)   # the library ring on registered memory: exactness, ratio, host time
     export PYTHONPATH=$PWD
     step 90 torchrun --nproc-per-node "$four" tools/gpu_ring_check.py --sizes 64M,256M
-    CUDA_VISIBLE_DEVICES=0,1 step 90 torchrun --nproc-per-node 2 tools/gpu_ring_check.py --sizes 64M,256M
-    NCCL_P2P_NVL_CHUNKSIZE=2097152 step 90 torchrun --nproc-per-node "$four" tools/gpu_ring_check.py --sizes 256M
-    NCCL_MIN_P2P_NCHANNELS=32 step 90 torchrun --nproc-per-node "$four" tools/gpu_ring_check.py --sizes 256M ;;
+    CUDA_VISIBLE_DEVICES=0,1 step 90 torchrun --nproc-per-node 2 tools/gpu_ring_check.py --sizes 64M,256M ;;
   allreduce)
     step 150 python3 -m collectives bench --backend nccl --world "$four" --algo ring,multi_ring,halving_doubling \
          --sizes 1M..256M --iters 20 --warmup 5 --out "$WORK/allreduce-p$four"
