@@ -90,6 +90,9 @@ class _Flight:
     compressed: bool                # float16 on the wire: check for overflow before copy-back
     buffer: _Buffer | None = None
     done: bool = False
+    sizes: list | None = None       # 1-D targets of the buffer's dtype: one split_with_sizes_copy
+    key: tuple = ()                 # its copy-back's name among the list's graphs
+    replay: "_Bound | None" = None  # the list whose graphs replay this copy-back
 
 
 @dataclass
@@ -100,17 +103,20 @@ class _Prepared:
     gather: list = field(default_factory=list)   # per bucket: tensors -> its tensors
     buffers: list = field(default_factory=list)  # per bucket: the _Buffer it uses
     slots: list = field(default_factory=list)    # per bucket: views shaped like its tensors
-    use_cat: list = field(default_factory=list)  # per bucket: copy-in with torch.cat
+    use_cat: list = field(default_factory=list)  # per bucket: 1-D, one dtype: cat in, split out
+    sizes: list = field(default_factory=list)    # per bucket: elements of each tensor
     bound: list | None = None                    # per bucket: the memory its tensors live in
 
 
 @dataclass
 class _Bound:
-    """The list given to :meth:`FusedAllReducer.bind`, recognised in O(1) Python calls."""
+    """A list of tensors recognised in O(1) Python calls (same objects, same memory): the
+    one given to :meth:`FusedAllReducer.bind`, or the last one all-reduced."""
 
     tensors: list[torch.Tensor]
     data_ptrs: tuple[int, ...]
     prep: _Prepared
+    graphs: dict = field(default_factory=dict)   # ("in" | "back", bucket) -> captured CUDA graph
 
     def matches(self, tensors: list[torch.Tensor]) -> bool:
         return (len(tensors) == len(self.tensors) and all(map(operator.is_, tensors, self.tensors))
@@ -130,6 +136,10 @@ class FusedAllReducer:
     for the copy-in, the copy-back on a third stream that waits for the all-reduce. On CPU
     the streams are no-ops and the all-reduce runs on gloo's thread meanwhile.
 
+    The plan for a list is made once: the next call with the same tensor objects, still
+    in the same memory, reuses it. Reshaping a tensor in place (``resize_``) between calls
+    is not noticed; give the reducer new tensor objects instead.
+
     With ``double_buffer`` each dtype has two buffers used in turn, so group k+1 is copied
     in while group k is on the wire; without it there is one, and each group waits for
     the previous one to come back first (SINGA's order).
@@ -137,13 +147,16 @@ class FusedAllReducer:
 
     def __init__(self, threshold_bytes: int = DEFAULT_THRESHOLD_BYTES,
                  buffer_bytes: int = DEFAULT_BUFFER_BYTES, device=None, op=ReduceOp.SUM,
-                 group=None, compress_fp16: bool = False, double_buffer: bool = True):
+                 group=None, compress_fp16: bool = False, double_buffer: bool = True,
+                 graphs: bool = True):
         if op not in ops.SUPPORTED_OPS:
             raise ValueError(f"FusedAllReducer: unsupported op {op}")
         if buffer_bytes <= 0:
             raise ValueError(f"FusedAllReducer: buffer_bytes must be positive, got {buffer_bytes}")
         self.threshold_bytes, self.buffer_bytes = threshold_bytes, buffer_bytes
         self.device = torch.device(device if device is not None else "cpu")
+        if self.device.type == "cuda" and self.device.index is None:   # "cuda": the current GPU
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.op, self.group = op, group
         self.compress_fp16, self.double_buffer = compress_fp16, double_buffer
         self._copy_in = streams.new_stream(self.device)
@@ -153,6 +166,9 @@ class FusedAllReducer:
         self._prepared: dict[tuple, _Prepared] = {}            # (shapes, dtypes, devices) -> plan
         self._inflight: list[_Flight] = []
         self._bound: _Bound | None = None
+        self._recent: _Bound | None = None     # the last list seen: a training loop repeats it
+        self._replaying: _Bound | None = None   # this call's list, when its copies replay as graphs
+        self.graphs = graphs and self.device.type == "cuda" and not compress_fp16
 
     # -- planning ----------------------------------------------------------------------
     def _buffers_for(self, dtype: torch.dtype) -> list[_Buffer]:
@@ -165,8 +181,20 @@ class FusedAllReducer:
         return self._buffers[dtype]
 
     def _prepare(self, tensors: list[torch.Tensor]) -> _Prepared:
+        """The plan for this list: found in O(1) Python calls when the list is the last one.
+
+        A training loop passes the same tensor objects every step; recognising them (same
+        objects, same memory) costs two C-level passes over the list, where planning costs
+        several Python-level ones per tensor -- on a GPU, where the copies take
+        microseconds, that is most of the call's time.
+        """
+        self._replaying = None
         if self._bound is not None and self._bound.matches(tensors):
             return self._bound.prep
+        if self._recent is not None and self._recent.matches(tensors):
+            if self.graphs:
+                self._replaying = self._recent
+            return self._recent.prep
         try:
             shapes = tuple(map(torch.Tensor.size, tensors))
         except TypeError:
@@ -186,6 +214,7 @@ class FusedAllReducer:
             for t in tensors:
                 if not t.is_contiguous():
                     ops.check_all_reduce_args(t, self.op, what="fused all_reduce")
+        self._recent = _Bound(tensors, tuple(map(torch.Tensor.data_ptr, tensors)), prep)
         return prep
 
     def _plan(self, tensors, shapes, dtypes, devices) -> _Prepared:
@@ -209,6 +238,7 @@ class FusedAllReducer:
             prep.buffers.append(buf)
             prep.slots.append(slot_views(buf.tensor, [shapes[i] for i in idx]))
             prep.use_cat.append(bucket.dtype == bucket.wire_dtype and all(len(shapes[i]) == 1 for i in idx))
+            prep.sizes.append(list(bucket.sizes))
         return prep
 
     def bind(self, tensors: Sequence[torch.Tensor]) -> None:
@@ -279,18 +309,21 @@ class FusedAllReducer:
             self._retire(buf.occupant)
         group_tensors = prep.gather[k](tensors)
         result = buf.tensor[: bucket.numel]
+        if prep.use_cat[k]:
+            copy = lambda: torch.cat(group_tensors, out=result)  # noqa: E731
+        else:
+            copy = lambda: torch._foreach_copy_(slots, list(group_tensors))  # noqa: E731
         with streams.use(self._copy_in):
             self._copy_in.wait_event(buf.free)
-            if prep.use_cat[k]:
-                torch.cat(group_tensors, out=result)
-            else:
-                torch._foreach_copy_(slots, list(group_tensors))
+            self._run(("in", k), copy)
             buf.filled.record(self._copy_in)
         with streams.use(self._comm):
             self._comm.wait_event(buf.filled)
             work = dist.all_reduce(result, op=_wire_op(self.op), group=self.group, async_op=True)
         flight = _Flight(work, result, list(group_tensors), slots,
-                         bucket.wire_dtype != bucket.dtype, buf)
+                         bucket.wire_dtype != bucket.dtype, buf,
+                         sizes=prep.sizes[k] if prep.use_cat[k] and self.graphs else None, key=("back", k),
+                         replay=self._replaying)
         buf.occupant = flight
         self._inflight.append(flight)
 
@@ -317,7 +350,7 @@ class FusedAllReducer:
             else:
                 ops.finish_(flight.result, self.op, dist.get_world_size(self.group))
                 if flight.slots is not None:            # a fused group
-                    torch._foreach_copy_(flight.targets, flight.slots)
+                    self._copy_back_group(flight)
                 elif flight.targets:                    # a tensor on its own
                     ops.write_back(flight.targets[0], flight.result)
             if flight.buffer is not None:
@@ -325,6 +358,47 @@ class FusedAllReducer:
         if flight.buffer is not None:
             flight.buffer.occupant = None
         flight.done = True
+
+    def _copy_back_group(self, flight: _Flight) -> None:
+        if flight.sizes is not None:    # the exact inverse of torch.cat: one call, less host work
+            copy = lambda: torch.split_with_sizes_copy(flight.result, flight.sizes,  # noqa: E731
+                                                       out=flight.targets)
+        else:
+            copy = lambda: torch._foreach_copy_(flight.targets, flight.slots)  # noqa: E731
+        self._run(flight.key, copy, flight.replay)
+
+    def _run(self, key: tuple, copy, replay: "_Bound | None" = ...) -> None:
+        """Run ``copy`` on the current stream -- or, for a list seen before, replay it as a CUDA graph.
+
+        For 1000 tensors of 16 KiB a ``torch.cat`` takes about 0.3 ms of host time and a
+        ``_foreach_copy_`` about 0.45 ms (H200 host), while the flat all-reduce of the same
+        bytes takes 0.2 ms: the copies are bound by the host's work per tensor, not by the
+        GPU. Captured once in a CUDA graph (the addresses are the same each step: the same
+        tensors, checked by :meth:`_prepare`), each copy costs one graph launch.
+        """
+        replay = self._replaying if replay is ... else replay
+        if replay is None:
+            copy()
+            return
+        graph = replay.graphs.get(key)
+        if graph is None:
+            graph = replay.graphs[key] = self._capture(copy)
+        graph.replay()
+
+    def _capture(self, copy):
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.current_stream(self.device)
+        side = self._capture_stream = getattr(self, "_capture_stream", None) or torch.cuda.Stream(self.device)
+        side.wait_stream(stream)
+        with torch.cuda.stream(side):
+            # thread_local: NCCL's watchdog thread may query events meanwhile; that is fine
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                copy()
+            finally:
+                graph.capture_end()
+        stream.wait_stream(side)
+        return graph
 
     def _redo_in_float32(self, targets: list[torch.Tensor]) -> None:
         """float16 overflowed (or an input was NaN): all-reduce these inputs again at full width."""

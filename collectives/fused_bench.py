@@ -34,7 +34,7 @@ from .fused import FusedAllReducer, fused_all_reduce
 from .ops import ReduceOp
 
 
-def _cases(count: int, numel: int, split_bytes: int):
+def _cases(count: int, numel: int, split_bytes: int, cuda: bool = False):
     """(name, detail, setup) triples; setup(tensors, flat) returns the function to time."""
     total = count * numel * 4
 
@@ -52,10 +52,10 @@ def _cases(count: int, numel: int, split_bytes: int):
                 t.copy_(piece)
         return run
 
-    def fused(buffer_bytes, double, bind=False):
+    def fused(buffer_bytes, double, bind=False, graphs=True):
         def setup(ts, flat):
             reducer = FusedAllReducer(threshold_bytes=total + 1, buffer_bytes=buffer_bytes,
-                                      device=ts[0].device, double_buffer=double)
+                                      device=ts[0].device, double_buffer=double, graphs=graphs)
             if bind:
                 ts = [t.clone() for t in ts]   # bind re-points them: keep the others' tensors apart
                 reducer.bind(ts)
@@ -67,7 +67,10 @@ def _cases(count: int, numel: int, split_bytes: int):
         ("separate calls", f"{count} dist.all_reduce", separate),
         ("flat all_reduce", "one call, bytes already flat", flat_ar),
         ("cat + copy_ loop", "torch.cat, all_reduce, Python copy_ loop", cat_loop),
-        ("fused", "one buffer, 1 flush", fused(total, True)),
+        ("fused", "one buffer, 1 flush" + ("; copies replayed as CUDA graphs" if cuda else ""),
+         fused(total, True)),
+    ] + ([("fused, eager copies", "one buffer, 1 flush, copies issued each call", fused(total, True, graphs=False))]
+         if cuda else []) + [
         ("fused, double buffer", f"{timing.human_bytes(split_bytes)} buffers, {flushes} flushes",
          fused(split_bytes, True)),
         ("fused, one buffer", f"{timing.human_bytes(split_bytes)} buffer, {flushes} flushes (SINGA order)",
@@ -86,7 +89,7 @@ def bench(count: int, numel: int, split_bytes: int, iters: int, separate_iters: 
               if dist.get_backend() == "nccl" else torch.device("cpu"))
     tensors = [torch.randn(numel, device=device) for _ in range(count)]
     flat = torch.randn(count * numel, device=device)
-    cases = _cases(count, numel, split_bytes)
+    cases = _cases(count, numel, split_bytes, cuda=device.type == "cuda")
     fns = {name: setup(tensors, flat) for name, _, setup in cases}
     times: dict[str, list[float]] = {name: [] for name in fns}
     cpu = dict.fromkeys(fns, 0.0)         # this process's CPU seconds (gloo's threads included)

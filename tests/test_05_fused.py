@@ -559,6 +559,31 @@ def test_bound_tensors_are_reduced_in_place_without_copies(reference_extras):
     _assert_ok(reference_extras, "bind")
 
 
+def _repeated_list_reuses_its_plan_until_its_memory_changes():
+    from collectives.fused import FusedAllReducer
+
+    rank, p = dist.get_rank(), dist.get_world_size()
+    reducer = FusedAllReducer(threshold_bytes=1 << 20, buffer_bytes=1 << 16)
+    ts = [torch.full((5,), float(rank + 1)), torch.ones(3)]
+    reducer.all_reduce(ts).wait()
+    planned = reducer._recent
+    ts[0].fill_(rank + 1)
+    ts[1].fill_(1.0)
+    reducer.all_reduce(ts).wait()
+    reused = reducer._recent is planned
+    ts[1].data = torch.full((7,), 2.0)        # same object, new memory and shape
+    ts[0].fill_(rank + 1)
+    reducer.all_reduce(ts).wait()
+    return (reused, reducer._recent is not planned, ts[0].tolist(), ts[1].tolist())
+
+
+def test_a_repeated_list_reuses_its_plan_and_is_replanned_when_its_memory_changes():
+    p = 2
+    for reused, replanned, first, second in launch.run(_repeated_list_reuses_its_plan_until_its_memory_changes, p):
+        assert reused and replanned
+        assert first == [3.0] * 5 and second == [4.0] * 7
+
+
 def test_compression_cannot_be_combined_with_bind():
     from collectives.fused import FusedAllReducer
 

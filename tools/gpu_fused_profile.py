@@ -1,0 +1,84 @@
+"""Where the host time of one fused all-reduce goes, on one GPU (a world of one rank).
+
+    python tools/gpu_fused_profile.py [--count 1000 --numel 4096]
+
+Times, on the host (perf_counter; the GPU work of these calls is microseconds), each piece
+of FusedAllReducer's hot path for ``count`` tensors, then the whole call, then a cProfile
+of 20 whole calls. Prints JSON and the profile's top lines.
+"""
+import argparse
+import cProfile
+import datetime
+import io
+import json
+import operator
+import os
+import pstats
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from collectives.fused import FusedAllReducer
+
+
+def host(fn, n=30):
+    fn()
+    torch.cuda.synchronize()
+    xs = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        xs.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+    return statistics.median(xs) * 1e6
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--count", type=int, default=1000)
+    ap.add_argument("--numel", type=int, default=4096)
+    args = ap.parse_args()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29511")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0),
+                            timeout=datetime.timedelta(seconds=60))
+    ts = [torch.randn(args.numel, device="cuda") for _ in range(args.count)]
+    flat = torch.empty(args.count * args.numel, device="cuda")
+    slots = list(flat.split(args.numel))
+    red = FusedAllReducer(threshold_bytes=1 << 40, buffer_bytes=flat.numel() * 4, device="cuda")
+    bound = FusedAllReducer(threshold_bytes=1 << 40, buffer_bytes=flat.numel() * 4, device="cuda")
+    bts = [t.clone() for t in ts]
+    bound.bind(bts)
+    out = {
+        "flat all_reduce": host(lambda: dist.all_reduce(flat)),
+        "torch.cat(out=)": host(lambda: torch.cat(ts, out=flat)),
+        "_foreach_copy_ back": host(lambda: torch._foreach_copy_(ts, slots)),
+        "split_with_sizes_copy back": host(lambda: torch.split_with_sizes_copy(
+            flat, [args.numel] * args.count, out=ts)),
+        "is-map": host(lambda: all(map(operator.is_, ts, ts))),
+        "data_ptr map": host(lambda: tuple(map(torch.Tensor.data_ptr, ts))),
+        "size map": host(lambda: tuple(map(torch.Tensor.size, ts))),
+        "device map": host(lambda: tuple(map(operator.attrgetter("device"), ts))),
+        "_prepare": host(lambda: red._prepare(ts)),
+        "fused call": host(lambda: (red.all_reduce(ts), red.wait())),
+        "bound call": host(lambda: (bound.all_reduce(bts), bound.wait())),
+    }
+    print(json.dumps({k: round(v, 1) for k, v in out.items()}), flush=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(20):
+        red.all_reduce(ts)
+        red.wait()
+    torch.cuda.synchronize()
+    prof.disable()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(15)
+    print(s.getvalue(), flush=True)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
