@@ -30,9 +30,9 @@ for part in $PARTS; do case $part in
     step 90 torchrun --nproc-per-node "$four" tools/gpu_ring_check.py --sizes 64M,256M
     CUDA_VISIBLE_DEVICES=0,1 step 90 torchrun --nproc-per-node 2 tools/gpu_ring_check.py --sizes 64M,256M ;;
   allreduce)
-    step 150 python3 -m collectives bench --backend nccl --world "$four" --algo ring,multi_ring,halving_doubling \
+    step 300 python3 -m collectives bench --backend nccl --world "$four" --algo ring,multi_ring,halving_doubling \
          --sizes 1M..256M --iters 20 --warmup 5 --out "$WORK/allreduce-p$four"
-    CUDA_VISIBLE_DEVICES=0,1 step 120 python3 -m collectives bench --backend nccl --world 2 \
+    CUDA_VISIBLE_DEVICES=0,1 step 240 python3 -m collectives bench --backend nccl --world 2 \
          --algo ring,halving_doubling --sizes 1M..256M --iters 20 --warmup 5 --out "$WORK/allreduce-p2"
     step 90 python3 -m collectives bench --backend nccl --world "$four" --algo ring --sizes 256M \
          --iters 20 --warmup 5 --plain-memory --out "$WORK/allreduce-p$four-plain"
