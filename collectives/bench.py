@@ -89,7 +89,7 @@ def _results_agree(fn, options, mine: torch.Tensor) -> bool:
 
 def _bench_rank(names: list[str], sizes: list[int], dtype_name: str, warmup: int, iters: int,
                 options: dict, check: bool, progress_path: str | None,
-                registered: bool = True) -> list[dict]:
+                registered: bool = False) -> list[dict]:
     """Runs on every rank: every size, the baseline then each algorithm. Rank 0's rows count."""
     from .impl import resolve
 
@@ -106,9 +106,9 @@ def _bench_rank(names: list[str], sizes: list[int], dtype_name: str, warmup: int
             with open(progress_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
 
-    # Under NCCL every tensor comes from memory registered with NCCL (collectives.nccl_memory),
-    # so point-to-point transfers are zero-copy; NCCL's all_reduce gets the same tensor.
-    # Registration is once per process: allocate for the largest size, warm every algorithm
+    # With ``registered`` (NCCL) the tensors come from memory registered with NCCL
+    # (collectives.nccl_memory), so point-to-point transfers are zero-copy; NCCL's all_reduce
+    # gets the same tensor. Registration is once per process: allocate for the largest size, warm every algorithm
     # up there (its landing buffers reach their final size), register, then use views.
     largest = max(max(nbytes // itemsize, 1) for nbytes in sizes)
     make = (lambda: nccl_memory.empty(largest, dtype=dtype, device=device)) if registered else \
@@ -147,7 +147,6 @@ def _bench_rank(names: list[str], sizes: list[int], dtype_name: str, warmup: int
         for name in runs:
             note(_row(name, numel * itemsize, numel, timing.median(times[name]), base, p, backend,
                       dtype_name, oks[name]))
-        del x, runs
     return rows
 
 
@@ -161,7 +160,7 @@ def _row(algo, nbytes, numel, seconds, baseline, p, backend, dtype, ok) -> dict:
 def run_bench(names: list[str], world_size: int = 4, sizes: list[int] | None = None, *,
               backend: str = "gloo", iters: int = 5, warmup: int = 2, dtype: str = "float32",
               options: dict | None = None, check: bool = True, progress: bool = True,
-              timeout: float = 3600, registered: bool = True) -> list[dict]:
+              timeout: float = 3600, registered: bool = False) -> list[dict]:
     """Measure ``names`` (keys of :data:`ALGORITHMS` or "module:function") against
     ``dist.all_reduce`` on one world; return one dict per (size, algorithm), baseline first."""
     sizes = sizes or timing.parse_sizes("1K..64M")
@@ -170,8 +169,7 @@ def run_bench(names: list[str], world_size: int = 4, sizes: list[int] | None = N
     os.close(fd)
     outcome: dict = {}
 
-    # NCCL-registered memory: one world per size. In one world, the second size hung on
-    # 2 and 4 H200s (registered once, views of one buffer); every first size ran clean.
+    # NCCL-registered memory: one world per size (registration is once per process).
     worlds = [[size] for size in sizes] if backend == "nccl" and registered else [sizes]
 
     def work():
@@ -259,9 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="bench-results", help="directory for allreduce.json/.png")
     parser.add_argument("--timeout", type=float, default=3600,
                         help="seconds before the world is stopped, naming where each rank waits (default 3600)")
-    parser.add_argument("--plain-memory", action="store_true",
-                        help="NCCL: time on ordinary memory instead of NCCL-registered memory "
-                             "(point-to-point then goes through NCCL's staging buffers)")
+    parser.add_argument("--registered-memory", action="store_true",
+                        help="NCCL: time on memory registered with NCCL (zero-copy point-to-point). "
+                             "Known to hang in this harness on H200s (see the benchmarks page); "
+                             "tools/gpu_ring_check.py measures it under torchrun")
     args = parser.parse_args(argv)
 
     backend = args.backend or launch.auto_backend(args.world)
@@ -273,9 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     started = datetime.datetime.now().astimezone()
     rows = run_bench(names, args.world, sizes, backend=backend, iters=args.iters, warmup=args.warmup,
                      dtype=args.dtype, options=options, check=not args.no_check,
-                     registered=not args.plain_memory, timeout=args.timeout)
-    memory = ", plain memory" if args.plain_memory and backend == "nccl" else \
-        (", NCCL-registered memory" if backend == "nccl" else "")
+                     registered=args.registered_memory, timeout=args.timeout)
+    memory = (", NCCL-registered memory" if args.registered_memory else ", plain memory") \
+        if backend == "nccl" else ""
     title = (f"all-reduce, {args.world} ranks, {backend}{memory}, {args.dtype}, "
              f"median of {args.iters} after {args.warmup} warm-up")
     render(rows, title)
@@ -287,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                 backend=backend, world_size=args.world, dtype=args.dtype, iters=args.iters,
                 warmup=args.warmup, host=platform.node(), cpus=os.cpu_count(),
                 nccl=".".join(map(str, torch.cuda.nccl.version())) if backend == "nccl" else None,
-                registered_memory=backend == "nccl" and not args.plain_memory,
+                registered_memory=backend == "nccl" and args.registered_memory,
                 device=torch.cuda.get_device_name(0) if backend == "nccl" else platform.processor() or "cpu")
     (out / "allreduce.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     from .plots import plot_busbw
