@@ -27,7 +27,8 @@ unfused, n calls cost ``n·2(p−1)·α + 2(p−1)/p·S·β``; fused, ``k·2(p�
 plus two copies of S (in and back). The bytes each rank sends are the same,
 ``2(p−1)/p·S``: fusion saves start-ups, not bandwidth. Double buffering hides the copies
 of one group behind the all-reduce of another, except the first copy-in and last copy-back;
-:meth:`FusedAllReducer.bind` removes them altogether by making the tensors live in the buffer.
+:meth:`FusedAllReducer.bind` removes them altogether by making the tensors live in the buffer,
+and a list seen before costs less on the host (:mod:`collectives.fused_reuse`).
 
 **float16 on the wire** (``compress_fp16=True``): float32 tensors travel as float16 --
 cast in the buffer, all-reduced, cast back -- half the bytes. Each input is rounded once
@@ -51,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from . import ops, streams
+from .fused_reuse import CopyGraphs, KnownList, move_into_arenas
 from .ops import ReduceOp
 from .tour import TourEntry
 
@@ -92,7 +94,7 @@ class _Flight:
     done: bool = False
     sizes: list | None = None       # on GPUs, 1-D targets of the buffer's dtype: one split_with_sizes_copy
     key: tuple = ()                 # its copy-back's name among the list's graphs
-    replay: "_Bound | None" = None  # the list whose graphs replay this copy-back
+    known: KnownList | None = None  # the list whose graphs replay this copy-back
 
 
 @dataclass
@@ -106,21 +108,6 @@ class _Prepared:
     use_cat: list = field(default_factory=list)  # per bucket: 1-D, one dtype: cat in, split out
     sizes: list = field(default_factory=list)    # per bucket: elements of each tensor
     bound: list | None = None                    # per bucket: the memory its tensors live in
-
-
-@dataclass
-class _Bound:
-    """A list of tensors recognised in O(1) Python calls (same objects, same memory): the
-    one given to :meth:`FusedAllReducer.bind`, or the last one all-reduced."""
-
-    tensors: list[torch.Tensor]
-    data_ptrs: tuple[int, ...]
-    prep: _Prepared
-    graphs: dict = field(default_factory=dict)   # ("in" | "back", bucket) -> captured CUDA graph
-
-    def matches(self, tensors: list[torch.Tensor]) -> bool:
-        return (len(tensors) == len(self.tensors) and all(map(operator.is_, tensors, self.tensors))
-                and tuple(map(torch.Tensor.data_ptr, tensors)) == self.data_ptrs)
 
 
 class FusedAllReducer:
@@ -165,11 +152,11 @@ class FusedAllReducer:
         self._buffers: dict[torch.dtype, list[_Buffer]] = {}   # wire dtype -> its buffers
         self._prepared: dict[tuple, _Prepared] = {}            # (shapes, dtypes, devices) -> plan
         self._inflight: list[_Flight] = []
-        self._bound: _Bound | None = None
-        self._recent: _Bound | None = None     # the last list seen: a training loop repeats it
-        self._replaying: _Bound | None = None   # this call's list, when its copies replay as graphs
+        self._bound: KnownList | None = None     # the list given to bind()
+        self._recent: KnownList | None = None    # the last list seen: a training loop repeats it
+        self._replaying: KnownList | None = None  # this call's list, when its copies replay as graphs
         self.graphs = graphs and self.device.type == "cuda" and not compress_fp16
-        self._capture_stream = None
+        self._copies = CopyGraphs(self.device)
 
     # -- planning ----------------------------------------------------------------------
     def _buffers_for(self, dtype: torch.dtype) -> list[_Buffer]:
@@ -182,20 +169,15 @@ class FusedAllReducer:
         return self._buffers[dtype]
 
     def _prepare(self, tensors: list[torch.Tensor]) -> _Prepared:
-        """The plan for this list: found in O(1) Python calls when the list is the last one.
-
-        A training loop passes the same tensor objects every step; recognising them (same
-        objects, same memory) costs two C-level passes over the list, where planning costs
-        several Python-level ones per tensor -- on a GPU, where the copies take
-        microseconds, that is most of the call's time.
-        """
+        """The plan for this list: found in O(1) Python calls when the list is the last one
+        (:class:`~collectives.fused_reuse.KnownList`), else made (and cached by shapes)."""
         self._replaying = None
         if self._bound is not None and self._bound.matches(tensors):
-            return self._bound.prep
+            return self._bound.plan
         if self._recent is not None and self._recent.matches(tensors):
             if self.graphs:
                 self._replaying = self._recent
-            return self._recent.prep
+            return self._recent.plan
         try:
             shapes = tuple(map(torch.Tensor.size, tensors))
         except TypeError:
@@ -215,7 +197,7 @@ class FusedAllReducer:
             for t in tensors:
                 if not t.is_contiguous():
                     ops.check_all_reduce_args(t, self.op, what="fused all_reduce")
-        self._recent = _Bound(tensors, tuple(map(torch.Tensor.data_ptr, tensors)), prep)
+        self._recent = KnownList.of(tensors, prep)
         return prep
 
     def _plan(self, tensors, shapes, dtypes, devices) -> _Prepared:
@@ -263,21 +245,8 @@ class FusedAllReducer:
             raise ValueError("bind: not with compress_fp16 (float32 tensors cannot live in float16 buffers)")
         shapes = tuple(map(torch.Tensor.size, tensors))
         prep = self._plan(tensors, shapes, tuple(t.dtype for t in tensors), tuple(t.device for t in tensors))
-        prep.bound = []
-        for bucket, slots in zip(prep.layout.buckets, prep.slots):
-            members = [tensors[i] for i in bucket.indices]
-            for i, t in zip(bucket.indices, members):
-                if not t.is_contiguous() or t._base is not None:
-                    raise ValueError(f"bind: tensor {i} is a view or not contiguous; bind needs "
-                                     "tensors that own their memory")
-            arena = torch.empty(bucket.numel, dtype=bucket.dtype, device=self.device)
-            own_slots = slot_views(arena, [t.shape for t in members])
-            torch._foreach_copy_(own_slots, members)
-            with torch.no_grad():
-                for t, slot in zip(members, own_slots):
-                    t.set_(arena.untyped_storage(), slot.storage_offset(), slot.size(), slot.stride())
-            prep.bound.append(arena)
-        self._bound = _Bound(tensors, tuple(map(torch.Tensor.data_ptr, tensors)), prep)
+        prep.bound = move_into_arenas(prep.layout.buckets, tensors, self.device)
+        self._bound = KnownList.of(tensors, prep)
 
     # -- issuing -----------------------------------------------------------------------
     def all_reduce(self, tensors: Sequence[torch.Tensor]) -> "FusedAllReducer":
@@ -316,7 +285,7 @@ class FusedAllReducer:
             copy = lambda: torch._foreach_copy_(slots, list(group_tensors))  # noqa: E731
         with streams.use(self._copy_in):
             self._copy_in.wait_event(buf.free)
-            self._run(("in", k), copy, self._replaying)
+            self._copies.run(copy, self._replaying, ("in", k))
             buf.filled.record(self._copy_in)
         with streams.use(self._comm):
             self._comm.wait_event(buf.filled)
@@ -324,8 +293,7 @@ class FusedAllReducer:
         flight = _Flight(work, result, list(group_tensors), slots,
                          bucket.wire_dtype != bucket.dtype, buf,
                          sizes=prep.sizes[k] if prep.use_cat[k] and self.device.type == "cuda" else None,
-                         key=("back", k),
-                         replay=self._replaying)
+                         key=("back", k), known=self._replaying)
         buf.occupant = flight
         self._inflight.append(flight)
 
@@ -368,41 +336,7 @@ class FusedAllReducer:
                                                        out=flight.targets)
         else:
             copy = lambda: torch._foreach_copy_(flight.targets, flight.slots)  # noqa: E731
-        self._run(flight.key, copy, flight.replay)
-
-    def _run(self, key: tuple, copy, replay: "_Bound | None") -> None:
-        """Run ``copy`` on the current stream -- or, for a list seen before, replay it as a CUDA graph.
-
-        For 1000 tensors of 16 KiB a ``torch.cat`` takes about 0.3 ms of host time and a
-        ``_foreach_copy_`` about 0.45 ms (H200 host), while the flat all-reduce of the same
-        bytes takes 0.2 ms: the copies are bound by the host's work per tensor, not by the
-        GPU. Captured once in a CUDA graph (the addresses are the same each step: the same
-        tensors, checked by :meth:`_prepare`), each copy costs one graph launch.
-        """
-        if replay is None:
-            copy()
-            return
-        graph = replay.graphs.get(key)
-        if graph is None:
-            graph = replay.graphs[key] = self._capture(copy)
-        graph.replay()
-
-    def _capture(self, copy):
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.current_stream(self.device)
-        if self._capture_stream is None:
-            self._capture_stream = torch.cuda.Stream(self.device)
-        side = self._capture_stream
-        side.wait_stream(stream)
-        with torch.cuda.stream(side):
-            # thread_local: NCCL's watchdog thread may query events meanwhile; that is fine
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                copy()
-            finally:
-                graph.capture_end()
-        stream.wait_stream(side)
-        return graph
+        self._copies.run(copy, flight.known, flight.key)
 
     def _redo_in_float32(self, targets: list[torch.Tensor]) -> None:
         """float16 overflowed (or an input was NaN): all-reduce these inputs again at full width."""

@@ -90,6 +90,11 @@ class MultiRing:
                 w.wait()
             for d, r in pending[1]:
                 d.add_(r)
+        self.all_gather()
+
+    def all_gather(self):
+        """Every channel's finished chunks once round its ring, all channels in one group per step."""
+        p = self.p
         for step in range(p - 1):
             ops = []
             for pos, right, left, chunks, buf in self.plans:
@@ -113,13 +118,7 @@ class MultiRing:
                 w.wait()
             for dst, r in adds:
                 dst.add_(r)
-        for step in range(p - 1):
-            ops = []
-            for pos, right, left, chunks, buf in self.plans:
-                ops.append(dist.P2POp(dist.isend, chunks[(pos - step + 1) % p], right))
-                ops.append(dist.P2POp(dist.irecv, chunks[(pos - step) % p], left))
-            for w in dist.batch_isend_irecv(ops):
-                w.wait()
+        self.all_gather()
 
 
 def timeit(fn, warmup=5, iters=20):
@@ -148,6 +147,9 @@ def main():
     ap.add_argument("--register", action="store_true",
                     help="allocate every buffer from a MemPool registered with NCCL (zero-copy p2p)")
     args = ap.parse_args()
+    if args.register and "," in args.sizes:
+        ap.error("--register takes one size per run: registering NCCL memory again in the same "
+                 "process is unsafe (see collectives.nccl_memory.register)")
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
@@ -193,12 +195,12 @@ def main():
         if rank == 0:
             for r in rows[-(len(variants) + 1):]:
                 print(json.dumps(r), flush=True)
-        if args.register:
-            backend.deregister_mem_pool(pool)
-        del x, runners
+        runners.clear()
     if rank == 0 and args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
+    if args.register:   # the registered pool must not be freed after its communicator: leave now
+        os._exit(0)
     dist.destroy_process_group()
 
 
