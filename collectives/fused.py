@@ -51,8 +51,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from . import ops, streams
-from .fused_reuse import CopyGraphs, KnownList, move_into_arenas
+from . import ops, streams, trace
+from .fused_reuse import KnownList, StepGraphs, copy_pairs, host_copy_pairs, move_into_arenas
 from .ops import ReduceOp
 from .tour import TourEntry
 
@@ -93,8 +93,7 @@ class _Flight:
     buffer: _Buffer | None = None
     done: bool = False
     sizes: list | None = None       # on GPUs, 1-D targets of the buffer's dtype: one split_with_sizes_copy
-    key: tuple = ()                 # its copy-back's name among the list's graphs
-    known: KnownList | None = None  # the list whose graphs replay this copy-back
+    pairs: list | None = None       # on CPUs, a known list: NumPy views of targets and slots
 
 
 @dataclass
@@ -124,8 +123,12 @@ class FusedAllReducer:
     the streams are no-ops and the all-reduce runs on gloo's thread meanwhile.
 
     The plan for a list is made once: the next call with the same tensor objects, still
-    in the same memory, reuses it. Reshaping a tensor in place (``resize_``) between calls
-    is not noticed; give the reducer new tensor objects instead.
+    in the same memory, reuses it. On a GPU (``graphs=True``, not with ``compress_fp16``)
+    that second call also records everything it issues -- copies, all-reduces, events of
+    all three streams -- as one CUDA graph, and every later call with the list replays it
+    on the copy-back stream: one launch, whatever the number of tensors. While a trace is
+    recording, calls are issued for real. Reshaping a tensor in place (``resize_``) between
+    calls is not noticed; give the reducer new tensor objects instead.
 
     With ``double_buffer`` each dtype has two buffers used in turn, so group k+1 is copied
     in while group k is on the wire; without it there is one, and each group waits for
@@ -149,14 +152,16 @@ class FusedAllReducer:
         self._copy_in = streams.new_stream(self.device)
         self._comm = streams.new_stream(self.device)
         self._copy_back = streams.new_stream(self.device)
+        self._issued = streams.new_event(self.device)     # the caller's stream, at all_reduce()
+        self._landed = streams.new_event(self.device)     # the copy-back stream, at wait()
         self._buffers: dict[torch.dtype, list[_Buffer]] = {}   # wire dtype -> its buffers
         self._prepared: dict[tuple, _Prepared] = {}            # (shapes, dtypes, devices) -> plan
         self._inflight: list[_Flight] = []
         self._bound: KnownList | None = None     # the list given to bind()
         self._recent: KnownList | None = None    # the last list seen: a training loop repeats it
-        self._replaying: KnownList | None = None  # this call's list, when its copies replay as graphs
+        self._known: KnownList | None = None     # this call's list, when it was seen before
         self.graphs = graphs and self.device.type == "cuda" and not compress_fp16
-        self._copies = CopyGraphs(self.device)
+        self._recorder = StepGraphs(self.device)
 
     # -- planning ----------------------------------------------------------------------
     def _buffers_for(self, dtype: torch.dtype) -> list[_Buffer]:
@@ -171,12 +176,12 @@ class FusedAllReducer:
     def _prepare(self, tensors: list[torch.Tensor]) -> _Prepared:
         """The plan for this list: found in O(1) Python calls when the list is the last one
         (:class:`~collectives.fused_reuse.KnownList`), else made (and cached by shapes)."""
-        self._replaying = None
+        self._known = None
         if self._bound is not None and self._bound.matches(tensors):
+            self._known = self._bound
             return self._bound.plan
         if self._recent is not None and self._recent.matches(tensors):
-            if self.graphs:
-                self._replaying = self._recent
+            self._known = self._recent
             return self._recent.plan
         try:
             shapes = tuple(map(torch.Tensor.size, tensors))
@@ -257,6 +262,16 @@ class FusedAllReducer:
         if not tensors:
             return self
         prep = self._prepare(tensors)
+        known = self._known
+        if known is not None and self.graphs and not trace.active():
+            if known.graph is None:
+                known.graph = self._recorder.record(lambda: self._record_step(prep, tensors))
+            self._replay(prep, known.graph)
+            return self
+        self._issue(prep, tensors)
+        return self
+
+    def _issue(self, prep: _Prepared, tensors: list[torch.Tensor]) -> None:
         producer = streams.current_stream(self.device)
         self._copy_in.wait_stream(producer)    # the gradients are written before we read them
         self._comm.wait_stream(producer)
@@ -265,7 +280,33 @@ class FusedAllReducer:
                 self._flush(prep, k, tensors)
             else:
                 self._direct(tensors[k])
-        return self
+
+    def _record_step(self, prep: _Prepared, tensors: list[torch.Tensor]) -> None:
+        """Issue and land one call, as recorded into a graph (nothing runs yet)."""
+        recording = streams.current_stream(self.device)
+        for buf in prep.buffers:    # events waited on in a graph must be recorded in it
+            buf.free.record(recording)
+        self._issue(prep, tensors)
+        for flight in self._inflight:
+            self._retire(flight)
+        self._inflight.clear()
+        recording.wait_stream(self._copy_back)     # every stream joins the recording again
+
+    def _replay(self, prep: _Prepared, graph) -> None:
+        """One launch for the whole call, on the copy-back stream (``wait()`` joins it).
+
+        The hot path of a training loop, so written lean: events made once, the stream
+        switched directly rather than through a context manager."""
+        caller = torch.cuda.current_stream(self.device)
+        self._issued.record(caller)                 # after the producer
+        self._copy_back.wait_event(self._issued)
+        torch.cuda.set_stream(self._copy_back)
+        try:
+            graph.replay()
+        finally:
+            torch.cuda.set_stream(caller)
+        for buf in prep.buffers:    # eager calls that follow wait for the replay to let go
+            buf.free.record(self._copy_back)
 
     def _flush(self, prep: _Prepared, k: int, tensors: list[torch.Tensor]) -> None:
         bucket, buf, slots = prep.layout.buckets[k], prep.buffers[k], prep.slots[k]
@@ -279,21 +320,25 @@ class FusedAllReducer:
             self._retire(buf.occupant)
         group_tensors = prep.gather[k](tensors)
         result = buf.tensor[: bucket.numel]
-        if prep.use_cat[k]:
-            copy = lambda: torch.cat(group_tensors, out=result)  # noqa: E731
-        else:
-            copy = lambda: torch._foreach_copy_(slots, list(group_tensors))  # noqa: E731
         with streams.use(self._copy_in):
             self._copy_in.wait_event(buf.free)
-            self._copies.run(copy, self._replaying, ("in", k))
+            if prep.use_cat[k]:
+                torch.cat(group_tensors, out=result)
+            else:
+                torch._foreach_copy_(slots, list(group_tensors))
             buf.filled.record(self._copy_in)
         with streams.use(self._comm):
             self._comm.wait_event(buf.filled)
             work = dist.all_reduce(result, op=_wire_op(self.op), group=self.group, async_op=True)
         flight = _Flight(work, result, list(group_tensors), slots,
-                         bucket.wire_dtype != bucket.dtype, buf,
-                         sizes=prep.sizes[k] if prep.use_cat[k] and self.device.type == "cuda" else None,
-                         key=("back", k), known=self._replaying)
+                         bucket.wire_dtype != bucket.dtype, buf)
+        if self.device.type == "cuda":
+            flight.sizes = prep.sizes[k] if prep.use_cat[k] else None
+        elif self._known is not None:           # NumPy views, made once per list and bucket
+            views = self._known.host_views
+            if k not in views:
+                views[k] = host_copy_pairs(flight.targets, slots)
+            flight.pairs = views[k]
         buf.occupant = flight
         self._inflight.append(flight)
 
@@ -332,11 +377,11 @@ class FusedAllReducer:
     def _copy_back_group(self, flight: _Flight) -> None:
         if flight.sizes is not None:    # the inverse of torch.cat: on a GPU, 2.4x less host time
                                         # than _foreach_copy_; on a CPU, more (so not used there)
-            copy = lambda: torch.split_with_sizes_copy(flight.result, flight.sizes,  # noqa: E731
-                                                       out=flight.targets)
+            torch.split_with_sizes_copy(flight.result, flight.sizes, out=flight.targets)
+        elif flight.pairs is not None:  # CPU, a list seen before: a NumPy loop, 2.5x faster
+            copy_pairs(flight.pairs)
         else:
-            copy = lambda: torch._foreach_copy_(flight.targets, flight.slots)  # noqa: E731
-        self._copies.run(copy, flight.known, flight.key)
+            torch._foreach_copy_(flight.targets, flight.slots)
 
     def _redo_in_float32(self, targets: list[torch.Tensor]) -> None:
         """float16 overflowed (or an input was NaN): all-reduce these inputs again at full width."""
@@ -349,7 +394,8 @@ class FusedAllReducer:
         """Finish every flush in order; the caller's current stream then sees the results."""
         for flight in self._inflight:
             self._retire(flight)
-        streams.current_stream(self.device).wait_stream(self._copy_back)
+        self._landed.record(self._copy_back)
+        streams.current_stream(self.device).wait_event(self._landed)
         self._inflight.clear()      # the tensors were held until now: nobody freed them mid-copy
 
 

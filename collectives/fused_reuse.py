@@ -9,8 +9,16 @@ to stop paying it every step, used by :class:`collectives.fused.FusedAllReducer`
 
 * :class:`KnownList` -- recognise a list seen before (same tensor objects, same memory)
   in two C-level passes, and reuse its plan;
-* :class:`CopyGraphs` -- record that list's copy-in and copy-back once as CUDA graphs and
-  replay them: one launch each, whatever the number of tensors;
+* :class:`StepGraphs` -- record everything one call of that list issues (copy-in on one
+  stream, the all-reduces on another, copy-back on a third, and the events between them)
+  once as a CUDA graph, and replay it: one launch per step, whatever the number of
+  tensors. NCCL collectives can be captured like any kernel (Megatron-LM and vLLM run
+  theirs that way); the streams and events become the graph's edges, so the order SINGA's
+  three streams give is kept;
+* :func:`host_copy_pairs` -- on a CPU, keep NumPy views of the list's tensors and of
+  their slots in the buffer: copying back is then a loop of ``a[...] = b``, under half the
+  host time of ``_foreach_copy_``, which dispatches one ``copy_`` per tensor (NumPy views
+  cannot be made per call instead: ``Tensor.numpy()`` costs 3 µs);
 * :func:`move_into_arenas` -- make the copies unnecessary: the tensors are re-pointed into
   the fused buffer itself (``FusedAllReducer.bind``), as DDP's ``gradient_as_bucket_view``
   and Megatron-LM's contiguous gradient buffer do.
@@ -33,8 +41,9 @@ class KnownList:
 
     tensors: list[torch.Tensor]
     data_ptrs: tuple[int, ...]
-    plan: Any                                   # the reducer's prepared plan for this list
-    graphs: dict = field(default_factory=dict)  # ("in" | "back", bucket) -> recorded CUDA graph
+    plan: Any                       # the reducer's prepared plan for this list
+    graph: Any = None               # its recorded step (a CUDA graph), once there is one
+    host_views: dict = field(default_factory=dict)  # CPU: bucket -> host_copy_pairs(), or None
 
     @classmethod
     def of(cls, tensors: list[torch.Tensor], plan) -> "KnownList":
@@ -50,41 +59,53 @@ class KnownList:
                 and tuple(map(torch.Tensor.data_ptr, tensors)) == self.data_ptrs)
 
 
-class CopyGraphs:
-    """Run copies on the current stream; for a known list, record each once and replay it.
+class StepGraphs:
+    """Record what a function issues on the GPU as one CUDA graph, for a known list to replay.
 
     A recorded graph keeps the addresses it was recorded with, which is why it belongs to
     a :class:`KnownList`: the same tensors in the same memory, checked on every call.
+    Recording runs nothing: the caller replays the graph to do the work.
     """
 
     def __init__(self, device: torch.device):
         self.device = device
         self._stream = None         # the side stream graphs are recorded on
 
-    def run(self, copy: Callable[[], object], known: KnownList | None, key: tuple) -> None:
-        if known is None:
-            copy()
-            return
-        graph = known.graphs.get(key)
-        if graph is None:
-            graph = known.graphs[key] = self._record(copy)
-        graph.replay()
+    def record(self, issue: Callable[[], object]) -> "torch.cuda.CUDAGraph":
+        """Capture every kernel, copy, collective and cross-stream event ``issue()`` makes.
 
-    def _record(self, copy: Callable[[], object]) -> "torch.cuda.CUDAGraph":
+        Streams forked inside ``issue`` (waiting on the recording stream) must join it again
+        before it returns: a graph has one beginning and one end.
+        """
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.current_stream(self.device)
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
         self._stream.wait_stream(stream)
         with torch.cuda.stream(self._stream):
-            # thread_local: NCCL's watchdog thread may query events meanwhile; that is fine
+            # thread_local: NCCL's watchdog thread may query its events meanwhile; that is fine
             graph.capture_begin(capture_error_mode="thread_local")
             try:
-                copy()              # recorded, not run: the replay below runs it
+                issue()
             finally:
                 graph.capture_end()
         stream.wait_stream(self._stream)
         return graph
+
+
+def host_copy_pairs(targets: Sequence[torch.Tensor], slots: Sequence[torch.Tensor]):
+    """``[(target_array, slot_array), ...]`` sharing the tensors' CPU memory, or None when a
+    tensor has no NumPy equivalent (bfloat16, a conjugate or negative view)."""
+    try:
+        return [(t.detach().numpy(), s.detach().numpy()) for t, s in zip(targets, slots)]
+    except (TypeError, RuntimeError):
+        return None
+
+
+def copy_pairs(pairs) -> None:
+    """Copy each pair's second array into its first (NumPy casts, as ``copy_`` does)."""
+    for target, slot in pairs:
+        target[...] = slot
 
 
 def move_into_arenas(buckets: Sequence[Bucket], tensors: Sequence[torch.Tensor],

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from . import trace
+
 ReduceOp = dist.ReduceOp
 
 SUPPORTED_OPS = (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.AVG)
@@ -121,6 +123,25 @@ class _Posted:
             work.wait()
 
 
+DIRECT_NCCL_POSTING = True
+
+
+def _post_together(send_buf, dst, recv_buf, src, group):
+    """One NCCL group holding a receive and a send, posted through the process group itself."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    if group is not None:
+        src, dst = dist.get_group_rank(group, src), dist.get_group_rank(group, dst)
+    device = recv_buf.device if recv_buf.is_cuda else send_buf.device
+    if not recv_buf.numel() and not send_buf.numel():
+        return None
+    pg._start_coalescing(device)
+    if recv_buf.numel():
+        pg.recv([recv_buf], src, 0)
+    if send_buf.numel():
+        pg.send([send_buf], dst, 0)
+    return pg._end_coalescing(device)
+
+
 def sendrecv(send_buf: torch.Tensor, dst: int, recv_buf: torch.Tensor, src: int, group=None):
     """Post a receive of ``recv_buf`` from ``src`` and a send of ``send_buf`` to ``dst``;
     return the ``(receive, send)`` handles. ``dst``/``src`` are global ranks.
@@ -139,8 +160,17 @@ def sendrecv(send_buf: torch.Tensor, dst: int, recv_buf: torch.Tensor, src: int,
 
     On gloo they are posted one by one, receive first, so the caller can combine an
     arrival while its own send is still going.
+
+    ``batch_isend_irecv`` builds and checks its ``P2POp`` list in Python, tens of µs a
+    step; a ring's first step waits for them with the GPU idle. Unless a trace is
+    recording (it sees calls through ``torch.distributed``'s functions), the pair goes to
+    the process group's own coalescing calls instead -- the ones ``batch_isend_irecv``
+    ends in (``DIRECT_NCCL_POSTING = False`` restores the public route, to compare).
     """
     if recv_buf.is_cuda or send_buf.is_cuda:
+        if DIRECT_NCCL_POSTING and not trace.active():
+            work = _post_together(send_buf, dst, recv_buf, src, group)
+            return _Posted([work] if work is not None else ()), _Posted()
         p2p = []
         if recv_buf.numel():
             p2p.append(dist.P2POp(dist.irecv, recv_buf, src, group=group))

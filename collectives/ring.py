@@ -207,7 +207,8 @@ def pipelined_ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
         a, b = ops.chunk_bounds(hi - lo, k)[j]
         return lo + a, lo + b
 
-    landing = [flat.new_empty(largest), flat.new_empty(largest)]
+    both = nccl_memory.scratch(2 * largest, flat.dtype, flat.device)   # registered, under NCCL
+    landing = [both[:largest], both[largest:]]
 
     def post_reduce_step(step: int, j: int):
         """Post piece j of reduce-scatter step ``step``; return (recv work, send work)."""

@@ -357,6 +357,15 @@ def paused() -> Iterator[None]:
         _paused -= 1
 
 
+def active() -> bool:
+    """True inside an unpaused :func:`recording`: calls made now are being recorded.
+
+    Work replayed from a CUDA graph makes no calls, so code that can replay asks this
+    first and issues the calls for real while someone is watching.
+    """
+    return bool(_recorders) and not _paused
+
+
 _NO_LABEL = contextlib.nullcontext()
 
 
@@ -366,7 +375,7 @@ def label(text: str):
     Costs nothing when no :func:`recording` is open: the hot loops of the algorithms
     call it at every step, timed runs included.
     """
-    return _labelled(text) if _recorders and not _paused else _NO_LABEL
+    return _labelled(text) if active() else _NO_LABEL
 
 
 @contextlib.contextmanager

@@ -100,6 +100,11 @@ def _graded_checks(spec):
                 expected = [verify.reference_all_reduce(t, op) for t in tensors]
                 make(tensors, op)
                 _compare_all(expected, tensors, f"op {op}, call {seed + 1}")
+            # then the same tensor objects again, refilled: a training loop's list, seen before
+            torch._foreach_copy_(tensors, _mixed(op, rank, 2))
+            expected = [verify.reference_all_reduce(t, op) for t in tensors]
+            make(tensors, op)
+            _compare_all(expected, tensors, f"op {op}, call 3 (the same tensors as call 2)")
 
     def one_all_reduce_per_flush(make):
         tensors = [_values((n,), torch.float32, ReduceOp.SUM, rank, 0) for n in THREE_FLUSH_SIZES]
@@ -124,6 +129,10 @@ def _graded_checks(spec):
         expected = [verify.reference_all_reduce(t) for t in tensors]
         make(tensors, ReduceOp.SUM)
         _compare_all(expected, tensors, "views")
+        strided.copy_(_values((301,), torch.float32, ReduceOp.SUM, rank, 3))   # the same list again
+        expected = [verify.reference_all_reduce(t) for t in tensors]
+        make(tensors, ReduceOp.SUM)
+        _compare_all(expected, tensors, "views, second call")
         assert bool((base_a[1::2] == 77).all()) and bool((big_base[0::2] == 77).all()), \
             "wrote between the elements of a strided view"
 
@@ -608,22 +617,37 @@ def _gpu_producer_is_waited_for(spec):
     # 300 small tensors (several flushes, both buffers) and two over the threshold
     sizes = [257 + (i * 37) % 1000 for i in range(300)] + [40_000, 70_001]
     grads = [torch.zeros(n, device=device) for n in sizes]
+    others = [torch.zeros(n, device=device) for n in sizes[::-1]]   # another list, same buffers
     problems = []
-    for step in range(1, 4):
+
+    def step(tensors, value, what):
         # The producer: a long kernel, then the gradients written, all on the current stream.
         # A copy-in that did not wait for this stream would read the old values.
         torch.cuda._sleep(200_000_000)
-        torch._foreach_zero_(grads)
-        torch._foreach_add_(grads, float(step * (rank + 1)))
-        reducer.all_reduce(grads)
+        torch._foreach_zero_(tensors)
+        torch._foreach_add_(tensors, float(value * (rank + 1)))
+        reducer.all_reduce(tensors)
         reducer.wait()
         # Read on the current stream right after wait(): it must see the reduced values.
-        seen = torch.cat([g.reshape(-1) for g in grads])
+        seen = torch.cat([g.reshape(-1) for g in tensors])
         torch.cuda.synchronize()
-        want = step * p * (p + 1) / 2
+        want = value * p * (p + 1) / 2
         if not bool((seen == want).all()):
             bad = int((seen != want).sum())
-            problems.append(f"step {step}: {bad} elements differ from {want}")
+            problems.append(f"{what}: {bad} elements differ from {want}")
+
+    # The reference reducer records the list's second call as a CUDA graph and replays it
+    # from then on: steps 2-4 replay; then a different list reuses the same buffers right
+    # behind a replay; then the first list again (planned, recorded and replayed anew).
+    for k in range(1, 5):
+        step(grads, k, f"step {k}")
+    step(others, 5, "another list after a replay")
+    for k in range(6, 9):
+        step(grads, k, f"first list again, step {k}")
+    with trace.recording() as t:                   # watched: issued for real, not replayed
+        step(grads, 9, "while a trace records")
+    if not any(e.kind == "all_reduce" for e in t.collectives()):
+        problems.append("no all_reduce recorded while tracing a known list")
     return problems
 
 

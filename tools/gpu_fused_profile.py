@@ -3,8 +3,10 @@
     python tools/gpu_fused_profile.py [--count 1000 --numel 4096]
 
 Times, on the host (perf_counter; the GPU work of these calls is microseconds), each piece
-of FusedAllReducer's hot path for ``count`` tensors, then the whole call, then a cProfile
-of 20 whole calls. Prints JSON and the profile's top lines.
+of FusedAllReducer's hot path for ``count`` tensors, then the whole call; then the time
+between CUDA events around whole calls (as the benchmark measures them) and around a
+replay of the recorded graph alone; then a cProfile of 20 whole calls. Prints JSON and the
+profile's top lines.
 """
 import argparse
 import cProfile
@@ -35,6 +37,21 @@ def host(fn, n=30):
     return statistics.median(xs) * 1e6
 
 
+def device(fn, n=30):
+    """Median µs between CUDA events around one call: host issue time and GPU time together."""
+    fn()
+    xs = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        xs.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(xs)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--count", type=int, default=1000)
@@ -52,6 +69,8 @@ def main():
     bound = FusedAllReducer(threshold_bytes=1 << 40, buffer_bytes=flat.numel() * 4, device="cuda")
     bts = [t.clone() for t in ts]
     bound.bind(bts)
+    eager = FusedAllReducer(threshold_bytes=1 << 40, buffer_bytes=flat.numel() * 4, device="cuda",
+                            graphs=False)
     out = {
         "flat all_reduce": host(lambda: dist.all_reduce(flat)),
         "torch.cat(out=)": host(lambda: torch.cat(ts, out=flat)),
@@ -64,9 +83,21 @@ def main():
         "device map": host(lambda: tuple(map(operator.attrgetter("device"), ts))),
         "_prepare": host(lambda: red._prepare(ts)),
         "fused call": host(lambda: (red.all_reduce(ts), red.wait())),
+        "fused call, graphs=False": host(lambda: (eager.all_reduce(ts), eager.wait())),
         "bound call": host(lambda: (bound.all_reduce(bts), bound.wait())),
     }
-    print(json.dumps({k: round(v, 1) for k, v in out.items()}), flush=True)
+    print("host µs", json.dumps({k: round(v, 1) for k, v in out.items()}), flush=True)
+    from collectives.fused_reuse import StepGraphs
+    flat_graph = StepGraphs(torch.device("cuda", 0)).record(lambda: dist.all_reduce(flat))
+    events = {
+        "flat all_reduce": device(lambda: dist.all_reduce(flat)),
+        "flat all_reduce, graph": device(flat_graph.replay),
+        "fused call": device(lambda: (red.all_reduce(ts), red.wait())),
+        "fused call, graphs=False": device(lambda: (eager.all_reduce(ts), eager.wait())),
+        "bound call": device(lambda: (bound.all_reduce(bts), bound.wait())),
+        "replay of the fused call's graph": device(red._recent.graph.replay),
+    }
+    print("CUDA events µs", json.dumps({k: round(v, 1) for k, v in events.items()}), flush=True)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(20):

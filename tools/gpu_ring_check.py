@@ -4,11 +4,13 @@
 
 Prints one JSON line (rank 0). One size per process: NCCL registration is once per
 process (see nccl_memory.register). Both tensors come from collectives.nccl_memory; the
-ring warms up once (allocating its landing buffer in the pool), then the pool is
-registered, then results are checked bit for bit on integer data, then both are timed
-with CUDA events (median of 20 after 5, max over ranks), then the host time to issue one
-ring is taken (perf_counter, no synchronization inside: if it approached the ring's GPU
-time, the host would be the limit).
+rings warm up once (allocating their landing buffers in the pool), then the pool is
+registered, then results are checked bit for bit on integer data. Then NCCL, the ring as
+the library runs it, the same ring posted through ``batch_isend_irecv``
+(``ops.DIRECT_NCCL_POSTING = False``) and the pipelined ring (``--pieces``, 2 by default)
+are timed with CUDA events in interleaved rounds (``--rounds`` × ``--iters``; each run the
+slowest rank's; median over all). Last, the host time to issue one ring (perf_counter, no
+synchronization inside: if it approached the ring's GPU time, the host would be the limit).
 """
 import argparse
 import datetime
@@ -21,14 +23,17 @@ import time
 import torch
 import torch.distributed as dist
 
-from collectives import nccl_memory, timing
-from collectives.ring import ring_all_reduce
+from collectives import nccl_memory, ops, timing
+from collectives.ring import pipelined_ring_all_reduce, ring_all_reduce
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="256M")
     ap.add_argument("--plain", action="store_true", help="ordinary memory, no registration")
+    ap.add_argument("--pieces", type=int, default=2, help="pieces per chunk of the pipelined ring")
+    ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds of every variant")
+    ap.add_argument("--iters", type=int, default=10, help="timed runs per variant and round")
     args = ap.parse_args()
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
@@ -41,7 +46,8 @@ def main():
         (lambda: nccl_memory.empty(n, dtype=torch.float32, device=device))
     x, y = make(), make()
     x.normal_()
-    ring_all_reduce(y.normal_())               # warm-up: the landing buffer now exists
+    ring_all_reduce(y.normal_())               # warm-up: the landing buffers now exist
+    pipelined_ring_all_reduce(y, pieces=args.pieces)
     if not args.plain:
         nccl_memory.register()
     values = torch.randint(-8, 9, (n,), device=device).float() * (rank + 1)
@@ -50,21 +56,49 @@ def main():
     y.copy_(values)
     ring_all_reduce(y)
     exact = bool(torch.equal(y, expected))
-    t_nccl = timing.median(timing.measure(lambda: dist.all_reduce(x), warmup=5, iters=20, device=device))
-    t_ring = timing.median(timing.measure(lambda: ring_all_reduce(x), warmup=5, iters=20, device=device))
-    host = []                              # how long the host takes to issue one ring
-    for _ in range(20):
+    y.copy_(values)
+    pipelined_ring_all_reduce(y, pieces=args.pieces)
+    exact_pipelined = bool(torch.equal(y, expected))
+
+    def batch_posted():                        # the same ring, each step through batch_isend_irecv
+        ops.DIRECT_NCCL_POSTING = False
+        try:
+            ring_all_reduce(x)
+        finally:
+            ops.DIRECT_NCCL_POSTING = True
+
+    cases = {"nccl": lambda: dist.all_reduce(x), "ring": lambda: ring_all_reduce(x),
+             "ring_batch_posting": batch_posted,
+             "pipelined": lambda: pipelined_ring_all_reduce(x, pieces=args.pieces)}
+    times = {name: [] for name in cases}
+    for _ in range(args.rounds):               # interleaved: a change of load falls on all alike
+        for name, fn in cases.items():
+            times[name] += timing.measure(fn, warmup=2, iters=args.iters, device=device)
+    t = {name: statistics.median(v) for name, v in times.items()}
+
+    def host_time(fn):                         # how long the host takes to issue one call
+        xs = []
+        for _ in range(20):
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            fn()
+            xs.append(time.perf_counter() - t0)
         torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        ring_all_reduce(x)
-        host.append(time.perf_counter() - t0)
-    torch.cuda.synchronize(device)
+        return statistics.median(xs)
+
+    host, host_batch = host_time(cases["ring"]), host_time(batch_posted)
+    t_nccl, t_ring = t["nccl"], t["ring"]
     if rank == 0:
         print(json.dumps(dict(p=p, bytes=nbytes, memory="plain" if args.plain else "registered",
                               exact=exact, nccl_s=t_nccl, ring_s=t_ring,
                               nccl_busbw=timing.busbw(nbytes, t_nccl, p) / 1e9,
                               ring_busbw=timing.busbw(nbytes, t_ring, p) / 1e9,
-                              ratio=t_nccl / t_ring, ring_host_s=statistics.median(host),
+                              ratio=t_nccl / t_ring, ring_host_s=host,
+                              rounds=args.rounds, iters_per_round=args.iters,
+                              batch_posting_ratio=t_nccl / t["ring_batch_posting"],
+                              batch_posting_host_s=host_batch,
+                              pipelined_pieces=args.pieces, pipelined_exact=exact_pipelined,
+                              pipelined_ratio=t_nccl / t["pipelined"],
                               env={k: v for k, v in os.environ.items() if k.startswith("NCCL_")})),
               flush=True)
     # No destroy_process_group() and no interpreter teardown: with registered memory alive,

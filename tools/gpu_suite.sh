@@ -27,7 +27,7 @@ step() {  # step SECONDS command...
 for part in $PARTS; do case $part in
   ringcheck)   # the library ring on registered memory: exactness, ratio, host time
     export PYTHONPATH=$PWD
-    for size in 64M 256M; do   # one process per size: registration is once per process
+    for size in ${RING_SIZES:-64M 256M}; do   # one process per size: registration is once per process
       step 90 torchrun --nproc-per-node "$four" tools/gpu_ring_check.py --size $size
       CUDA_VISIBLE_DEVICES=0,1 step 90 torchrun --nproc-per-node 2 tools/gpu_ring_check.py --size $size
     done ;;
