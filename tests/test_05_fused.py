@@ -644,6 +644,9 @@ def _gpu_producer_is_waited_for(spec):
     step(others, 5, "another list after a replay")
     for k in range(6, 9):
         step(grads, k, f"first list again, step {k}")
+    grads[7].data = torch.zeros_like(grads[7])     # same objects, one in new memory: re-planned
+    step(grads, 10, "after one tensor was given new memory")
+    step(grads, 11, "after one tensor was given new memory, again")
     with trace.recording() as t:                   # watched: issued for real, not replayed
         step(grads, 9, "while a trace records")
     if not any(e.kind == "all_reduce" for e in t.collectives()):
