@@ -35,11 +35,6 @@ import torch
 from .fused_layout import Bucket, slot_views
 
 
-# torch's own check for CUDA-graph trees: every tensor's data_ptr against a list, in one C++
-# loop (CUDA builds only). Private, so looked up, with the Python loop as the fallback.
-_data_ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
-
-
 @dataclass
 class KnownList:
     """A list of tensors recognised in O(1) Python calls, with what was made for it."""
@@ -49,26 +44,22 @@ class KnownList:
     plan: Any                       # the reducer's prepared plan for this list
     graph: Any = None               # its recorded step (a CUDA graph), once there is one
     host_views: dict = field(default_factory=dict)  # CPU: bucket -> host_copy_pairs(), or None
-    indices: list[int] = field(default_factory=list)
 
     @classmethod
     def of(cls, tensors: list[torch.Tensor], plan) -> "KnownList":
-        return cls(tensors, list(map(torch.Tensor.data_ptr, tensors)), plan,
-                   indices=list(range(len(tensors))))
+        return cls(tensors, list(map(torch.Tensor.data_ptr, tensors)), plan)
 
     def matches(self, tensors: list[torch.Tensor]) -> bool:
         """The same tensor objects, in the same order, still in the same memory.
 
         A tensor given new memory (``t.data = ...``, ``set_``) no longer matches; one reshaped
         in place (``resize_``) to the same address would, so the reducer asks callers not to.
-        For 1000 tensors the two passes cost about 20 and 70 µs of host time in Python; the
-        second is one C++ loop where torch offers it.
+        For 1000 tensors the two passes cost about 15 and 55 µs of host time on an H200's
+        host: the floor of this check, one C call per tensor. (torch's C++ loop for the same
+        check, ``torch._C._tensors_data_ptrs_at_indices_equal``, measured slower: 84 µs.)
         """
-        if len(tensors) != len(self.tensors) or not all(map(operator.is_, tensors, self.tensors)):
-            return False
-        if _data_ptrs_equal is not None:
-            return _data_ptrs_equal(self.tensors, self.data_ptrs, self.indices)
-        return list(map(torch.Tensor.data_ptr, tensors)) == self.data_ptrs
+        return (len(tensors) == len(self.tensors) and all(map(operator.is_, tensors, self.tensors))
+                and list(map(torch.Tensor.data_ptr, tensors)) == self.data_ptrs)
 
 
 class StepGraphs:

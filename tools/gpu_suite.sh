@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Everything the course tests and measures on GPUs (one process per GPU, NCCL).
-#   tools/gpu_suite.sh OUTDIR [PART...]     PART: ringcheck | allreduce | tests | fused | ddp | tour
+#   tools/gpu_suite.sh OUTDIR [PART...]     PART: ringcheck | allreduce | registered | tests | fused | ddp | tour
 #                                           (default: all)
 # Every step has a time limit of its own, and the log is written to OUTDIR/log.txt as it
 # goes, so one hang costs one step. Tables, JSON and plots are packed into OUTDIR/gpu.tar.gz.
 set -uo pipefail
 OUT=${1:-gpu-results}; shift || true
-PARTS=${*:-ringcheck allreduce tests fused ddp tour}
+PARTS=${*:-ringcheck allreduce registered tests fused ddp tour}
 mkdir -p "$OUT"
 WORK=$(mktemp -d)
 LOG="$OUT/log.txt"
@@ -31,11 +31,17 @@ for part in $PARTS; do case $part in
       step 90 torchrun --nproc-per-node "$four" tools/gpu_ring_check.py --size $size
       CUDA_VISIBLE_DEVICES=0,1 step 90 torchrun --nproc-per-node 2 tools/gpu_ring_check.py --size $size
     done ;;
-  allreduce)   # plain memory (the registered sweep hangs in this harness: see the benchmarks page)
+  allreduce)   # plain memory
     step 200 python3 -m collectives bench --backend nccl --world "$four" --algo ring,multi_ring,halving_doubling \
          --sizes 1M..256M --iters 20 --warmup 5 --timeout 150 --out "$WORK/allreduce-p$four"
     CUDA_VISIBLE_DEVICES=0,1 step 160 python3 -m collectives bench --backend nccl --world 2 \
          --algo ring,halving_doubling --sizes 1M..256M --iters 20 --warmup 5 --timeout 120 --out "$WORK/allreduce-p2" ;;
+  registered)  # the sweep on NCCL-registered memory: one world per size
+    step 200 python3 -m collectives bench --backend nccl --world "$four" --algo ring,halving_doubling \
+         --sizes 64M,256M --iters 20 --warmup 5 --registered-memory --timeout 90 --out "$WORK/registered-p$four"
+    CUDA_VISIBLE_DEVICES=0,1 step 160 python3 -m collectives bench --backend nccl --world 2 \
+         --algo ring,halving_doubling --sizes 64M,256M --iters 20 --warmup 5 --registered-memory \
+         --timeout 90 --out "$WORK/registered-p2" ;;
   tests)
     step 300 python3 -m pytest -m gpu -q -p no:cacheprovider -x --timeout 200 tests ;;
   fused)
