@@ -259,9 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=3600,
                         help="seconds before the world is stopped, naming where each rank waits (default 3600)")
     parser.add_argument("--registered-memory", action="store_true",
-                        help="NCCL: time on memory registered with NCCL (zero-copy point-to-point). "
-                             "Known to hang in this harness on H200s (see the benchmarks page); "
-                             "tools/gpu_ring_check.py measures it under torchrun")
+                        help="NCCL: time on memory registered with NCCL (zero-copy point-to-point); "
+                             "one world per size, as registration is once per process")
     args = parser.parse_args(argv)
 
     backend = args.backend or launch.auto_backend(args.world)

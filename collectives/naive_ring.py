@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import ops, trace
+from . import nccl_memory, ops, trace
 from .ops import ReduceOp
 from .tour import TourEntry
 
@@ -62,9 +62,8 @@ def naive_ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None) -> 
     flat = ops.work_buffer(tensor)          # the accumulator: the tensor's own memory when contiguous
     right = ops.global_rank(group, (rank + 1) % p)
     left = ops.global_rank(group, (rank - 1) % p)
-    landing = [torch.empty_like(flat)]      # where arrivals land; two alternate when p > 2
-    if p > 2:
-        landing.append(torch.empty_like(flat))
+    # where arrivals land; two alternate when p > 2
+    landing = nccl_memory.scratch_parts(2 if p > 2 else 1, flat.numel(), flat.dtype, flat.device)
     forward = flat                          # what goes right this step: our own input first
     for step in range(p - 1):
         incoming = landing[step % 2]

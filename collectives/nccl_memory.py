@@ -16,6 +16,14 @@ Usage::
 
 On CPU (gloo), or when the backend offers no NCCL allocator, :func:`empty` is
 ``torch.empty`` and :func:`register` does nothing, so the same code runs everywhere.
+
+**Both ends registered, or neither.** A transfer from a registered buffer into an ordinary
+one (or the other way) hung NCCL 2.28 on 4 H200s: every rank waiting on the GPU, for
+good. So every algorithm of the course takes the buffers it receives into from
+:func:`scratch` (the pool), never from ``torch.empty``; warmed up before :func:`register`,
+they are registered with everything else. (Found when the benchmark's sweep hung as soon
+as halving-doubling, whose landing buffer was still ordinary memory, met registered
+tensors; after the change all seven algorithms ran there clean.)
 """
 
 from __future__ import annotations
@@ -96,8 +104,15 @@ def register() -> None:
 _scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
+def scratch_parts(count: int, numel: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """``count`` landing buffers of ``numel`` elements each, side by side in :func:`scratch`."""
+    whole = scratch(count * numel, dtype, device)
+    return [whole[i * numel: (i + 1) * numel] for i in range(count)]
+
+
 def scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A landing buffer of ``numel`` elements for received chunks.
+    """A landing buffer of ``numel`` elements for received chunks (one per process: callers
+    that need several at once take :func:`scratch_parts`).
 
     Under NCCL it is cached per (dtype, device) and comes from the pool, grown when a
     larger one is asked for. It is *not* registered here: registering (or re-registering)

@@ -296,14 +296,16 @@ def multi_ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
         return
     flat = ops.work_buffer(tensor)
     rings = []   # per channel: (position, send-to, receive-from, chunk bounds in flat, landing)
-    for c, (lo, hi) in enumerate(ops.chunk_bounds(flat.numel(), channels)):
+    parts = ops.chunk_bounds(flat.numel(), channels)
+    widest = max(max(b - a for a, b in ops.chunk_bounds(hi - lo, p)) for lo, hi in parts)
+    landings = nccl_memory.scratch_parts(channels, widest, flat.dtype, flat.device)
+    for c, (lo, hi) in enumerate(parts):
         direction = 1 if c % 2 == 0 else -1
         position = (direction * rank) % p
         to = ops.global_rank(group, (rank + direction) % p)
         frm = ops.global_rank(group, (rank - direction) % p)
         bounds = [(lo + a, lo + b) for a, b in ops.chunk_bounds(hi - lo, p)]
-        landing = flat.new_empty(max(b - a for a, b in bounds))
-        rings.append((position, to, frm, bounds, landing))
+        rings.append((position, to, frm, bounds, landings[c]))
 
     for step in range(p - 1):               # reduce-scatter, all channels together
         p2p, combines = [], []
