@@ -23,7 +23,9 @@ good. So every algorithm of the course takes the buffers it receives into from
 :func:`scratch` (the pool), never from ``torch.empty``; warmed up before :func:`register`,
 they are registered with everything else. (Found when the benchmark's sweep hung as soon
 as halving-doubling, whose landing buffer was still ordinary memory, met registered
-tensors; after the change all seven algorithms ran there clean.)
+tensors; after the change all seven algorithms ran there clean.) The same holds for your
+tensors: once :func:`register` has run, hand the algorithms tensors from :func:`empty`
+only, or ordinary ones in a process that never registers.
 """
 
 from __future__ import annotations
