@@ -287,10 +287,7 @@ class FusedAllReducer:
         for buf in prep.buffers:    # events waited on in a graph must be recorded in it
             buf.free.record(recording)
         self._issue(prep, tensors)
-        for flight in self._inflight:
-            self._retire(flight)
-        self._inflight.clear()
-        recording.wait_stream(self._copy_back)     # every stream joins the recording again
+        self.wait()                 # lands everything; every stream joins the recording again
 
     def _replay(self, prep: _Prepared, graph) -> None:
         """One launch for the whole call, on the copy-back stream (``wait()`` joins it).
