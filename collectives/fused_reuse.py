@@ -15,10 +15,10 @@ to stop paying it every step, used by :class:`collectives.fused.FusedAllReducer`
   tensors. NCCL collectives can be captured like any kernel (Megatron-LM and vLLM run
   theirs that way); the streams and events become the graph's edges, so the order SINGA's
   three streams give is kept;
-* :func:`host_copy_pairs` -- on a CPU, keep NumPy views of the list's tensors and of
-  their slots in the buffer: copying back is then a loop of ``a[...] = b``, under half the
-  host time of ``_foreach_copy_``, which dispatches one ``copy_`` per tensor (NumPy views
-  cannot be made per call instead: ``Tensor.numpy()`` costs 3 µs);
+* :class:`HostRows` -- on a CPU, where copying 1000 small tensors costs per tensor, not
+  per byte: read the tensors' memory as rows of one array and copy each row length in one
+  gather (in) and one scatter (back), at ``memcpy`` speed -- 0.2 ms each way for 1000
+  tensors of 4000 bytes, against 0.5 ms for ``torch.cat`` or a loop of NumPy copies;
 * :func:`move_into_arenas` -- make the copies unnecessary: the tensors are re-pointed into
   the fused buffer itself (``FusedAllReducer.bind``), as DDP's ``gradient_as_bucket_view``
   and Megatron-LM's contiguous gradient buffer do.
@@ -26,10 +26,12 @@ to stop paying it every step, used by :class:`collectives.fused.FusedAllReducer`
 
 from __future__ import annotations
 
+import bisect
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from .fused_layout import Bucket, slot_views
@@ -43,7 +45,7 @@ class KnownList:
     data_ptrs: list[int]
     plan: Any                       # the reducer's prepared plan for this list
     graph: Any = None               # its recorded step (a CUDA graph), once there is one
-    host_views: dict = field(default_factory=dict)  # CPU: bucket -> host_copy_pairs(), or None
+    host_rows: dict = field(default_factory=dict)   # CPU: bucket -> HostRows.of(), or None
 
     @classmethod
     def of(cls, tensors: list[torch.Tensor], plan) -> "KnownList":
@@ -96,19 +98,139 @@ class StepGraphs:
         return graph
 
 
-def host_copy_pairs(targets: Sequence[torch.Tensor], slots: Sequence[torch.Tensor]):
-    """``[(target_array, slot_array), ...]`` sharing the tensors' CPU memory, or None when a
-    tensor has no NumPy equivalent (bfloat16, a conjugate or negative view)."""
-    try:
-        return [(t.detach().numpy(), s.detach().numpy()) for t, s in zip(targets, slots)]
-    except (TypeError, RuntimeError):
-        return None
+class HostRows:
+    """On a CPU, a bucket's copies -- tensors into the buffer, and back -- as a few row copies.
+
+    Copying 1000 tensors of 4000 bytes one by one costs about 0.5 ms of host time either way
+    (``torch.cat`` in, a loop of NumPy ``a[...] = b`` back), where one ``memcpy`` of the same
+    4 MB takes 0.13 ms: the cost is per tensor, not per byte. The tensors of a known list stay
+    where they are, so their memory can be read as *rows* of one array: for each row length
+    ``L``, a view of the address range the tensors lie in whose row ``i`` starts at byte ``i``
+    (``as_strided``, stride 1 both ways, nothing allocated or touched). Then one
+    ``torch.index_select`` gathers every tensor of that length into the buffer, and one NumPy
+    fancy assignment ``window[offsets] = rows`` scatters them back: a C loop each, at
+    ``memcpy`` speed (0.13 and 0.16 ms for the 1000 tensors).
+
+    Only the tensors' own bytes are read or written; the view merely spans the rest. That is
+    why it is kept with a :class:`KnownList`, which checks each call that every tensor is
+    still the same object in the same memory. Tensors whose slots in the buffer are not
+    consecutive (a list of mixed sizes) go through ``scratch`` in two steps. Built by
+    :meth:`of`, which returns None when a copy would need more than moving bytes (a cast, a
+    strided view, a conjugate or negative view).
+    """
+
+    def __init__(self, parts: list["_RowPart"]):
+        self._parts = parts
+
+    @classmethod
+    def of(cls, tensors: Sequence[torch.Tensor], region: torch.Tensor,
+           slots: Sequence[torch.Tensor]) -> "HostRows | None":
+        """Row copies between ``tensors`` and their ``slots``, views of ``region`` (a contiguous
+        CPU tensor), or None when some tensor cannot be copied as plain bytes."""
+        if region.device.type != "cpu" or not region.is_contiguous():
+            return None
+        base = region.data_ptr()
+        groups: dict[int, list[tuple[int, int]]] = {}    # row bytes -> [(address, slot offset)]
+        for t, slot in zip(tensors, slots):
+            if (t.device.type != "cpu" or t.dtype != region.dtype or not t.is_contiguous()
+                    or t.is_conj() or t.is_neg()):
+                return None
+            if t.nbytes:
+                groups.setdefault(t.nbytes, []).append((t.data_ptr(), slot.data_ptr() - base))
+        region_bytes = region.view(torch.uint8)
+        scattered = [len(m) * row for row, g in groups.items() for m in _clusters(g, row)
+                     if not _consecutive(m, row)]
+        scratch = torch.empty(max(scattered), dtype=torch.uint8) if scattered else None
+        parts = []
+        for row, members in ((r, m) for r, g in groups.items() for m in _clusters(g, r)):
+            addresses = np.array([a for a, _ in members], dtype=np.int64)
+            lo = int(addresses.min())
+            tensors_t, tensors_np = _rows_at(lo, int(addresses.max()) - lo + 1, row)
+            part = _RowPart(tensors_t, tensors_np, torch.from_numpy(addresses - lo), addresses - lo)
+            n = len(members)
+            if _consecutive(members, row):   # slots one after another: the region's bytes are the rows
+                first = members[0][1]
+                part.rows = region_bytes[first: first + n * row].view(n, row)
+            else:                            # slots apart: the rows go through scratch
+                part.rows = scratch[: n * row].view(n, row)
+                part.slot_offsets = np.array([s for _, s in members], dtype=np.int64)
+                part.slot_offsets_t = torch.from_numpy(part.slot_offsets)
+                part.slots_t, part.slots_np = _rows_at(base, region.nbytes - row + 1, row)
+            part.rows_np = part.rows.numpy()
+            parts.append(part)
+        return cls(parts)
+
+    def gather(self) -> None:
+        """Copy the tensors into their slots: one gather per row length (two via scratch)."""
+        for p in self._parts:
+            torch.index_select(p.tensors_t, 0, p.offsets_t, out=p.rows)
+            if p.slot_offsets is not None:
+                p.slots_np[p.slot_offsets] = p.rows_np
+
+    def scatter(self) -> None:
+        """Copy the slots back into their tensors: one scatter per row length (two via scratch)."""
+        for p in self._parts:
+            if p.slot_offsets is not None:
+                torch.index_select(p.slots_t, 0, p.slot_offsets_t, out=p.rows)
+            p.tensors_np[p.offsets_np] = p.rows_np
 
 
-def copy_pairs(pairs) -> None:
-    """Copy each pair's second array into its first (NumPy casts, as ``copy_`` does)."""
-    for target, slot in pairs:
-        target[...] = slot
+@dataclass
+class _RowPart:
+    """The tensors of one row length, and where their bytes go in the buffer."""
+
+    tensors_t: torch.Tensor            # rows starting at every byte of the tensors' range
+    tensors_np: np.ndarray             # the same rows, for NumPy's scatter
+    offsets_t: torch.Tensor            # each tensor's row in those
+    offsets_np: np.ndarray
+    rows: torch.Tensor | None = None   # (tensors, row bytes): the slots themselves, or scratch
+    rows_np: np.ndarray | None = None
+    slot_offsets: np.ndarray | None = None   # via scratch: each slot's byte offset in the region
+    slot_offsets_t: torch.Tensor | None = None
+    slots_t: torch.Tensor | None = None      # and the region as rows starting at every byte
+    slots_np: np.ndarray | None = None
+
+
+_SPAN_LIMIT = 1 << 60     # a rows view of ``count × row`` bytes must stay countable
+
+
+def _clusters(members: list[tuple[int, int]], row: int) -> list[list[tuple[int, int]]]:
+    """``members`` split by address so that each one's rows view stays under _SPAN_LIMIT bytes
+    (small tensors on the heap and large ones mapped elsewhere can be terabytes apart).
+    Each keeps the list's order; almost always there is just one."""
+    cuts, lo = [], None
+    for address in sorted(a for a, _ in members):
+        if lo is None or (address - lo + 1) * row > _SPAN_LIMIT:
+            cuts.append(address)
+            lo = address
+    if len(cuts) == 1:
+        return [members]
+    found = [[] for _ in cuts]
+    for m in members:
+        found[bisect.bisect_right(cuts, m[0]) - 1].append(m)
+    return found
+
+
+def _consecutive(members: list[tuple[int, int]], row: int) -> bool:
+    """Whether the slots follow one another in the buffer, in the list's order."""
+    first = members[0][1]
+    return all(s == first + i * row for i, (_, s) in enumerate(members))
+
+
+def _rows_at(lo: int, count: int, row: int) -> tuple[torch.Tensor, np.ndarray]:
+    """``count`` rows of ``row`` bytes, row ``i`` starting at address ``lo + i``, as a torch
+    tensor and a NumPy array. Nothing is allocated, read or written: they only span memory."""
+    span = np.asarray(_Memory(lo, count - 1 + row))
+    rows_np = np.lib.stride_tricks.as_strided(span, (count, row), (1, 1), writeable=True)
+    return torch.from_numpy(span).as_strided((count, row), (1, 1)), rows_np
+
+
+class _Memory:
+    """``nbytes`` bytes at ``address``, as NumPy sees an array (its array interface)."""
+
+    def __init__(self, address: int, nbytes: int):
+        self.__array_interface__ = {"data": (address, False), "shape": (nbytes,),
+                                    "typestr": "|u1", "version": 3}
 
 
 def move_into_arenas(buckets: Sequence[Bucket], tensors: Sequence[torch.Tensor],

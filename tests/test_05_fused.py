@@ -34,11 +34,13 @@ THREE_FLUSH_CALLS = sorted([400, 2000, 300, 512])
 
 def _mixed_specs(op):
     """Odd sizes, an empty tensor, one over the threshold, a 2-D tensor, every dtype the
-    harness knows (integers left out for AVG, which they cannot do)."""
+    harness knows (integers left out for AVG, which they cannot do), and sizes that come
+    again further down the list (their slots in a buffer are not next to each other)."""
     specs = [((3,), torch.float32), ((0,), torch.float32), ((2000,), torch.float32),
              ((301,), torch.float16), ((77,), torch.bfloat16), ((1,), torch.float32),
              ((13, 7), torch.float32), ((255,), torch.float64), ((129,), torch.int32),
-             ((33,), torch.int64), ((1500,), torch.float16), ((0,), torch.int32)]
+             ((33,), torch.int64), ((1500,), torch.float16), ((0,), torch.int32),
+             ((3,), torch.float32), ((301,), torch.float16), ((1,), torch.float32)]
     if op == ReduceOp.AVG:
         specs = [(s, d) for s, d in specs if d.is_floating_point]
     return specs
@@ -591,6 +593,54 @@ def test_a_repeated_list_reuses_its_plan_and_is_replanned_when_its_memory_change
     for reused, replanned, first, second in launch.run(_repeated_list_reuses_its_plan_until_its_memory_changes, p):
         assert reused and replanned
         assert first == [3.0] * 5 and second == [4.0] * 7
+
+
+def _host_rows_round_trip(shapes, dtype):
+    """HostRows.of over tensors with guard elements on both sides; returns the rows, the
+    tensors, their bases and the region, after checking gather then scatter."""
+    from collectives.fused_layout import slot_views
+    from collectives.fused_reuse import HostRows
+
+    bases = [torch.full((math.prod(s) + 2,), -7).to(dtype) for s in shapes]
+    tensors = [b[1:-1].view(s) for b, s in zip(bases, shapes)]    # contiguous, guarded
+    for i, t in enumerate(tensors):
+        t.copy_(torch.arange(t.numel()).view(t.shape) + 1000 * i)
+    numel = sum(t.numel() for t in tensors)
+    region = torch.zeros(numel + 5).to(dtype)[2: 2 + numel]
+    rows = HostRows.of(tensors, region, slot_views(region, [t.shape for t in tensors]))
+    assert rows is not None
+    rows.gather()
+    assert torch.equal(region, torch.cat([t.reshape(-1) for t in tensors]))
+    region.copy_(-torch.arange(numel))
+    expected = list(torch.split(region.clone(), [t.numel() for t in tensors]))
+    rows.scatter()
+    for i, (t, e, b) in enumerate(zip(tensors, expected, bases)):
+        assert torch.equal(t.reshape(-1), e), f"tensor {i} not written back"
+        assert b[0].item() == -7 and b[-1].item() == -7, f"tensor {i}: bytes beside it were written"
+
+
+def test_host_rows_copy_mixed_interleaved_sizes_in_and_back_touching_nothing_else():
+    # sizes that repeat apart (copied through scratch), 2-D, empty, and one of 1.2 MB that
+    # the allocator maps far from the small ones: the rows span both
+    shapes = [(10,), (3, 4), (0,), (300_000,), (10,), (7,), (3, 4), (1,)] * 5
+    _host_rows_round_trip(shapes, torch.float32)
+    _host_rows_round_trip([(1000,)] * 300, torch.float32)      # one length, slots in order
+    _host_rows_round_trip([(5,), (2, 3)] * 20, torch.bfloat16)  # no NumPy dtype: bytes all the same
+    _host_rows_round_trip([(5,), (2, 3)] * 20, torch.complex64)
+
+
+def test_host_rows_refuse_what_is_not_a_plain_byte_copy():
+    from collectives.fused_layout import slot_views
+    from collectives.fused_reuse import HostRows
+
+    region = torch.zeros(64)
+    for what, ts in [("a cast", [torch.ones(4, dtype=torch.float64)]),
+                     ("a transposed view", [torch.ones(2, 3).t()]),
+                     ("a conjugate view", None)]:
+        if ts is None:
+            region = torch.zeros(8, dtype=torch.complex64)
+            ts = [torch.ones(4, dtype=torch.complex64).conj()]
+        assert HostRows.of(ts, region, slot_views(region, [t.shape for t in ts])) is None, what
 
 
 def test_compression_cannot_be_combined_with_bind():
