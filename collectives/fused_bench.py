@@ -233,8 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", choices=["gloo", "nccl"], default=None,
                         help="default: nccl when there is a GPU per rank, else gloo")
     parser.add_argument("--iters", type=int, default=None,
-                        help="timed runs per case (default 20 on CPU; 100 on GPUs, where a run "
-                             "takes under 1 ms and its median moves by tens of µs)")
+                        help="timed runs per case (default 40 on CPU, where 4 ranks sharing 2 cores "
+                             "move a run's time by up to 2x; 100 on GPUs, where a run takes under "
+                             "1 ms and its median moves by tens of µs)")
     parser.add_argument("--separate-iters", type=int, default=None,
                         help="timed runs of the separate-calls case (default 2: it is slow)")
     parser.add_argument("--out", default="bench-results", help="directory for the JSON and the plot")
@@ -247,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     backend = args.backend or launch.auto_backend(args.world)
     separate_iters = args.separate_iters or 2
-    iters = args.iters or (100 if backend == "nccl" else 20)
+    iters = args.iters or (100 if backend == "nccl" else 40)
     split = timing.parse_size(args.split)
     start = time.perf_counter()
     rows = launch.run(bench, args.world, args=(args.count, args.numel, split, iters, separate_iters),

@@ -34,3 +34,24 @@ def test_a_tiny_run_prints_the_table_and_writes_the_json_and_the_plot(tmp_path, 
 
     png = (tmp_path / "allreduce.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_a_tiny_fused_run_prints_every_case_and_writes_the_json_and_the_plot(tmp_path, capsys):
+    from collectives import fused_bench
+
+    # 40 tensors of 100 elements on 2 ranks, 4 runs a case (one per round): a few seconds
+    code = fused_bench.main(["--world", "2", "--count", "40", "--numel", "100", "--split", "4K",
+                             "--iters", "4", "--separate-iters", "1", "--out", str(tmp_path)])
+    assert code == 0
+    table = capsys.readouterr().out
+    saved = json.loads((tmp_path / "bench-fused.json").read_text())
+    cases = [r["case"] for r in saved["rows"]]
+    assert cases == ["separate calls", "flat all_reduce", "cat + copy_ loop", "fused",
+                     "fused, double buffer", "fused, one buffer", "fused, bound"]
+    for r in saved["rows"]:
+        assert r["seconds"] > 0 and r["cpu_per_rank"] > 0 and r["iters"] == (1 if r["case"] == "separate calls" else 4)
+        assert r["case"].split(",")[0] in table        # the table wraps long names
+    assert "faster than separate calls" in table
+    flat = next(r for r in saved["rows"] if r["case"] == "flat all_reduce")
+    assert flat["vs_flat"] == 1.0 and saved["meta"]["backend"] == "gloo" and saved["meta"]["count"] == 40
+    assert (tmp_path / "bench-fused.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
