@@ -108,8 +108,8 @@ class HostRows:
     ``L``, a view of the address range the tensors lie in whose row ``i`` starts at byte ``i``
     (``as_strided``, stride 1 both ways, nothing allocated or touched). Then one
     ``torch.index_select`` gathers every tensor of that length into the buffer, and one NumPy
-    fancy assignment ``window[offsets] = rows`` scatters them back: a C loop each, at
-    ``memcpy`` speed (0.13 and 0.16 ms for the 1000 tensors).
+    fancy assignment ``window[offsets] = rows`` scatters them back: a C loop each, near
+    ``memcpy`` speed (0.18 and 0.20 ms for the 1000 tensors).
 
     Only the tensors' own bytes are read or written; the view merely spans the rest. That is
     why it is kept with a :class:`KnownList`, which checks each call that every tensor is
@@ -138,11 +138,11 @@ class HostRows:
             if t.nbytes:
                 groups.setdefault(t.nbytes, []).append((t.data_ptr(), slot.data_ptr() - base))
         region_bytes = region.view(torch.uint8)
-        scattered = [len(m) * row for row, g in groups.items() for m in _clusters(g, row)
-                     if not _consecutive(m, row)]
+        pieces = [(row, m) for row, g in groups.items() for m in _clusters(g, row)]
+        scattered = [len(m) * row for row, m in pieces if not _consecutive(m, row)]
         scratch = torch.empty(max(scattered), dtype=torch.uint8) if scattered else None
         parts = []
-        for row, members in ((r, m) for r, g in groups.items() for m in _clusters(g, r)):
+        for row, members in pieces:
             addresses = np.array([a for a, _ in members], dtype=np.int64)
             lo = int(addresses.min())
             tensors_t, tensors_np = _rows_at(lo, int(addresses.max()) - lo + 1, row)
