@@ -573,7 +573,7 @@ def test_bound_tensors_are_reduced_in_place_without_copies(reference_extras):
 def _repeated_list_reuses_its_plan_until_its_memory_changes():
     from collectives.fused import FusedAllReducer
 
-    rank, p = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     reducer = FusedAllReducer(threshold_bytes=1 << 20, buffer_bytes=1 << 16)
     ts = [torch.full((5,), float(rank + 1)), torch.ones(3)]
     reducer.all_reduce(ts).wait()
