@@ -50,6 +50,40 @@ def measure(fn: Callable[[], object], *, warmup: int = 2, iters: int = 5, group=
     return slowest.cpu().tolist()
 
 
+def measure_back_to_back(fn: Callable[[], object], *, iters: int = 100, group=None,
+                         device: torch.device) -> float:
+    """Seconds per run of ``fn()`` issued ``iters`` times in a row, max over ranks.
+
+    :func:`measure` waits for each run to finish before the next starts, so on a GPU a
+    run's host time -- launching, checking, planning -- adds to its time. A training loop
+    does not wait: the host issues step k+1 while the GPU still works on step k, and host
+    time shows only where it exceeds the GPU's. This times that: one barrier, then every
+    run issued back to back between two CUDA events (on CPU, where work is not queued,
+    the same as the mean of :func:`measure`).
+    """
+    cuda = device.type == "cuda"
+    fn()
+    with trace.paused():
+        dist.barrier(group=group)
+        if cuda:
+            torch.cuda.synchronize(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3 / iters
+        else:
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            seconds = (time.perf_counter() - t0) / iters
+        slowest = torch.tensor([seconds], dtype=torch.float64, device=device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    return slowest.item()
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
 

@@ -672,17 +672,19 @@ def _gpu_producer_is_waited_for(spec):
         # The producer: a long kernel, then the gradients written, all on the current stream.
         # A copy-in that did not wait for this stream would read the old values.
         torch.cuda._sleep(200_000_000)
+        # Each tensor gets a value of its own, so a copy to the wrong place shows.
         torch._foreach_zero_(tensors)
-        torch._foreach_add_(tensors, float(value * (rank + 1)))
+        torch._foreach_add_(tensors, [float(value * (rank + 1) + i) for i in range(len(tensors))])
         reducer.all_reduce(tensors)
         reducer.wait()
         # Read on the current stream right after wait(): it must see the reduced values.
         seen = torch.cat([g.reshape(-1) for g in tensors])
+        want = torch.cat([torch.full((g.numel(),), value * p * (p + 1) / 2 + p * i, device=device)
+                          for i, g in enumerate(tensors)])
         torch.cuda.synchronize()
-        want = value * p * (p + 1) / 2
-        if not bool((seen == want).all()):
+        if not torch.equal(seen, want):
             bad = int((seen != want).sum())
-            problems.append(f"{what}: {bad} elements differ from {want}")
+            problems.append(f"{what}: {bad} elements differ from what dist.all_reduce gives")
 
     # The reference reducer records the list's second call as a CUDA graph and replays it
     # from then on: steps 2-4 replay; then a different list reuses the same buffers right

@@ -46,12 +46,16 @@ def test_a_tiny_fused_run_prints_every_case_and_writes_the_json_and_the_plot(tmp
     table = capsys.readouterr().out
     saved = json.loads((tmp_path / "bench-fused.json").read_text())
     cases = [r["case"] for r in saved["rows"]]
-    assert cases == ["separate calls", "flat all_reduce", "cat + copy_ loop", "fused",
+    assert cases == ["separate calls", "flat all_reduce", "flat + 2 copies", "cat + copy_ loop", "fused",
                      "fused, double buffer", "fused, one buffer", "fused, bound"]
     for r in saved["rows"]:
         assert r["seconds"] > 0 and r["cpu_per_rank"] > 0 and r["iters"] == (1 if r["case"] == "separate calls" else 4)
         assert r["case"].split(",")[0] in table        # the table wraps long names
     assert "faster than separate calls" in table
+    ahead = {r["case"]: r for r in saved["rows"] if "back_to_back" in r}
+    assert sorted(ahead) == sorted(fused_bench.BACK_TO_BACK)
+    assert all(r["back_to_back"] > 0 for r in ahead.values())
+    assert ahead["flat all_reduce"]["back_to_back_vs_flat"] == 1.0 and "back to back" in table
     flat = next(r for r in saved["rows"] if r["case"] == "flat all_reduce")
     assert flat["vs_flat"] == 1.0 and saved["meta"]["backend"] == "gloo" and saved["meta"]["count"] == 40
     assert (tmp_path / "bench-fused.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
