@@ -153,7 +153,7 @@ def bench(count: int, numel: int, split_bytes: int, iters: int, separate_iters: 
     for r in rows:
         if r["case"] in ahead:
             r["back_to_back"] = timing.median(ahead[r["case"]])
-    flat_b = rows[[r["case"] for r in rows].index("flat all_reduce")]["back_to_back"]
+    flat_b = next(r["back_to_back"] for r in rows if r["case"] == "flat all_reduce")
     for r in rows:
         if "back_to_back" in r:
             r["back_to_back_vs_flat"] = r["back_to_back"] / flat_b

@@ -58,8 +58,8 @@ def measure_back_to_back(fn: Callable[[], object], *, iters: int = 100, group=No
     run's host time -- launching, checking, planning -- adds to its time. A training loop
     does not wait: the host issues step k+1 while the GPU still works on step k, and host
     time shows only where it exceeds the GPU's. This times that: one barrier, then every
-    run issued back to back between two CUDA events (on CPU, where work is not queued,
-    the same as the mean of :func:`measure`).
+    run issued back to back between two CUDA events. On CPU, where nothing is queued, it is
+    the mean time of a run with no barrier between runs.
     """
     cuda = device.type == "cuda"
     fn()
