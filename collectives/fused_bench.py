@@ -7,7 +7,7 @@ in one world, every way this lesson discusses:
 * ``flat all_reduce``  -- one ``dist.all_reduce`` of a buffer that already holds the same
   bytes: the floor, since fusion cannot send less or in fewer calls (the baseline);
 * ``flat + 2 copies``  -- the same call between two contiguous copies of its bytes (in from
-  one tensor, back to it): the floor for any design that copies in and back;
+  one tensor, back to it): the floor for copying in and back around one call;
 * ``cat + copy_ loop`` -- ``torch.cat`` into a new tensor, all-reduce, a Python loop of
   ``copy_`` back: fusion as first written;
 * ``fused``            -- :class:`~collectives.fused.FusedAllReducer` with one buffer that
@@ -89,8 +89,8 @@ def _cases(count: int, numel: int, split_bytes: int, cuda: bool = False):
     cases = [
         ("separate calls", f"{count} dist.all_reduce", separate),
         ("flat all_reduce", "one call, bytes already flat", flat_ar),
-        ("flat + 2 copies", "one contiguous copy in, the flat call, one back: the floor of any "
-         "design that copies", flat_copies),
+        ("flat + 2 copies", "one contiguous copy in, the flat call, one back: the floor of "
+         "copying around one call", flat_copies),
         ("cat + copy_ loop", "torch.cat, all_reduce, Python copy_ loop", cat_loop),
         ("flat all_reduce, graph", "the same call replayed from a CUDA graph", flat_graph),
         ("fused", "one buffer, 1 flush" + ("; each call replays one CUDA graph" if cuda else ""),
