@@ -138,18 +138,16 @@ def bench(count: int, numel: int, split_bytes: int, iters: int, separate_iters: 
         if name != "separate calls":
             timing.measure(fns[name], warmup=2, iters=1, device=device)
     per_round = max(1, iters // rounds)
+    ahead = {name: [] for name in BACK_TO_BACK}   # the same runs issued back to back
     for _ in range(rounds):
         for name in fns:
             if name != "separate calls":
                 timed(name, per_round)
+        for name in BACK_TO_BACK:
+            ahead[name].append(timing.measure_back_to_back(fns[name], iters=per_round, device=device))
     rows = [dict(case=name, detail=detail, seconds=timing.median(times[name]), best=min(times[name]),
                  iters=len(times[name]), cpu_per_rank=cpu[name] / len(times[name]))
             for name, detail, _ in cases]
-    # Again with every run issued back to back: on GPUs the host runs ahead, as in training.
-    ahead = {name: [] for name in BACK_TO_BACK}
-    for _ in range(rounds):
-        for name in BACK_TO_BACK:
-            ahead[name].append(timing.measure_back_to_back(fns[name], iters=per_round, device=device))
     for r in rows:
         if r["case"] in ahead:
             r["back_to_back"] = timing.median(ahead[r["case"]])

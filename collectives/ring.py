@@ -207,8 +207,7 @@ def pipelined_ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
         a, b = ops.chunk_bounds(hi - lo, k)[j]
         return lo + a, lo + b
 
-    both = nccl_memory.scratch(2 * largest, flat.dtype, flat.device)   # registered, under NCCL
-    landing = [both[:largest], both[largest:]]
+    landing = nccl_memory.scratch_parts(2, largest, flat.dtype, flat.device)   # registered, under NCCL
 
     def post_reduce_step(step: int, j: int):
         """Post piece j of reduce-scatter step ``step``; return (recv work, send work)."""

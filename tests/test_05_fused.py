@@ -538,9 +538,26 @@ def _reference_checks():
         except ValueError:
             pass
 
+    def repeated_list_reuses_its_plan_until_its_memory_changes():
+        reducer = fused.FusedAllReducer(threshold_bytes=1 << 20, buffer_bytes=1 << 16)
+        ts = [torch.full((5,), float(rank + 1)), torch.ones(3)]
+        reducer.all_reduce(ts).wait()
+        planned = reducer._recent
+        ts[0].fill_(rank + 1)
+        ts[1].fill_(1.0)
+        reducer.all_reduce(ts).wait()
+        assert reducer._recent is planned, "the same list was planned again"
+        ts[1].data = torch.full((7,), 2.0)        # same object, new memory and shape
+        ts[0].fill_(rank + 1)
+        reducer.all_reduce(ts).wait()
+        assert reducer._recent is not planned, "a tensor in new memory was not noticed"
+        assert ts[0].tolist() == [p * (p + 1) / 2] * 5 and ts[1].tolist() == [2.0 * p] * 7, \
+            (ts[0].tolist(), ts[1].tolist())
+
     _check(results, "compressed bound", compressed_within_bound)
     _check(results, "overflow", overflow_falls_back_to_float32)
     _check(results, "bind", bind_copies_nothing)
+    _check(results, "repeated list", repeated_list_reuses_its_plan_until_its_memory_changes)
     return results
 
 
@@ -570,29 +587,8 @@ def test_bound_tensors_are_reduced_in_place_without_copies(reference_extras):
     _assert_ok(reference_extras, "bind")
 
 
-def _repeated_list_reuses_its_plan_until_its_memory_changes():
-    from collectives.fused import FusedAllReducer
-
-    rank = dist.get_rank()
-    reducer = FusedAllReducer(threshold_bytes=1 << 20, buffer_bytes=1 << 16)
-    ts = [torch.full((5,), float(rank + 1)), torch.ones(3)]
-    reducer.all_reduce(ts).wait()
-    planned = reducer._recent
-    ts[0].fill_(rank + 1)
-    ts[1].fill_(1.0)
-    reducer.all_reduce(ts).wait()
-    reused = reducer._recent is planned
-    ts[1].data = torch.full((7,), 2.0)        # same object, new memory and shape
-    ts[0].fill_(rank + 1)
-    reducer.all_reduce(ts).wait()
-    return (reused, reducer._recent is not planned, ts[0].tolist(), ts[1].tolist())
-
-
-def test_a_repeated_list_reuses_its_plan_and_is_replanned_when_its_memory_changes():
-    p = 2
-    for reused, replanned, first, second in launch.run(_repeated_list_reuses_its_plan_until_its_memory_changes, p):
-        assert reused and replanned
-        assert first == [3.0] * 5 and second == [4.0] * 7
+def test_a_repeated_list_reuses_its_plan_and_is_replanned_when_its_memory_changes(reference_extras):
+    _assert_ok(reference_extras, "repeated list")
 
 
 def _host_rows_round_trip(shapes, dtype):
