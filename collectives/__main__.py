@@ -6,6 +6,7 @@
   bench        all-reduce algorithms against dist.all_reduce, nccl-tests style (make bench)
   bench-fused  the fused all-reducer against one flat all-reduce and per-tensor calls
   bench-ddp    the bucketed reducer against torch DDP
+  cluster      one torchrun per machine of a simulated cluster: cluster --machines 2 -- CMD...
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ COMMANDS = {
     "bench": "collectives.bench:main",
     "bench-fused": "collectives.fused_bench:main",
     "bench-ddp": "collectives.bucketing_bench:main",
+    "cluster": "collectives.cluster_cli:main",
 }
 
 

@@ -211,3 +211,35 @@ def test_a_dead_owners_leftovers_are_cleaned_and_a_live_cluster_is_not(cluster):
     assert not set(names) & set(cl.our_namespaces())
     assert set(cluster.namespaces) <= set(cl.our_namespaces())       # ours is alive: untouched
     assert launch.run(workers.sum_of_ranks, 4, cluster=cluster) == [6] * 4
+
+
+# -- torchrun across machines, for real ------------------------------------------------------
+
+@needs_cluster
+def test_every_exercise_reference_passes_under_one_torchrun_per_machine():
+    """``python -m collectives cluster`` starts a real torchrun in each of 2 namespaces
+    (static rendezvous through machine 0's address); in that one world of 2 × 2 ranks,
+    dist.all_reduce agrees and every lesson's exercise checks pass against the reference."""
+    from collectives import exercise_runner
+    from collectives.lessons import LESSONS, ROOT
+
+    expected = {}
+    for item in LESSONS:
+        lesson, tasks = exercise_runner.collect(str(item.exercise))
+        expected.update({(lesson, task.number): task.title for task in tasks})
+    before = set(cl.our_namespaces())
+    proc = subprocess.run(
+        [sys.executable, "-m", "collectives", "cluster", "--machines", "2", "--ranks-per-machine", "2",
+         "--link", "10gbit", "--reference", "--", "-m", "collectives.exercise_runner", "--all"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-4000:] + proc.stderr[-2000:]
+    assert "FAIL" not in out
+    for rank in range(4):
+        machine, local = divmod(rank, 2)
+        assert (f"[machine {machine}] [rank {rank}] dist.all_reduce agrees across 4 ranks "
+                f"(GROUP_RANK={machine}, LOCAL_RANK={local}): PASS") in out
+        for (lesson, number), title in expected.items():
+            assert f"[machine {machine}] [rank {rank}] lesson {lesson} task {number} {title}: PASS" in out
+    assert f"rank 0: {len(expected) + 1} of {len(expected) + 1} checks pass" in out
+    assert set(cl.our_namespaces()) == before
