@@ -220,17 +220,17 @@ def test_every_exercise_reference_passes_under_one_torchrun_per_machine():
     """``python -m collectives cluster`` starts a real torchrun in each of 2 namespaces
     (static rendezvous through machine 0's address); in that one world of 2 × 2 ranks,
     dist.all_reduce agrees and every lesson's exercise checks pass against the reference."""
-    from collectives import exercise_runner
-    from collectives.lessons import LESSONS, ROOT
+    from collectives.course import runner
+    from collectives.course.catalog import LESSONS, ROOT
 
     expected = {}
     for item in LESSONS:
-        lesson, tasks = exercise_runner.collect(str(item.exercise))
+        lesson, tasks = runner.collect(str(item.exercise))
         expected.update({(lesson, task.number): task.title for task in tasks})
     before = set(cl.our_namespaces())
     proc = subprocess.run(
         [sys.executable, "-m", "collectives", "cluster", "--machines", "2", "--ranks-per-machine", "2",
-         "--link", "10gbit", "--reference", "--", "-m", "collectives.exercise_runner", "--all"],
+         "--link", "10gbit", "--reference", "--", "-m", "collectives.course.runner", "--all"],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     out = proc.stdout
     assert proc.returncode == 0, out[-4000:] + proc.stderr[-2000:]

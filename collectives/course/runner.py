@@ -8,13 +8,13 @@ Every ``lessons/NN_topic/exercise.py`` ends with::
 Under ``torchrun --nproc-per-node 4 lessons/NN_topic/exercise.py`` each rank joins the
 world torchrun set up, runs every task's check and prints one PASS/FAIL line per task.
 Run as plain ``python lessons/NN_topic/exercise.py``, it starts a local world of 4 ranks
-itself (``--world N`` for another size). A check returns a :class:`~collectives.verify.Report`
+itself (``--world N`` for another size). A check returns a :class:`~collectives.course.verify.Report`
 or raises; a stub's ``NotImplementedError`` is reported as "not implemented yet".
 
 ``--impl reference`` (or ``COLLECTIVES_EXERCISE_IMPL=reference`` in the environment, which
 reaches every rank torchrun starts) runs the same checks against the reference solution:
 the exercise's functions and classes are replaced by the reference module's of the same
-name. ``python -m collectives.exercise_runner --all`` runs every lesson's checks in one
+name. ``python -m collectives.course.runner --all`` runs every lesson's checks in one
 world -- under torchrun too, across several machines -- after checking that
 ``dist.all_reduce`` itself agrees across that world.
 """
@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from . import trace
+from ..core import trace
 from .verify import Report
 
 
@@ -82,10 +82,10 @@ def use_reference(lesson: int, tasks: list[Task]) -> list[str]:
     """Point the exercise's functions and classes at the reference solution's.
 
     Every public callable the exercise module defines and the lesson's reference module
-    (:data:`collectives.lessons.LESSONS`) also has is replaced, in the module the checks
+    (:data:`collectives.course.catalog.LESSONS`) also has is replaced, in the module the checks
     read them from; returns the names replaced.
     """
-    from .lessons import lesson as find
+    from .catalog import lesson as find
 
     reference = importlib.import_module(find(lesson).module)
     replaced = set()
@@ -128,7 +128,7 @@ def run_tasks(lesson: int, tasks: list[Task], argv: list[str] | None = None) -> 
         _init_from_torchrun()
         results = _run_checks(lesson, tasks)
         _exit_without_teardown(any(not ok for _, _, ok, _ in results))
-    from . import launch
+    from ..core import launch
 
     try:
         per_rank = launch.run(_run_checks, args.world, args=(lesson, tasks), timeout=180)
@@ -142,7 +142,7 @@ def run_tasks(lesson: int, tasks: list[Task], argv: list[str] | None = None) -> 
 
 
 # ---------------------------------------------------------------------------------------
-# Every lesson in one world: ``python -m collectives.exercise_runner --all``
+# Every lesson in one world: ``python -m collectives.course.runner --all``
 
 def collect(exercise: str) -> tuple[int, list[Task]]:
     """Run an exercise file as a script up to its ``run_tasks`` call; its lesson and tasks."""
@@ -189,10 +189,10 @@ def _run_all(plan: list[tuple[int, list[Task]]]) -> list[tuple[int, int, str, bo
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m collectives.exercise_runner --all [--impl reference] [--lesson N ...]``."""
-    from .lessons import LESSONS, lesson as find
+    """``python -m collectives.course.runner --all [--impl reference] [--lesson N ...]``."""
+    from .catalog import LESSONS, lesson as find
 
-    parser = argparse.ArgumentParser(prog="python -m collectives.exercise_runner",
+    parser = argparse.ArgumentParser(prog="python -m collectives.course.runner",
                                      description="run the exercises' checks, every lesson in one world")
     parser.add_argument("--all", action="store_true", help="every lesson (default when no --lesson)")
     parser.add_argument("--lesson", action="append", default=[], help="a lesson number (repeatable)")
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         if dist.get_rank() == 0:
             print(f"rank 0: {len(lines) - len(failed)} of {len(lines)} checks pass", flush=True)
         _exit_without_teardown(bool(failed))
-    from . import launch
+    from ..core import launch
 
     try:
         per_rank = launch.run(_run_all, args.world, args=(plan,), timeout=600)
