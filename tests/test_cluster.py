@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from collectives import launch
+from collectives import cost, launch
 from collectives.core import cluster as cl
 from collectives.core.cluster import Cluster
 
@@ -167,6 +167,10 @@ def test_an_exception_inside_the_cluster_removes_it_and_its_processes():
         with Cluster(machines=3, ranks_per_machine=2, rails=True) as made:
             names = made.namespaces
             assert len(names) == 4 and made.switch in names        # 3 machines and a switch
+            # through the bridge, each local rank on its own rail
+            seen = launch.run(where_am_i, 6, cluster=made)
+            assert [s["sum"] for s in seen] == [15] * 6
+            assert [s["GLOO_SOCKET_IFNAME"] for s in seen] == ["rail0", "rail1"] * 3
             sleeper = made.popen(2, ["sleep", "60"])
             1 / 0
     assert not set(names) & set(cl.our_namespaces())
@@ -174,9 +178,12 @@ def test_an_exception_inside_the_cluster_removes_it_and_its_processes():
 
 
 OWNER = textwrap.dedent("""
-    import sys, time
-    from collectives.core.cluster import Cluster
-    with Cluster(machines=2) as c:
+    import importlib.util, sys, time
+    # cluster.py by its path: it needs only the standard library, so no torch to import
+    spec = importlib.util.spec_from_file_location("cluster", sys.argv[1])
+    cluster = sys.modules["cluster"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cluster)
+    with cluster.Cluster(machines=2) as c:
         c.popen(1, ["sleep", "60"])
         print(" ".join(c.namespaces), flush=True)
         time.sleep(60)
@@ -184,8 +191,7 @@ OWNER = textwrap.dedent("""
 
 
 def _owner():
-    proc = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True,
-                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.Popen([sys.executable, "-c", OWNER, cl.__file__], stdout=subprocess.PIPE, text=True)
     names = proc.stdout.readline().split()
     assert len(names) == 2 and set(names) <= set(cl.our_namespaces())
     return proc, names
@@ -243,3 +249,34 @@ def test_every_exercise_reference_passes_under_one_torchrun_per_machine():
             assert f"[machine {machine}] [rank {rank}] lesson {lesson} task {number} {title}: PASS" in out
     assert f"rank 0: {len(expected) + 1} of {len(expected) + 1} checks pass" in out
     assert set(cl.our_namespaces()) == before
+
+
+# -- the cost model per tier -----------------------------------------------------------------
+
+def test_a_flat_ring_is_as_slow_as_its_slowest_link():
+    fast, slow = cost.AlphaBeta(10e-6, 1e-9), cost.AlphaBeta(100e-6, 8e-9)
+    n = 16 << 20
+    two_by_two = cost.TwoTier(inside=fast, across=slow, machines=2, ranks_per_machine=2)
+    # 2(p-1) = 6 steps, each a quarter of n across the slow link: 1.5 n in all
+    assert cost.predict_flat("ring", n, two_by_two) == pytest.approx(6 * slow.alpha + 1.5 * n * slow.beta)
+    # one machine: the ring of lesson 4 on the fast link; one rank per machine: on the slow one
+    one_machine = cost.TwoTier(fast, slow, machines=1, ranks_per_machine=4)
+    assert cost.predict_flat("ring", n, one_machine) == pytest.approx(cost.predict("ring", n, 4, fast))
+    spread = cost.TwoTier(fast, slow, machines=4, ranks_per_machine=1)
+    assert cost.predict_flat("ring", n, spread) == pytest.approx(cost.predict("ring", n, 4, slow))
+    # a slow inside hop (say, a busy CPU) bounds the step just the same
+    upside_down = cost.TwoTier(inside=slow, across=fast, machines=2, ranks_per_machine=2)
+    assert cost.predict_flat("ring", n, upside_down) == pytest.approx(cost.predict_flat("ring", n, two_by_two))
+
+
+@needs_cluster
+def test_the_tier_aware_model_predicts_a_flat_all_reduce_on_the_cluster(cluster):
+    """Ping-pong across the 1 Gbit/s link fits its rate; the flat ring predicted on the
+    slowest link lands within 20 % of a measured 16 MiB dist.all_reduce on 2 × 2 ranks."""
+    from collectives.course import cluster_bench
+
+    tiers = cluster_bench.measure_two_tier(cluster, iters=3)
+    assert 0.8 < tiers.across.bandwidth / 125e6 < 1.2, tiers.across      # 1 Gbit/s = 125 MB/s
+    predicted = cost.predict_flat("ring", 16 << 20, tiers)
+    measured = cluster_bench.measure_flat(cluster, 16 << 20, "dist", iters=3)
+    assert abs(measured - predicted) < 0.2 * measured, (predicted, measured, tiers)
