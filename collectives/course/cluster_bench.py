@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ..core import cost, launch, timing
 from ..core.cluster import Cluster, ClusterUnavailable
 
-ACROSS_SIZES = [512 << 10, 1 << 20, 2 << 20]   # bytes: well above the default 256 KiB burst
+ACROSS_SIZES = [1 << 20, 2 << 20, 4 << 20]   # bytes: well above the default 256 KiB burst
 INSIDE_SIZES = [8, 64 << 10, 1 << 20, 4 << 20]
 
 
