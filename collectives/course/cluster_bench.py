@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = timing.parse_sizes(args.sizes)
     try:
         with Cluster(args.machines, args.ranks_per_machine, link=args.link, burst=args.burst) as cluster:
-            tiers = measure_two_tier(cluster, iters=3)
+            tiers = measure_two_tier(cluster, iters=5)
             print(f"{cluster}, torch {torch.__version__}, "
                   f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
             for name, link in (("inside", tiers.inside), ("across", tiers.across)):
