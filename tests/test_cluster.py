@@ -277,13 +277,20 @@ def test_a_flat_ring_is_as_slow_as_its_slowest_link():
 
 
 @needs_cluster
-def test_the_tier_aware_model_predicts_a_flat_all_reduce_on_the_cluster(cluster):
-    """Ping-pong across the 1 Gbit/s link fits its rate; the flat ring predicted on the
-    slowest link lands within 20 % of a measured 16 MiB dist.all_reduce on 2 × 2 ranks."""
+def test_the_tier_aware_model_predicts_a_flat_all_reduce_on_the_cluster():
+    """Ping-pong across a 200 Mbit/s link fits its rate; the flat ring predicted on the
+    slowest link lands within 20 % of a measured 4 MiB dist.all_reduce on 2 × 2 ranks.
+    (A slow link keeps the CPU's share small: the ranks share two cores.)"""
     from collectives.course import cluster_bench
 
-    tiers = cluster_bench.measure_two_tier(cluster, iters=5)
-    assert 0.8 < tiers.across.bandwidth / 125e6 < 1.2, tiers.across      # 1 Gbit/s = 125 MB/s
-    predicted = cost.predict_flat("ring", 16 << 20, tiers)
-    measured = cluster_bench.measure_flat(cluster, 16 << 20, "dist", iters=3)
+    with Cluster(machines=2, ranks_per_machine=2, link="200mbit") as slow:
+        tiers = cluster_bench.measure_two_tier(slow, across_sizes=[512 << 10, 1 << 20, 2 << 20], iters=5)
+        assert 0.8 < tiers.across.bandwidth / 25e6 < 1.2, tiers.across      # 200 Mbit/s = 25 MB/s
+        predicted = cost.predict_flat("ring", 4 << 20, tiers)
+        measured = cluster_bench.measure_flat(slow, 4 << 20, "dist", iters=3)
     assert abs(measured - predicted) < 0.2 * measured, (predicted, measured, tiers)
+
+
+def test_a_world_that_does_not_split_over_the_machines_is_refused():
+    with pytest.raises(ValueError, match="does not split over 2 machines"):
+        launch.run(workers.sum_of_ranks, 3, machines=2)
