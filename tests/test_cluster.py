@@ -284,10 +284,13 @@ def test_the_tier_aware_model_predicts_a_flat_all_reduce_on_the_cluster():
     from collectives.course import cluster_bench
 
     with Cluster(machines=2, ranks_per_machine=2, link="200mbit") as slow:
-        tiers = cluster_bench.measure_two_tier(slow, across_sizes=[512 << 10, 1 << 20, 2 << 20], iters=5)
+        # fastest round trips and fastest all-reduce: the runs the other ranks' and the
+        # host's other processes disturbed least (the ranks share two cores)
+        tiers = cluster_bench.measure_two_tier(slow, across_sizes=[512 << 10, 1 << 20, 2 << 20],
+                                               iters=5, best=True)
         assert 0.8 < tiers.across.bandwidth / 25e6 < 1.2, tiers.across      # 200 Mbit/s = 25 MB/s
         predicted = cost.predict_flat("ring", 4 << 20, tiers)
-        measured = cluster_bench.measure_flat(slow, 4 << 20, "dist", iters=3)
+        measured = cluster_bench.measure_flat(slow, 4 << 20, "dist", iters=3, best=True)
     assert abs(measured - predicted) < 0.2 * measured, (predicted, measured, tiers)
 
 

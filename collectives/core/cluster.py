@@ -222,7 +222,10 @@ class Cluster:
             ``"200mbit"``), each way.
         burst: the token bucket's depth (``tc``'s ``burst``): bytes that may leave at
             line speed after a pause.
-        latency: the longest a packet may wait in the bucket's queue (``tc``'s ``latency``).
+        latency: the longest a packet may wait in the bucket's queue (``tc``'s ``latency``),
+            which sizes the queue: rate × latency. With 10 ms (250 KB at 200 Mbit/s) a
+            single flow of 2 MiB messages already lost packets and TCP backed off, so
+            measurements jumped from run to run; 100 ms holds a few MiB at any rate here.
         rails: one link per local rank instead of one per machine.
 
     The cluster is made on ``__enter__`` (or :meth:`start`) and removed on ``__exit__``
@@ -230,7 +233,7 @@ class Cluster:
     """
 
     def __init__(self, machines: int = 2, ranks_per_machine: int = 1, link: str = "1gbit",
-                 burst: str = "256kb", latency: str = "10ms", rails: bool = False):
+                 burst: str = "256kb", latency: str = "100ms", rails: bool = False):
         if machines < 2:
             raise ValueError(f"a cluster needs at least 2 machines, got {machines}")
         if machines > 250:
