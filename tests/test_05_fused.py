@@ -515,7 +515,7 @@ def _reference_checks():
         return [(e.dtype, e.numel) for e in t.collectives()]
 
     def bind_copies_nothing():
-        reducer = fused.FusedAllReducer(THRESHOLD, BUFFER, torch.device("cpu"))
+        reducer = fused.FastFusedAllReducer(THRESHOLD, BUFFER, torch.device("cpu"))
         tensors = [torch.zeros(n, dtype=d) for n, d in
                    [(200, torch.float32), (3000, torch.float32), (300, torch.float16), (200, torch.float32)]]
         for t in tensors:
@@ -542,7 +542,7 @@ def _reference_checks():
             pass
 
     def repeated_list_reuses_its_plan_until_its_memory_changes():
-        reducer = fused.FusedAllReducer(threshold_bytes=1 << 20, buffer_bytes=1 << 16)
+        reducer = fused.FastFusedAllReducer(threshold_bytes=1 << 20, buffer_bytes=1 << 16)
         ts = [torch.full((5,), float(rank + 1)), torch.ones(3)]
         reducer.all_reduce(ts).wait()
         planned = reducer._recent
@@ -641,10 +641,10 @@ def test_host_rows_refuse_what_is_not_a_plain_byte_copy():
 
 
 def test_compression_cannot_be_combined_with_bind():
-    from collectives.fused import FusedAllReducer
+    from collectives.fused import FastFusedAllReducer
 
     with pytest.raises(ValueError, match="compress"):
-        FusedAllReducer(compress_fp16=True).bind([torch.zeros(3)])
+        FastFusedAllReducer(compress_fp16=True).bind([torch.zeros(3)])
 
 
 def test_tour_entry_names_the_runner():
@@ -658,7 +658,16 @@ def test_tour_entry_names_the_runner():
 # GPU: the streams really order the work.
 
 def _gpu_producer_is_waited_for(spec):
-    Reducer = resolve(spec + ":FusedAllReducer")
+    mod = resolve(spec)
+    problems = []
+    # the plain reducer, and the reference's fast one (graphs) where there is one
+    for name in ("FusedAllReducer", "FastFusedAllReducer"):
+        if hasattr(mod, name):
+            problems += [f"{name}: {p}" for p in _gpu_steps(getattr(mod, name))]
+    return problems
+
+
+def _gpu_steps(Reducer):
     rank, p = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device())
     reducer = Reducer(64 << 10, 256 << 10, device)
@@ -686,7 +695,7 @@ def _gpu_producer_is_waited_for(spec):
             bad = int((seen != want).sum())
             problems.append(f"{what}: {bad} elements differ from what dist.all_reduce gives")
 
-    # The reference reducer records the list's second call as a CUDA graph and replays it
+    # The reference's fast reducer records the list's second call as a CUDA graph and replays it
     # from then on: steps 2-4 replay; then a different list reuses the same buffers right
     # behind a replay; then the first list again (planned, recorded and replayed anew).
     for k in range(1, 5):
