@@ -8,8 +8,8 @@ one world of 4 ranks per module (``graded``), plus one for the reference's own e
 """
 
 import math
-
 import sys
+import weakref
 
 import pytest
 import torch
@@ -557,10 +557,62 @@ def _reference_checks():
         assert ts[0].tolist() == [p * (p + 1) / 2] * 5 and ts[1].tolist() == [2.0 * p] * 7, \
             (ts[0].tolist(), ts[1].tolist())
 
+    def training_loop_with_default_zero_grad():
+        """A standard loop: optimizer.zero_grad() (set_to_none=True), backward, all-reduce, step.
+        Returns, per step, whether the bound reducer recognised the list."""
+        rtol, atol = verify.tolerance(torch.float32, p)
+        data = torch.Generator().manual_seed(rank)
+
+        def model_and_optimizer():
+            torch.manual_seed(0)                      # the same model on every rank
+            model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                        torch.nn.LayerNorm(16), torch.nn.Linear(16, 3))
+            return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step(model, opt, reducer, what):
+            loss = model(torch.randn(4, 8, generator=data)).square().mean()
+            loss.backward()
+            grads = [q.grad for q in model.parameters()]
+            expected = [verify.reference_all_reduce(g) for g in grads]
+            reducer.all_reduce(grads).wait()
+            for i, (e, g) in enumerate(zip(expected, grads)):
+                problem = verify.compare(e, g, exact=False, rtol=rtol, atol=atol)
+                assert problem is None, f"{what}, gradient {i}: {problem}"
+            opt.step()
+            return [weakref.ref(g) for g in grads]
+
+        # Passing the gradients as they come: the reducer keeps none of them alive.
+        model, opt = model_and_optimizer()
+        reducer = fused.FastFusedAllReducer(THRESHOLD, BUFFER)
+        last = []
+        for k in range(4):
+            opt.zero_grad()
+            held = sum(r() is not None for r in last)
+            assert held == 0, f"step {k + 1}: {held} gradients freed by zero_grad() are still alive"
+            last = step(model, opt, reducer, f"as they come, step {k + 1}")
+
+        # Bound: the list is recognised, and autograd's own gradients are freed at once.
+        model, opt = model_and_optimizer()
+        made = []                                     # registered first: sees autograd's tensor
+        for q in model.parameters():
+            q.register_post_accumulate_grad_hook(lambda q: made.append(weakref.ref(q.grad)))
+        reducer = fused.FastFusedAllReducer(THRESHOLD, BUFFER)
+        reducer.bind_grads(model.parameters())
+        recognised = []
+        for k in range(4):
+            opt.zero_grad()
+            step(model, opt, reducer, f"bound, step {k + 1}")
+            recognised.append(reducer._known is not None and reducer._known is reducer._bound)
+            held = sum(r() is not None for r in made)
+            assert held == 0, f"bound, step {k + 1}: {held} of autograd's gradients still alive"
+            made.clear()
+        return recognised
+
     _check(results, "compressed bound", compressed_within_bound)
     _check(results, "overflow", overflow_falls_back_to_float32)
     _check(results, "bind", bind_copies_nothing)
     _check(results, "repeated list", repeated_list_reuses_its_plan_until_its_memory_changes)
+    _check(results, "training loop", training_loop_with_default_zero_grad)
     return results
 
 
@@ -592,6 +644,16 @@ def test_bound_tensors_are_reduced_in_place_without_copies(reference_extras):
 
 def test_a_repeated_list_reuses_its_plan_and_is_replanned_when_its_memory_changes(reference_extras):
     _assert_ok(reference_extras, "repeated list")
+
+
+def test_a_training_loop_with_default_zero_grad_gets_the_fast_path_and_frees_its_gradients(
+        reference_extras):
+    # zero_grad() sets every .grad to None: the reducer must not keep the old ones alive,
+    # and with bind_grads the list is the bound one on every step from the second on
+    for rank, r in enumerate(reference_extras):
+        recognised = r["training loop"]
+        assert isinstance(recognised, list), f"rank {rank}: {recognised}"
+        assert recognised[1:] == [True, True, True], f"rank {rank}: recognised per step {recognised}"
 
 
 def _host_rows_round_trip(shapes, dtype):
