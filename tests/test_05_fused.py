@@ -202,7 +202,32 @@ def _graded_checks(spec):
     _check(results, "reducer subgroup", lambda: subgroup_only(reducer_call(True)))
     _check(results, "reducer errors", lambda: bad_input_is_refused(reducer_call(True)))
     _check(results, "reducer plans once", lambda: _planned_once(mod, rank))
+    _check(results, "reducer ordered", lambda: _streams_ordered(mod, rank))
     return results
+
+
+def _streams_ordered(mod, rank):
+    """The reducer under streams.checking(): the CPU stand-in streams keep count as a GPU's
+    would, so a missing wait (the copy-in's "filled", the copy-back's "free", the producer,
+    the caller) is reported here. Returns the violations, per setting."""
+    from collectives import streams
+
+    found = {}
+    for double in (True, False):
+        with streams.checking(raise_errors=False) as checker:
+            reducer = mod.FusedAllReducer(THRESHOLD, BUFFER, torch.device("cpu"), double_buffer=double)
+            # six flushes of one tensor each (both buffers used three times), a tensor on its
+            # own, a transposed view; three calls
+            for seed in range(3):
+                tensors = [_values((400,), torch.float32, ReduceOp.SUM, rank, seed + k) for k in range(6)]
+                tensors += [_values((1500,), torch.float32, ReduceOp.SUM, rank, seed),
+                            _values((7, 3), torch.float32, ReduceOp.SUM, rank, seed).t()]
+                expected = [verify.reference_all_reduce(t) for t in tensors]
+                reducer.all_reduce(tensors)
+                reducer.wait()
+                _compare_all(expected, tensors, f"double_buffer={double}, call {seed + 1}")
+        found["double" if double else "single"] = checker.violations
+    return found
 
 
 def _flush_timeline(mod, double, rank):
@@ -451,6 +476,17 @@ def test_double_buffering_issues_the_next_flush_before_the_previous_lands(graded
 
 
 @pytest.mark.task(lesson=5, task=5, points=4, title="FusedAllReducer: cached layout, double buffering")
+def test_streams_are_ordered_by_events_as_a_gpu_needs(graded):
+    # checked on the CPU stand-ins: every read of memory another stream wrote (and every
+    # write of memory another stream used) comes after a wait on an event recorded there
+    for rank, r in enumerate(graded):
+        found = r["reducer ordered"]
+        assert isinstance(found, dict), f"rank {rank}: {found}"
+        for mode, violations in found.items():
+            assert not violations, f"rank {rank}, {mode} buffer: " + "; ".join(violations[:3])
+
+
+@pytest.mark.task(lesson=5, task=5, points=4, title="FusedAllReducer: cached layout, double buffering")
 def test_one_buffer_waits_for_each_flush_before_the_next(graded):
     for rank, r in enumerate(graded):
         timeline = r["reducer overlap single"]
@@ -558,18 +594,19 @@ def _reference_checks():
             (ts[0].tolist(), ts[1].tolist())
 
     def training_loop_with_default_zero_grad():
-        """A standard loop: optimizer.zero_grad() (set_to_none=True), backward, all-reduce, step.
-        Returns, per step, whether the bound reducer recognised the list."""
+        """A standard loop: zero_grad() (set_to_none=True, the default), backward, all-reduce,
+        step. Returns, per step, whether the bound reducer recognised the list. (The model's
+        zero_grad() does what the optimizer's does; the update is SGD written out, because
+        constructing a torch.optim optimizer imports the compiler: seconds per rank.)"""
         rtol, atol = verify.tolerance(torch.float32, p)
         data = torch.Generator().manual_seed(rank)
 
-        def model_and_optimizer():
+        def make_model():
             torch.manual_seed(0)                      # the same model on every rank
-            model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
-                                        torch.nn.LayerNorm(16), torch.nn.Linear(16, 3))
-            return model, torch.optim.SGD(model.parameters(), lr=0.1)
+            return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                       torch.nn.LayerNorm(16), torch.nn.Linear(16, 3))
 
-        def step(model, opt, reducer, what):
+        def step(model, reducer, what):
             loss = model(torch.randn(4, 8, generator=data)).square().mean()
             loss.backward()
             grads = [q.grad for q in model.parameters()]
@@ -578,21 +615,23 @@ def _reference_checks():
             for i, (e, g) in enumerate(zip(expected, grads)):
                 problem = verify.compare(e, g, exact=False, rtol=rtol, atol=atol)
                 assert problem is None, f"{what}, gradient {i}: {problem}"
-            opt.step()
+            with torch.no_grad():
+                for q in model.parameters():
+                    q -= 0.1 * q.grad
             return [weakref.ref(g) for g in grads]
 
         # Passing the gradients as they come: the reducer keeps none of them alive.
-        model, opt = model_and_optimizer()
+        model = make_model()
         reducer = fused.FastFusedAllReducer(THRESHOLD, BUFFER)
         last = []
         for k in range(4):
-            opt.zero_grad()
+            model.zero_grad()
             held = sum(r() is not None for r in last)
             assert held == 0, f"step {k + 1}: {held} gradients freed by zero_grad() are still alive"
-            last = step(model, opt, reducer, f"as they come, step {k + 1}")
+            last = step(model, reducer, f"as they come, step {k + 1}")
 
         # Bound: the list is recognised, and autograd's own gradients are freed at once.
-        model, opt = model_and_optimizer()
+        model = make_model()
         made = []                                     # registered first: sees autograd's tensor
         for q in model.parameters():
             q.register_post_accumulate_grad_hook(lambda q: made.append(weakref.ref(q.grad)))
@@ -600,8 +639,8 @@ def _reference_checks():
         reducer.bind_grads(model.parameters())
         recognised = []
         for k in range(4):
-            opt.zero_grad()
-            step(model, opt, reducer, f"bound, step {k + 1}")
+            model.zero_grad()
+            step(model, reducer, f"bound, step {k + 1}")
             recognised.append(reducer._known is not None and reducer._known is reducer._bound)
             held = sum(r() is not None for r in made)
             assert held == 0, f"bound, step {k + 1}: {held} of autograd's gradients still alive"
@@ -613,12 +652,65 @@ def _reference_checks():
     _check(results, "bind", bind_copies_nothing)
     _check(results, "repeated list", repeated_list_reuses_its_plan_until_its_memory_changes)
     _check(results, "training loop", training_loop_with_default_zero_grad)
+    _check(results, "mis-ordered", lambda: _mis_ordered_reducers_are_caught(rank))
     return results
+
+
+def _mis_ordered_reducers_are_caught(rank):
+    """The reference reducer with one wait taken out, under streams.checking(): what is reported."""
+    from collectives import streams
+    from collectives.fused import FusedAllReducer
+
+    def without(stream_name):
+        with streams.checking(raise_errors=False) as checker:
+            reducer = FusedAllReducer(THRESHOLD, BUFFER, torch.device("cpu"))
+            stream = {"copy-in": reducer._copy_in, "comm": reducer._comm}[stream_name]
+            stream.wait_event = lambda event: None          # the mistake: this stream waits on nothing
+            tensors = [_values((400,), torch.float32, ReduceOp.SUM, rank, k) for k in range(6)]
+            expected = [verify.reference_all_reduce(t) for t in tensors]
+            reducer.all_reduce(tensors)
+            reducer.wait()
+            _compare_all(expected, tensors, "on CPU the values still come out right")
+        return checker.violations
+
+    def never_recorded():
+        with streams.checking(raise_errors=False) as checker:
+            side = streams.new_stream(torch.device("cpu"), name="side")
+            side.wait_event(streams.new_event(torch.device("cpu"), name="done"))
+        return checker.violations
+
+    return {"free": without("copy-in"), "filled": without("comm"), "never recorded": never_recorded()}
 
 
 @pytest.fixture(scope="module")
 def reference_extras():
     return launch.run(_reference_checks, WORLD, timeout=60)
+
+
+def test_a_mis_ordered_reducer_fails_on_cpu(reference_extras):
+    for rank, r in enumerate(reference_extras):
+        found = r["mis-ordered"]
+        assert isinstance(found, dict), f"rank {rank}: {found}"
+        # copy-in not waiting for "buffer free": the third flush packs buffer A while the
+        # copy-back of the first may still read it
+        assert any(v.startswith("cat on copy-in writes memory that _foreach_copy_ on copy-back read")
+                   for v in found["free"]), found["free"]
+        # comm not waiting for "filled": the all-reduce reads the buffer before the copy is done
+        assert any("(issued on comm) reduces memory that cat on copy-in wrote" in v
+                   for v in found["filled"]), found["filled"]
+        assert found["never recorded"] == [
+            "side waits on event done, which was never recorded: the wait orders nothing"]
+
+
+def test_checking_raises_at_the_end_of_the_block_and_leaves_the_stand_ins_as_they_were():
+    from collectives import streams
+
+    cpu = torch.device("cpu")
+    with pytest.raises(streams.OrderingError, match="never recorded"):
+        with streams.checking():
+            streams.new_stream(cpu).wait_event(streams.new_event(cpu))
+    assert type(streams.new_stream(cpu)) is streams.NullStream
+    assert type(streams.current_stream(cpu)) is streams.NullStream
 
 
 def test_float16_on_the_wire_stays_within_the_stated_error_bound(reference_extras):

@@ -146,10 +146,10 @@ class FusedAllReducer:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.op, self.group = op, group
         self.compress_fp16, self.double_buffer = compress_fp16, double_buffer
-        self._copy_in = streams.new_stream(self.device)    # packs groups into buffers
-        self._comm = streams.new_stream(self.device)       # runs the all-reduces
-        self._copy_back = streams.new_stream(self.device)  # copies results back
-        self._landed = streams.new_event(self.device)      # the copy-back stream, at wait()
+        self._copy_in = streams.new_stream(self.device, name="copy-in")      # packs groups into buffers
+        self._comm = streams.new_stream(self.device, name="comm")            # runs the all-reduces
+        self._copy_back = streams.new_stream(self.device, name="copy-back")  # copies results back
+        self._landed = streams.new_event(self.device, name="landed")  # the copy-back stream, at wait()
         self._buffers: dict[torch.dtype, list[_Buffer]] = {}   # wire dtype -> its buffers
         self._prepared: dict[tuple, _Prepared] = {}            # (shapes, dtypes, devices) -> plan
         self._inflight: list[_Flight] = []
@@ -160,8 +160,9 @@ class FusedAllReducer:
             numel = self.buffer_bytes // dtype.itemsize
             self._buffers[dtype] = [
                 _Buffer(torch.empty(numel, dtype=dtype, device=self.device),
-                        streams.new_event(self.device), streams.new_event(self.device))
-                for _ in range(2 if self.double_buffer else 1)]
+                        streams.new_event(self.device, name=f"{dtype} buffer {i} filled"),
+                        streams.new_event(self.device, name=f"{dtype} buffer {i} free"))
+                for i in range(2 if self.double_buffer else 1)]
             caller = streams.current_stream(self.device)
             for buf in self._buffers[dtype]:      # a new buffer is free: its first fill waits on this
                 buf.free.record(caller)
