@@ -593,67 +593,71 @@ def _reference_checks():
         assert ts[0].tolist() == [p * (p + 1) / 2] * 5 and ts[1].tolist() == [2.0 * p] * 7, \
             (ts[0].tolist(), ts[1].tolist())
 
-    def training_loop_with_default_zero_grad():
-        """A standard loop: zero_grad() (set_to_none=True, the default), backward, all-reduce,
-        step. Returns, per step, whether the bound reducer recognised the list. (The model's
-        zero_grad() does what the optimizer's does; the update is SGD written out, because
-        constructing a torch.optim optimizer imports the compiler: seconds per rank.)"""
-        rtol, atol = verify.tolerance(torch.float32, p)
-        data = torch.Generator().manual_seed(rank)
-
-        def make_model():
-            torch.manual_seed(0)                      # the same model on every rank
-            return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
-                                       torch.nn.LayerNorm(16), torch.nn.Linear(16, 3))
-
-        def step(model, reducer, what):
-            loss = model(torch.randn(4, 8, generator=data)).square().mean()
-            loss.backward()
-            grads = [q.grad for q in model.parameters()]
-            expected = [verify.reference_all_reduce(g) for g in grads]
-            reducer.all_reduce(grads).wait()
-            for i, (e, g) in enumerate(zip(expected, grads)):
-                problem = verify.compare(e, g, exact=False, rtol=rtol, atol=atol)
-                assert problem is None, f"{what}, gradient {i}: {problem}"
-            with torch.no_grad():
-                for q in model.parameters():
-                    q -= 0.1 * q.grad
-            return [weakref.ref(g) for g in grads]
-
-        # Passing the gradients as they come: the reducer keeps none of them alive.
-        model = make_model()
-        reducer = fused.FastFusedAllReducer(THRESHOLD, BUFFER)
-        last = []
-        for k in range(4):
-            model.zero_grad()
-            held = sum(r() is not None for r in last)
-            assert held == 0, f"step {k + 1}: {held} gradients freed by zero_grad() are still alive"
-            last = step(model, reducer, f"as they come, step {k + 1}")
-
-        # Bound: the list is recognised, and autograd's own gradients are freed at once.
-        model = make_model()
-        made = []                                     # registered first: sees autograd's tensor
-        for q in model.parameters():
-            q.register_post_accumulate_grad_hook(lambda q: made.append(weakref.ref(q.grad)))
-        reducer = fused.FastFusedAllReducer(THRESHOLD, BUFFER)
-        reducer.bind_grads(model.parameters())
-        recognised = []
-        for k in range(4):
-            model.zero_grad()
-            step(model, reducer, f"bound, step {k + 1}")
-            recognised.append(reducer._known is not None and reducer._known is reducer._bound)
-            held = sum(r() is not None for r in made)
-            assert held == 0, f"bound, step {k + 1}: {held} of autograd's gradients still alive"
-            made.clear()
-        return recognised
-
     _check(results, "compressed bound", compressed_within_bound)
     _check(results, "overflow", overflow_falls_back_to_float32)
     _check(results, "bind", bind_copies_nothing)
     _check(results, "repeated list", repeated_list_reuses_its_plan_until_its_memory_changes)
-    _check(results, "training loop", training_loop_with_default_zero_grad)
+    _check(results, "training loop", lambda: _training_loop(torch.device("cpu")))
     _check(results, "mis-ordered", lambda: _mis_ordered_reducers_are_caught(rank))
     return results
+
+
+def _training_loop(device):
+    """A standard loop: zero_grad() (set_to_none=True, the default), backward, all-reduce,
+    step. Returns, per step, whether the bound reducer recognised the list. (The model's
+    zero_grad() does what the optimizer's does; the update is SGD written out, because
+    constructing a torch.optim optimizer imports the compiler: seconds per rank.)"""
+    from collectives import fused
+
+    rank, p = dist.get_rank(), dist.get_world_size()
+    rtol, atol = verify.tolerance(torch.float32, p)
+    data = torch.Generator().manual_seed(rank)
+
+    def make_model():
+        torch.manual_seed(0)                      # the same model on every rank
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                   torch.nn.LayerNorm(16), torch.nn.Linear(16, 3)).to(device)
+
+    def step(model, reducer, what):
+        loss = model(torch.randn(4, 8, generator=data).to(device)).square().mean()
+        loss.backward()
+        grads = [q.grad for q in model.parameters()]
+        expected = [verify.reference_all_reduce(g) for g in grads]
+        reducer.all_reduce(grads).wait()
+        for i, (e, g) in enumerate(zip(expected, grads)):
+            problem = verify.compare(e, g, exact=False, rtol=rtol, atol=atol)
+            assert problem is None, f"{what}, gradient {i}: {problem}"
+        with torch.no_grad():
+            for q in model.parameters():
+                q -= 0.1 * q.grad
+        return [weakref.ref(g) for g in grads]
+
+    # Passing the gradients as they come: the reducer keeps none of them alive.
+    model = make_model()
+    reducer = fused.FastFusedAllReducer(THRESHOLD, BUFFER, device)
+    last = []
+    for k in range(4):
+        model.zero_grad()
+        held = sum(r() is not None for r in last)
+        assert held == 0, f"step {k + 1}: {held} gradients freed by zero_grad() are still alive"
+        last = step(model, reducer, f"as they come, step {k + 1}")
+
+    # Bound: the list is recognised, and autograd's own gradients are freed at once.
+    model = make_model()
+    made = []                                     # registered first: sees autograd's tensor
+    for q in model.parameters():
+        q.register_post_accumulate_grad_hook(lambda q: made.append(weakref.ref(q.grad)))
+    reducer = fused.FastFusedAllReducer(THRESHOLD, BUFFER, device)
+    reducer.bind_grads(model.parameters())
+    recognised = []
+    for k in range(4):
+        model.zero_grad()
+        step(model, reducer, f"bound, step {k + 1}")
+        recognised.append(reducer._known is not None and reducer._known is reducer._bound)
+        held = sum(r() is not None for r in made)
+        assert held == 0, f"bound, step {k + 1}: {held} of autograd's gradients still alive"
+        made.clear()
+    return recognised
 
 
 def _mis_ordered_reducers_are_caught(rank):
@@ -871,3 +875,15 @@ def _gpu_steps(Reducer):
 def test_streams_wait_for_the_producer_and_the_caller_waits_for_the_results(impl):
     results = launch.run(_gpu_producer_is_waited_for, 2, args=(impl,), backend="nccl", timeout=120)
     assert results == [[], []], results
+
+
+def _gpu_training_loop():
+    # the same loop on a GPU: the bound list is known from its first call, recorded as a
+    # CUDA graph then and replayed on steps 2-4, while the hook copies autograd's gradients in
+    return _training_loop(torch.device("cuda", torch.cuda.current_device()))
+
+
+@pytest.mark.gpu
+def test_a_training_loop_with_default_zero_grad_on_gpus():
+    results = launch.run(_gpu_training_loop, 2, backend="nccl", timeout=120)
+    assert results == [[True] * 4, [True] * 4], results
