@@ -258,7 +258,8 @@ class Checker:
 
     def touch(self, tensor: torch.Tensor, write: bool, what: str, stream=None) -> None:
         """Note that ``stream`` (the current one) reads or writes ``tensor``'s memory now."""
-        if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu" or tensor.numel() == 0:
+        if (not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu"
+                or tensor.layout != torch.strided or tensor.numel() == 0):
             return
         stream = stream or self.current
         size = tensor.element_size()
