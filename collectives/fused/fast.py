@@ -185,6 +185,11 @@ class FastFusedAllReducer(FusedAllReducer):
         DDP's ``gradient_as_bucket_view``. Then ``all_reduce([p.grad for p in parameters])``
         is the bound list on every step: recognised, reduced in place, nothing copied, and
         the gradient autograd made is freed at once. Returns the bound gradients.
+
+        Parameters that do not require a gradient are left out. As with DDP without
+        ``find_unused_parameters``, each bound parameter must get a gradient every step:
+        after ``zero_grad()`` one that backward did not reach has ``.grad`` None, which
+        ``all_reduce`` refuses.
         """
         params = [p for p in parameters if p.requires_grad]
         grads = []
