@@ -122,50 +122,54 @@ class StageGroups:
 
 
 _cache: dict[tuple, StageGroups] = {}
-_shared: dict[tuple[int, ...], object] = {}    # member set -> group, for subgroups
 
 
-def stage_groups(layout: Layout, group=None) -> StageGroups:
+def stage_groups(layout: Layout, group=None, *, ranks: list[int] | None = None) -> StageGroups | None:
     """This rank's :class:`StageGroups` for ``layout`` over ``group``, created on first use.
 
-    For the world, every rank creates every group, in the same order: the inside groups
-    of the reduce-scatter (machine 0, 1, ...), the rail groups of the collect (rail 0, 1,
-    ...), of the diffuse, then the inside groups of the all-gather. For a subgroup, only
-    its members call us, so its groups are created with ``use_local_synchronization``;
-    torch names such groups after their members, so stages with the same members share
-    one group there (the reduce-scatter and the all-gather; the collect and the diffuse).
+    ``dist.new_group`` is collective over the *whole world*: every rank creates every
+    group, in the same order -- the inside groups of the reduce-scatter (machine 0, 1, ...),
+    the rail groups of the collect (rail 0, 1, ...), of the diffuse, then the inside groups
+    of the all-gather. For the world that happens on the first call. A subgroup is called
+    by its members only, so:
+
+    * when one tier has a single rank (D = 1 or M = 1), the stages of the other tier run on
+      the subgroup itself -- its members are exactly the stage's members;
+    * otherwise every rank of the world must create the groups first, together:
+      ``stage_groups(layout, ranks=[...])`` on every rank (non-members get ``None``).
     """
-    ranks = _ranks(group)
-    world = group is None or group is dist.GroupMember.WORLD
+    if ranks is None:
+        ranks = _ranks(group)
+        world = group is None or group is dist.GroupMember.WORLD
+    else:
+        world, group = True, None          # called by every rank of the world, to prepare
+        ranks = list(ranks)
     default = dist.distributed_c10d._get_default_group()
     key = (id(default), tuple(ranks), layout.D, layout.M)
     if key in _cache:
         return _cache[key]
-    me = ranks.index(dist.get_rank())
-    groups = StageGroups(layout, layout.local(me), layout.machine(me), ranks)
+    me = ranks.index(dist.get_rank()) if dist.get_rank() in ranks else None
     D, M = layout.D, layout.M
-    inside = [ranks[m * D:(m + 1) * D] for m in range(M)]
-    rails = [ranks[d::D] for d in range(D)]
-
-    def make(members: list[int]):
-        if world:
-            return dist.new_group(members)
-        if tuple(members) not in _shared:
-            _shared[tuple(members)] = dist.new_group(members, use_local_synchronization=True)
-        return _shared[tuple(members)]
-
+    if not world and D > 1 and M > 1:
+        raise ValueError(f"hierarchical all-reduce on the subgroup {ranks} with layout (D={D}, M={M}): "
+                         "its stage groups must be created by every rank of the world first: "
+                         f"call collectives.hierarchical.stage_groups(Layout({D}, {M}), ranks={ranks}) "
+                         "on every rank")
+    groups = None if me is None else StageGroups(layout, layout.local(me), layout.machine(me), ranks)
+    plan = [("reduce_scatter", [ranks[m * D:(m + 1) * D] for m in range(M)], D > 1),
+            ("collect", [ranks[d::D] for d in range(D)], M > 1),
+            ("diffuse", [ranks[d::D] for d in range(D)], M > 1),
+            ("all_gather", [ranks[m * D:(m + 1) * D] for m in range(M)], D > 1)]
     with trace.paused():
-        plan = [("reduce_scatter", inside, D > 1), ("collect", rails, M > 1),
-                ("diffuse", rails, M > 1), ("all_gather", inside, D > 1)]
         for stage, member_lists, needed in plan:
             if not needed:
                 continue
             for members in member_lists:
-                if world or dist.get_rank() in members:
-                    pg = make(members)
-                    if dist.get_rank() in members:
-                        setattr(groups, stage, pg)
-    _cache[key] = groups
+                pg = dist.new_group(members) if world else group   # a subgroup: one tier only
+                if groups is not None and dist.get_rank() in members:
+                    setattr(groups, stage, pg)
+    if groups is not None:
+        _cache[key] = groups
     return groups
 
 
