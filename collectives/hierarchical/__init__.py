@@ -18,10 +18,10 @@ The tier-aware cost model is in :mod:`collectives.cost` (``Tiers``, ``tiered``,
 ``predict_tiered``, ``best_slice_bytes``).
 """
 
-from .layout import Layout, StageGroups, bytes_by_tier, resolve, stage_groups
+from .layout import Layout, StageGroups, bytes_by_tier, resolve, stage_groups, tier_bytes
 from .pipeline import default_slice_numel, hierarchical_all_reduce, one_slice_all_reduce
 from .simple import rail_all_reduce, root_based_all_reduce
 
 __all__ = ["hierarchical_all_reduce", "one_slice_all_reduce", "root_based_all_reduce",
-           "rail_all_reduce", "Layout", "StageGroups", "resolve", "stage_groups", "bytes_by_tier",
+           "rail_all_reduce", "Layout", "StageGroups", "resolve", "stage_groups", "bytes_by_tier", "tier_bytes",
            "default_slice_numel"]

@@ -233,3 +233,24 @@ def bytes_by_tier(events, machine_of, world_size: int) -> dict[str, float]:
                 tier = "mixed"
         out[tier] += sent
     return out
+
+
+def tier_bytes(events, groups: StageGroups, world_size: int) -> dict[str, float]:
+    """:func:`bytes_by_tier` for one rank of a hierarchical layout, plus ``"off_rail"``: bytes
+    sent across machines to ranks that are not on this rank's rail (a hierarchical
+    all-reduce sends none: its cross-machine stages run on the rail)."""
+    out = bytes_by_tier(events, groups.machine_of, world_size)
+    rail = set(groups.rail_ranks())
+    out["off_rail"] = 0.0
+    for e in events:
+        sent = bytes_put_on_the_wire(e, world_size)
+        if not sent:
+            continue
+        if e.is_send:
+            off = groups.machine_of(e.peer) != groups.m and e.peer not in rail
+        else:
+            members = set(e.group) if e.group else set(range(world_size))
+            machines = {groups.machine_of(r) for r in members}
+            off = len(machines) > 1 and not members <= rail
+        out["off_rail"] += sent if off else 0.0
+    return out
