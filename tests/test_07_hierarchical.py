@@ -330,3 +330,11 @@ def _layout_from_env():
         out["bad"] = str(exc)
     dist.barrier()      # rank 3 stays until the others are done with the group it is not in
     return out
+
+
+@pytest.mark.parametrize("layout", [l for l in CROSSING if l[0] > 1])
+def test_a_flat_ring_handed_in_for_the_hierarchy_fails_the_pattern(worlds, layout):
+    # Lesson 4's ring gives the right values; its bytes cross machines at the machines'
+    # edges only, 2(p-1)/p·n from one rank and none from the others: no pattern points.
+    with pytest.raises(AssertionError, match="bytes across machines|bytes inside"):
+        _assert_fairring_bytes(worlds, layout, "flat ring")
