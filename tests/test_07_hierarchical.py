@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from collectives import cost, launch, trace, verify
 from collectives.hierarchical.layout import Layout, resolve, stage_groups, tier_bytes
-from collectives.impl import resolve as load
-from collectives.ops import ReduceOp
+from collectives.course.impl import resolve as load
+from collectives.core.ops import ReduceOp
 
 LESSON = 7
 TIMEOUT = 150

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from collectives import cost, ops, streams
-from collectives.ops import ReduceOp
+from collectives.core.ops import ReduceOp
 
 from .layout import Layout, resolve, stage_groups
 from .slice import NUM_SLOTS, Slice, SlotPool

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from collectives import ops, trace
-from collectives.ops import ReduceOp
+from collectives.core.ops import ReduceOp
 
 from .layout import resolve, stage_groups
 

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from collectives import ops, streams, trace
-from collectives.ops import ReduceOp
+from collectives.core.ops import ReduceOp
 
 from .layout import StageGroups
 

@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 
 from collectives import ops, trace, verify
-from collectives.exercise_runner import Task, run_tasks
+from collectives.course.runner import Task, run_tasks
 from collectives.hierarchical.layout import StageGroups, resolve, stage_groups, tier_bytes
-from collectives.ops import ReduceOp
+from collectives.core.ops import ReduceOp
 
 LESSON = 7
 EXERCISE_LAYOUT = (2, 2)    # what the checks below use on a world of 4 (else (p, 1))
