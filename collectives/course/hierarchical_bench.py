@@ -155,3 +155,55 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     return 0 if all(r["verified"] for r in result["rows"]) else 1
+
+
+# ---- for the lab: a real trace of slices in flight, drawn stage by stage -----------------
+
+STAGE_COLOURS = {"reduce-scatter": "tab:blue", "collect": "tab:orange", "diffuse": "tab:green",
+                 "all-gather": "tab:purple"}
+
+
+def traced_slices(layout: tuple[int, int], numel: int, slice_numel: int, rounds: int = 2) -> list[dict]:
+    """On every rank: the trace of ``hierarchical_all_reduce`` (the last of ``rounds`` calls,
+    so the groups exist already), as dicts, times relative to the call's start."""
+    import time
+
+    from collectives.hierarchical import hierarchical_all_reduce
+
+    x = torch.randn(numel)
+    for _ in range(rounds - 1):
+        hierarchical_all_reduce(x, layout=layout, slice_numel=slice_numel)
+    with trace.paused():
+        dist.barrier()
+    start = time.perf_counter()
+    with trace.recording() as t:
+        hierarchical_all_reduce(x, layout=layout, slice_numel=slice_numel)
+    rows = t.to_dicts()
+    for r in rows:
+        r["t0"] -= start
+        r["t1"] = None if r["t1"] is None else r["t1"] - start
+    return rows
+
+
+def plot_slices(per_rank: list[list[dict]], title: str = ""):
+    """One panel per rank: a bar per stage of each slice, from issue to the wait that ended it."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(per_rank), 1, figsize=(10, 1.2 + 1.1 * len(per_rank)), sharex=True,
+                             squeeze=False)
+    for rank, (ax, rows) in enumerate(zip(axes[:, 0], per_rank)):
+        for r in rows:
+            if not r["label"].startswith("slice ") or r["t1"] is None:
+                continue
+            head, stage = r["label"].split(": ", 1)
+            i = int(head.split()[1])
+            ax.barh(i, (r["t1"] - r["t0"]) * 1e3, left=r["t0"] * 1e3, height=0.8,
+                    color=STAGE_COLOURS.get(stage, "grey"), edgecolor="white", linewidth=0.5)
+        ax.set_ylabel(f"rank {rank}\nslice")
+        ax.invert_yaxis()
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in STAGE_COLOURS.values()]
+    axes[0, 0].legend(handles, list(STAGE_COLOURS), ncol=4, loc="lower right", fontsize=8)
+    axes[-1, 0].set_xlabel("ms since the call (bar: issued → waited for)")
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
