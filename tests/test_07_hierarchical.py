@@ -338,3 +338,32 @@ def test_a_flat_ring_handed_in_for_the_hierarchy_fails_the_pattern(worlds, layou
     # edges only, 2(p-1)/p·n from one rank and none from the others: no pattern points.
     with pytest.raises(AssertionError, match="bytes across machines|bytes inside"):
         _assert_fairring_bytes(worlds, layout, "flat ring")
+
+
+# ---- on the simulated cluster: 2 machines × 2 ranks, the layout from the environment -------
+
+def _cluster_checks(impl):
+    out = {"layout": (resolve().D, resolve().M)}
+    p = dist.get_world_size()
+    cases = [c for c in verify.default_cases(p, quick=True, large=False) if c.group is None]
+    cases += _size_cases(2, 2) + [verify.Case(PRIME, group=(0, 2)), verify.Case(PRIME, group=(0, 1))]
+    for name in FNS:
+        out[name] = verify.check_all_reduce(load(f"{impl}:{name}"), cases)
+    events, error = _traced(load(f"{impl}:one_slice_all_reduce"), PATTERN_N)
+    out["tiers"] = error or _tiers(events, None)
+    return out
+
+
+def test_on_the_simulated_cluster_with_the_layout_from_the_environment(impl):
+    from collectives.core import cluster
+
+    reason = cluster.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    results = launch.run(_cluster_checks, 4, args=(impl,), machines=2, link="1gbit", timeout=TIMEOUT)
+    n = PATTERN_N * 4
+    for rank, r in enumerate(results):
+        assert r["layout"] == (2, 2), f"rank {rank} read the layout {r['layout']} from its environment"
+        for name in FNS:
+            assert r[name].ok, f"{name} on the cluster, rank {rank}: {r[name].summary()}"
+        assert r["tiers"]["across"] == pytest.approx(n / 2) and r["tiers"]["inside"] == pytest.approx(n), r["tiers"]

@@ -202,8 +202,8 @@ def plot_slices(per_rank: list[list[dict]], title: str = ""):
         ax.set_ylabel(f"rank {rank}\nslice")
         ax.invert_yaxis()
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in STAGE_COLOURS.values()]
-    axes[0, 0].legend(handles, list(STAGE_COLOURS), ncol=4, loc="lower right", fontsize=8)
     axes[-1, 0].set_xlabel("ms since the call (bar: issued → waited for)")
-    fig.suptitle(title)
-    fig.tight_layout()
+    fig.suptitle(title, x=0.01, ha="left", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    fig.legend(handles, list(STAGE_COLOURS), ncol=4, loc="upper right", fontsize=8, frameon=False)
     return fig

@@ -25,6 +25,8 @@ The reference is ``collectives/hierarchical/``; the lesson page is docs/lessons/
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -131,8 +133,19 @@ def hierarchical_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, l
 # ---- the checks run by `python lessons/07_hierarchical/exercise.py` ----------------------
 
 def _layout() -> tuple[int, int]:
+    """Several machines (torchrun per machine, the simulated cluster): the environment's
+    layout. One machine: pretend, with EXERCISE_LAYOUT on 4 ranks."""
     p = dist.get_world_size()
+    if int(os.environ.get("LOCAL_WORLD_SIZE", p)) < p:
+        machines = resolve()
+        return machines.D, machines.M
     return EXERCISE_LAYOUT if p == EXERCISE_LAYOUT[0] * EXERCISE_LAYOUT[1] else (p, 1)
+
+
+def _layout_arg():
+    """What the checks pass as ``layout=``: None where the environment has the machines."""
+    p = dist.get_world_size()
+    return None if int(os.environ.get("LOCAL_WORLD_SIZE", p)) < p else _layout()
 
 
 def _cases() -> list:
@@ -147,11 +160,10 @@ def _cases() -> list:
 
 def _pattern(fn, numel: int, across_per_rank: float, inside_per_rank: float, **kwargs) -> verify.Report:
     p = dist.get_world_size()
-    layout = _layout()
     x = torch.ones(numel)
     with trace.recording() as t:
-        fn(x, layout=layout, **kwargs)
-    got = tier_bytes(t.events, stage_groups_for(None, layout), p)
+        fn(x, layout=_layout_arg(), **kwargs)
+    got = tier_bytes(t.events, stage_groups_for(None, _layout()), p)
     want = {"across": across_per_rank, "inside": inside_per_rank, "mixed": 0.0, "off_rail": 0.0}
     report = verify.Report(reference="the hierarchical pattern")
     for tier, value in want.items():
@@ -165,7 +177,7 @@ def _pattern(fn, numel: int, across_per_rank: float, inside_per_rank: float, **k
 def _check(fn, across, inside, **kwargs):
     import functools
 
-    report = verify.check_all_reduce(functools.partial(fn, layout=_layout(), **kwargs), _cases())
+    report = verify.check_all_reduce(functools.partial(fn, layout=_layout_arg(), **kwargs), _cases())
     D, M = _layout()
     n = 64 * D * M
     return report.merge(_pattern(fn, n, across(n * 4, D, M), inside(n * 4, D, M), **kwargs))
