@@ -367,3 +367,31 @@ def test_on_the_simulated_cluster_with_the_layout_from_the_environment(impl):
         for name in FNS:
             assert r[name].ok, f"{name} on the cluster, rank {rank}: {r[name].summary()}"
         assert r["tiers"]["across"] == pytest.approx(n / 2) and r["tiers"]["inside"] == pytest.approx(n), r["tiers"]
+
+
+# ---- on GPUs: NCCL, one stream and one communicator per stage for real -----------------------
+
+def _gpu_checks(layout, big_numel):
+    from collectives import ops
+
+    device = ops.rank_device()
+    out = {}
+    for name in ("hierarchical_all_reduce", "one_slice_all_reduce", "rail_all_reduce"):
+        fn = functools.partial(load(f"collectives.hierarchical:{name}"), layout=layout)
+        cases = [c for c in verify.default_cases(2, quick=True) if c.group is None] + _size_cases(*layout)
+        out[name] = verify.check_all_reduce(fn, cases)
+    x = torch.randint(-8, 9, (big_numel,), device=device).float()      # 256 MiB, exact sums
+    expected = verify.reference_all_reduce(x)
+    load("collectives.hierarchical:hierarchical_all_reduce")(x, layout=layout)
+    out["256 MiB"] = verify.compare(expected, x)
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", [(1, 2), (2, 1)])
+def test_on_two_gpus_with_nccl(layout):
+    results = launch.run(_gpu_checks, 2, args=(layout, 64 << 20), backend="nccl", timeout=300)
+    for rank, r in enumerate(results):
+        for name in ("hierarchical_all_reduce", "one_slice_all_reduce", "rail_all_reduce"):
+            assert r[name].ok, f"{name}, layout {layout}, rank {rank}: {r[name].summary()}"
+        assert r["256 MiB"] is None, f"256 MiB, layout {layout}, rank {rank}: {r['256 MiB']}"
