@@ -268,8 +268,8 @@ class Tiers:
 
 
 # What hierarchical_all_reduce assumes when it is not told: gloo over loopback inside a
-# machine (≈ 20 µs, ≈ 2 GB/s on a small CPU), 1 Gbit/s Ethernet between machines.
-DEFAULT_TIERS = Tiers(AlphaBeta(20e-6, 1 / 2e9), AlphaBeta(100e-6, 8 / 1e9))
+# machine (≈ 50 µs, ≈ 1 GB/s: gloo's busbw on a 2-core CPU), 1 Gbit/s Ethernet between machines.
+DEFAULT_TIERS = Tiers(AlphaBeta(50e-6, 1 / 1e9), AlphaBeta(100e-6, 8 / 1e9))
 
 
 @dataclass(frozen=True)
