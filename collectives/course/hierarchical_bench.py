@@ -29,6 +29,13 @@ import torch.distributed as dist
 from ..core import cost, launch, timing, trace
 from . import verify
 
+# The queue of each shaped link, as tc's tbf ``latency``: how long a packet may wait. With
+# the cluster's default 10 ms (1.25 MB at 1 Gbit/s) two TCP flows sharing a link lose
+# packets and back off: 64 MiB as two flows of 32 MiB took 1.02 s where one flow took
+# 0.63-0.77 s (2026-11-23). 50 ms lets them share it: 0.58-0.59 s both ways. A hierarchy
+# without rails sends D flows over each link at once, so it is measured with 50 ms.
+QUEUE = "50ms"
+
 ALGORITHMS = {   # name -> (target, cost model, slices: "one" or "model")
     "flat ring": ("collectives.ring:ring_all_reduce", "flat_ring", "one"),
     "dist.all_reduce": (None, "flat_ring", "one"),
@@ -66,12 +73,16 @@ def _bench_in_rank(sizes: list[int], iters: int, names: list[str]) -> dict:
 
 
 def run_bench(sizes: list[int], machines: int = 2, ranks_per_machine: int = 2, link: str = "1gbit",
-              rails: bool = False, iters: int = 3, names: list[str] | None = None) -> dict:
+              rails: bool = False, iters: int = 3, names: list[str] | None = None,
+              latency: str = QUEUE) -> dict:
     """Run the benchmark on a fresh cluster; return rank 0's results with the model beside them."""
+    from ..core.cluster import Cluster
+
     names = names or list(ALGORITHMS)
     p = machines * ranks_per_machine
-    result = launch.run(_bench_in_rank, p, args=(sizes, iters, names), machines=machines,
-                        link=link, rails=rails, timeout=60 + 60 * iters * len(sizes) * len(names))[0]
+    with Cluster(machines, ranks_per_machine, link=link, rails=rails, latency=latency) as made:
+        result = launch.run(_bench_in_rank, p, args=(sizes, iters, names), cluster=made,
+                            timeout=60 + 60 * iters * len(sizes) * len(names))[0]
     rate = timing.parse_size(link.lower().replace("gbit", "G").replace("mbit", "M")) / 8
     tiers = cost.Tiers(cost.DEFAULT_TIERS.inside, cost.AlphaBeta(100e-6, 1 / rate), rails=rails)
     D, M = result["layout"]
@@ -79,7 +90,7 @@ def run_bench(sizes: list[int], machines: int = 2, ranks_per_machine: int = 2, l
         _, model, slices = ALGORITHMS[row["name"]]
         s = 1 if slices == "one" else max(1, round(row["nbytes"] / cost.best_slice_bytes(row["nbytes"], D, M, tiers)))
         row["model_seconds"] = cost.predict_tiered(model, row["nbytes"], D, M, tiers, slices=s)
-    result.update(machines=machines, ranks_per_machine=ranks_per_machine, link=link, rails=rails,
+    result.update(machines=machines, ranks_per_machine=ranks_per_machine, link=link, rails=rails, latency=latency,
                   date=datetime.date.today().isoformat(), torch=torch.__version__)
     return result
 
@@ -90,7 +101,8 @@ def render(result: dict) -> None:
 
     D, M = result["layout"]
     title = (f"hierarchical all-reduce, {M} machines × {D} ranks, {result['link']} "
-             f"{'per rail' if result['rails'] else 'per machine'}, float32 (torch {result['torch']})")
+             f"{'per rail' if result['rails'] else 'per machine'} (queue {result['latency']}), "
+             f"float32 (torch {result['torch']})")
     table = Table(title=title)
     for col in ("size", "algorithm", "verified", "time", "model", "× flat ring", "× dist.all_reduce"):
         table.add_column(col, justify="left" if col == "algorithm" else "right")
@@ -143,13 +155,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks-per-machine", type=int, default=2)
     parser.add_argument("--link", default="1gbit", help="rate of each cross-machine link (tc syntax)")
     parser.add_argument("--rails", action="store_true", help="one link per local rank")
+    parser.add_argument("--latency", default=QUEUE,
+                        help=f"queue of each link, tc tbf latency (default {QUEUE}; the cluster's own: 10ms)")
     parser.add_argument("--iters", type=int, default=3, help="timed runs per algorithm and size (median)")
     parser.add_argument("--only", default="", help="comma-separated algorithm names")
     parser.add_argument("--json", default="", help="also write the results to this file")
     args = parser.parse_args(argv)
     names = [n for n in args.only.split(",") if n] or None
     result = run_bench(timing.parse_sizes(args.sizes), args.machines, args.ranks_per_machine, args.link,
-                       args.rails, args.iters, names)
+                       args.rails, args.iters, names, args.latency)
     render(result)
     if args.json:
         with open(args.json, "w") as f:
