@@ -23,5 +23,5 @@ from .pipeline import default_slice_numel, hierarchical_all_reduce, one_slice_al
 from .simple import rail_all_reduce, root_based_all_reduce
 
 __all__ = ["hierarchical_all_reduce", "one_slice_all_reduce", "root_based_all_reduce",
-           "rail_all_reduce", "Layout", "StageGroups", "resolve", "stage_groups", "bytes_by_tier", "tier_bytes",
-           "default_slice_numel"]
+           "rail_all_reduce", "Layout", "StageGroups", "resolve", "stage_groups",
+           "bytes_by_tier", "tier_bytes", "default_slice_numel"]

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from collectives import trace
+from ..core import trace
 
 STAGES = ("reduce-scatter", "collect", "add", "diffuse", "all-gather")
 

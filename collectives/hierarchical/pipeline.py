@@ -33,8 +33,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from collectives import cost, ops, streams
-from collectives.core.ops import ReduceOp
+from ..core import cost, ops, streams
+from ..core.ops import ReduceOp
 
 from .layout import Layout, resolve, stage_groups
 from .slice import NUM_SLOTS, Slice, SlotPool

@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from collectives import ops, trace
-from collectives.core.ops import ReduceOp
+from ..core import ops, trace
+from ..core.ops import ReduceOp
 
 from .layout import resolve, stage_groups
 

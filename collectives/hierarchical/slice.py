@@ -39,8 +39,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from collectives import ops, streams, trace
-from collectives.core.ops import ReduceOp
+from ..core import ops, streams, trace
+from ..core.ops import ReduceOp
 
 from .layout import StageGroups
 
