@@ -81,9 +81,27 @@ def unavailable_reason() -> str | None:
             missing.append(f"the `{tool}` command from iproute2 (apt-get install iproute2)")
     if not os.path.exists("/proc/self/ns/net"):
         missing.append("Linux network namespaces (/proc/self/ns/net)")
+    elif not missing:
+        lacking = [name for name, bit in (("CAP_NET_ADMIN", 12), ("CAP_SYS_ADMIN", 21))
+                   if not _capabilities() >> bit & 1]
+        if lacking:
+            missing.append(" and ".join(lacking) + " (root in a container started without them: "
+                           "docker run --privileged, or --cap-add NET_ADMIN --cap-add SYS_ADMIN)")
     if not missing:
         return None
     return "the simulated cluster needs " + " and ".join(missing)
+
+
+def _capabilities() -> int:
+    """This process's effective capabilities (a bit mask; all ones when unreadable)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return int(line.split()[1], 16)
+    except OSError:
+        pass
+    return -1
 
 
 def require() -> None:
