@@ -301,6 +301,8 @@ def test_cost_model_counts_what_the_trace_counts():
     rails = cost.Tiers(tiers.inside, tiers.across, rails=True)
     assert cost.predict_tiered("flat_ring", n, 2, 2, rails) / cost.predict_tiered("hierarchical", n, 2, 2, rails) \
         > 2.5
+    fitted = cost.TwoTier(tiers.inside, tiers.across, machines=2, ranks_per_machine=2)
+    assert cost.predict_tiered("flat_ring", n, 2, 2, fitted) == pytest.approx(cost.predict_flat("ring", n, fitted))
     best = cost.best_slice_bytes(n, 2, 2, tiers)
     assert 0 < best < n
     assert cost.predict_tiered("hierarchical", n, 2, 2, tiers, slices=round(n / best)) < hier

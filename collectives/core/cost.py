@@ -306,7 +306,9 @@ class Tiers:
 
     ``rails``: each local rank has a cross-machine link of its own (one NIC per GPU, as
     on DGX-class machines); otherwise the D ranks of a machine share one link, and what
-    they send across at the same time adds up on it.
+    they send across at the same time adds up on it. (:class:`TwoTier` describes the same
+    two links with the cluster's shape, for :func:`predict_flat`; the functions below
+    accept either.)
     """
 
     inside: AlphaBeta
@@ -399,9 +401,10 @@ def predict_tiered(name: str, n: float, D: int, M: int, tiers: Tiers, slices: in
 
         T(S) ≈ Σ_stages t(n/S) + (S − 1) · max(Σ_inside t(n/S), Σ_across t(n/S))
 
-    ``slices = 1`` is the plain sum of the stages.
+    ``slices = 1`` is the plain sum of the stages. ``tiers`` may also be a :class:`TwoTier`
+    (fitted on a cluster; no rails): only its ``inside`` and ``across`` links are read.
     """
-    stages = tiered(name, n / slices, D, M, tiers.rails)
+    stages = tiered(name, n / slices, D, M, getattr(tiers, "rails", False))
     total = sum(s.seconds(tiers) for s in stages)
     if slices == 1:
         return total
