@@ -199,13 +199,15 @@ def traced_slices(layout: tuple[int, int], numel: int, slice_numel: int, rounds:
     return rows
 
 
-def plot_slices(per_rank: list[list[dict]], title: str = ""):
-    """One panel per rank: a bar per stage of each slice, from issue to the wait that ended it."""
+def plot_slices(per_rank: list[list[dict]], title: str = "", ranks: list[int] | None = None):
+    """One panel per rank (``ranks`` names them; default 0, 1, ...): a bar per stage of each
+    slice, from issue to the wait that ended it."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(len(per_rank), 1, figsize=(10, 1.2 + 1.1 * len(per_rank)), sharex=True,
                              squeeze=False)
-    for rank, (ax, rows) in enumerate(zip(axes[:, 0], per_rank)):
+    ranks = list(range(len(per_rank))) if ranks is None else ranks
+    for rank, ax, rows in zip(ranks, axes[:, 0], per_rank):
         for r in rows:
             if not r["label"].startswith("slice ") or r["t1"] is None:
                 continue
@@ -217,7 +219,8 @@ def plot_slices(per_rank: list[list[dict]], title: str = ""):
         ax.invert_yaxis()
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in STAGE_COLOURS.values()]
     axes[-1, 0].set_xlabel("ms since the call (bar: issued → waited for)")
-    fig.suptitle(title, x=0.01, ha="left", fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
-    fig.legend(handles, list(STAGE_COLOURS), ncol=4, loc="upper right", fontsize=8, frameon=False)
+    fig.suptitle(title, x=0.01, y=0.99, ha="left", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.86))
+    fig.legend(handles, list(STAGE_COLOURS), ncol=4, loc="upper left", bbox_to_anchor=(0.01, 0.93),
+               fontsize=8, frameon=False)
     return fig
