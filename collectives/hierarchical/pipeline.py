@@ -113,24 +113,28 @@ def hierarchical_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, l
         with streams.use(stream):
             for work in pending.pop(i, []):
                 work.wait()                           # NCCL: this stream waits; gloo: the host
+            works = []
             if k == 0:
                 lo, hi = bounds[i]
                 slices[i] = Slice(flat[lo:hi], groups, op, p, pools, stage_streams, index=i)
-                pending[i] = slices[i].reduce_scatter()
+                works = slices[i].reduce_scatter()
             elif k == 1:
-                pending[i] = slices[i].collect()
+                works = slices[i].collect()
             elif k == 2:
                 slices[i].add()
-                added = streams.new_event(device)     # the diffuse waits for the add's kernels
-                added.record(stream)
-                pending[i] = [added]
             elif k == 3:
-                pending[i] = slices[i].diffuse()
+                works = slices[i].diffuse()
             elif k == 4:
-                pending[i] = slices[i].all_gather()
+                works = slices[i].all_gather()
             else:
                 slices[i].finish()
                 slices[i] = None                      # its views are no longer needed
+                return
+            # This stream's own work (copies, the add) and everything it waited for: the next
+            # stage waits for this mark too, so a skipped stage (D or M = 1) still orders them.
+            mark = streams.new_event(device)
+            mark.record(stream)
+            pending[i] = works + [mark]
 
     stages = 6   # the five stages, and the copy back of the padding
     for tick in range(len(bounds) + stages - 1):
@@ -140,7 +144,7 @@ def hierarchical_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, l
                 run_stage(k, i)
 
     caller.wait_stream(stage_streams[4])
-    ops.write_back(tensor, flat)
+    ops.write_back(tensor.detach(), flat)
 
 
 def one_slice_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, layout=None) -> None:

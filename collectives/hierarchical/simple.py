@@ -63,7 +63,7 @@ def root_based_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, lay
     if shape.D > 1:
         with trace.label("broadcast from the root"):
             dist.broadcast(flat, root, group=groups.all_gather)
-    ops.write_back(tensor, flat)
+    ops.write_back(tensor.detach(), flat)
 
 
 def rail_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, layout=None) -> None:
