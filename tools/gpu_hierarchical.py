@@ -29,13 +29,11 @@ def _rank(layouts, numel, iters):
     device = ops.rank_device()
     rows = []
     x = torch.randint(-8, 9, (numel,), device=device).float()
-    ref = x.clone()
-    dist.all_reduce(ref)
-    nccl = timing.median(timing.measure(lambda: dist.all_reduce(x), iters=iters, device=device))
+    timed = x.clone()
+    nccl = timing.median(timing.measure(lambda: dist.all_reduce(timed), iters=iters, device=device))
     for layout in layouts:
         for name, fn in (("one slice", one_slice_all_reduce), ("pipelined", hierarchical_all_reduce)):
-            y = torch.randint(-8, 9, (numel,), device=device, generator=None).float()
-            y.copy_(x)
+            y = x.clone()
             want = y.clone()
             dist.all_reduce(want)
             call = functools.partial(fn, layout=layout)
