@@ -47,6 +47,7 @@ LESSONS = [
     Lesson(4, "ring", "The bandwidth-optimal ring and its rivals", "collectives.ring"),
     Lesson(5, "fused", "Fused buffers, after SINGA", "collectives.fused"),
     Lesson(6, "bucketing", "DDP gradient bucketing", "collectives.bucketing"),
+    Lesson(8, "sparse", "Sparse all-reduce with error feedback, after SINGA", "collectives.sparse"),
 ]
 
 

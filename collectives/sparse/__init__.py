@@ -181,3 +181,9 @@ def sparse_all_reduce(tensor: torch.Tensor, residual: torch.Tensor | None = None
     ops.finish_(flat, op, p)
     ops.write_back(tensor, flat)
     return info
+
+
+# Training: imported last, as they build on sparse_all_reduce above.
+from .hooks import SparseBucketedReducer, SparseHookState, sparse_hook  # noqa: E402
+
+__all__ += ["SparseHookState", "sparse_hook", "SparseBucketedReducer"]

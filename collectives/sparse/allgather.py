@@ -55,7 +55,16 @@ def pack_pairs(indices: torch.Tensor, values: torch.Tensor, width: int) -> torch
 def unpack_pairs(buffer: torch.Tensor, width: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of :func:`pack_pairs` for one rank's bytes: ``(indices int64, values)``."""
     split = width * torch.empty((), dtype=INDEX_DTYPE).element_size()
-    return buffer[:split].view(INDEX_DTYPE).long(), buffer[split:].view(dtype)
+    return _as(buffer[:split], INDEX_DTYPE).long(), _as(buffer[split:], dtype)
+
+
+def _as(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bytes seen as ``dtype``; copied first when they do not start at a multiple of its
+    size (an odd number of 4-byte indices before 8-byte values, one rank's block after another's)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if raw.storage_offset() % size:
+        raw = raw.clone()
+    return raw.view(dtype)
 
 
 def exchange_counts(count: int, group=None, device=None) -> list[int]:
