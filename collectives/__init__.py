@@ -1,10 +1,30 @@
 """Collectives from Scratch: collective communication built by hand on torch.distributed.
 
-Shared infrastructure: :mod:`~collectives.launch` (run a function on N local ranks),
-:mod:`~collectives.verify` (the equivalence harness against ``dist.all_reduce``),
-:mod:`~collectives.trace` (who sent what), :mod:`~collectives.cost` (the α–β model),
-:mod:`~collectives.streams` (streams and events that are no-ops on CPU),
-:mod:`~collectives.timing`, :mod:`~collectives.ops`. One module per lesson beside them.
+Three layers, one folder each, imports going one way (tooling -> lessons -> infrastructure)::
+
+    collectives/
+      core/      the infrastructure: launch, ops, trace, streams, timing, cost, nccl_memory
+      p2p.py basics.py naive_ring.py ring.py topologies.py fused/ bucketing/
+                 the lessons' reference code, each importing only earlier lessons and core
+      course/    the tooling: lesson map, verify, runner, grading, tour, bench, plots, cli
+
+``from collectives import launch, ops, trace, verify`` (and ``streams``, ``timing``,
+``cost``, ``nccl_memory``) is the short form: the infrastructure is imported with the
+package, ``verify`` (tooling) only when asked for.
 """
 
+import importlib
+
+from .core import cost, launch, nccl_memory, ops, streams, timing, trace  # noqa: F401
+
 __version__ = "0.1.0"
+
+_LAZY = {"verify": "collectives.course.verify", "plots": "collectives.course.plots"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        module = importlib.import_module(_LAZY[name])
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module 'collectives' has no attribute {name!r}")

@@ -1,53 +1,8 @@
-"""``python -m collectives <command>``: the course's command line.
+"""``python -m collectives <command>``: see :mod:`collectives.course.cli`."""
 
-  tour         every lesson's algorithm on a local world, verified and timed (make tour)
-  grade        score the exercises (make grade [LESSON=04])
-  check        check one all-reduce against dist.all_reduce: check collectives.ring:ring_all_reduce
-  bench        all-reduce algorithms against dist.all_reduce, nccl-tests style (make bench)
-  bench-fused  the fused all-reducer against one flat all-reduce and per-tensor calls
-  bench-ddp    the bucketed reducer against torch DDP
-"""
-
-from __future__ import annotations
-
-import importlib
 import sys
 
-COMMANDS = {
-    "tour": "collectives.tour:main",
-    "grade": "collectives.grading:main",
-    "check": "collectives.__main__:check",
-    "bench": "collectives.bench:main",
-    "bench-fused": "collectives.fused_bench:main",
-    "bench-ddp": "collectives.bucketing_bench:main",
-}
-
-
-def check(argv: list[str]) -> int:
-    import argparse
-
-    from . import verify
-
-    parser = argparse.ArgumentParser(prog="python -m collectives check")
-    parser.add_argument("target", help='"module:function" or "path/to/file.py:function"')
-    parser.add_argument("--world", default="1,2,3,4", help="world sizes, comma-separated")
-    args = parser.parse_args(argv)
-    ok = True
-    for p in [int(x) for x in args.world.split(",")]:
-        report = verify.check_in_world(args.target, p)
-        print(f"world size {p}: {report.summary()}")
-        ok &= report.ok
-    return 0 if ok else 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print(__doc__)
-        return 0 if not argv or argv[0] in ("-h", "--help") else 2
-    module, func = COMMANDS[argv[0]].split(":")
-    return int(getattr(importlib.import_module(module), func)(argv[1:]) or 0)
-
+from collectives.course.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

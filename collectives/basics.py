@@ -40,16 +40,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import cost, ops, verify
-from .ops import ReduceOp
+from .core import cost, ops
+from .core.ops import ReduceOp
 from .p2p import exchange
-from .tour import TourEntry
 
 __all__ = ["tour_of_collectives", "broadcast", "tree_broadcast", "reduce", "scatter", "gather",
-           "all_gather", "all_reduce_via_reduce_broadcast", "TOUR"]
-
-TOUR = [TourEntry(2, "reduce+broadcast", "collectives.basics:all_reduce_via_reduce_broadcast",
-                  model="reduce_broadcast")]
+           "all_gather", "all_reduce_via_reduce_broadcast"]
 
 
 # ---------------------------------------------------------------------------------
@@ -63,7 +59,7 @@ def tour_of_collectives(numel: int = 2) -> list[dict]:
     under NCCL). Needs at least 2 ranks.
     """
     r, p = dist.get_rank(), dist.get_world_size()
-    dev = verify.rank_device()
+    dev = ops.rank_device()
     rows = []
 
     def row(name, call, before, after, note=""):

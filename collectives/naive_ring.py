@@ -33,9 +33,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import nccl_memory, ops, trace
-from .ops import ReduceOp
-from .tour import TourEntry
+from .core import nccl_memory, ops, trace
+from .core.ops import ReduceOp
 
 __all__ = ["naive_ring_all_reduce", "tutorial_all_reduce"]
 
@@ -103,6 +102,3 @@ def tutorial_all_reduce(send: torch.Tensor, recv: torch.Tensor) -> None:
         accum[:] += arriving[:]
         request.wait()
     recv[:] = accum[:]
-
-
-TOUR = [TourEntry(3, "naive ring", "collectives.naive_ring:naive_ring_all_reduce", model="naive_ring")]

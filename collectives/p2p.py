@@ -16,10 +16,10 @@ in its two forms and what each costs:
 :func:`exchange` (post the receive, post the send, wait for both) is the building block
 later lessons use for every ring step, and :func:`measure_alpha_beta` measures the
 latency α and inverse bandwidth β of one message on your machine, the two numbers the
-course's cost model (:mod:`collectives.cost`) runs on.
+course's cost model (:mod:`collectives.core.cost`) runs on.
 
 Ranks: like ``dist.send``'s ``dst``, every peer argument here is a *global* rank, also
-when a ``group`` is given; :func:`collectives.ops.global_rank` converts a group rank.
+when a ``group`` is given; :func:`collectives.core.ops.global_rank` converts a group rank.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import cost, ops, verify
+from .core import cost, ops
 
 __all__ = ["pass_token", "exchange", "ping_pong", "measure_alpha_beta", "DEFAULT_SIZES",
            "modify_after_isend", "read_before_wait", "recv_first_deadlock", "send_first_ring"]
@@ -251,7 +251,7 @@ def ping_pong(nbytes: int, iters: int = 10, group=None) -> list[float]:
     rank, p = ops.group_rank_and_size(group)
     if p < 2:
         raise ValueError("ping_pong needs at least two ranks")
-    device = verify.rank_device()
+    device = ops.rank_device()
     message = torch.zeros(nbytes, dtype=torch.uint8, device=device)
     first, second = ops.global_rank(group, 0), ops.global_rank(group, 1)
     round_trips: list[float] = []
@@ -278,7 +278,7 @@ def measure_alpha_beta(sizes: list[int] | None = None, iters: int = 10,
     the odd run the scheduler spoils). One short untimed ping-pong first pays for the
     connection set-up that the first message on a pair includes.
 
-    Returns ``(link, table)``: ``link`` is :func:`collectives.cost.fit_alpha_beta` of the
+    Returns ``(link, table)``: ``link`` is :func:`collectives.core.cost.fit_alpha_beta` of the
     table; ``table`` has one row per size: ``{"nbytes", "round_trip", "one_way"}`` (seconds).
     """
     sizes = list(DEFAULT_SIZES if sizes is None else sizes)
@@ -288,7 +288,7 @@ def measure_alpha_beta(sizes: list[int] | None = None, iters: int = 10,
         round_trips = ping_pong(nbytes, iters, group)
         one_way.append(statistics.median(round_trips) / 2 if round_trips else 0.0)
     # Only rank 0 timed anything; every rank gets its numbers.
-    shared = torch.tensor(one_way, dtype=torch.float64, device=verify.rank_device())
+    shared = torch.tensor(one_way, dtype=torch.float64, device=ops.rank_device())
     dist.broadcast(shared, ops.global_rank(group, 0), group=group)
     one_way = shared.cpu().tolist()
     table = [{"nbytes": n, "round_trip": 2 * t, "one_way": t} for n, t in zip(sizes, one_way)]

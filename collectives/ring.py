@@ -36,9 +36,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import nccl_memory, ops, trace
-from .ops import ReduceOp
-from .tour import TourEntry
+from .core import nccl_memory, ops, trace
+from .core.ops import ReduceOp
 from .topologies import (halving_doubling_all_reduce, recursive_doubling_all_reduce,
                          tree_all_reduce)
 
@@ -335,14 +334,3 @@ def multi_ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
             _batch([op for op in p2p if op.tensor.numel()])
     ops.write_back(tensor, flat)
 
-
-TOUR = [
-    TourEntry(4, "ring", "collectives.ring:ring_all_reduce", model="ring"),
-    TourEntry(4, "pipelined ring", "collectives.ring:pipelined_ring_all_reduce", model="pipelined_ring"),
-    TourEntry(4, "multi-ring (2 channels)", "collectives.ring:multi_ring_all_reduce", model="multi_ring"),
-    TourEntry(4, "recursive doubling", "collectives.topologies:recursive_doubling_all_reduce",
-              model="recursive_doubling"),
-    TourEntry(4, "halving-doubling", "collectives.topologies:halving_doubling_all_reduce",
-              model="halving_doubling"),
-    TourEntry(4, "tree", "collectives.topologies:tree_all_reduce", model="tree"),
-]

@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import nccl_memory, ops, trace
-from .ops import ReduceOp
+from .core import nccl_memory, ops, trace
+from .core.ops import ReduceOp
 
 __all__ = ["recursive_doubling_all_reduce", "halving_doubling_all_reduce", "tree_all_reduce"]
 
@@ -36,7 +36,7 @@ __all__ = ["recursive_doubling_all_reduce", "halving_doubling_all_reduce", "tree
 def _exchange(send_buf, recv_buf, peer: int, group) -> None:
     """Send ``send_buf`` to ``peer`` and receive ``recv_buf`` from it, at the same time.
 
-    :func:`collectives.ops.sendrecv` posts both (an empty block is not posted at all; on
+    :func:`collectives.core.ops.sendrecv` posts both (an empty block is not posted at all; on
     NCCL the two go in one group, without which two ranks exchanging would deadlock).
     """
     recv, send = ops.sendrecv(send_buf, peer, recv_buf, peer, group)

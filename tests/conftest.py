@@ -4,13 +4,13 @@ Each lesson's test file sets ``LESSON = N`` and asks for the ``impl`` fixture: t
 spec of the implementation under test -- ``collectives.<topic>`` by default, the
 student's ``lessons/NN_topic/exercise.py`` under ``--impl exercise`` (what the grader runs).
 Specs are strings so they cross into the ranks of a world, where
-``collectives.impl.resolve(spec + ":function")`` loads them.
+``collectives.course.impl.resolve(spec + ":function")`` loads them.
 """
 
 import pytest
 import torch
 
-from collectives.impl import spec_for
+from collectives.course.impl import spec_for
 
 
 def pytest_addoption(parser):

@@ -9,13 +9,15 @@ one world of 4 ranks per module (``graded``), plus one for the reference's own e
 
 import math
 
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from collectives import launch, trace, verify
-from collectives.impl import resolve
-from collectives.ops import ReduceOp
+from collectives.course.impl import resolve
+from collectives.core.ops import ReduceOp
 
 LESSON = 5
 WORLD = 4
@@ -223,6 +225,7 @@ def _flush_timeline(mod, double, rank):
 def _planned_once(mod, rank):
     """The layout is planned once per list of shapes and dtypes, then reused."""
     calls = []
+    mod = sys.modules[mod.FusedAllReducer.__module__]   # where the reducer looks plan_layout up
     original = mod.plan_layout
 
     def counting(*args, **kwargs):
@@ -594,8 +597,8 @@ def test_a_repeated_list_reuses_its_plan_and_is_replanned_when_its_memory_change
 def _host_rows_round_trip(shapes, dtype):
     """HostRows.of over tensors with guard elements on both sides: gather, then scatter,
     each checked, and nothing beside the tensors written."""
-    from collectives.fused_layout import slot_views
-    from collectives.fused_reuse import HostRows
+    from collectives.fused.layout import slot_views
+    from collectives.fused.reuse import HostRows
 
     bases = [torch.full((math.prod(s) + 2,), -7).to(dtype) for s in shapes]
     tensors = [b[1:-1].view(s) for b, s in zip(bases, shapes)]    # contiguous, guarded
@@ -626,8 +629,8 @@ def test_host_rows_copy_mixed_interleaved_sizes_in_and_back_touching_nothing_els
 
 
 def test_host_rows_refuse_what_is_not_a_plain_byte_copy():
-    from collectives.fused_layout import slot_views
-    from collectives.fused_reuse import HostRows
+    from collectives.fused.layout import slot_views
+    from collectives.fused.reuse import HostRows
 
     for what, ts, region in [
             ("a cast", [torch.ones(4, dtype=torch.float64)], torch.zeros(64)),
@@ -645,9 +648,10 @@ def test_compression_cannot_be_combined_with_bind():
 
 
 def test_tour_entry_names_the_runner():
-    from collectives.fused import TOUR
+    from collectives.course.tour import entries
 
-    assert [(e.lesson, e.name, e.runner) for e in TOUR] == [(5, "fused", "collectives.fused:tour_runner")]
+    assert [(e.name, e.runner) for e in entries() if e.lesson == 5] == [
+        ("fused", "collectives.course.fused_bench:tour_runner")]
 
 
 # ---------------------------------------------------------------------------------------

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 
 from collectives import bucketing as reference
 from collectives import launch, trace
-from collectives.bucketing_model import BranchNet, SmallMLP, TiedNet, TwoBranchNet
-from collectives.impl import resolve
+from collectives.bucketing.models import BranchNet, SmallMLP, TiedNet, TwoBranchNet
+from collectives.course.impl import resolve
 
 LESSON = 6
 TOL = 1e-12
@@ -573,7 +573,7 @@ def test_no_sync_accumulates_locally_and_the_next_step_reduces_the_sum(worlds, p
 
 @pytest.mark.gpu
 def test_nccl_reducer_matches_torch_ddp_on_two_gpus():
-    from collectives import bucketing_bench
+    from collectives.course import bucketing_bench
     cfg = dict(world=2, backend="nccl", bucket_cap_mb=1.0, first_bucket_cap_mb=1.0, steps=2, warmup=2,
                model="transformer", sizes=dict(vocab=512, d_model=64, nhead=4, ff=128, layers=2, seq=16),
                batch=4)

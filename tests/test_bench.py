@@ -2,8 +2,8 @@
 
 import json
 
-from collectives import bench
-from collectives.impl import resolve
+from collectives.course import bench
+from collectives.course.impl import resolve
 
 
 def test_the_registry_names_every_lesson_3_and_4_algorithm_and_the_baselines():
@@ -37,7 +37,7 @@ def test_a_tiny_run_prints_the_table_and_writes_the_json_and_the_plot(tmp_path, 
 
 
 def test_a_tiny_fused_run_prints_every_case_and_writes_the_json_and_the_plot(tmp_path, capsys):
-    from collectives import fused_bench
+    from collectives.course import fused_bench
 
     # 40 tensors of 100 elements on 2 ranks, 4 runs a case (one per round): a few seconds
     code = fused_bench.main(["--world", "2", "--count", "40", "--numel", "100", "--split", "4K",

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from collectives import launch, tour
+from collectives import launch
+from collectives.course import tour
 
 from . import workers
 

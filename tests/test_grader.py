@@ -5,7 +5,7 @@ import shutil
 import subprocess
 import sys
 
-from collectives.lessons import LESSONS, ROOT
+from collectives.course.catalog import LESSONS, ROOT
 
 
 def grade(*args, timeout=400):

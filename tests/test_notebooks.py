@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from collectives.lessons import LESSONS, ROOT
+from collectives.course.catalog import LESSONS, ROOT
 
 NOTEBOOK_DIR = ROOT / "notebooks"
 CELL_TIMEOUT = 120  # seconds per cell; a whole notebook is meant to run in under 40 s

@@ -4,8 +4,8 @@ import io
 
 from rich.console import Console
 
-from collectives import tour
-from collectives.lessons import LESSONS
+from collectives.course import tour
+from collectives.course.catalog import LESSONS
 
 
 def test_every_lesson_contributes_to_the_tour_and_every_row_is_verified(monkeypatch):

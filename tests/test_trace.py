@@ -3,7 +3,7 @@
 import pytest
 
 from collectives import launch
-from collectives.trace import Trace, step_table
+from collectives.core.trace import Trace, step_table
 
 from . import workers
 

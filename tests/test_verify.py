@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from collectives import launch, verify
-from collectives.ops import ReduceOp
+from collectives.core.ops import ReduceOp
 
 from . import workers
 

@@ -94,7 +94,7 @@ def traced_messages():
 
 def ar_correct(tensor, op=dist.ReduceOp.SUM, group=None):
     """Right everywhere: checks, a contiguous work buffer, gloo, write back."""
-    from collectives.ops import check_all_reduce_args, work_buffer, write_back
+    from collectives.core.ops import check_all_reduce_args, work_buffer, write_back
     check_all_reduce_args(tensor, op, group)
     flat = work_buffer(tensor)
     dist.all_reduce(flat, op=op, group=group)
@@ -116,7 +116,7 @@ def ar_aborts_on_expanded(tensor, op=dist.ReduceOp.SUM, group=None):
 
 
 def ar_forgets_to_average(tensor, op=dist.ReduceOp.SUM, group=None):
-    from collectives.ops import work_buffer, write_back
+    from collectives.core.ops import work_buffer, write_back
     flat = work_buffer(tensor)
     dist.all_reduce(flat, op=dist.ReduceOp.SUM if op == dist.ReduceOp.AVG else op, group=group)
     write_back(tensor, flat)
@@ -158,7 +158,7 @@ def gloo_view_trap():
 def check_targets(targets, quick):
     """Check several all-reduce targets in this one world; {target: (ok, summary)}."""
     from collectives import verify
-    from collectives.impl import resolve
+    from collectives.course.impl import resolve
     out = {}
     for target in targets:
         report = verify.check_all_reduce(resolve(target), quick=quick)

@@ -4,7 +4,7 @@
     .venv/bin/python tools/draw_lesson_diagrams.py --measure  # also the model-vs-measured plot (~1 min)
 
 Every step diagram is drawn from the trace of one real call on a local gloo world
-(:func:`collectives.plots.traced_call`): who sent which chunk to whom, round by round.
+(:func:`collectives.course.plots.traced_call`): who sent which chunk to whom, round by round.
 ``--measure`` fits α and β with lesson 1's ping-pong and γ from a timed add, sweeps every
 lesson 3-4 algorithm with ``python -m collectives bench``'s runner, and plots the α–β
 prediction against the measurement; it prints what it measured, for the lesson page.
@@ -72,7 +72,7 @@ def _link_in_rank():
 
 
 def measure(p: int = 4, sizes: str = "1K..4M") -> None:
-    from collectives import bench
+    from collectives.course import bench
 
     when = datetime.datetime.now().astimezone().isoformat(timespec="minutes")
     link, gamma = launch.run(_link_in_rank, 2)[0]

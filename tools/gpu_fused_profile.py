@@ -40,7 +40,7 @@ def host(fn, n=30):
 
 def device(fn, n=30):
     """Median µs between CUDA events around one call (host issue and GPU time together), as
-    the benchmark measures it (collectives.timing.measure, here in a world of one rank)."""
+    the benchmark measures it (collectives.core.timing.measure, here in a world of one rank)."""
     return timing.median(timing.measure(fn, warmup=1, iters=n, device=torch.device("cuda", 0))) * 1e6
 
 
@@ -81,7 +81,7 @@ def main():
         "bound call": host(lambda: (bound.all_reduce(bts), bound.wait())),
     }
     print("host µs", json.dumps({k: round(v, 1) for k, v in out.items()}), flush=True)
-    from collectives.fused_reuse import StepGraphs
+    from collectives.fused.reuse import StepGraphs
     flat_graph = StepGraphs(torch.device("cuda", 0)).record(lambda: dist.all_reduce(flat))
     events = {
         "flat all_reduce": device(lambda: dist.all_reduce(flat)),

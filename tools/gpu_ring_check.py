@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 4 tools/gpu_ring_check.py --size 256M
 
 Prints one JSON line (rank 0). One size per process: NCCL registration is once per
-process (see nccl_memory.register). Both tensors come from collectives.nccl_memory; the
+process (see nccl_memory.register). Both tensors come from collectives.core.nccl_memory; the
 rings warm up once (allocating their landing buffers in the pool), then the pool is
 registered, then results are checked bit for bit on integer data. Then NCCL, the ring as
 the library runs it, the same ring posted through ``batch_isend_irecv``

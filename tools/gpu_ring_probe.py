@@ -149,7 +149,7 @@ def main():
     args = ap.parse_args()
     if args.register and "," in args.sizes:
         ap.error("--register takes one size per run: registering NCCL memory again in the same "
-                 "process is unsafe (see collectives.nccl_memory.register)")
+                 "process is unsafe (see collectives.core.nccl_memory.register)")
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))

@@ -3,7 +3,7 @@
     .venv/bin/python tools/lesson06_figures.py [--steps 12]
 
 Both come from 2 local gloo ranks running the lab's transformer
-(``collectives.bucketing_bench.LAB_SIZES``): the timeline from ``reducer.stats`` of one step,
+(``collectives.course.bucketing_bench.LAB_SIZES``): the timeline from ``reducer.stats`` of one step,
 the sweep from full training steps at each bucket cap. The figures' numbers are printed too,
 with the date and torch version, so a page can quote them.
 """
@@ -21,8 +21,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from collectives import launch, timing  # noqa: E402
-from collectives.bucketing_bench import LAB_SIZES, sweep_rank, timeline_rank  # noqa: E402
-from collectives.bucketing_model import plot_timeline  # noqa: E402
+from collectives.course.bucketing_bench import LAB_SIZES, sweep_rank, timeline_rank  # noqa: E402
+from collectives.bucketing.models import plot_timeline  # noqa: E402
 
 IMG = Path(__file__).resolve().parent.parent / "docs" / "img"
 CAPS = [0.02, 0.1, 0.5, 2, 8, 100]

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from collectives import cost, ops, trace, verify  # noqa: F401
-from collectives.exercise_runner import Task, run_tasks
-from collectives.verify import CaseResult, Report
+from collectives.course.runner import Task, run_tasks
+from collectives.course.verify import CaseResult, Report
 
 LESSON = 1
 

@@ -33,8 +33,8 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from collectives import ops, trace
-from collectives.bucketing_model import BranchNet, SmallMLP, TwoBranchNet
-from collectives.exercise_runner import Task, run_tasks
+from collectives.bucketing.models import BranchNet, SmallMLP, TwoBranchNet
+from collectives.course.runner import Task, run_tasks
 
 LESSON = 6
 MiB = 1 << 20

@@ -154,7 +154,7 @@ def sendrecv(send_buf: torch.Tensor, dst: int, recv_buf: torch.Tensor, src: int,
     so when two ranks each post "receive from you, then send to you" each receive waits
     for a send queued behind the other's receive -- a deadlock, at every world of two.
     Grouped, NCCL starts both together; and the group runs on the group's own
-    communicator, the one :mod:`collectives.nccl_memory` registers buffers with, so a
+    communicator, the one :mod:`collectives.core.nccl_memory` registers buffers with, so a
     transfer between registered buffers is zero-copy. The receive handle then waits for
     both; the send handle waits for nothing.
 
@@ -180,3 +180,10 @@ def sendrecv(send_buf: torch.Tensor, dst: int, recv_buf: torch.Tensor, src: int,
     recv = _Posted([dist.irecv(recv_buf, src, group=group)] if recv_buf.numel() else [])
     send = _Posted([dist.isend(send_buf, dst, group=group)] if send_buf.numel() else [])
     return recv, send
+
+
+def rank_device() -> torch.device:
+    """The device this rank's tensors belong on: its GPU under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

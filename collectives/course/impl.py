@@ -14,7 +14,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from .lessons import ROOT, lesson
+from .catalog import ROOT, lesson
 
 _cache: dict[str, ModuleType] = {}
 

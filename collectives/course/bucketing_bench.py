@@ -33,9 +33,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from . import launch, timing, trace, verify
-from .bucketing import BucketedReducer
-from .bucketing_model import make_model
+from ..bucketing import BucketedReducer, make_model
+from ..core import launch, timing, trace
+from . import verify
 
 VARIANTS = ("bucketed reducer", "torch DDP", "per-gradient after backward")
 

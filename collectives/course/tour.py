@@ -1,8 +1,9 @@
 """``python -m collectives tour``: every lesson's algorithm on a local world, verified and timed.
 
-Each lesson module lists what it contributes in a module-level ``TOUR`` list of
-:class:`TourEntry`. For an all-reduce (``fn(tensor, op, group)``) the standard runner
-checks it against ``dist.all_reduce`` on the harness's quick cases, times it beside
+The tour finds the lessons, not the other way round: :data:`TOUR` below lists what each
+lesson contributes, by "module:function" strings, and a lesson module knows nothing of
+the tour. For an all-reduce (``fn(tensor, op, group)``) the standard runner checks it
+against ``dist.all_reduce`` on the harness's quick cases, times it beside
 ``dist.all_reduce`` on the same bytes, and counts the bytes each rank sent from the
 trace. Multi-tensor algorithms (fusion, bucketing) give a ``runner`` of their own that
 returns the same fields.
@@ -11,15 +12,14 @@ returns the same fields.
 from __future__ import annotations
 
 import argparse
-import importlib
 from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from . import cost, launch, timing, trace, verify
+from ..core import cost, launch, timing, trace
+from . import verify
 from .impl import resolve
-from .lessons import LESSONS
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class TourEntry:
     lesson: int
     name: str
     target: str                   # "module:function"
-    model: str | None = None      # cost model giving bytes sent per rank (collectives.cost)
+    model: str | None = None      # cost model giving bytes sent per rank (collectives.core.cost)
     runner: str | None = None     # "module:function" run on every rank: runner(nbytes) -> dict
 
 
@@ -56,18 +56,28 @@ class TourRow:
         return timing.busbw(self.nbytes, self.seconds, self.world_size)
 
 
+TOUR = [
+    TourEntry(2, "reduce+broadcast", "collectives.basics:all_reduce_via_reduce_broadcast",
+              model="reduce_broadcast"),
+    TourEntry(3, "naive ring", "collectives.naive_ring:naive_ring_all_reduce", model="naive_ring"),
+    TourEntry(4, "ring", "collectives.ring:ring_all_reduce", model="ring"),
+    TourEntry(4, "pipelined ring", "collectives.ring:pipelined_ring_all_reduce", model="pipelined_ring"),
+    TourEntry(4, "multi-ring (2 channels)", "collectives.ring:multi_ring_all_reduce", model="multi_ring"),
+    TourEntry(4, "recursive doubling", "collectives.topologies:recursive_doubling_all_reduce",
+              model="recursive_doubling"),
+    TourEntry(4, "halving-doubling", "collectives.topologies:halving_doubling_all_reduce",
+              model="halving_doubling"),
+    TourEntry(4, "tree", "collectives.topologies:tree_all_reduce", model="tree"),
+    TourEntry(5, "fused", target="collectives.fused:fused_all_reduce",
+              runner="collectives.course.fused_bench:tour_runner"),
+    TourEntry(6, "bucketed reducer", target="collectives.bucketing:BucketedReducer",
+              runner="collectives.course.bucketing_bench:tour_fields"),
+]
+
+
 def entries() -> list[TourEntry]:
-    """Every ``TOUR`` entry of every lesson module that exists, in lesson order."""
-    found = []
-    for item in LESSONS:
-        try:
-            module = importlib.import_module(item.module)
-        except ModuleNotFoundError as exc:
-            if exc.name == item.module:
-                continue
-            raise
-        found.extend(getattr(module, "TOUR", []))
-    return found
+    """Every entry of :data:`TOUR`, in lesson order."""
+    return sorted(TOUR, key=lambda e: e.lesson)
 
 
 def all_reduce_runner(entry: TourEntry, nbytes: int) -> dict:
@@ -144,7 +154,7 @@ def render(rows: list[TourRow], world_size: int, backend: str) -> None:
         console = Console(width=150)
     console.print(table)
     console.print("ratio = baseline time / algorithm time (above 1: faster than the baseline). "
-                  "sent / rank is measured from the trace; theory from collectives.cost.")
+                  "sent / rank is measured from the trace; theory from collectives.core.cost.")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,7 @@ One world runs everything: at each size, ``dist.all_reduce`` (the baseline, name
 the backend: "gloo" or "nccl") and every chosen algorithm all-reduce the same tensor,
 each warmed up, then timed in turn -- one run of each per round, ``--iters`` rounds, so
 that a slow spell of a shared machine hits them all alike. Each run is barrier-aligned
-and takes the slowest rank's time (CUDA events on GPU: :func:`collectives.timing.measure`);
+and takes the slowest rank's time (CUDA events on GPU: :func:`collectives.core.timing.measure`);
 the median is reported. Before it is timed, each algorithm's result on integer-valued
 data is compared with the baseline's ("ok" column); that run counts as a warm-up run. The table gives time, algbw, busbw and the ratio to the baseline's time
 (above 1: faster than ``dist.all_reduce``); the rows go to ``DIR/allreduce.json`` and
@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import launch, nccl_memory, timing, verify
+from ..core import launch, nccl_memory, timing
+from . import verify
 
 ALGORITHMS = {
     "naive_ring": "collectives.naive_ring:naive_ring_all_reduce",
@@ -50,7 +51,7 @@ ALGORITHMS = {
 }
 BASELINES = ("gloo", "nccl")
 DEFAULT_ALGOS = "naive_ring,ring,pipelined_ring,recursive_doubling,halving_doubling,tree"
-COST_MODEL = {name: name for name in ALGORITHMS if name not in BASELINES}   # collectives.cost names
+COST_MODEL = {name: name for name in ALGORITHMS if name not in BASELINES}   # collectives.core.cost names
 
 
 def _target(name: str) -> str:
@@ -107,7 +108,7 @@ def _bench_rank(names: list[str], sizes: list[int], dtype_name: str, warmup: int
                 f.write(json.dumps(row) + "\n")
 
     # With ``registered`` (NCCL) the tensors come from memory registered with NCCL
-    # (collectives.nccl_memory), so point-to-point transfers are zero-copy; NCCL's all_reduce
+    # (collectives.core.nccl_memory), so point-to-point transfers are zero-copy; NCCL's all_reduce
     # gets the same tensor. Registration is once per process: allocate for the largest size, warm every algorithm
     # up there (its landing buffers reach their final size), register, then use views.
     largest = max(max(nbytes // itemsize, 1) for nbytes in sizes)

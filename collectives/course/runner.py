@@ -8,7 +8,7 @@ Every ``lessons/NN_topic/exercise.py`` ends with::
 Under ``torchrun --nproc-per-node 4 lessons/NN_topic/exercise.py`` each rank joins the
 world torchrun set up, runs every task's check and prints one PASS/FAIL line per task.
 Run as plain ``python lessons/NN_topic/exercise.py``, it starts a local world of 4 ranks
-itself (``--world N`` for another size). A check returns a :class:`~collectives.verify.Report`
+itself (``--world N`` for another size). A check returns a :class:`~collectives.course.verify.Report`
 or raises; a stub's ``NotImplementedError`` is reported as "not implemented yet".
 """
 
@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from . import trace
+from ..core import trace
 from .verify import Report
 
 
@@ -66,7 +66,7 @@ def run_tasks(lesson: int, tasks: list[Task], argv: list[str] | None = None) -> 
         # no destroy_process_group(): it would wait for every peer; exit instead
         sys.stdout.flush()
         os._exit(1 if failed else 0)
-    from . import launch
+    from ..core import launch
 
     try:
         per_rank = launch.run(_run_checks, args.world, args=(lesson, tasks), timeout=180)

@@ -13,7 +13,7 @@
 
 The same call works from pytest, a notebook cell and the command line. Each rank is a
 process with an initialized default process group (gloo on CPU; NCCL with one GPU per
-rank when ``backend="nccl"``), ``torch.distributed`` traced (:mod:`collectives.trace`)
+rank when ``backend="nccl"``), ``torch.distributed`` traced (:mod:`collectives.core.trace`)
 and the usual launcher variables set (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``).
 

@@ -49,8 +49,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from . import ops, trace
-from .tour import TourEntry
+from ..core import ops, trace
 
 MiB = 1 << 20
 
@@ -431,13 +430,3 @@ class BucketedReducer(nn.Module):
             handle.remove()
         self._hooks = []
 
-
-def tour_runner(nbytes: int) -> dict:
-    """Tour: train an MLP of about ``nbytes`` of parameters a few steps with the reducer and
-    with torch DDP on the same data, compare parameters, and time one step of each."""
-    from .bucketing_bench import tour_fields
-    return tour_fields(nbytes)
-
-
-TOUR = [TourEntry(6, "bucketed reducer", target="collectives.bucketing:BucketedReducer",
-                  runner="collectives.bucketing:tour_runner")]

@@ -38,9 +38,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import cost, launch, ops, timing, trace, verify
-from .fused import FusedAllReducer, fused_all_reduce
-from .ops import ReduceOp
+from ..core import cost, launch, ops, timing, trace
+from ..core.ops import ReduceOp
+from ..fused import FusedAllReducer, fused_all_reduce
+from . import verify
 
 
 def _cases(count: int, numel: int, split_bytes: int, cuda: bool = False):
@@ -54,7 +55,7 @@ def _cases(count: int, numel: int, split_bytes: int, cuda: bool = False):
         return lambda: dist.all_reduce(flat)
 
     def flat_graph(ts, flat):     # what a CUDA graph alone does for the one flat call
-        from .fused_reuse import StepGraphs
+        from ..fused.reuse import StepGraphs
         dist.all_reduce(flat)     # the communicator exists before it is recorded
         graph = StepGraphs(flat.device).record(lambda: dist.all_reduce(flat))
         return graph.replay

@@ -1,6 +1,6 @@
 """A per-rank record of every message and collective call.
 
-Inside a world started by :mod:`collectives.launch`, the point-to-point functions
+Inside a world started by :mod:`collectives.core.launch`, the point-to-point functions
 (``send``, ``recv``, ``isend``, ``irecv``, ``batch_isend_irecv``) and the collectives
 (``all_reduce``, ``broadcast``, ...) of ``torch.distributed`` are wrapped, so code that
 calls ``dist.isend(...)`` -- a student's exercise included -- is recorded without doing

@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from .fused_layout import Bucket, slot_views
+from .layout import Bucket, slot_views
 
 
 @dataclass

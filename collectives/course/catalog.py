@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]   # the repository: collectives/course/catalog.py
 
 
 @dataclass(frozen=True)
@@ -17,7 +17,8 @@ class Lesson:
     number: int
     slug: str        # lessons/NN_slug/, notebooks/NN_slug.ipynb, tests/test_NN_slug.py
     title: str
-    module: str      # the reference implementation
+    module: str      # the reference implementation (a module, or a lesson's folder)
+    also: tuple[str, ...] = ()   # further modules of the lesson that live beside it
 
     @property
     def nn(self) -> str:
@@ -44,7 +45,8 @@ LESSONS = [
     Lesson(1, "p2p", "Point-to-point: send, recv, isend, irecv", "collectives.p2p"),
     Lesson(2, "collectives", "The collectives, and building them from send/recv", "collectives.basics"),
     Lesson(3, "naive_ring", "The naive ring", "collectives.naive_ring"),
-    Lesson(4, "ring", "The bandwidth-optimal ring and its rivals", "collectives.ring"),
+    Lesson(4, "ring", "The bandwidth-optimal ring and its rivals", "collectives.ring",
+           also=("collectives.topologies",)),
     Lesson(5, "fused", "Fused buffers, after SINGA", "collectives.fused"),
     Lesson(6, "bucketing", "DDP gradient bucketing", "collectives.bucketing"),
     Lesson(8, "sparse", "Sparse all-reduce with error feedback, after SINGA", "collectives.sparse"),

@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .ops import ReduceOp
+from ..core.ops import ReduceOp
 
 DEFAULT_THRESHOLD_BYTES = 1 << 20   # tensors this big or bigger are all-reduced on their own
 DEFAULT_BUFFER_BYTES = 16 << 20     # one fused buffer; 1000 tensors of 16 KiB fill one exactly
@@ -150,7 +150,7 @@ def copy_back(buffer: torch.Tensor, tensors: Sequence[torch.Tensor],
 def flush(tensors: Sequence[torch.Tensor], buffer: torch.Tensor, op=ReduceOp.SUM, group=None):
     """SINGA's step, plainly: copy ``tensors`` into ``buffer``, start one all-reduce of the
     filled part. Returns ``(work, filled)``: ``work.wait()``, divide for AVG
-    (:func:`collectives.ops.finish_`), then :func:`copy_back`. AVG travels as SUM."""
+    (:func:`collectives.core.ops.finish_`), then :func:`copy_back`. AVG travels as SUM."""
     filled = copy_in(tensors, buffer)
     work = dist.all_reduce(filled, op=_wire_op(op), group=group, async_op=True)
     return work, filled

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from .lessons import LESSONS, ROOT, lesson
+from .catalog import LESSONS, ROOT, lesson
 
 
 @dataclass

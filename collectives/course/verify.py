@@ -37,8 +37,8 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from . import trace
-from .ops import ReduceOp, op_name
+from ..core import trace
+from ..core.ops import ReduceOp, op_name, rank_device  # noqa: F401  (rank_device: part of this module's interface too)
 
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 INT_DTYPES = (torch.int32, torch.int64)
@@ -274,13 +274,6 @@ def tolerance(dtype: torch.dtype, world_size: int) -> tuple[float, float]:
     return rtol * world_size, atol * world_size
 
 
-def rank_device() -> torch.device:
-    """The device this rank's tensors belong on: its GPU under NCCL, else the CPU."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _make_groups(cases: Iterable[Case]) -> dict[tuple[int, ...], object]:
     """Create every subgroup the cases need -- collectively, in the same order on every rank."""
     groups = {}
@@ -380,7 +373,7 @@ def check_in_world(target: str, world_size: int, *, quick: bool = False, seed: i
     such a tensor to gloo crashes the process (SIGABRT/SIGSEGV), and that crash must cost
     one failed case, not every result of the world.
     """
-    from . import launch
+    from ..core import launch
 
     merged = Report(reference="dist.all_reduce")
     for r in launch.run(_check_in_rank, world_size, args=(target, quick, seed), **launch_kwargs):

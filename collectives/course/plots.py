@@ -2,7 +2,7 @@
 
 Every function returns a matplotlib ``Figure`` (saved by the caller, shown inline by a
 notebook); none calls ``plt.show()``. The step diagrams are drawn from the traces the
-ranks recorded (:mod:`collectives.trace`), not from a description of the algorithm: what
+ranks recorded (:mod:`collectives.core.trace`), not from a description of the algorithm: what
 you see is what the code sent.
 
 ::
@@ -18,7 +18,7 @@ import math
 from collections import defaultdict
 from typing import Iterable, Sequence
 
-from .trace import Event, Trace
+from ..core.trace import Event, Trace
 
 __all__ = ["as_traces", "message_rounds", "draw_steps", "draw_timeline",
            "plot_times", "plot_busbw", "plot_winners", "traced_call"]
@@ -190,7 +190,7 @@ def draw_timeline(traces: Iterable, title: str = ""):
 
 
 def _size_axis(ax, sizes: Sequence[int]) -> None:
-    from .timing import human_bytes
+    from ..core.timing import human_bytes
     ax.set_xscale("log", base=2)
     ax.set_xticks(list(sizes), [human_bytes(s).replace(" ", "") for s in sizes], fontsize=7)
     ax.minorticks_off()
@@ -198,7 +198,7 @@ def _size_axis(ax, sizes: Sequence[int]) -> None:
 
 def _seconds_axis(ax) -> None:
     from matplotlib.ticker import FuncFormatter, LogLocator
-    from .timing import human_seconds
+    from ..core.timing import human_seconds
     ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
     fmt = FuncFormatter(lambda v, _: human_seconds(v))
     ax.yaxis.set_major_formatter(fmt)
@@ -271,7 +271,7 @@ def plot_winners(sizes: Sequence[int], rows: dict[str, dict[str, Sequence[float]
             ax.barh(y, 1, left=i, color=colours[best], edgecolor="white")
             ax.text(i + 0.5, y, best.replace("_", " "), ha="center", va="center", fontsize=6,
                     rotation=0, color="white")
-    from .timing import human_bytes
+    from ..core.timing import human_bytes
     ax.set_yticks(range(len(rows)), list(rows))
     ax.set_xticks([i + 0.5 for i in range(len(sizes))],
                   [human_bytes(s).replace(" ", "") for s in sizes], fontsize=7)
@@ -291,7 +291,7 @@ def traced_call(target: str, numel: int = 8, dtype: str = "float32") -> list[dic
     import torch
     import torch.distributed as dist
 
-    from . import trace
+    from ..core import trace
     from .impl import resolve
 
     fn = resolve(target)

@@ -28,7 +28,7 @@ plus two copies of S (in and back). The bytes each rank sends are the same,
 ``2(p−1)/p·S``: fusion saves start-ups, not bandwidth. Double buffering hides the copies
 of one group behind the all-reduce of another, except the first copy-in and last copy-back;
 :meth:`FusedAllReducer.bind` removes them altogether by making the tensors live in the buffer,
-and a list seen before costs less on the host (:mod:`collectives.fused_reuse`).
+and a list seen before costs less on the host (:mod:`collectives.fused.reuse`).
 
 **float16 on the wire** (``compress_fp16=True``): float32 tensors travel as float16 --
 cast in the buffer, all-reduced, cast back -- half the bytes. Each input is rounded once
@@ -51,14 +51,13 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from . import ops, streams, trace
-from .fused_reuse import HostRows, KnownList, StepGraphs, move_into_arenas
-from .ops import ReduceOp
-from .tour import TourEntry
+from ..core import ops, streams, trace
+from .reuse import HostRows, KnownList, StepGraphs, move_into_arenas
+from ..core.ops import ReduceOp
 
 # The plan and the copies (part 1 of the lesson) live in fused_layout; they are part of
 # this module's interface too, as the exercise and the tests name them.
-from .fused_layout import (DEFAULT_BUFFER_BYTES, DEFAULT_THRESHOLD_BYTES, Bucket,  # noqa: F401
+from .layout import (DEFAULT_BUFFER_BYTES, DEFAULT_THRESHOLD_BYTES, Bucket,  # noqa: F401
                            Layout, _wire_op, copy_back, copy_in, flush, plan_layout, slot_views,
                            wire_dtype)
 
@@ -175,7 +174,7 @@ class FusedAllReducer:
 
     def _prepare(self, tensors: list[torch.Tensor]) -> _Prepared:
         """The plan for this list: found in O(1) Python calls when the list is the last one
-        (:class:`~collectives.fused_reuse.KnownList`), else made (and cached by shapes)."""
+        (:class:`~collectives.fused.reuse.KnownList`), else made (and cached by shapes)."""
         self._known = None
         if self._bound is not None and self._bound.matches(tensors):
             self._known = self._bound
@@ -430,16 +429,3 @@ def fused_all_reduce(tensors: Sequence[torch.Tensor], op=ReduceOp.SUM, group=Non
     reducer.all_reduce(tensors)
     reducer.wait()
 
-
-# ---------------------------------------------------------------------------------------
-# 5. The tour (the runner lives with the benchmark).
-
-def tour_runner(nbytes: int) -> dict:
-    """Verify on a mixed list of tensors, then time 1000 float32 tensors of 1000 elements
-    against one ``dist.all_reduce`` of a flat buffer of the same bytes."""
-    from .fused_bench import tour_runner as run
-    return run(nbytes)
-
-
-TOUR = [TourEntry(5, "fused", target="collectives.fused:fused_all_reduce",
-                  runner="collectives.fused:tour_runner")]
