@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from collectives import cost, launch, trace, verify
-from collectives.impl import resolve
+from collectives.course.impl import resolve
 
 LESSON = 8
 N = 241                       # elements per test tensor: odd, not divisible by 2, 3 or 4
@@ -371,7 +371,7 @@ def _ddp(model, **kwargs):
 
 @check
 def ddp_hook(impl, group):
-    from collectives.bucketing_model import SmallMLP
+    from collectives.bucketing import SmallMLP
     state_cls = resolve(impl + ":SparseHookState")
     hook = resolve(impl + ":sparse_hook")
     torch.manual_seed(0)
@@ -407,7 +407,7 @@ def ddp_hook(impl, group):
 
 @check
 def sparse_reducer(impl, group):
-    from collectives.bucketing_model import SmallMLP
+    from collectives.bucketing import SmallMLP
     from collectives.sparse.hooks import SparseBucketedReducer
     torch.manual_seed(0)
     base = SmallMLP().double()

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from collectives import trace
+from ..core import trace
 
 from .select import INDEX_DTYPE
 

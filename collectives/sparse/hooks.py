@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from collectives.bucketing import BucketedReducer
+from ..bucketing import BucketedReducer
 
-from . import sparse_all_reduce
+from .all_reduce import sparse_all_reduce
 
 
 @dataclass

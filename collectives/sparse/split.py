@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from collectives import ops, trace
+from ..core import ops, trace
 
 from .allgather import exchange_counts, pack_pairs, unpack_pairs
 from .select import INDEX_DTYPE
