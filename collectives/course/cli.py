@@ -6,6 +6,7 @@
   bench        all-reduce algorithms against dist.all_reduce, nccl-tests style (make bench)
   bench-fused  the fused all-reducer against one flat all-reduce and per-tensor calls
   bench-ddp    the bucketed reducer against torch DDP
+  bench-sparse lesson 8: selection, sparse variants against dist.all_reduce, density sweep (--cluster)
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ COMMANDS = {
     "bench": "collectives.course.bench:main",
     "bench-fused": "collectives.course.fused_bench:main",
     "bench-ddp": "collectives.course.bucketing_bench:main",
+    "bench-sparse": "collectives.course.sparse_bench:main",
 }
 
 

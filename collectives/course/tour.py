@@ -72,6 +72,12 @@ TOUR = [
               runner="collectives.course.fused_bench:tour_runner"),
     TourEntry(6, "bucketed reducer", target="collectives.bucketing:BucketedReducer",
               runner="collectives.course.bucketing_bench:tour_fields"),
+    TourEntry(8, "sparse top-k 1% (all-gather)", target="collectives.sparse:sparse_all_reduce",
+              runner="collectives.course.sparse_bench:tour_topk_allgather"),
+    TourEntry(8, "sparse top-k 1% (split)", target="collectives.sparse:sparse_all_reduce",
+              runner="collectives.course.sparse_bench:tour_topk_split"),
+    TourEntry(8, "sparse threshold 1% (all-gather)", target="collectives.sparse:sparse_all_reduce",
+              runner="collectives.course.sparse_bench:tour_threshold_allgather"),
 ]
 
 
