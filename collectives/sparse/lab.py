@@ -80,17 +80,19 @@ def _hook_for(run: str, density: float, threshold: float):
 
 
 def train(run: str = "dense", epochs: int = 12, batch: int = 16, lr: float = 0.1, momentum: float = 0.0,
-          density: float = 0.01, threshold: float = 0.01, seed: int = 0) -> dict:
+          density: float = 0.01, threshold: float = 0.01, seed: int = 0, data=None) -> dict:
     """On every rank of a world: train with ``run``'s hook; return the accuracy curve and bytes.
 
     Each rank takes every p-th training example; a step uses ``batch`` examples per rank
     (a global batch of p·batch). Plain SGD, so that the comparison is about the gradients
-    that arrive, not an optimizer's memory of them.
+    that arrive, not an optimizer's memory of them. ``final`` is the mean test accuracy of
+    the last three epochs (one epoch's figure moves by a point or two from epoch to epoch).
+    ``data``: :func:`load_digits_split`'s four tensors, if already loaded.
     """
     from torch.nn.parallel import DistributedDataParallel
 
     rank, p = dist.get_rank(), dist.get_world_size()
-    x_train, y_train, x_test, y_test = load_digits_split(seed)
+    x_train, y_train, x_test, y_test = data if data is not None else load_digits_split(seed)
     x_mine, y_mine = x_train[rank::p], y_train[rank::p]
     torch.manual_seed(seed)
     model = DigitsMLP()
@@ -114,12 +116,19 @@ def train(run: str = "dense", epochs: int = 12, batch: int = 16, lr: float = 0.1
         with torch.no_grad():
             curve.append((model(x_test).argmax(1) == y_test).float().mean().item())
     params = sum(q.numel() for q in model.parameters())
-    return dict(run=run, curve=curve, final=curve[-1], params=params,
+    return dict(run=run, curve=curve, final=sum(curve[-3:]) / len(curve[-3:]), params=params,
                 bytes_per_step=sum(bytes_per_step[4:]) / max(len(bytes_per_step) - 4, 1),
                 dense_bytes=params * 4)
 
 
-def compare(runs=RUNS, world_size: int = 4, **kwargs) -> dict[str, dict]:
-    """Every run in a world of its own; rank 0's result of each (the replicas agree)."""
-    return {run: launch.run(train, world_size, kwargs={"run": run, **kwargs}, timeout=300)[0]
-            for run in runs}
+def _train_each(runs, kwargs) -> dict[str, dict]:
+    return {run: train(run, **kwargs) for run in runs}
+
+
+def compare(runs=RUNS, world_size: int = 4, timeout: float = 600, **kwargs) -> dict[str, dict]:
+    """Every run, one after the other, in one world of ``world_size`` ranks; rank 0's results
+    (the replicas agree). The data is loaded once, before the ranks start."""
+    from torch.nn.parallel import DistributedDataParallel  # noqa: F401 - its first import takes seconds: once, here
+
+    kwargs.setdefault("data", load_digits_split(kwargs.get("seed", 0)))
+    return launch.run(_train_each, world_size, args=(tuple(runs), kwargs), timeout=timeout)[0]
