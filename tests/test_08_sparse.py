@@ -658,3 +658,37 @@ def test_top_k_with_error_feedback_converges_like_dense_and_without_it_does_not(
     assert no_ef <= dense - 0.05, f"top-k 1% without error feedback {no_ef:.3f} vs dense {dense:.3f}"
     # bytes the hook hands to collectives per step: one all-gather of k = 49 pairs of 8 bytes
     assert res["topk_ef"]["bytes_per_step"] == 49 * 8 and res["dense"]["params"] == 4810
+
+
+# ---- GPUs (NCCL): the same contract on device tensors -----------------------------------------
+
+@pytest.mark.gpu
+def test_every_variant_on_nccl_is_all_reduce_of_what_each_rank_sent(impl):
+    """On 2 GPUs: selection, packing and every transport on device tensors, NCCL underneath."""
+    results = launch.run(_gpu_rank, 2, args=(impl,), backend="nccl", timeout=180)
+    for rank, problems in enumerate(results):
+        assert not problems, f"rank {rank}:\n" + "\n".join(problems[:6])
+
+
+def _gpu_rank(impl):
+    sparse_all_reduce = resolve(impl + ":sparse_all_reduce")
+    rank, p = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    problems = []
+    for variant in VARIANTS:
+        for mode in MODES:
+            for dtype in (torch.float32, torch.float16, torch.bfloat16):
+                x_in, r_in = _with_residual(rank, dtype)
+                t, r = x_in.to(device), r_in.to(device)
+                sparse_all_reduce(t, r, method=variant, **mode)
+                x = x_in + r_in
+                sent = _expected_sent(x, mode)
+                expected = sent.to(device)
+                with trace.paused():
+                    dist.all_reduce(expected)
+                bad = _close(expected.cpu(), t.cpu(), p)
+                if bad:
+                    problems.append(f"{variant} {_mode_name(mode)} {dtype}: {bad}")
+                if not torch.equal(sent.to(device) + r, x.to(device)):
+                    problems.append(f"{variant} {_mode_name(mode)} {dtype}: residual identity")
+    return problems
