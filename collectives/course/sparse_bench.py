@@ -55,23 +55,30 @@ def _inputs(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, generator=g)
 
 
-def _one(x: torch.Tensor, mode: dict, method: str, iters: int) -> dict:
-    """Time ``method`` on ``x``: total, and the selection alone, median over ``iters``."""
+def _one(x: torch.Tensor, mode: dict, method: str, iters: int, selection: str = "topk") -> dict:
+    """Time ``method`` on ``x``: total, and the selection alone, median over ``iters``.
+
+    ``selection="reuse"`` keeps its threshold between calls (its steady state: the same
+    tensor every call, so the filter always passes a few times k candidates)."""
     p = dist.get_world_size()
+    state: dict = {}
     with trace.recording() as t:
-        info = sparse_all_reduce(x.clone(), method=method, **mode)
+        info = sparse_all_reduce(x.clone(), method=method, selection=selection, state=state, **mode)
     sent = wire_bytes(t, p)
-    total = timing.median(timing.measure(lambda: sparse_all_reduce(x.clone(), method=method, **mode),
-                                         warmup=1, iters=iters))
+    total = timing.median(timing.measure(
+        lambda: sparse_all_reduce(x.clone(), method=method, selection=selection, state=state, **mode),
+        warmup=1, iters=iters))
     k = keep_count(x.numel(), mode["density"]) if "density" in mode else info.kept
-    select = statistics.median(s.seconds for s in time_selection(x, k, methods=("topk",), repeats=iters)) \
+    select = statistics.median(s.seconds for s in time_selection(x, k, methods=(selection,), repeats=iters)) \
         if "density" in mode else statistics.median(
             s.seconds for s in time_selection(x, k, methods=(), repeats=iters, threshold=mode["threshold"]))
-    return dict(seconds=total, select=select, sent=sent, variant=info.variant)
+    return dict(seconds=total, select=select, sent=sent, used=info.variant)
 
 
-def compare_in_world(n: int, density: float, iters: int = 5, sweep=(), variants=VARIANTS) -> dict:
-    """On every rank: the dense all-reduce, each variant at ``density``, and a sweep."""
+def compare_in_world(n: int, density: float, iters: int = 5, sweep=(), variants=VARIANTS,
+                     sweep_selection: str = "reuse", main: bool = True) -> dict:
+    """On every rank: the dense all-reduce, each variant at ``density`` (unless not ``main``),
+    and a sweep of densities (top-k with ``sweep_selection``)."""
     p = dist.get_world_size()
     x = _inputs(n)
     y = x.clone()
@@ -80,14 +87,18 @@ def compare_in_world(n: int, density: float, iters: int = 5, sweep=(), variants=
     alpha = timing.median(timing.measure(lambda: dist.all_reduce(tiny), warmup=2, iters=10)) / (2 * max(p - 1, 1))
     out = dict(p=p, n=n, density=density, dense=dense, dense_sent=2 * (p - 1) / p * n * 4, alpha=alpha,
                rows=[], sweep=[])
-    for variant in variants:
+    for variant in variants if main else ():
         out["rows"].append(dict(variant=variant, mode="top-k", **_one(x, {"density": density}, variant, iters)))
-    thr = float(torch.quantile(x[: 1 << 20].abs(), 1 - density))
-    out["rows"].append(dict(variant="allgather", mode="threshold", **_one(x, {"threshold": thr}, "allgather", iters)))
+    if main:
+        out["rows"].append(dict(variant="allgather", mode="top-k (reuse)",
+                                **_one(x, {"density": density}, "allgather", iters, "reuse")))
+        thr = float(torch.quantile(x[: 1 << 20].abs(), 1 - density))
+        out["rows"].append(dict(variant="allgather", mode="threshold",
+                                **_one(x, {"threshold": thr}, "allgather", iters)))
     for d in sweep:
         row = dict(density=d)
         for variant in ("allgather", "split"):
-            row[variant] = _one(x, {"density": d}, variant, max(2, iters // 2))["seconds"]
+            row[variant] = _one(x, {"density": d}, variant, max(2, iters // 2), sweep_selection)["seconds"]
         out["sweep"].append(row)
     return out
 
@@ -156,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--link", default="1gbit", help="the cluster's link rate (default 1gbit)")
     parser.add_argument("--sweep", default="", help="densities to sweep, e.g. 0.001,0.003,0.01,0.03,0.1,0.2,0.3,0.5")
     parser.add_argument("--no-selection", action="store_true", help="skip the one-process selection table")
+    parser.add_argument("--sweep-only", action="store_true", help="only the dense all-reduce and the sweep")
     parser.add_argument("--json", default="", help="also write the results to this file")
     args = parser.parse_args(argv)
     n = timing.parse_size(args.size) // 4
@@ -171,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             print(f"  {r.method:>9}: {timing.human_seconds(r.seconds)}")
         results["selection"] = [dict(method=r.method, seconds=r.seconds) for r in rows]
-    kwargs = dict(args=(n, args.density, args.iters, sweep), timeout=1800)
+    kwargs = dict(args=(n, args.density, args.iters, sweep, VARIANTS, "reuse", not args.sweep_only), timeout=1800)
     if args.cluster:
         kwargs.update(machines=2, link=args.link)
     t0 = time.time()
