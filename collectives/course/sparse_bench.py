@@ -129,7 +129,8 @@ def _print(result: dict, where: str) -> None:
                       timing.human_seconds(max(r["seconds"] - r["select"], 0.0)),
                       f"{result['dense'] / r['seconds']:.2f}×", timing.human_bytes(r["sent"]),
                       timing.human_bytes(result["dense_sent"]))
-    console.print(table)
+    if result["rows"]:
+        console.print(table)
     console.print(f"dist.all_reduce: {timing.human_seconds(result['dense'])}")
     if result["sweep"]:
         sweep = Table(title="density sweep (top-k)")
