@@ -7,6 +7,7 @@ skip with the reason where those are missing; CI runs as root, so there they run
 
 import ipaddress
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -147,6 +148,11 @@ def test_the_watchdog_stops_a_stuck_cluster_world(cluster):
 
 # -- nothing left behind -------------------------------------------------------------------
 
+def _owned_by(pid):
+    """The namespaces of clusters made by process ``pid`` (others' runs may have their own)."""
+    return [name for name in cl.our_namespaces() if name.startswith(f"{cl.PREFIX}-{pid}-")]
+
+
 def _children_alive(pids):
     return [pid for pid in pids if os.path.exists(f"/proc/{pid}") and
             open(f"/proc/{pid}/stat").read().split()[2] != "Z"]
@@ -154,9 +160,9 @@ def _children_alive(pids):
 
 @needs_cluster
 def test_a_run_with_machines_leaves_nothing_behind():
-    before_ns, before_root = set(cl.our_namespaces()), _root_state()
+    before_ns, before_root = set(_owned_by(os.getpid())), _root_state()
     pids = launch.run(workers.sleepy_children_pids, 4, machines=2, link="1gbit")
-    assert set(cl.our_namespaces()) == before_ns
+    assert set(_owned_by(os.getpid())) == before_ns
     assert _root_state() == before_root
     assert not _children_alive(pids)
 
@@ -233,22 +239,23 @@ def test_every_exercise_reference_passes_under_one_torchrun_per_machine():
     for item in LESSONS:
         lesson, tasks = runner.collect(str(item.exercise))
         expected.update({(lesson, task.number): task.title for task in tasks})
-    before = set(cl.our_namespaces())
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "collectives", "cluster", "--machines", "2", "--ranks-per-machine", "2",
          "--link", "10gbit", "--reference", "--", "-m", "collectives.course.runner", "--all"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
-    out = proc.stdout
-    assert proc.returncode == 0, out[-4000:] + proc.stderr[-2000:]
-    assert "FAIL" not in out
-    for rank in range(4):
-        machine, local = divmod(rank, 2)
-        assert (f"[machine {machine}] [rank {rank}] dist.all_reduce agrees across 4 ranks "
-                f"(GROUP_RANK={machine}, LOCAL_RANK={local}): PASS") in out
-        for (lesson, number), title in expected.items():
-            assert f"[machine {machine}] [rank {rank}] lesson {lesson} task {number} {title}: PASS" in out
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=300)
+    assert not _owned_by(proc.pid)            # its cluster is gone with it
+    assert proc.returncode == 0, out[-4000:] + err[-2000:]
+    assert "FAIL" not in out, out[-4000:]
+    agree = set(re.findall(r"\[machine (\d)\] \[rank (\d)\] dist.all_reduce agrees across 4 ranks "
+                           r"\(GROUP_RANK=(\d), LOCAL_RANK=(\d)\): PASS", out))
+    # ranks machine-major: rank r on machine r // 2 as local rank r % 2, in that machine's torchrun
+    assert agree == {(str(r // 2), str(r), str(r // 2), str(r % 2)) for r in range(4)}, out[-4000:]
+    passed = set(re.findall(r"\[rank (\d)\] lesson (\d+) task (\d+) (.*?): PASS", out))
+    missing = {(str(r), str(lesson), str(number), title) for r in range(4)
+               for (lesson, number), title in expected.items()} - passed
+    assert not missing, sorted(missing)[:10]
     assert f"rank 0: {len(expected) + 1} of {len(expected) + 1} checks pass" in out
-    assert set(cl.our_namespaces()) == before
 
 
 # -- the cost model per tier -----------------------------------------------------------------
@@ -270,13 +277,23 @@ def test_a_flat_ring_is_as_slow_as_its_slowest_link():
 
 
 @needs_cluster
-def test_the_tier_aware_model_predicts_a_flat_all_reduce_on_the_cluster(cluster):
-    """Ping-pong across the 1 Gbit/s link fits its rate; the flat ring predicted on the
-    slowest link lands within 20 % of a measured 16 MiB dist.all_reduce on 2 × 2 ranks."""
+def test_the_tier_aware_model_predicts_a_flat_all_reduce_on_the_cluster():
+    """Ping-pong across a 200 Mbit/s link fits its rate; the flat ring predicted on the
+    slowest link lands within 20 % of a measured 4 MiB dist.all_reduce on 2 × 2 ranks.
+    (A slow link keeps the CPU's share small: the ranks share two cores.)"""
     from collectives.course import cluster_bench
 
-    tiers = cluster_bench.measure_two_tier(cluster, iters=3)
-    assert 0.8 < tiers.across.bandwidth / 125e6 < 1.2, tiers.across      # 1 Gbit/s = 125 MB/s
-    predicted = cost.predict_flat("ring", 16 << 20, tiers)
-    measured = cluster_bench.measure_flat(cluster, 16 << 20, "dist", iters=3)
+    with Cluster(machines=2, ranks_per_machine=2, link="200mbit") as slow:
+        # fastest round trips and fastest all-reduce: the runs the other ranks' and the
+        # host's other processes disturbed least (the ranks share two cores)
+        tiers = cluster_bench.measure_two_tier(slow, across_sizes=[512 << 10, 1 << 20, 2 << 20],
+                                               iters=5, best=True)
+        assert 0.8 < tiers.across.bandwidth / 25e6 < 1.2, tiers.across      # 200 Mbit/s = 25 MB/s
+        predicted = cost.predict_flat("ring", 4 << 20, tiers)
+        measured = cluster_bench.measure_flat(slow, 4 << 20, "dist", iters=3, best=True)
     assert abs(measured - predicted) < 0.2 * measured, (predicted, measured, tiers)
+
+
+def test_a_world_that_does_not_split_over_the_machines_is_refused():
+    with pytest.raises(ValueError, match="does not split over 2 machines"):
+        launch.run(workers.sum_of_ranks, 3, machines=2)

@@ -81,9 +81,27 @@ def unavailable_reason() -> str | None:
             missing.append(f"the `{tool}` command from iproute2 (apt-get install iproute2)")
     if not os.path.exists("/proc/self/ns/net"):
         missing.append("Linux network namespaces (/proc/self/ns/net)")
+    elif not missing:
+        lacking = [name for name, bit in (("CAP_NET_ADMIN", 12), ("CAP_SYS_ADMIN", 21))
+                   if not _capabilities() >> bit & 1]
+        if lacking:
+            missing.append(" and ".join(lacking) + " (root in a container started without them: "
+                           "docker run --privileged, or --cap-add NET_ADMIN --cap-add SYS_ADMIN)")
     if not missing:
         return None
     return "the simulated cluster needs " + " and ".join(missing)
+
+
+def _capabilities() -> int:
+    """This process's effective capabilities (a bit mask; all ones when unreadable)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return int(line.split()[1], 16)
+    except OSError:
+        pass
+    return -1
 
 
 def require() -> None:
@@ -204,7 +222,10 @@ class Cluster:
             ``"200mbit"``), each way.
         burst: the token bucket's depth (``tc``'s ``burst``): bytes that may leave at
             line speed after a pause.
-        latency: the longest a packet may wait in the bucket's queue (``tc``'s ``latency``).
+        latency: the longest a packet may wait in the bucket's queue (``tc``'s ``latency``),
+            which sizes the queue: rate × latency. With 10 ms (250 KB at 200 Mbit/s) a
+            single flow of 2 MiB messages already lost packets and TCP backed off, so
+            measurements jumped from run to run; 100 ms holds a few MiB at any rate here.
         rails: one link per local rank instead of one per machine.
 
     The cluster is made on ``__enter__`` (or :meth:`start`) and removed on ``__exit__``
@@ -212,7 +233,7 @@ class Cluster:
     """
 
     def __init__(self, machines: int = 2, ranks_per_machine: int = 1, link: str = "1gbit",
-                 burst: str = "256kb", latency: str = "10ms", rails: bool = False):
+                 burst: str = "256kb", latency: str = "100ms", rails: bool = False):
         if machines < 2:
             raise ValueError(f"a cluster needs at least 2 machines, got {machines}")
         if machines > 250:

@@ -30,6 +30,13 @@ What it promises:
   rank 0"), read from the trace.
 * **nothing left behind** -- every child is killed and reaped on every way out, and a
   child dies with its parent.
+
+With ``machines=M`` (or ``cluster=`` a running :class:`~collectives.core.cluster.Cluster`)
+the ranks are spread machine-major over M simulated machines joined by a shaped link: each
+rank enters its machine's network namespace before it opens a socket, gets
+``GROUP_RANK``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` as torchrun would give them and
+``GLOO_SOCKET_IFNAME`` naming its link, and rank 0 hosts the store on machine 0's address.
+The same promises hold (needs root and iproute2).
 """
 
 from __future__ import annotations
@@ -234,11 +241,14 @@ def run(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwargs: d
     if start_method is None:
         start_method = "spawn" if backend == "nccl" else "fork"
     if cluster is None and machines is not None:
-        with _cluster.Cluster(machines, max(world_size // machines, 1), link=link, burst=burst,
+        if machines < 2 or world_size % machines:
+            raise ValueError(f"world_size {world_size} does not split over {machines} machines "
+                             "(at least 2, each with the same number of ranks)")
+        with _cluster.Cluster(machines, world_size // machines, link=link, burst=burst,
                               rails=rails) as made:
             return run(fn, world_size, args, kwargs, backend=backend, timeout=timeout,
-                       start_method=start_method, threads=threads, env=env,
-                       init_timeout=init_timeout, cluster=made)
+                       start_method=start_method, local_world_size=local_world_size,
+                       threads=threads, env=env, init_timeout=init_timeout, cluster=made)
     placements = [None] * world_size
     if cluster is not None:
         if world_size % cluster.n_machines:

@@ -70,16 +70,32 @@ def _listening(pid: int, port: int) -> bool:
     return False
 
 
-def _wait_for_listener(proc: subprocess.Popen, port: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while proc.poll() is None and time.monotonic() < deadline and not _listening(proc.pid, port):
-        time.sleep(0.02)
+# Run by machines 1.. in place of `torchrun ARGS`: import torchrun (the slow part) while
+# machine 0 starts, wait until machine 0's agent listens (read from its /proc/PID/net/tcp,
+# which shows machine 0's namespace), then run torchrun's main with ARGS.
+_AFTER_STORE = """
+import sys, time
+from torch.distributed.run import main
+from collectives.course.cluster_cli import _listening
+pid, port = int(sys.argv[1]), int(sys.argv[2])
+deadline = time.monotonic() + 120
+while not _listening(pid, port) and time.monotonic() < deadline:
+    time.sleep(0.02)
+sys.argv = ["torchrun"] + sys.argv[3:]
+main()
+"""
+
+
+# c10d looks up a name for every peer's address for its log; 198.18.x.x has none, and the
+# warning it prints for each connection says nothing about the run.
+_NOISE = "The hostname of the client socket cannot be retrieved"
 
 
 def _pump(stream, prefix: str, out) -> None:
     for line in iter(stream.readline, ""):
-        out.write(f"{prefix}{line}")
-        out.flush()
+        if _NOISE not in line:
+            out.write(f"{prefix}{line}")
+            out.flush()
     stream.close()
 
 
@@ -105,6 +121,11 @@ def run_on_cluster(command: list[str], machines: int = 2, ranks_per_machine: int
         procs, pumps = [], []
         for machine in range(machines):
             argv = torchrun_argv(cluster, machine, command, port, rdzv)
+            out.write(f"machine {machine}: torchrun {' '.join(argv[3:])}\n")
+            if machine > 0 and rdzv == "static":
+                # torchrun's own entry point, entered once machine 0's store listens: an agent
+                # that finds the port closed backs off for many seconds
+                argv = [sys.executable, "-c", _AFTER_STORE, str(procs[0].pid), str(port)] + argv[3:]
             proc = cluster.popen(machine, argv, env=child_env, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True, bufsize=1)
             procs.append(proc)
@@ -112,10 +133,6 @@ def run_on_cluster(command: list[str], machines: int = 2, ranks_per_machine: int
                                     daemon=True)
             pump.start()
             pumps.append(pump)
-            if machine == 0:
-                # The others' agents back off for many seconds when the store is not up yet
-                # (connection refused): start them once machine 0 listens.
-                _wait_for_listener(proc, port, min(timeout, 120.0))
         deadline = time.monotonic() + timeout
         codes: list[int | None] = [None] * machines
         failed_at = None
