@@ -185,3 +185,6 @@ def main(argv: list[str] | None = None) -> int:
     except ClusterUnavailable as exc:
         print(f"python -m collectives cluster: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:      # the cluster's __exit__ has removed everything by now
+        print("interrupted: the cluster and every process in it were removed", file=sys.stderr)
+        return 130
