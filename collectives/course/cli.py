@@ -7,6 +7,7 @@
   bench-fused  the fused all-reducer against one flat all-reduce and per-tensor calls
   bench-ddp    the bucketed reducer against torch DDP
   bench-hier   hierarchical all-reduce against the flat ring on the simulated cluster
+  bench-sparse lesson 8: selection, sparse variants against dist.all_reduce, density sweep (--cluster)
   bench-cluster  the two tiers of a simulated cluster fitted, the flat ring predicted and measured
   cluster      one torchrun per machine of a simulated cluster: cluster --machines 2 -- CMD...
 """
@@ -24,6 +25,7 @@ COMMANDS = {
     "bench-fused": "collectives.course.fused_bench:main",
     "bench-ddp": "collectives.course.bucketing_bench:main",
     "bench-hier": "collectives.course.hierarchical_bench:main",
+    "bench-sparse": "collectives.course.sparse_bench:main",
     "bench-cluster": "collectives.course.cluster_bench:main",
     "cluster": "collectives.course.cluster_cli:main",
 }

@@ -74,6 +74,12 @@ TOUR = [
               runner="collectives.course.bucketing_bench:tour_fields"),
     TourEntry(7, "hierarchical (2 machines)", target="collectives.hierarchical:hierarchical_all_reduce",
               runner="collectives.course.hierarchical_bench:tour_runner"),
+    TourEntry(8, "sparse top-k 1% (all-gather)", target="collectives.sparse:sparse_all_reduce",
+              runner="collectives.course.sparse_bench:tour_topk_allgather"),
+    TourEntry(8, "sparse top-k 1% (split)", target="collectives.sparse:sparse_all_reduce",
+              runner="collectives.course.sparse_bench:tour_topk_split"),
+    TourEntry(8, "sparse threshold 1% (all-gather)", target="collectives.sparse:sparse_all_reduce",
+              runner="collectives.course.sparse_bench:tour_threshold_allgather"),
 ]
 
 
