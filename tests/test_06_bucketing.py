@@ -181,6 +181,38 @@ def _trains_like_ddp_and_one_process(impl, group, steps):
     return out
 
 
+@check
+def bucket_view_steps_bit_for_bit_like_ddp(impl, group):
+    """float32, gradient_as_bucket_view, 3 steps keeping .grad (zero_grad(set_to_none=False)):
+    from the second step on each gradient is accumulated inside its bucket and must be
+    divided by p there exactly as DDP does (div_, not mul_ by 1/p: they differ at p = 3).
+
+    One weight, so that both reducers hold it in one bucket of the same size from the first
+    step (torch DDP's first bucket layout differs from ours, see the lesson page): gloo then
+    adds the p contributions in the same order for both, and any difference is arithmetic."""
+    Reducer = resolve(impl + ":BucketedReducer")
+    torch.manual_seed(0)
+    ours = torch.nn.Linear(8, 4, bias=False)
+    theirs = copy.deepcopy(ours)
+    r = Reducer(ours, bucket_cap_mb=4096 / MiB, first_bucket_cap_mb=2048 / MiB,
+                gradient_as_bucket_view=True, group=group)
+    d = _ddp(theirs, group, bucket_cap_mb=4096 / MiB, gradient_as_bucket_view=True)
+    batches = [tuple(t.float() for t in b) for b, _ in _batches(3, 4)]
+    grads = []
+    for model in (r, d):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        per_step = []
+        for x, y in batches:
+            opt.zero_grad(set_to_none=False)
+            F.mse_loss(model(x), y).backward()
+            per_step.append(model.module.weight.grad.clone())
+            opt.step()
+        grads.append(per_step)
+    r.close()
+    return dict(grad_elements_differing=[int((a != b).sum()) for a, b in zip(*grads)],
+                param_elements_differing=int((ours.weight != theirs.weight).sum()))
+
+
 def _frozen_and_tied_parameters(impl, group, steps):
     Reducer = resolve(impl + ":BucketedReducer")
     out = {}
@@ -408,7 +440,7 @@ def _ok(per_rank: list[dict], name: str) -> list[dict]:
     return [res[name] for res in per_rank]
 
 
-WORLDS = pytest.mark.parametrize("p", [2, 4])
+WORLDS = pytest.mark.parametrize("p", [2, 3, 4])
 
 
 # ---- the tests ----------------------------------------------------------------------------
@@ -499,6 +531,16 @@ def test_gradient_as_bucket_view_leaves_grads_inside_the_buckets(worlds, p):
     for res in _ok(worlds(p), "one_step_like_ddp_and_one_process"):
         r = res["2 buckets, gradient_as_bucket_view"]
         assert r["storages"] == r["buckets"] == 2, "each .grad should be a view into one of the 2 buckets"
+
+
+@pytest.mark.parametrize("p", [2, 3])
+@pytest.mark.task(lesson=6, task=3, points=5, title="finalize and write back")
+def test_gradients_in_their_buckets_are_divided_by_p_bit_for_bit_like_ddp(worlds, p):
+    # p = 3: 1/3 is not exact, so multiplying by it and dividing by 3 differ in the last bit
+    for res in _ok(worlds(p), "bucket_view_steps_bit_for_bit_like_ddp"):
+        assert res["grad_elements_differing"] == [0, 0, 0], \
+            f"gradient elements differing from torch DDP's, per step: {res['grad_elements_differing']}"
+        assert res["param_elements_differing"] == 0
 
 
 @WORLDS

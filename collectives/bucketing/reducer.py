@@ -307,8 +307,11 @@ class BucketedReducer(nn.Module):
         """Put parameter ``index``'s gradient, divided by the world size, into its bucket;
         launch every bucket that is now complete -- strictly in index order.
 
-        Dividing is a multiply by ``1/p``, as DDP does: cheaper than a divide, and the same
-        number when p is a power of two."""
+        Exactly DDP's arithmetic, so that the two agree bit for bit at every p: a gradient
+        copied into its bucket is multiplied by ``1/p`` on the way (one pass instead of a
+        copy and a divide); a gradient already in its bucket (``gradient_as_bucket_view``)
+        is divided by p in place. The two differ in the last bit whenever 1/p is not
+        exact (p = 3, 5, 6, ...)."""
         if self._marked[index]:
             raise RuntimeError(f"parameter {self.names[index]!r} was marked ready twice in one "
                                "iteration (backward called twice after one forward?)")
@@ -321,7 +324,7 @@ class BucketedReducer(nn.Module):
         if grad is None:                                   # no gradient here: contribute zeros
             view.zero_()
         elif grad.data_ptr() == view.data_ptr():          # already accumulated in the bucket
-            view.mul_(1.0 / self.world_size)
+            view.div_(self.world_size)                     # as DDP: div_, not mul_(1/p)
         else:
             torch.mul(grad, 1.0 / self.world_size, out=view)   # copy and scale in one pass
             if self.gradient_as_bucket_view:

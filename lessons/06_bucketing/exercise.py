@@ -302,8 +302,9 @@ class BucketedReducer(nn.Module):
         EXAMPLE:  3 buckets; bucket 1 completes first: nothing is launched; bucket 0
                   completes: buckets 0 and 1 are launched; then bucket 2 when it completes.
         HINT:     ``torch.mul(grad, 1.0 / p, out=view)`` scales and copies in one pass (a
-                  multiply, as DDP does: cheaper than a divide, the same for p = 2, 4, 8);
-                  ``grad.data_ptr() == view.data_ptr()`` tells you the grad is the view.
+                  multiply, as DDP does); ``grad.data_ptr() == view.data_ptr()`` tells you
+                  the grad is already the view: then ``view.div_(p)``, as DDP does there
+                  (a multiply by 1/p differs in the last bit at p = 3).
         """
         raise NotImplementedError("Lesson 6, task 2: _mark_ready")
 
