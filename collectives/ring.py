@@ -102,7 +102,8 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.S
 
     Cost: (p − 1)·α + (p − 1)/p·n·β, n the bytes of ``input``.
     """
-    ops.check_all_reduce_args(input, op, group, what="ring_reduce_scatter")
+    if not ops.check_all_reduce_args(input, op, group, what="ring_reduce_scatter"):
+        return                         # not in the group: nothing to do, as dist.*
     rank, p, right, left = _neighbours(group)
     bounds = ops.chunk_bounds(input.numel(), p)
     lo, hi = bounds[rank]
@@ -125,7 +126,8 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group=None) -> No
 
     Cost: (p − 1)·α + (p − 1)/p·n·β, n the bytes of ``output``.
     """
-    ops.check_all_reduce_args(output, ReduceOp.SUM, group, what="ring_all_gather")
+    if not ops.check_all_reduce_args(output, ReduceOp.SUM, group, what="ring_all_gather"):
+        return                         # not in the group: nothing to do, as dist.*
     rank, p, right, left = _neighbours(group)
     bounds = ops.chunk_bounds(output.numel(), p)
     lo, hi = bounds[rank]
@@ -147,7 +149,8 @@ def ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None) -> None:
     elements. AVG divides only the chunk this rank finished, before the all-gather: one
     division of n/p elements instead of n, and every rank ends with the same bits.
     """
-    ops.check_all_reduce_args(tensor, op, group, what="ring_all_reduce")
+    if not ops.check_all_reduce_args(tensor, op, group, what="ring_all_reduce"):
+        return                         # not in the group: nothing to do, as dist.*
     rank, p, right, left = _neighbours(group)
     if p == 1 or tensor.numel() == 0:
         return
@@ -189,7 +192,8 @@ def pipelined_ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
     step is left uncovered). More pieces hide more of γ and pay more α: worth it only
     for large tensors, so ``pieces`` is capped at the chunk size.
     """
-    ops.check_all_reduce_args(tensor, op, group, what="pipelined_ring_all_reduce")
+    if not ops.check_all_reduce_args(tensor, op, group, what="pipelined_ring_all_reduce"):
+        return                         # not in the group: nothing to do, as dist.*
     if pieces < 1:
         raise ValueError(f"pipelined_ring_all_reduce: pieces must be at least 1, got {pieces}")
     rank, p, right, left = _neighbours(group)
@@ -286,7 +290,8 @@ def multi_ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
     Cost, when each ring has links of its own: 2(p − 1)·α + 2(p − 1)/p·(n/c)·β. On one
     shared link (gloo over loopback) it is the plain ring's, with c× the messages.
     """
-    ops.check_all_reduce_args(tensor, op, group, what="multi_ring_all_reduce")
+    if not ops.check_all_reduce_args(tensor, op, group, what="multi_ring_all_reduce"):
+        return                         # not in the group: nothing to do, as dist.*
     if channels < 1:
         raise ValueError(f"multi_ring_all_reduce: channels must be at least 1, got {channels}")
     rank, p = ops.group_rank_and_size(group)

@@ -101,7 +101,8 @@ def recursive_doubling_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=N
 
     Cost: L·α + L·n·β + L·n·γ (power of two); two more steps of n otherwise.
     """
-    ops.check_all_reduce_args(tensor, op, group, what="recursive_doubling_all_reduce")
+    if not ops.check_all_reduce_args(tensor, op, group, what="recursive_doubling_all_reduce"):
+        return                         # not in the group: nothing to do, as dist.*
     rank, p = ops.group_rank_and_size(group)
     if p == 1 or tensor.numel() == 0:
         return
@@ -141,7 +142,8 @@ def halving_doubling_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=Non
 
     Cost: 2L·α + 2(p − 1)/p·n·β + (p − 1)/p·n·γ (power of two); two more steps of n otherwise.
     """
-    ops.check_all_reduce_args(tensor, op, group, what="halving_doubling_all_reduce")
+    if not ops.check_all_reduce_args(tensor, op, group, what="halving_doubling_all_reduce"):
+        return                         # not in the group: nothing to do, as dist.*
     rank, p = ops.group_rank_and_size(group)
     if p == 1 or tensor.numel() == 0:
         return
@@ -218,7 +220,8 @@ def tree_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None) -> None:
     Cost (one message in or out at a time per rank): at most 4·⌊log2 p⌋·(α + n·β);
     ``cost.tree_schedule(p)`` counts the rounds exactly (5 at p = 4).
     """
-    ops.check_all_reduce_args(tensor, op, group, what="tree_all_reduce")
+    if not ops.check_all_reduce_args(tensor, op, group, what="tree_all_reduce"):
+        return                         # not in the group: nothing to do, as dist.*
     rank, p = ops.group_rank_and_size(group)
     if p == 1 or tensor.numel() == 0:
         return

@@ -27,27 +27,59 @@ def op_name(op) -> str:
     return OP_NAMES.get(op, str(op))
 
 
-def check_all_reduce_args(tensor, op=ReduceOp.SUM, group=None, *, what: str = "all_reduce") -> None:
-    """Raise a clear error for input an in-place all-reduce cannot honour.
+def is_member(group=None) -> bool:
+    """Whether this rank belongs to ``group`` (the world when ``group`` is None).
+
+    ``dist.new_group(ranks)`` hands the ranks outside ``ranks`` a placeholder
+    (``dist.GroupMember.NON_GROUP_MEMBER``) instead of a process group; ``dist.all_reduce``
+    called with it returns at once, doing nothing.
+    """
+    if group is None:
+        return True
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        return False
+    return isinstance(group, dist.ProcessGroup) and dist.get_rank(group) >= 0
+
+
+def check_all_reduce_args(tensor, op=ReduceOp.SUM, group=None, *, what: str = "all_reduce") -> bool:
+    """Raise a clear error for input an in-place all-reduce cannot honour; return whether
+    this rank takes part.
 
     * ``tensor`` must be a ``torch.Tensor``;
-    * ``op`` one of SUM, PRODUCT, MIN, MAX, AVG (AVG only on floating dtypes);
+    * a rank outside ``group`` takes no part: the result is ``False`` and the caller
+      returns at once, leaving the tensor as it was -- what ``dist.all_reduce`` does;
+    * ``op`` one of SUM, PRODUCT, MIN, MAX, AVG (AVG only on floating dtypes; MIN and MAX
+      not on complex ones, which have no order);
     * no two elements may share memory (an ``expand``-ed tensor): an in-place result
       cannot be written to both. gloo's own ``all_reduce`` crashes on such a tensor.
+
+    Everything here depends only on the arguments, never on what a peer holds, so every
+    rank raises the same error before any message is sent: nobody is left waiting.
+    Usage, first thing in every all-reduce::
+
+        if not ops.check_all_reduce_args(tensor, op, group, what="ring_all_reduce"):
+            return                                  # not in the group: nothing to do
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER \
+            and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{what}: group must be a ProcessGroup from dist.new_group, got {type(group).__name__}")
+    if not is_member(group):
+        return False
     if op not in SUPPORTED_OPS:
         raise ValueError(f"{what}: unsupported op {op}; use one of "
                          + ", ".join(OP_NAMES.values()))
     if op == ReduceOp.AVG and not (tensor.is_floating_point() or tensor.is_complex()):
         raise ValueError(f"{what}: ReduceOp.AVG needs a floating-point tensor, got {tensor.dtype}")
+    if op in (ReduceOp.MIN, ReduceOp.MAX) and tensor.is_complex():
+        raise ValueError(f"{what}: ReduceOp.{op_name(op)} is not defined for complex tensors "
+                         f"({tensor.dtype}): complex numbers have no order")
     if tensor.numel() > 1 and torch._debug_has_internal_overlap(tensor) == 1:
         raise ValueError(f"{what}: the tensor has elements that share memory (an expanded "
                          f"tensor, stride {tuple(tensor.stride())}); pass a tensor with distinct "
                          "elements, e.g. tensor.contiguous()")
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"{what}: group must be a ProcessGroup from dist.new_group, got {type(group).__name__}")
+    return True
 
 
 def combine_(acc: torch.Tensor, incoming: torch.Tensor, op) -> torch.Tensor:
@@ -72,17 +104,22 @@ def finish_(tensor: torch.Tensor, op, group_size: int) -> torch.Tensor:
 
 def work_buffer(tensor: torch.Tensor) -> torch.Tensor:
     """A flat, contiguous buffer holding ``tensor``'s elements: the tensor's own memory when
-    it is contiguous, else a copy (to be written back with :func:`write_back`)."""
-    return tensor.contiguous().view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
+    it is contiguous, else a copy (to be written back with :func:`write_back`).
+
+    Always detached from autograd, as ``dist.all_reduce`` works on the data: a leaf that
+    requires a gradient (an ``nn.Parameter``) refuses in-place arithmetic, its detached
+    view of the same memory does not."""
+    tensor = tensor.detach()
+    return tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
 
 
 def write_back(tensor: torch.Tensor, flat: torch.Tensor) -> None:
-    """Copy ``flat`` into ``tensor`` unless it already is ``tensor``'s memory."""
+    """Copy ``flat`` into ``tensor`` (its data, detached) unless it already is ``tensor``'s memory."""
     if tensor.numel() == 0:
         return
     if tensor.is_contiguous() and flat.data_ptr() == tensor.data_ptr():
         return
-    tensor.copy_(flat.view(tensor.shape))
+    tensor.detach().copy_(flat.view(tensor.shape))
 
 
 def group_rank_and_size(group=None) -> tuple[int, int]:

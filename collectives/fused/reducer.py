@@ -147,6 +147,7 @@ class FusedAllReducer:
         if self.device.type == "cuda" and self.device.index is None:   # "cuda": the current GPU
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.op, self.group = op, group
+        self._member = ops.is_member(group)    # outside the group: every call does nothing
         self.compress_fp16, self.double_buffer = compress_fp16, double_buffer
         self._copy_in = streams.new_stream(self.device)
         self._comm = streams.new_stream(self.device)
@@ -253,12 +254,15 @@ class FusedAllReducer:
         self._bound = KnownList.of(tensors, prep)
 
     # -- issuing -----------------------------------------------------------------------
+    @torch.no_grad()        # on the tensors' data, as dist.all_reduce: a Parameter is fine
     def all_reduce(self, tensors: Sequence[torch.Tensor]) -> "FusedAllReducer":
-        """Issue the all-reduce of every tensor of ``tensors``; finish with :meth:`wait`."""
+        """Issue the all-reduce of every tensor of ``tensors``; finish with :meth:`wait`.
+
+        A rank outside the reducer's group does nothing, as ``dist.all_reduce``."""
         if self._inflight:
             self.wait()
         tensors = list(tensors)
-        if not tensors:
+        if not tensors or not self._member:
             return self
         prep = self._prepare(tensors)
         known = self._known
@@ -390,6 +394,7 @@ class FusedAllReducer:
         ops.finish_(full, self.op, dist.get_world_size(self.group))
         copy_back(full, targets)
 
+    @torch.no_grad()
     def wait(self) -> None:
         """Finish every flush in order; the caller's current stream then sees the results."""
         for flight in self._inflight:
@@ -419,6 +424,8 @@ def fused_all_reduce(tensors: Sequence[torch.Tensor], op=ReduceOp.SUM, group=Non
     first = tensors[0]
     if not isinstance(first, torch.Tensor):
         raise TypeError(f"fused_all_reduce: expected tensors, got {type(first).__name__}")
+    if not ops.is_member(group):
+        return                              # outside the group: nothing to do, as dist.all_reduce
     key = (first.device, op, group, threshold_bytes, buffer_bytes, compress_fp16)
     reducer = _reducers.get(key)
     if reducer is None:

@@ -1,0 +1,109 @@
+"""Every all-reduce of the course keeps ``dist.all_reduce``'s contract at its edges.
+
+The harness (``verify``) checks values; these check what happens around them, for every
+all-reduce of the tour and for ``fused_all_reduce`` (one tensor through the multi-tensor
+path):
+
+* a rank outside ``group`` returns at once and leaves its tensor alone, as
+  ``dist.all_reduce`` does (it must not raise, and must not send anything);
+* a leaf that requires a gradient (an ``nn.Parameter``) is reduced through its data, as
+  ``dist.all_reduce`` does, and stays a leaf;
+* arguments no rank can honour (MIN/MAX on complex numbers) raise the same error on every
+  rank before any message is sent, so nobody is left waiting for a peer that gave up;
+* a tensor whose size differs across ranks ends in an error naming a rank, not a hang.
+
+All but the last run in one world of 3 ranks (3: not a power of two, so the fold of the
+doubling algorithms and an odd ring are both exercised; a subgroup of 2 leaves one rank out).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from collectives import launch, trace
+from collectives.course.impl import resolve
+from collectives.course.tour import TOUR
+from collectives.core.ops import ReduceOp
+
+ALL_REDUCES = {e.name: e.target for e in TOUR if e.runner is None}
+ALL_REDUCES["fused"] = "tests.test_contract:fused_one"
+WORLD = 3
+
+
+def fused_one(tensor, op=ReduceOp.SUM, group=None):
+    """``fused_all_reduce`` of a one-tensor list, with ``dist.all_reduce``'s signature."""
+    from collectives.fused import fused_all_reduce
+    fused_all_reduce([tensor], op=op, group=group)
+
+
+def _edges() -> dict:
+    rank = dist.get_rank()
+    pair = dist.new_group([0, 1])              # rank 2 is outside: it gets a placeholder
+    out = {}
+    for name, target in ALL_REDUCES.items():
+        fn = resolve(target)
+        res = out[name] = {}
+        # 1. outside the group: nothing happens, nothing is sent
+        t = torch.full((7,), float(rank + 1))
+        with trace.recording() as rec:
+            try:
+                fn(t, op=ReduceOp.SUM, group=pair)
+                res["group"] = t.tolist()
+            except Exception as exc:  # noqa: BLE001 - reported per algorithm
+                res["group"] = f"{type(exc).__name__}: {exc}"
+        res["group_messages"] = len(rec.events)
+        # 2. a leaf that requires a gradient
+        leaf = torch.nn.Parameter(torch.arange(5.0) + rank)
+        try:
+            fn(leaf, op=ReduceOp.SUM)
+            res["leaf"] = dict(values=leaf.detach().tolist(), is_leaf=leaf.is_leaf,
+                               requires_grad=leaf.requires_grad, grad=leaf.grad)
+        except Exception as exc:  # noqa: BLE001
+            res["leaf"] = f"{type(exc).__name__}: {exc}"
+        # 3. complex MIN/MAX: the same ValueError everywhere, before any message
+        for op in (ReduceOp.MIN, ReduceOp.MAX):
+            z = torch.ones(6, dtype=torch.complex64)
+            with trace.recording() as rec:
+                try:
+                    fn(z, op=op)
+                    res[f"complex {op}"] = "accepted"
+                except Exception as exc:  # noqa: BLE001
+                    res[f"complex {op}"] = type(exc).__name__
+            res[f"complex {op} messages"] = len(rec.events)
+    return out
+
+
+@pytest.fixture(scope="module")
+def edges():
+    return launch.run(_edges, WORLD, timeout=60)
+
+
+@pytest.mark.parametrize("name", sorted(ALL_REDUCES))
+def test_a_rank_outside_the_group_returns_at_once_and_sends_nothing(edges, name):
+    for rank, per_rank in enumerate(edges):
+        res = per_rank[name]
+        if rank == 2:
+            assert res["group"] == [3.0] * 7, f"rank 2 is outside the group: {res['group']}"
+            assert res["group_messages"] == 0
+        else:
+            assert res["group"] == [3.0] * 7, f"rank {rank}: 1 + 2 expected, got {res['group']}"
+
+
+@pytest.mark.parametrize("name", sorted(ALL_REDUCES))
+def test_a_leaf_that_requires_grad_is_reduced_through_its_data(edges, name):
+    expected = [float(3 * i + 3) for i in range(5)]      # (i + 0) + (i + 1) + (i + 2)
+    for rank, per_rank in enumerate(edges):
+        res = per_rank[name]["leaf"]
+        assert isinstance(res, dict), f"rank {rank}: {res}"
+        assert res == dict(values=expected, is_leaf=True, requires_grad=True, grad=None)
+
+
+@pytest.mark.parametrize("name", sorted(ALL_REDUCES))
+def test_complex_min_max_raise_on_every_rank_before_any_message(edges, name):
+    for rank, per_rank in enumerate(edges):
+        res = per_rank[name]
+        for op in (ReduceOp.MIN, ReduceOp.MAX):
+            assert res[f"complex {op}"] == "ValueError", f"rank {rank}, {op}: {res[f'complex {op}']}"
+            assert res[f"complex {op} messages"] == 0, f"rank {rank} sent before refusing {op}"
