@@ -190,7 +190,15 @@ def pipelined_ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
 
     Cost: 2(p − 1)·k·α + 2(p − 1)/p·n·β + (p − 1)/p·n·γ/k (only one piece's combine per
     step is left uncovered). More pieces hide more of γ and pay more α: worth it only
-    for large tensors, so ``pieces`` is capped at the chunk size.
+    for large tensors.
+
+    The number of messages, 2(p − 1)·k, depends on ``pieces`` alone, never on the tensor's
+    size: a chunk smaller than k elements has empty pieces, posted as empty messages on
+    gloo. A rank handed a tensor of another size than its peers then makes some neighbour
+    receive a longer message than it posted for, and gloo aborts at once; were the count
+    to follow the size (k capped at the chunk), the ranks would post different numbers of
+    messages, a shorter message would land silently in a longer receive, and the ranks
+    would wait for ever for the messages in between.
     """
     if not ops.check_all_reduce_args(tensor, op, group, what="pipelined_ring_all_reduce"):
         return                         # not in the group: nothing to do, as dist.*
@@ -202,7 +210,7 @@ def pipelined_ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
     flat = ops.work_buffer(tensor)
     bounds = ops.chunk_bounds(flat.numel(), p)
     largest = max(hi - lo for lo, hi in bounds)
-    k = min(pieces, largest)
+    k = pieces                              # not capped by the size: see above
 
     def piece(chunk: int, j: int) -> tuple[int, int]:
         """Element range of piece j of ``chunk`` in ``flat``."""
@@ -219,7 +227,8 @@ def pipelined_ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
         offset = recv_lo - bounds[(rank - 2 - step) % p][0]
         arrived = landing[step % 2][offset: offset + recv_hi - recv_lo]
         with trace.label(f"reduce-scatter {step}: c{(rank - 1 - step) % p}.{j}"):
-            recv, send = ops.sendrecv(flat[send_lo:send_hi], right, arrived, left, group)
+            recv, send = ops.sendrecv(flat[send_lo:send_hi], right, arrived, left, group,
+                                      post_empty=True)
         return recv, send, arrived, (recv_lo, recv_hi)
 
     posted = [post_reduce_step(0, j) for j in range(k)]
@@ -243,7 +252,8 @@ def pipelined_ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
         send_lo, send_hi = piece((rank - step) % p, j)
         recv_lo, recv_hi = piece((rank - 1 - step) % p, j)
         with trace.label(f"all-gather {step}: c{(rank - step) % p}.{j}"):
-            recv, send = ops.sendrecv(flat[send_lo:send_hi], right, flat[recv_lo:recv_hi], left, group)
+            recv, send = ops.sendrecv(flat[send_lo:send_hi], right, flat[recv_lo:recv_hi], left, group,
+                                      post_empty=True)
         return recv, send
 
     posted = [post_gather_step(0, j) for j in range(k)]
@@ -265,7 +275,13 @@ def pipelined_ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
 # Several rings at once, for GPUs whose links a single ring leaves idle.
 
 def _batch(p2p: list) -> None:
-    """Post every operation in one ``batch_isend_irecv`` (one NCCL group) and wait for all."""
+    """Post every operation in one ``batch_isend_irecv`` (one NCCL group) and wait for all.
+
+    Empty messages are dropped under NCCL only: on gloo they are posted, so the number of
+    messages depends on the channels alone and ranks handed tensors of different sizes
+    fail at once (a longer message than its receive aborts gloo) instead of waiting."""
+    if p2p and p2p[0].tensor.is_cuda:
+        p2p = [op for op in p2p if op.tensor.numel()]
     if p2p:
         for work in dist.batch_isend_irecv(p2p):
             work.wait()
@@ -320,7 +336,7 @@ def multi_ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
                     dist.P2POp(dist.isend, flat[s_lo:s_hi], to, group=group)]
             combines.append((flat[r_lo:r_hi], arrived))
         with trace.label(f"reduce-scatter {step}"):
-            _batch([op for op in p2p if op.tensor.numel()])
+            _batch(p2p)
         for target, arrived in combines:
             ops.combine_(target, arrived, op)
 
@@ -336,6 +352,6 @@ def multi_ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
             p2p += [dist.P2POp(dist.irecv, flat[r_lo:r_hi], frm, group=group),
                     dist.P2POp(dist.isend, flat[s_lo:s_hi], to, group=group)]
         with trace.label(f"all-gather {step}"):
-            _batch([op for op in p2p if op.tensor.numel()])
+            _batch(p2p)
     ops.write_back(tensor, flat)
 

@@ -107,3 +107,27 @@ def test_complex_min_max_raise_on_every_rank_before_any_message(edges, name):
         for op in (ReduceOp.MIN, ReduceOp.MAX):
             assert res[f"complex {op}"] == "ValueError", f"rank {rank}, {op}: {res[f'complex {op}']}"
             assert res[f"complex {op} messages"] == 0, f"rank {rank} sent before refusing {op}"
+
+
+# ---- sizes that differ across ranks: an error at once, not a hang -------------------------
+
+def _mismatched(target: str, other_numel: int) -> str:
+    """Rank 2 holds ``other_numel`` elements, the others 12; then every rank carries on
+    with something else (sleeps), as a training loop would, so a rank that returned early
+    does not end the world by exiting."""
+    fn = resolve(target)
+    fn(torch.ones(other_numel if dist.get_rank() == 2 else 12))
+    import time
+    time.sleep(30)
+    return "returned"
+
+
+@pytest.mark.parametrize("other_numel", [1, 10])
+@pytest.mark.parametrize("name", ["pipelined ring", "multi-ring (2 channels)"])
+def test_sizes_that_differ_across_ranks_end_in_an_error_not_a_hang(name, other_numel):
+    # A message longer than the receive posted for it aborts gloo (as it aborts
+    # dist.all_reduce); the number of messages must therefore not depend on the size, or
+    # a shorter message lands silently and everyone waits for the ones in between.
+    with pytest.raises(launch.RankError) as err:
+        launch.run(_mismatched, WORLD, args=(ALL_REDUCES[name], other_numel), timeout=15)
+    assert "rank" in str(err.value)

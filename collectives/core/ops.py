@@ -179,12 +179,17 @@ def _post_together(send_buf, dst, recv_buf, src, group):
     return pg._end_coalescing(device)
 
 
-def sendrecv(send_buf: torch.Tensor, dst: int, recv_buf: torch.Tensor, src: int, group=None):
+def sendrecv(send_buf: torch.Tensor, dst: int, recv_buf: torch.Tensor, src: int, group=None,
+             *, post_empty: bool = False):
     """Post a receive of ``recv_buf`` from ``src`` and a send of ``send_buf`` to ``dst``;
     return the ``(receive, send)`` handles. ``dst``/``src`` are global ranks.
 
     An empty buffer is not posted at all: both ends know its size (a chunk of a tensor
-    smaller than the world), and NCCL need not see a 0-byte message.
+    smaller than the world), and NCCL need not see a 0-byte message. ``post_empty=True``
+    posts it anyway on gloo, for algorithms whose number of messages must not depend on
+    the tensor's size: if ranks are (wrongly) handed tensors of different sizes, every
+    receive still has its send, a message longer than its receive aborts gloo at once, and
+    nobody waits for a message that never comes.
 
     On GPUs (NCCL) both go into one ``batch_isend_irecv``, and they must: NCCL runs
     point-to-point operations posted one by one to the same peer in order, on one stream,
@@ -214,8 +219,8 @@ def sendrecv(send_buf: torch.Tensor, dst: int, recv_buf: torch.Tensor, src: int,
         if send_buf.numel():
             p2p.append(dist.P2POp(dist.isend, send_buf, dst, group=group))
         return _Posted(dist.batch_isend_irecv(p2p) if p2p else ()), _Posted()
-    recv = _Posted([dist.irecv(recv_buf, src, group=group)] if recv_buf.numel() else [])
-    send = _Posted([dist.isend(send_buf, dst, group=group)] if send_buf.numel() else [])
+    recv = _Posted([dist.irecv(recv_buf, src, group=group)] if recv_buf.numel() or post_empty else [])
+    send = _Posted([dist.isend(send_buf, dst, group=group)] if send_buf.numel() or post_empty else [])
     return recv, send
 
 
