@@ -40,7 +40,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .core import cost, ops
+from .core import cost, nccl_memory, ops
 from .core.ops import ReduceOp
 from .p2p import exchange
 
@@ -181,7 +181,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None) -> None:
     root = _group_rank_of(src, group, "broadcast")
     me, p = ops.group_rank_and_size(group)
     if me == root:
-        payload = tensor.contiguous()
+        payload = ops.work_buffer(tensor)     # a copy only for a view (from the pool once registered)
         sends = [dist.isend(payload, ops.global_rank(group, r), group=group)
                  for r in range(p) if r != root]
         for work in sends:
@@ -243,10 +243,10 @@ def reduce(tensor: torch.Tensor, dst: int = 0, op=ReduceOp.SUM, group=None) -> N
     root = _group_rank_of(dst, group, "reduce")
     me, p = ops.group_rank_and_size(group)
     if me != root:
-        dist.send(tensor.contiguous(), dst, group=group)
+        dist.send(ops.work_buffer(tensor), dst, group=group)
         return
     acc = ops.work_buffer(tensor)
-    incoming = torch.empty_like(acc)
+    incoming = nccl_memory.temporary(acc.numel(), acc.dtype, acc.device)   # registered memory once registered
     for r in range(p):                       # in group-rank order: the same order every run
         if r != root:
             dist.recv(incoming, ops.global_rank(group, r), group=group)
@@ -272,7 +272,7 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
     me, p = ops.group_rank_and_size(group)
     if me == root:
         _check_list(scatter_list, p, tensor, "scatter_list", "scatter")
-        sends = [dist.isend(scatter_list[r].contiguous(), ops.global_rank(group, r), group=group)
+        sends = [dist.isend(ops.work_buffer(scatter_list[r]), ops.global_rank(group, r), group=group)
                  for r in range(p) if r != root]
         tensor.copy_(scatter_list[root].reshape(tensor.shape))
         for work in sends:
@@ -295,7 +295,7 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
     root = _group_rank_of(dst, group, "gather")
     me, p = ops.group_rank_and_size(group)
     if me != root:
-        dist.send(tensor.contiguous(), dst, group=group)
+        dist.send(ops.work_buffer(tensor), dst, group=group)
         return
     _check_list(gather_list, p, tensor, "gather_list", "gather")
     for r in range(p):
@@ -322,7 +322,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None
         return
     me, p = ops.group_rank_and_size(group)
     _check_list(tensor_list, p, tensor, "tensor_list", "all_gather")
-    payload = tensor.contiguous()
+    payload = ops.work_buffer(tensor)
     for k in range(1, p):
         to, frm = (me + k) % p, (me - k) % p
         exchange(payload, tensor_list[frm], ops.global_rank(group, to), ops.global_rank(group, frm),

@@ -63,7 +63,8 @@ def naive_ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None) -> 
     right = ops.global_rank(group, (rank + 1) % p)
     left = ops.global_rank(group, (rank - 1) % p)
     # where arrivals land; two alternate when p > 2
-    landing = nccl_memory.scratch_parts(2 if p > 2 else 1, flat.numel(), flat.dtype, flat.device)
+    landing = nccl_memory.scratch_parts(2 if p > 2 else 1, flat.numel(), flat.dtype, flat.device,
+                                         group)
     forward = flat                          # what goes right this step: our own input first
     for step in range(p - 1):
         incoming = landing[step % 2]

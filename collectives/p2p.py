@@ -30,7 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .core import cost, ops
+from .core import cost, nccl_memory, ops
 
 __all__ = ["pass_token", "exchange", "ping_pong", "measure_alpha_beta", "DEFAULT_SIZES",
            "modify_after_isend", "read_before_wait", "recv_first_deadlock", "send_first_ring"]
@@ -124,9 +124,12 @@ def exchange(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, send_to: int,
                              f"and receiving from itself (got send_to={send_to}, recv_from={recv_from})")
         recv_tensor.copy_(send_tensor)  # a ring of one: gloo cannot send to its own rank
         return
-    landing = recv_tensor if recv_tensor.is_contiguous() else torch.empty(
-        recv_tensor.shape, dtype=recv_tensor.dtype, device=recv_tensor.device)
-    outgoing = send_tensor.contiguous()
+    # Copies for views come from nccl_memory.temporary: registered memory once
+    # nccl_memory.register() has run (a transfer between registered and ordinary memory
+    # never completes on NCCL).
+    landing = recv_tensor if recv_tensor.is_contiguous() else nccl_memory.temporary(
+        recv_tensor.numel(), recv_tensor.dtype, recv_tensor.device).view(recv_tensor.shape)
+    outgoing = send_tensor if send_tensor.is_contiguous() else nccl_memory.contiguous_copy(send_tensor)
     if landing.is_cuda:
         # NCCL runs one-by-one posts to the same peer in order: two ranks each posting
         # "receive, then send" would deadlock. One group posts both at once.

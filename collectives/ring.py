@@ -62,7 +62,7 @@ def _reduce_scatter_in_place(flat, bounds, op, rank, p, right, left, group) -> N
     different chunks.
     """
     largest = max(hi - lo for lo, hi in bounds)
-    landing = nccl_memory.scratch(largest, flat.dtype, flat.device)
+    landing = nccl_memory.scratch(largest, flat.dtype, flat.device, group)
     for step in range(p - 1):
         send_chunk, recv_chunk = (rank - 1 - step) % p, (rank - 2 - step) % p
         s_lo, s_hi = bounds[send_chunk]
@@ -111,7 +111,8 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.S
         raise ValueError(f"ring_reduce_scatter: rank {rank}'s output must hold {hi - lo} elements "
                          f"of {input.dtype} (chunk {rank} of {input.numel()} split {p} ways), "
                          f"got {output.numel()} of {output.dtype}")
-    flat = input.reshape(-1).clone()   # the scratch the running sums are built in
+    flat = nccl_memory.contiguous_copy(input)   # where the running sums are built (registered
+                                                # memory once nccl_memory.register() has run)
     if p > 1 and flat.numel() > 0:
         _reduce_scatter_in_place(flat, bounds, op, rank, p, right, left, group)
     ops.finish_(flat[lo:hi], op, p)
@@ -218,7 +219,7 @@ def pipelined_ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
         a, b = ops.chunk_bounds(hi - lo, k)[j]
         return lo + a, lo + b
 
-    landing = nccl_memory.scratch_parts(2, largest, flat.dtype, flat.device)   # registered, under NCCL
+    landing = nccl_memory.scratch_parts(2, largest, flat.dtype, flat.device, group)   # registered, under NCCL
 
     def post_reduce_step(step: int, j: int):
         """Post piece j of reduce-scatter step ``step``; return (recv work, send work)."""
@@ -317,7 +318,7 @@ def multi_ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
     rings = []   # per channel: (position, send-to, receive-from, chunk bounds in flat, landing)
     parts = ops.chunk_bounds(flat.numel(), channels)
     widest = max(max(b - a for a, b in ops.chunk_bounds(hi - lo, p)) for lo, hi in parts)
-    landings = nccl_memory.scratch_parts(channels, widest, flat.dtype, flat.device)
+    landings = nccl_memory.scratch_parts(channels, widest, flat.dtype, flat.device, group)
     for c, (lo, hi) in enumerate(parts):
         direction = 1 if c % 2 == 0 else -1
         position = (direction * rank) % p

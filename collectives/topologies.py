@@ -107,7 +107,7 @@ def recursive_doubling_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=N
     if p == 1 or tensor.numel() == 0:
         return
     flat = ops.work_buffer(tensor)
-    arrived = nccl_memory.scratch(flat.numel(), flat.dtype, flat.device)
+    arrived = nccl_memory.scratch(flat.numel(), flat.dtype, flat.device, group)
     fold = _Fold(rank, p, group)
     fold.fold_in(flat, arrived, op)
     if fold.virtual is not None:
@@ -158,7 +158,7 @@ def halving_doubling_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=Non
     # Arrivals land in scratch: the whole tensor when folding in, else at most the first half.
     folds_in = fold.virtual is not None and rank < 2 * fold.extra
     scratch = nccl_memory.scratch(flat.numel() if folds_in else blocks[fold.pof2 // 2 - 1][1],
-                                  flat.dtype, flat.device)
+                                  flat.dtype, flat.device, group)
     fold.fold_in(flat, scratch, op)
     if fold.virtual is not None:
         v, first, last = fold.virtual, 0, fold.pof2      # I am responsible for blocks first..last−1
@@ -228,7 +228,7 @@ def tree_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None) -> None:
     flat = ops.work_buffer(tensor)
     children = [c for c in (2 * rank + 1, 2 * rank + 2) if c < p]
     parent = ops.global_rank(group, (rank - 1) // 2) if rank > 0 else None
-    landing = nccl_memory.scratch_parts(len(children), flat.numel(), flat.dtype, flat.device)
+    landing = nccl_memory.scratch_parts(len(children), flat.numel(), flat.dtype, flat.device, group)
     with trace.label("reduce"):
         recvs = [dist.irecv(buf, ops.global_rank(group, c), group=group)
                  for c, buf in zip(children, landing)]

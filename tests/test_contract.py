@@ -131,3 +131,89 @@ def test_sizes_that_differ_across_ranks_end_in_an_error_not_a_hang(name, other_n
     with pytest.raises(launch.RankError) as err:
         launch.run(_mismatched, WORLD, args=(ALL_REDUCES[name], other_numel), timeout=15)
     assert "rank" in str(err.value)
+
+
+# ---- registered memory: no temporary of ordinary memory once registered ----------------------
+
+def test_temporaries_come_from_the_pool_once_registered_on_a_gpu(monkeypatch):
+    from collectives import nccl_memory
+    assert not nccl_memory.pool_allocates("cuda"), "before register(): ordinary memory"
+    monkeypatch.setattr(nccl_memory, "_registered", True)
+    assert nccl_memory.pool_allocates("cuda") and nccl_memory.pool_allocates("cuda:1")
+    assert not nccl_memory.pool_allocates("cpu"), "gloo on CPU has no registered memory"
+
+
+def test_scratch_is_kept_apart_per_group():
+    from collectives import nccl_memory
+    a, b = object(), object()            # stand-ins for two process groups
+    keys = {nccl_memory.scratch_key(torch.float32, "cpu", g) for g in (None, a, b)}
+    assert len(keys) == 3
+    assert nccl_memory.scratch_key(torch.float32, "cpu", a) == nccl_memory.scratch_key(torch.float32, "cpu", a)
+
+
+def _temporaries_of_the_library() -> dict:
+    """Which of the library's copies go through nccl_memory.temporary (and so come from the
+    registered pool once registered), recorded per operation."""
+    from collectives import basics, nccl_memory, ops, p2p, ring
+    made = []
+    real = nccl_memory.temporary
+
+    def recording(numel, dtype, device):
+        made.append(numel)
+        return real(numel, dtype, device)
+
+    nccl_memory.temporary = recording
+    rank, p = dist.get_rank(), dist.get_world_size()
+    out = {}
+    try:
+        view = torch.arange(12.0).view(3, 4).t()                 # not contiguous: copied
+        made.clear(); ops.work_buffer(view); out["work_buffer"] = list(made)
+        made.clear(); ring.ring_reduce_scatter(torch.empty(4), torch.ones(4 * p)); out["reduce_scatter"] = list(made)
+        made.clear()
+        p2p.exchange(torch.ones(3, 4).t(), torch.empty(4, 3).t(), (rank + 1) % p, (rank - 1) % p)
+        out["exchange"] = list(made)
+        made.clear(); basics.reduce(torch.ones(5), dst=0); out["reduce"] = list(made)
+    finally:
+        nccl_memory.temporary = real
+    return out
+
+
+def test_the_librarys_own_copies_go_through_the_registered_allocator():
+    for rank, res in enumerate(launch.run(_temporaries_of_the_library, 2, timeout=30)):
+        assert res["work_buffer"] == [12], "the copy of a view"
+        assert res["reduce_scatter"] == [8], "the reduce-scatter's working copy"
+        assert sorted(res["exchange"]) == [12, 12], "the landing buffer and the outgoing copy of views"
+        assert res["reduce"] == ([5] if rank == 0 else []), "the root's landing buffer"
+
+
+def _mixed_memory_after_register() -> list:
+    """On NCCL, after register(): a view of registered memory (its copy is a temporary) in
+    every all-reduce, the reduce-scatter, and exchange: each must complete and be exact."""
+    from collectives import nccl_memory, p2p, ring
+    rank, p = dist.get_rank(), dist.get_world_size()
+    base = nccl_memory.empty(4096, dtype=torch.float32)
+    landing = nccl_memory.empty(4096, dtype=torch.float32)
+    ring.ring_all_reduce(base[:1024])                          # warm-up: scratch exists
+    torch.cuda.synchronize()
+    nccl_memory.register()
+    problems = []
+    for name, target in ALL_REDUCES.items():
+        view = base[::2][:1000]                                # strided: work_buffer copies it
+        view.fill_(rank + 1)
+        resolve(target)(view)
+        if not bool((view == p * (p + 1) / 2).all()):
+            problems.append(name)
+    ring.ring_reduce_scatter(landing[:10], base[: 10 * p].fill_(1))
+    if not bool((landing[:10] == p).all()):
+        problems.append("ring_reduce_scatter")
+    p2p.exchange(base[::2][:100].fill_(rank), landing[::2][:100], (rank + 1) % p, (rank - 1) % p)
+    if not bool((landing[::2][:100] == (rank - 1) % p).all()):
+        problems.append("exchange")
+    torch.cuda.synchronize()
+    return problems
+
+
+@pytest.mark.gpu
+def test_views_of_registered_memory_complete_after_register():
+    results = launch.run(_mixed_memory_after_register, 2, backend="nccl", timeout=150)
+    assert results == [[], []]

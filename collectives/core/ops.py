@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import trace
+from . import nccl_memory, trace
 
 ReduceOp = dist.ReduceOp
 
@@ -108,9 +108,10 @@ def work_buffer(tensor: torch.Tensor) -> torch.Tensor:
 
     Always detached from autograd, as ``dist.all_reduce`` works on the data: a leaf that
     requires a gradient (an ``nn.Parameter``) refuses in-place arithmetic, its detached
-    view of the same memory does not."""
+    view of the same memory does not. The copy is a :func:`nccl_memory.temporary
+    <collectives.core.nccl_memory.temporary>`: registered memory once registration has run."""
     tensor = tensor.detach()
-    return tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
+    return tensor.view(-1) if tensor.is_contiguous() else nccl_memory.contiguous_copy(tensor)
 
 
 def write_back(tensor: torch.Tensor, flat: torch.Tensor) -> None:
