@@ -20,7 +20,8 @@ Cost, n bytes on p ranks (α per message, β per byte, γ per byte combined)::
     bytes/rank  2(p − 1)/p·n    (the naive ring: (p − 1)·n)
 
 Each rank sends under 2n bytes whatever p is -- the least any all-reduce can send per
-rank (Patarasuk & Yuan, 2009) -- which is why the ring is the workhorse of NCCL, gloo and
+rank when the ranks do the reducing themselves (Patarasuk & Yuan, 2009; a switch that
+reduces in the network, NVLink SHARP or InfiniBand SHARP, lets each rank send n once) -- which is why the ring is the workhorse of NCCL, gloo and
 Horovod (Baidu's ring all-reduce, 2017, carried it from HPC to deep learning). Its 2(p − 1) latency
 terms are its weakness: for small tensors the latency-optimal algorithms of
 :mod:`collectives.topologies` win.
@@ -293,9 +294,12 @@ def multi_ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
     """``channels`` rings over slices of the tensor, even ones clockwise, odd ones
     counter-clockwise, every step of every ring posted in one ``batch_isend_irecv``.
 
-    One ring drives one outgoing link per GPU. On GPUs connected all to all (NVLink), the
-    link to the left neighbour idles; a second ring going the other way uses it, as NCCL
-    does with its channels. Posting all channels' sends and receives of a step in one
+    One ring drives one outgoing link per GPU. Where neighbours are joined by direct links
+    of their own (NVLink bridges, a mesh of point-to-point links), the link to the left
+    neighbour idles; a second ring going the other way uses it, as NCCL does with its
+    channels. On an NVSwitch machine there is no idle left link: each GPU reaches every
+    other through its connection to the switches, which both directions share (4 H200s,
+    registered memory: one ring 0.77× NCCL, bidirectional 0.69×; docs/benchmarks.md). Posting all channels' sends and receives of a step in one
     ``batch_isend_irecv`` lets NCCL launch them as one group, so they run concurrently.
     Arrivals land in a landing buffer per channel (allocated once) and are combined in
     place; the all-gather receives straight into the tensor.
@@ -304,8 +308,9 @@ def multi_ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
     a rank's position is its rank (clockwise) or −rank mod p (counter-clockwise), and the
     chunk schedule is :func:`ring_all_reduce`'s by position.
 
-    Cost, when each ring has links of its own: 2(p − 1)·α + 2(p − 1)/p·(n/c)·β. On one
-    shared link (gloo over loopback) it is the plain ring's, with c× the messages.
+    Cost, when each ring has direct links of its own: 2(p − 1)·α + 2(p − 1)/p·(n/c)·β. On
+    a shared link or a switch (gloo over loopback, NVSwitch) it is the plain ring's, with
+    c× the messages.
     """
     if not ops.check_all_reduce_args(tensor, op, group, what="multi_ring_all_reduce"):
         return                         # not in the group: nothing to do, as dist.*

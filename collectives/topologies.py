@@ -202,8 +202,10 @@ def tree_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None) -> None:
 
     Ranks form a binary heap: rank r's children are 2r + 1 and 2r + 2, its parent
     (r − 1) // 2. Going up, each rank receives its children's partial results (both
-    receives posted at once), combines them in child order, and sends the sum to its
-    parent. Going down, each rank receives the result from its parent and sends it to
+    receives posted before either is waited on: on gloo they arrive concurrently; on NCCL,
+    which runs a process group's point-to-point operations one after the other, the first
+    child's message is taken before the second's), combines them in child order, and
+    sends the sum to its parent. Going down, each rank receives the result from its parent and sends it to
     its children::
 
                  0            reduce: 3 -> 1, then 1 -> 0 and 2 -> 0

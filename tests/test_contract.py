@@ -217,3 +217,40 @@ def _mixed_memory_after_register() -> list:
 def test_views_of_registered_memory_complete_after_register():
     results = launch.run(_mixed_memory_after_register, 2, backend="nccl", timeout=150)
     assert results == [[], []]
+
+
+# ---- what the code and the pages claim -----------------------------------------------------
+
+REPO = __import__("pathlib").Path(__file__).resolve().parent.parent
+
+
+def test_point_to_point_posting_uses_only_public_torch_distributed_calls():
+    # ops.sendrecv posts through batch_isend_irecv; the process group's private coalescing
+    # calls (never run on the pinned torch, a gain of -0.002 to +0.02) are gone
+    source = (REPO / "collectives" / "core" / "ops.py").read_text()
+    for private in ("_start_coalescing", "_end_coalescing", "_get_default_group"):
+        assert private not in source, private
+
+
+@pytest.mark.parametrize("path, corrected", [
+    # gloo deadlocks at every size, not only for large messages
+    ("lessons/03_naive_ring/exercise.py", "large messages\n              would deadlock"),
+    # NCCL does not buffer small messages: send-then-recv hangs at 4 KiB too
+    ("collectives/p2p.py", "MPI and NCCL buffer small messages"),
+    # on NCCL one process group's operations are serialised, whatever the peer
+    ("collectives/topologies.py", "receives posted at once"),
+    ("docs/lessons/04-ring.md", "both receives posted at once"),
+    ("docs/lessons/04-ring.md", "one pair's operations in order"),
+    # no idle left link behind NVSwitch: the 2x model is for direct links
+    ("collectives/ring.py", "On GPUs connected all to all (NVLink), the\n    link to the left neighbour idles"),
+    ("docs/lessons/04-ring.md", "On GPUs connected all to all (NVLink, NVSwitch)\nthe other links idle"),
+])
+def test_corrected_claims_stay_corrected(path, corrected):
+    assert corrected not in (REPO / path).read_text()
+
+
+def test_the_bounds_say_when_they_hold():
+    page = (REPO / "docs" / "lessons" / "04-ring.md").read_text()
+    assert "in-network reduction" in page, "no all-reduce sends less -- without in-network reduction"
+    from collectives.core import timing
+    assert "bandwidth-optimal algorithms" in timing.busbw.__doc__, "busbw is a link rate only for those"

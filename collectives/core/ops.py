@@ -161,25 +161,6 @@ class _Posted:
             work.wait()
 
 
-DIRECT_NCCL_POSTING = True
-
-
-def _post_together(send_buf, dst, recv_buf, src, group):
-    """One NCCL group holding a receive and a send, posted through the process group itself."""
-    pg = group if group is not None else dist.distributed_c10d._get_default_group()
-    if group is not None:
-        src, dst = dist.get_group_rank(group, src), dist.get_group_rank(group, dst)
-    device = recv_buf.device if recv_buf.is_cuda else send_buf.device
-    if not recv_buf.numel() and not send_buf.numel():
-        return None
-    pg._start_coalescing(device)
-    if recv_buf.numel():
-        pg.recv([recv_buf], src, 0)
-    if send_buf.numel():
-        pg.send([send_buf], dst, 0)
-    return pg._end_coalescing(device)
-
-
 def sendrecv(send_buf: torch.Tensor, dst: int, recv_buf: torch.Tensor, src: int, group=None,
              *, post_empty: bool = False):
     """Post a receive of ``recv_buf`` from ``src`` and a send of ``send_buf`` to ``dst``;
@@ -192,28 +173,21 @@ def sendrecv(send_buf: torch.Tensor, dst: int, recv_buf: torch.Tensor, src: int,
     receive still has its send, a message longer than its receive aborts gloo at once, and
     nobody waits for a message that never comes.
 
-    On GPUs (NCCL) both go into one ``batch_isend_irecv``, and they must: NCCL runs
-    point-to-point operations posted one by one to the same peer in order, on one stream,
-    so when two ranks each post "receive from you, then send to you" each receive waits
-    for a send queued behind the other's receive -- a deadlock, at every world of two.
-    Grouped, NCCL starts both together; and the group runs on the group's own
+    On GPUs (NCCL) both go into one ``batch_isend_irecv``, and they must: the communicator
+    is created eagerly (the launcher passes ``device_id``), and then NCCL runs a process
+    group's point-to-point operations posted one by one in order, on one stream, whatever
+    their peer. When two ranks each post "receive from you, then send to you", each
+    receive waits for a send queued behind the other's receive: a deadlock, at every
+    message size (a blocking send-then-recv pair between two NCCL ranks hangs at 4 KiB
+    too). Grouped, NCCL starts both together; and the group runs on the group's own
     communicator, the one :mod:`collectives.core.nccl_memory` registers buffers with, so a
     transfer between registered buffers is zero-copy. The receive handle then waits for
     both; the send handle waits for nothing.
 
     On gloo they are posted one by one, receive first, so the caller can combine an
     arrival while its own send is still going.
-
-    ``batch_isend_irecv`` builds and checks its ``P2POp`` list in Python, tens of µs a
-    step; a ring's first step waits for them with the GPU idle. Unless a trace is
-    recording (it sees calls through ``torch.distributed``'s functions), the pair goes to
-    the process group's own coalescing calls instead -- the ones ``batch_isend_irecv``
-    ends in (``DIRECT_NCCL_POSTING = False`` restores the public route, to compare).
     """
     if recv_buf.is_cuda or send_buf.is_cuda:
-        if DIRECT_NCCL_POSTING and not trace.active():
-            work = _post_together(send_buf, dst, recv_buf, src, group)
-            return _Posted([work] if work is not None else ()), _Posted()
         p2p = []
         if recv_buf.numel():
             p2p.append(dist.P2POp(dist.irecv, recv_buf, src, group=group))

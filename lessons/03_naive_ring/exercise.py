@@ -44,8 +44,9 @@ def naive_ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None) -> 
     EXAMPLE:  p = 4, rank r holds [r, r]  ->  every rank holds [6, 6]. Rank 1 receives, in
               order, rank 0's input, rank 3's, rank 2's.
     HINT:     post ``dist.irecv`` from the left and ``dist.isend`` to the right, then wait on
-              both, every step: if every rank did a blocking send first, large messages
-              would deadlock. Each rank sends exactly p − 1 messages of n elements.
+              both, every step: if every rank did a blocking send first, the ring would
+              deadlock -- on gloo at every message size, one element included. Each rank
+              sends exactly p − 1 messages of n elements.
     """
     raise NotImplementedError("Lesson 3, tasks 1-3: naive_ring_all_reduce")
 
