@@ -37,7 +37,8 @@ def naive_ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None) -> 
               task 2 -- every op: ``ops.combine_(acc, incoming, op)`` and, for AVG, one
               ``ops.finish_(acc, op, p)`` at the end.
               task 3 -- the rest of ``dist.all_reduce``'s contract: ``ops.check_all_reduce_args``
-              first (bad op, AVG on ints, expanded tensors); views through
+              first (bad op, AVG on ints, complex MIN/MAX, expanded tensors; it returns
+              False on a rank outside ``group``: return at once); views through
               ``flat = ops.work_buffer(tensor)`` ... ``ops.write_back(tensor, flat)``;
               groups through ``ops.group_rank_and_size(group)`` and ``ops.global_rank(group, r)``
               (send/recv take global ranks); nothing to do when p == 1 or the tensor is empty.
