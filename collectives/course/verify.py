@@ -396,10 +396,10 @@ def check_expanded_rejected(fn: Callable) -> CaseResult:
     return CaseResult(name, rank, False, "accepted an expanded tensor without an error")
 
 
-def _check_in_rank(target: str, quick: bool, seed: int) -> Report:
+def _check_in_rank(target: str, quick: bool, seed: int, identical_bits: bool = True) -> Report:
     from .impl import resolve
 
-    return check_all_reduce(resolve(target), quick=quick, seed=seed)
+    return check_all_reduce(resolve(target), quick=quick, seed=seed, identical_bits=identical_bits)
 
 
 def _expanded_in_rank(target: str) -> CaseResult:
@@ -409,7 +409,7 @@ def _expanded_in_rank(target: str) -> CaseResult:
 
 
 def check_in_world(target: str, world_size: int, *, quick: bool = False, seed: int = 0,
-                   expanded: bool = True, **launch_kwargs) -> Report:
+                   expanded: bool = True, identical_bits: bool = True, **launch_kwargs) -> Report:
     """Start a world, check ``target`` (``"module:function"`` or ``"path/file.py:function"``)
     on every rank, and return the merged report.
 
@@ -420,7 +420,8 @@ def check_in_world(target: str, world_size: int, *, quick: bool = False, seed: i
     from ..core import launch
 
     merged = Report(reference="dist.all_reduce")
-    for r in launch.run(_check_in_rank, world_size, args=(target, quick, seed), **launch_kwargs):
+    for r in launch.run(_check_in_rank, world_size, args=(target, quick, seed, identical_bits),
+                        **launch_kwargs):
         merged = merged.merge(r)
     if expanded:
         name = "expanded tensor is rejected"
