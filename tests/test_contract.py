@@ -193,9 +193,10 @@ def _mixed_memory_after_register() -> list:
     rank, p = dist.get_rank(), dist.get_world_size()
     base = nccl_memory.empty(4096, dtype=torch.float32)
     landing = nccl_memory.empty(4096, dtype=torch.float32)
-    ring.ring_all_reduce(base[:1024])                          # warm-up: scratch exists
+    for target in ALL_REDUCES.values():                      # warm-up: every scratch exists
+        resolve(target)(base[::2][:1000])
     torch.cuda.synchronize()
-    nccl_memory.register()
+    nccl_memory.register()                                  # from here temporaries come from the pool
     problems = []
     for name, target in ALL_REDUCES.items():
         view = base[::2][:1000]                                # strided: work_buffer copies it
