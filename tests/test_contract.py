@@ -29,6 +29,7 @@ from collectives.core.ops import ReduceOp
 
 ALL_REDUCES = {e.name: e.target for e in TOUR if e.runner is None}
 ALL_REDUCES["fused"] = "tests.test_contract:fused_one"
+ALL_REDUCES["hierarchical"] = "tests.test_contract:hierarchical_one_machine"
 WORLD = 3
 
 
@@ -36,6 +37,14 @@ def fused_one(tensor, op=ReduceOp.SUM, group=None):
     """``fused_all_reduce`` of a one-tensor list, with ``dist.all_reduce``'s signature."""
     from collectives.fused import fused_all_reduce
     fused_all_reduce([tensor], op=op, group=group)
+
+
+def hierarchical_one_machine(tensor, op=ReduceOp.SUM, group=None):
+    """``hierarchical_all_reduce`` with the group as one machine (the layout must match it)."""
+    from collectives import ops
+    from collectives.hierarchical import hierarchical_all_reduce
+    size = dist.get_world_size(group) if ops.is_member(group) else 1
+    hierarchical_all_reduce(tensor, op=op, group=group, layout=(size, 1))
 
 
 def _edges() -> dict:
@@ -193,12 +202,14 @@ def _mixed_memory_after_register() -> list:
     rank, p = dist.get_rank(), dist.get_world_size()
     base = nccl_memory.empty(4096, dtype=torch.float32)
     landing = nccl_memory.empty(4096, dtype=torch.float32)
-    for target in ALL_REDUCES.values():                      # warm-up: every scratch exists
+    # lesson 7's hierarchical all-reduce keeps buffers of its own: not this test's subject
+    flat_ones = {name: target for name, target in ALL_REDUCES.items() if name != "hierarchical"}
+    for target in flat_ones.values():                        # warm-up: every scratch exists
         resolve(target)(base[::2][:1000])
     torch.cuda.synchronize()
     nccl_memory.register()                                  # from here temporaries come from the pool
     problems = []
-    for name, target in ALL_REDUCES.items():
+    for name, target in flat_ones.items():
         view = base[::2][:1000]                                # strided: work_buffer copies it
         view.fill_(rank + 1)
         resolve(target)(view)
