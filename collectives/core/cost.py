@@ -137,7 +137,9 @@ def pipelined_ring(n: float, p: int) -> Cost:
 
 def multi_ring_cost(n: float, p: int, channels: int = CHANNELS, links: int = 2) -> Cost:
     """``channels`` rings side by side, each over n/channels bytes, spread over ``links``
-    independent outgoing links per rank (2: one to each neighbour, both used at once)."""
+    independent outgoing links per rank (2: a direct link to each neighbour, both used at
+    once). Only direct links give the second link: on a switch (NVSwitch) or one shared
+    link, pass ``links=1`` -- the plain ring's β term."""
     if p == 1:
         return Cost(0, 0.0, 0.0)
     share = n / min(channels, links)     # bytes one link carries, in total
@@ -147,8 +149,10 @@ def multi_ring_cost(n: float, p: int, channels: int = CHANNELS, links: int = 2) 
 
 @model("multi_ring")
 def multi_ring(n: float, p: int) -> Cost:
-    """Two rings in opposite directions, each on a link of its own: half the ring's β term.
-    On one shared link (gloo over loopback) the plain ring's model is the right one."""
+    """Two rings in opposite directions, each on a direct link of its own: half the ring's
+    β term. Only where neighbours have direct links: on a switch (NVSwitch: one ring 0.77×
+    NCCL, bidirectional 0.69× on 4 H200s) or one shared link (gloo over loopback) the
+    plain ring's model is the right one."""
     return multi_ring_cost(n, p, CHANNELS)
 
 
