@@ -516,6 +516,27 @@ def test_threshold_keeps_ties_and_nan(worlds):
     assert res["threshold_zero"] == list(range(7)), "threshold 0 keeps everything, 0 and NaN included"
 
 
+def test_sampled_threshold_selection_is_the_exact_top_k():
+    """``sample`` (the default): a threshold from an evenly spaced sample filters, top-k of
+    the candidates; where the sample misleads it (too few pass) it falls back to a full top-k."""
+    from collectives.sparse.select import SAMPLE, topk_indices
+
+    n, k = 5 * SAMPLE, 400                          # above 4·SAMPLE: the filter is used
+    g = torch.Generator().manual_seed(5)
+    spiky = torch.randn(n, generator=g) ** 3
+    spiky[1::997] = 1e6                             # 329 spikes, none of them sampled
+    specials = torch.randn(n, generator=g)
+    specials[[7, 11, 13]] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    misled = torch.rand(n, generator=g) * 1e-3
+    misled[::5][:300] = 10.0                        # the sample sees 300 big ones; k is 400
+    for name, x in (("normal", torch.randn(n, generator=g)), ("spiky", spiky), ("specials", specials),
+                    ("misled", misled)):
+        picked = topk_indices(x, k, "sample")
+        assert picked.numel() == k and picked.unique().numel() == k, name
+        assert set(picked.tolist()) == set(torch.topk(x.abs(), k).indices.tolist()), name
+    assert {7, 11, 13} <= set(topk_indices(specials, k, "sample").tolist())
+
+
 @pytest.mark.parametrize("p", [1, 2, 4])
 @pytest.mark.task(lesson=8, task=2, points=5, title="all-gather of (index, value) pairs")
 def test_allgather_sums_every_ranks_pairs_with_counts_differing_or_zero(worlds, p):

@@ -55,7 +55,7 @@ def _inputs(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, generator=g)
 
 
-def _one(x: torch.Tensor, mode: dict, method: str, iters: int, selection: str = "topk") -> dict:
+def _one(x: torch.Tensor, mode: dict, method: str, iters: int, selection: str = "sample") -> dict:
     """Time ``method`` on ``x``: total, and the selection alone, median over ``iters``.
 
     ``selection="reuse"`` keeps its threshold between calls (its steady state: the same
@@ -65,9 +65,13 @@ def _one(x: torch.Tensor, mode: dict, method: str, iters: int, selection: str = 
     with trace.recording() as t:
         info = sparse_all_reduce(x.clone(), method=method, selection=selection, state=state, **mode)
     sent = wire_bytes(t, p)
-    total = timing.median(timing.measure(
-        lambda: sparse_all_reduce(x.clone(), method=method, selection=selection, state=state, **mode),
-        warmup=1, iters=iters))
+    buf = torch.empty_like(x)                       # a fresh input each run: one copy, timed too
+
+    def call():
+        buf.copy_(x)
+        sparse_all_reduce(buf, method=method, selection=selection, state=state, **mode)
+
+    total = timing.median(timing.measure(call, warmup=1, iters=iters))
     k = keep_count(x.numel(), mode["density"]) if "density" in mode else info.kept
     select = statistics.median(s.seconds for s in time_selection(x, k, methods=(selection,), repeats=iters)) \
         if "density" in mode else statistics.median(
@@ -76,7 +80,7 @@ def _one(x: torch.Tensor, mode: dict, method: str, iters: int, selection: str = 
 
 
 def compare_in_world(n: int, density: float, iters: int = 5, sweep=(), variants=VARIANTS,
-                     sweep_selection: str = "reuse", main: bool = True) -> dict:
+                     sweep_selection: str = "sample", main: bool = True) -> dict:
     """On every rank: the dense all-reduce, each variant at ``density`` (unless not ``main``),
     and a sweep of densities (top-k with ``sweep_selection``)."""
     p = dist.get_world_size()
@@ -88,10 +92,12 @@ def compare_in_world(n: int, density: float, iters: int = 5, sweep=(), variants=
     out = dict(p=p, n=n, density=density, dense=dense, dense_sent=2 * (p - 1) / p * n * 4, alpha=alpha,
                rows=[], sweep=[])
     for variant in variants if main else ():
-        out["rows"].append(dict(variant=variant, mode="top-k", **_one(x, {"density": density}, variant, iters)))
+        out["rows"].append(dict(variant=variant, mode="top-k (sample)",
+                                **_one(x, {"density": density}, variant, iters)))
     if main:
-        out["rows"].append(dict(variant="allgather", mode="top-k (reuse)",
-                                **_one(x, {"density": density}, "allgather", iters, "reuse")))
+        for selection in ("reuse", "topk"):
+            out["rows"].append(dict(variant="allgather", mode=f"top-k ({selection})",
+                                    **_one(x, {"density": density}, "allgather", iters, selection)))
         thr = float(torch.quantile(x[: 1 << 20].abs(), 1 - density))
         out["rows"].append(dict(variant="allgather", mode="threshold",
                                 **_one(x, {"threshold": thr}, "allgather", iters)))
@@ -184,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             print(f"  {r.method:>9}: {timing.human_seconds(r.seconds)}")
         results["selection"] = [dict(method=r.method, seconds=r.seconds) for r in rows]
-    kwargs = dict(args=(n, args.density, args.iters, sweep, VARIANTS, "reuse", not args.sweep_only), timeout=1800)
+    kwargs = dict(args=(n, args.density, args.iters, sweep, VARIANTS, "sample", not args.sweep_only), timeout=1800)
     if args.cluster:
         kwargs.update(machines=2, link=args.link)
     t0 = time.time()

@@ -13,6 +13,9 @@ indices (ties broken arbitrarily, never by dropping a larger magnitude for a sma
 ``reuse``      Ok-Topk's trick: last step's k-th magnitude as a filter. Gradients change
                slowly, so ``|x| ≥ t_prev`` keeps a few times k candidates; top-k of the
                candidates is the top-k of the whole. Too few candidates: a plain top-k.
+``sample``     DGC's trick: the threshold estimated from 64 Ki evenly spaced elements,
+               set a little low, then the same filter and top-k of the candidates as
+               ``reuse``. One comparison pass, no state; too few candidates: a plain top-k.
 =============  ==========================================================================
 
 Every method treats NaN as the largest magnitude (as ``torch.sort`` does) and infinities
@@ -33,7 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
-METHODS = ("topk", "sort", "kthvalue", "reuse")
+METHODS = ("topk", "sort", "kthvalue", "reuse", "sample")
+SAMPLE = 1 << 16                  # elements ``sample`` looks at to estimate the threshold
 INDEX_DTYPE = torch.int32         # what travels: 4 bytes per index
 MAX_NUMEL = 2**31 - 1             # the largest tensor int32 indices can address
 
@@ -97,6 +101,8 @@ def topk_indices(x: torch.Tensor, k: int, method: str = "topk", state: dict | No
             return _sort_desc(mag)[:k]
         at = torch.nonzero(mag == t).view(-1)[: k - above.numel()]
         return torch.cat([above, at])
+    if method == "sample":
+        return _filtered_topk(mag, k, _sample_threshold(mag, k))
     if method == "reuse":
         state = {} if state is None else state
         t = state.get("threshold")
@@ -112,6 +118,30 @@ def topk_indices(x: torch.Tensor, k: int, method: str = "topk", state: dict | No
         state["threshold"] = float(mag[picked].min()) * 0.9
         return picked
     raise ValueError(f"unknown selection method {method!r}; use one of {', '.join(METHODS)}")
+
+
+def _sample_threshold(mag: torch.Tensor, k: int) -> float | None:
+    """A magnitude that about 1.2·k + 4·√k elements reach, estimated from an evenly spaced
+    sample of :data:`SAMPLE` elements (None when the sample would be most of the tensor)."""
+    n = mag.numel()
+    if n <= 4 * SAMPLE:
+        return None
+    sample = mag[:: n // SAMPLE][:SAMPLE]
+    expected = SAMPLE * k / n                     # sample elements above the k-th largest
+    rank = int(1.2 * expected + 4 * expected ** 0.5) + 1
+    if rank >= SAMPLE:
+        return None
+    return float(torch.topk(sample, rank, sorted=True).values[-1])
+
+
+def _filtered_topk(mag: torch.Tensor, k: int, t: float | None) -> torch.Tensor:
+    """Top-k of the elements with ``|x| ≥ t``: exact whenever at least k pass (every top-k
+    element then passes). Fewer, or no ``t``: a plain top-k of the whole."""
+    if t is not None and t == t:                  # a NaN estimate would filter out nothing
+        candidates = torch.nonzero(~(mag < t)).view(-1)
+        if candidates.numel() >= k:
+            return candidates[torch.topk(mag[candidates], k, sorted=False).indices]
+    return torch.topk(mag, k, sorted=False).indices
 
 
 def truncated_magnitude_topk(x: torch.Tensor, k: int) -> torch.Tensor:
