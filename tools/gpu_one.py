@@ -34,6 +34,8 @@ WORKERS = [  # (label, "tests.module:function", args)
 
 def _verdict(result) -> tuple[bool, str]:
     """Workers return a list of problems, or a dict of reports / None per check."""
+    if isinstance(result, list) and result and all(isinstance(x, bool) for x in result):
+        return all(result), "" if all(result) else f"checks per step: {result}"   # one flag per step
     if isinstance(result, list):
         return (not result), "; ".join(map(str, result))[:400]
     if isinstance(result, dict):
