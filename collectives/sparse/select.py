@@ -64,7 +64,7 @@ def threshold_indices(x: torch.Tensor, threshold: float) -> torch.Tensor:
     is kept. The count of a threshold is data-dependent: ``nonzero`` synchronises with the
     host on a GPU. It is the one synchronisation threshold mode needs anyway (every rank
     must learn every rank's count)."""
-    return torch.nonzero(~(magnitude(x) < threshold)).view(-1)
+    return torch.nonzero(magnitude(x).lt(threshold).logical_not_()).view(-1)
 
 
 def _sort_desc(mag: torch.Tensor) -> torch.Tensor:
@@ -108,7 +108,7 @@ def topk_indices(x: torch.Tensor, k: int, method: str = "topk", state: dict | No
         t = state.get("threshold")
         picked = None
         if t is not None:
-            candidates = torch.nonzero(~(mag < t)).view(-1)
+            candidates = torch.nonzero(mag.lt(t).logical_not_()).view(-1)
             if candidates.numel() >= k:     # every top-k element is a candidate
                 picked = candidates[torch.topk(mag[candidates], k, sorted=False).indices]
         if picked is None:
@@ -138,7 +138,7 @@ def _filtered_topk(mag: torch.Tensor, k: int, t: float | None) -> torch.Tensor:
     """Top-k of the elements with ``|x| ≥ t``: exact whenever at least k pass (every top-k
     element then passes). Fewer, or no ``t``: a plain top-k of the whole."""
     if t is not None and t == t:                  # a NaN estimate would filter out nothing
-        candidates = torch.nonzero(~(mag < t)).view(-1)
+        candidates = torch.nonzero(mag.lt(t).logical_not_()).view(-1)
         if candidates.numel() >= k:
             return candidates[torch.topk(mag[candidates], k, sorted=False).indices]
     return torch.topk(mag, k, sorted=False).indices
