@@ -366,6 +366,20 @@ def active() -> bool:
     return bool(_recorders) and not _paused
 
 
+@contextlib.contextmanager
+def context(text: str) -> Iterator[None]:
+    """Tell the launcher's watchdog what this rank is doing ("ring_all_reduce, case n=1001
+    float32 SUM"): a world that hangs inside the block is reported with it. Not recorded."""
+    slot = getattr(_status, "set_context", None)
+    if slot is not None:
+        slot(text)
+    try:
+        yield
+    finally:
+        if slot is not None:
+            slot("")
+
+
 _NO_LABEL = contextlib.nullcontext()
 
 

@@ -294,11 +294,13 @@ def run_case(fn: Callable, case: Case, group=None, seed: int = 0) -> CaseResult:
     p = dist.get_world_size(group)
     tensor, base = make_input(case, group_rank, seed, rank_device())
     expected = reference_all_reduce(tensor, case.op, group)
+    where = f"{getattr(fn, '__name__', 'the function')} (case {case.name}, world of {dist.get_world_size()})"
     try:
-        if group is None:
-            fn(tensor, op=case.op)
-        else:
-            fn(tensor, op=case.op, group=group)
+        with trace.context(where):
+            if group is None:
+                fn(tensor, op=case.op)
+            else:
+                fn(tensor, op=case.op, group=group)
     except NotImplementedError as exc:
         return CaseResult(case.name, rank, False, f"not implemented: {exc}")
     except Exception as exc:  # noqa: BLE001 - reported, not raised: other cases still run
