@@ -199,7 +199,8 @@ def _run_world(fn, p, args, what):
     try:
         return launch.run(fn, p, args=args, timeout=WORLD_TIMEOUT)
     except launch.WorldTimeout as exc:
-        return NotRun(f"not run: the world hung in {exc.where or what} after {exc.seconds:g} s\n{exc}")
+        return NotRun(f"not run: the world hung in {exc.where or f'{what} (world of {p})'} "
+                      f"after {exc.seconds:g} s\n{exc}")
     except launch.RankError as exc:
         return NotRun(f"not run: rank {exc.rank} of a world of {p} died in {what}: {exc.summary}\n{exc}")
 
@@ -219,7 +220,7 @@ def task_worlds(impl):
                     break        # the next world would hang the same way: don't pay for it
         for p, result in cache[task].items():
             if isinstance(result, NotRun):
-                pytest.fail(f"world size {p}: {result}", pytrace=False)
+                pytest.fail(str(result), pytrace=False)
         return cache[task]
     return get
 
@@ -245,7 +246,7 @@ def audited(impl):
     def get(task, p):
         hung = cache.get(task)     # an earlier world of this task hung: the next would too
         if hung is not None:
-            pytest.fail(f"world size {p}: {hung}", pytrace=False)
+            pytest.fail(str(hung), pytrace=False)
         if (task, p) not in cache:
             name = AUDITED[task]
             kwargs = {"pieces": PIECES} if task == 4 else None
@@ -254,7 +255,7 @@ def audited(impl):
         result = cache[(task, p)]
         if isinstance(result, NotRun):
             cache[task] = result
-            pytest.fail(f"world size {p}: {result}", pytrace=False)
+            pytest.fail(str(result), pytrace=False)
         return result
     return get
 
