@@ -25,9 +25,9 @@ WORLD_SIZES = (1, 2, 3, 4)
 WORLD_TIMEOUT = world_timeout()   # seconds; a world that overruns it is reported as hung
 ALL_REDUCES = ("ring_all_reduce", "pipelined_ring_all_reduce", "recursive_doubling_all_reduce",
                "halving_doubling_all_reduce", "tree_all_reduce")
-RING_N = 1000            # not divisible by 3: chunks of 334 and 333 at p = 3
-PIPELINE_N = 4000        # chunks of 1000 at p = 4, cut into PIECES messages of 250
-PIECES = 4
+RING_N = audit.RING_N            # not divisible by 3: chunks of 334 and 333 at p = 3
+PIPELINE_N = audit.PIPELINE_N    # chunks of 1000 at p = 4, cut into PIECES messages of 250
+PIECES = audit.PIECES
 POW2_N = 1024            # halves exactly down to p = 4: halving-doubling's bytes are exact
 SCATTER_EXTRA = 1        # 100·p + 1 elements: one chunk longer than the others
 
@@ -226,12 +226,7 @@ def task_worlds(impl):
 
 
 def _audited_cases(p, task):
-    if task > 4:
-        return verify.default_cases(p)
-    # task 3: the whole covering set on 2-4 ranks (the 1 Mi-element case once), the quick one
-    # on 1, 5 and 6; task 4, whose pieces make many more messages: the quick one
-    cases = audit.ring_cases(p, large=(p == 4 and task == 3), quick=task == 4 or p not in (2, 3, 4))
-    return cases + [verify.Case(PIPELINE_N if task == 4 else RING_N)]
+    return verify.default_cases(p, large=p == 4) if task > 4 else audit.ring_task_cases(p, pipelined=task == 4)
 
 
 def _audited_rank(target, cases, name, kwargs):
@@ -260,21 +255,13 @@ def audited(impl):
     return get
 
 
-def _ring_pattern(task):
-    def pattern(case, p, rank, events):
-        pattern_call = case.numel in (RING_N, PIPELINE_N) and case.group is None and case.layout == "contiguous"
-        return audit.ring_pattern(case, p, rank, events, pieces=PIECES if task == 4 else None,
-                                  exact_count=pattern_call)
-    return pattern
-
-
 _JUDGED = {}
 
 
 def _assert_audited(audited, task, p, pattern):
     key = (audited, task, p, pattern)
     if key not in _JUDGED:
-        _JUDGED[key] = audit.judge(audited(task, p), pattern=_ring_pattern(task) if pattern else None)
+        _JUDGED[key] = audit.judge(audited(task, p), pattern=audit.ring_task_pattern(task == 4) if pattern else None)
     report = _JUDGED[key]
     if not report.ok:
         first = report.failures[0]

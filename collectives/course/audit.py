@@ -32,7 +32,8 @@ import torch.distributed as dist
 
 from ..core import ops, trace
 from ..core.ops import ReduceOp
-from .verify import SENTINEL, Case, CaseResult, Report, default_cases, make_input, make_values, tolerance
+from .verify import (SENTINEL, Case, CaseResult, Report, default_cases, make_input, make_values, tolerance,
+                     is_timeout, where_raised)
 
 _PG = dist.ProcessGroup
 SEND_METHODS = ("send",)
@@ -163,7 +164,10 @@ def run_rank(fn: Callable, cases: list[Case], seed: int | None = None, name: str
             try:
                 fn(tensor, op=case.op, **extra)
             except Exception as exc:  # noqa: BLE001 - judged as a failed case
-                record.error = f"raised {type(exc).__name__}: {exc}"
+                if is_timeout(exc):
+                    raise
+                first = str(exc).splitlines()[0] if str(exc) else ""
+                record.error = f"raised {type(exc).__name__}: {first}{where_raised(exc)}"
             finally:
                 t.on = False
         record.events = list(t.events)
@@ -297,12 +301,36 @@ def ring_cases(p: int, *, large: bool = False, quick: bool = False) -> list[Case
     return list({c.name: c for c in cases}.values())
 
 
+# ---- lesson 4's ring tasks: the cases and the pattern the grader and the runner share ----
+
+RING_N = 1000        # the call whose messages are counted exactly: chunks of 334/333 at p = 3
+PIPELINE_N = 4000    # ... for the pipelined ring: chunks of 1000 at p = 4, pieces of 250
+PIECES = 4
+
+
+def ring_task_cases(p: int, pipelined: bool = False) -> list[Case]:
+    """Task 3: the whole covering set on 2-4 ranks (the 1 Mi-element case on 4), the quick one
+    on 1, 5 and 6 ranks; task 4 (``pipelined``), whose pieces make many more messages: the
+    quick one. Both: sizes every group size divides, and the counted call."""
+    cases = ring_cases(p, large=(p == 4 and not pipelined), quick=pipelined or p not in (2, 3, 4))
+    return cases + [Case(PIPELINE_N if pipelined else RING_N)]
+
+
+def ring_task_pattern(pipelined: bool = False) -> Callable:
+    """:func:`ring_pattern` for every call, with the exact message count on the counted call."""
+    def pattern(case, p, rank, events):
+        counted = (case.numel == (PIPELINE_N if pipelined else RING_N) and case.group is None
+                   and case.layout == "contiguous")
+        return ring_pattern(case, p, rank, events, pieces=PIECES if pipelined else None, exact_count=counted)
+    return pattern
+
+
 # ---- inside one world (the exercise runner, torchrun) ----------------------------------
 
 def check_in_this_world(fn: Callable, cases: list[Case] | None = None, *, pattern: Callable | None = None,
                         name: str = "", kwargs: dict | None = None) -> Report:
     """:func:`run_rank` on every rank, then :func:`judge` on the gathered records, on every rank."""
-    cases = ring_cases(dist.get_world_size()) if cases is None else cases
+    cases = default_cases(dist.get_world_size()) if cases is None else cases
     records = run_rank(fn, cases, name=name, kwargs=kwargs)
     gathered: list[Any] = [None] * dist.get_world_size()
     with trace.paused():
