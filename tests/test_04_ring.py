@@ -496,3 +496,13 @@ def test_multi_ring_matches_dist_all_reduce_and_uses_both_neighbours():
         sends = trace.Trace.from_dicts(rank, events).sends()
         assert {e.peer for e in sends} == {(rank + 1) % p, (rank - 1) % p}   # one ring each way
         assert len(sends) == 2 * 2 * (p - 1)                                    # 2 channels × 2(p-1)
+
+
+def test_an_avg_that_divides_the_whole_tensor_fails_the_ring_pattern():
+    # lesson 4 asks for the own chunk to be divided (n/p divisions); the values of a whole
+    # division are the same, so the graded pattern counts the divided elements
+    target = "tests/cheats/avg_divides_the_whole_tensor.py:ring_all_reduce"
+    cases = [verify.Case(1001, torch.float32, ReduceOp.AVG), verify.Case(1001, torch.float32, ReduceOp.SUM)]
+    report = audit.check_graded(target, 3, cases, pattern=audit.ring_task_pattern(), timeout=WORLD_TIMEOUT)
+    assert [r.case for r in report.failures] == ["n=1001 float32 AVG"] * 3, report.summary()
+    assert "divided 1001 elements for AVG" in report.failures[0].detail

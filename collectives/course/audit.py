@@ -23,6 +23,7 @@ instead, in three halves:
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -96,6 +97,41 @@ class Tap:
         return wrapper
 
 
+_DIVISIONS = ((torch.Tensor, "div_"), (torch.Tensor, "div"), (torch.Tensor, "__truediv__"),
+              (torch.Tensor, "__itruediv__"), (torch.Tensor, "true_divide_"), (torch, "div"),
+              (torch, "true_divide"), (torch, "divide"))
+
+
+class _CountDivisions:
+    """Within the block, every tensor division adds its element count to ``events`` as
+    ("divide", None, numel, 0): how much of the tensor an AVG divided."""
+
+    def __init__(self, events: list):
+        self.events, self.saved = events, []
+
+    def __enter__(self):
+        for owner, name in _DIVISIONS:
+            original = getattr(owner, name, None)
+            if original is None:
+                continue
+            self.saved.append((owner, name, original))
+            setattr(owner, name, self._wrap(original))
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, original in reversed(self.saved):
+            setattr(owner, name, original)
+
+    def _wrap(self, original):
+        events = self.events
+
+        def divide(first, *args, **kwargs):
+            if isinstance(first, torch.Tensor):
+                events.append(("divide", None, first.numel(), 0.0))
+            return original(first, *args, **kwargs)
+        return divide
+
+
 _tap: Tap | None = None
 
 
@@ -161,8 +197,10 @@ def run_rank(fn: Callable, cases: list[Case], seed: int | None = None, name: str
         with trace.context(f"{name or getattr(fn, '__name__', 'the function')} "
                            f"(case {case.name}, world of {world})"):
             t.on = True
+            counting = _CountDivisions(t.events) if case.op == ReduceOp.AVG else contextlib.nullcontext()
             try:
-                fn(tensor, op=case.op, **extra)
+                with counting:
+                    fn(tensor, op=case.op, **extra)
             except Exception as exc:  # noqa: BLE001 - judged as a failed case
                 if is_timeout(exc):
                     raise
@@ -219,7 +257,7 @@ def ring_pattern(case: Case, p: int, rank_in_group: int, events: list[tuple], *,
     ⌊n/p⌋ or ⌈n/p⌉ elements (``pieces``: each chunk may travel in up to that many pieces);
     2(p − 1)/p·n elements in all, give or take the chunks' rounding.
     """
-    colls = sorted({e[0] for e in events if e[0] not in ("send", "recv")})
+    colls = sorted({e[0] for e in events if e[0] not in ("send", "recv", "divide")})
     if colls:
         return f"called {', '.join(colls)} on the process group: build it from point-to-point messages"
     if p == 1:
@@ -232,6 +270,10 @@ def ring_pattern(case: Case, p: int, rank_in_group: int, events: list[tuple], *,
         return f"sent to ranks {sorted({e[1] for e in sends})}, expected only the right neighbour {right}"
     n = case.numel
     small, large = n // p, -(-n // p)
+    divided = sum(e[2] for e in events if e[0] == "divide")
+    if case.op == ReduceOp.AVG and divided > large:
+        return (f"divided {divided} elements for AVG; the ring divides only the chunk this rank "
+                f"finished ({large} at most), before the all-gather")
     total = sum(e[2] for e in sends)
     if total < 2 * (p - 1) * small or total > 2 * (p - 1) * large:
         return (f"sent {total} elements, expected 2(p-1)/p·n = {2 * (p - 1) * n / p:.0f} "
