@@ -17,10 +17,11 @@ ROOT = Path(__file__).resolve().parents[2]   # the repository: collectives/cours
 DEFAULT_TIMEOUT = 30.0
 
 
-def world_timeout() -> float:
-    """Seconds a graded or checked world may take: ``COLLECTIVES_TIMEOUT``, else the default."""
+def world_timeout(default: float = DEFAULT_TIMEOUT) -> float:
+    """Seconds a graded or checked world may take: ``COLLECTIVES_TIMEOUT`` (what ``--timeout``
+    of the grader and the runner sets), else ``default``."""
     value = os.environ.get("COLLECTIVES_TIMEOUT", "")
-    return float(value) if value else DEFAULT_TIMEOUT
+    return float(value) if value else default
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 Seven functions, seven tasks. The first three build the ring all-reduce out of its two
 halves; the fourth pipelines it; the last three are the algorithms that beat it on small
 tensors. Every all-reduce has ``dist.all_reduce``'s contract: in place, every op and
-dtype, views, subgroups, world sizes 1 to 4 (3 is not a power of two!).
+dtype, views, subgroups, any world size (the ring is graded on 1 to 6 ranks; 3 and 5 are
+not powers of two!).
 
 Check your work:
 
