@@ -174,6 +174,13 @@ def _world_checks(impl, task):
         out[harness] = _run_cases(fns["ring_all_gather"], _all_gather_case, _scatter_cases(p, with_ops=False))
     elif harness is not None:
         out[harness] = verify.check_all_reduce(fns[harness])
+    out["traces"] = _traced_calls(fns, traced)
+    return out
+
+
+def _traced_calls(fns, keys):
+    """One traced call of each of ``keys``, on this rank: {key: (events, error)}."""
+    p = dist.get_world_size()
     scatter_n = 100 * p + SCATTER_EXTRA
     lo, hi = ops.chunk_bounds(scatter_n, p)[dist.get_rank()]
     calls = {
@@ -184,10 +191,10 @@ def _world_checks(impl, task):
         "halving-doubling": lambda: fns["halving_doubling_all_reduce"](torch.ones(POW2_N)),
         "tree": lambda: fns["tree_all_reduce"](torch.ones(RING_N)),
     }
-    out["traces"] = {}
-    for key in traced:
+    out = {}
+    for key in keys:
         with trace.context(f"the traced call of {key} (world of {p})"):
-            out["traces"][key] = _traced(calls[key])
+            out[key] = _traced(calls[key])
     return out
 
 
@@ -206,14 +213,18 @@ def _run_world(fn, p, args, what):
 
 
 @pytest.fixture(scope="module")
-def task_worlds(impl):
-    """``task_worlds(task)`` -> {p: per-rank results}, one world per world size, made once."""
+def task_worlds(impl, audited):
+    """``task_worlds(task)`` -> {p: per-rank results}, one world per world size, made once.
+    Tasks 4-7 take theirs from the audited worlds, which make the traced calls too."""
     cache = {}
 
     def get(task):
+        if task in AUDITED:
+            sizes = WORLD_SIZES if task != 4 else (3, 4)   # task 4 here: the overlap of pieces
+            return {p: audited.raw(task, p) for p in sizes}
         if task not in cache:
             cache[task] = {}
-            for p in WORLD_SIZES if task != 4 else (3, 4):   # task 4 here: the overlap of pieces
+            for p in WORLD_SIZES:
                 result = _run_world(_world_checks, p, (impl, task), f"lesson 4 task {task}")
                 cache[task][p] = result
                 if isinstance(result, NotRun):
@@ -229,29 +240,37 @@ def _audited_cases(p, task):
     return verify.default_cases(p, large=p == 4) if task > 4 else audit.ring_task_cases(p, pipelined=task == 4)
 
 
-def _audited_rank(target, cases, name, kwargs):
-    return audit._graded_rank(target, cases, name, kwargs)
+def _audited_rank(impl, task, cases):
+    """The graded calls of ``task``'s function (records judged in this process), then its
+    traced pattern call, if it has one."""
+    name = AUDITED[task]
+    records = audit._graded_rank(f"{impl}:{name}", cases, name, {"pieces": PIECES} if task == 4 else None)
+    fns = {n: resolve(f"{impl}:{n}") for n in ALL_REDUCES}
+    return {"records": records, "traces": _traced_calls(fns, TASK_PARTS.get(task, (None, []))[1])}
 
 
 @pytest.fixture(scope="module")
 def audited(impl):
-    """``audited(task, p)`` -> every rank's :class:`audit.CaseRecord` list for that task's function."""
+    """``audited(task, p)`` -> every rank's :class:`audit.CaseRecord` list for that task's
+    function; ``audited.raw(task, p)`` -> every rank's whole result (records and traces)."""
     cache = {}
 
-    def get(task, p):
+    def raw(task, p):
         hung = cache.get(task)     # an earlier world of this task hung: the next would too
         if hung is not None:
             pytest.fail(str(hung), pytrace=False)
         if (task, p) not in cache:
-            name = AUDITED[task]
-            kwargs = {"pieces": PIECES} if task == 4 else None
-            cache[(task, p)] = _run_world(_audited_rank, p, (f"{impl}:{name}", _audited_cases(p, task), name, kwargs),
-                                          name)
+            cache[(task, p)] = _run_world(_audited_rank, p, (impl, task, _audited_cases(p, task)), AUDITED[task])
         result = cache[(task, p)]
         if isinstance(result, NotRun):
             cache[task] = result
             pytest.fail(str(result), pytrace=False)
         return result
+
+    def get(task, p):
+        return [r["records"] for r in raw(task, p)]
+
+    get.raw = raw
     return get
 
 
@@ -259,7 +278,7 @@ _JUDGED = {}
 
 
 def _assert_audited(audited, task, p, pattern):
-    key = (audited, task, p, pattern)
+    key = (id(audited), task, p, pattern)
     if key not in _JUDGED:
         _JUDGED[key] = audit.judge(audited(task, p), pattern=audit.ring_task_pattern(task == 4) if pattern else None)
     report = _JUDGED[key]
