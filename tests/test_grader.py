@@ -8,7 +8,7 @@ import sys
 from collectives.course.catalog import LESSONS, ROOT
 
 
-def grade(*args, timeout=400):
+def grade(*args, timeout=900):
     proc = subprocess.run([sys.executable, "-m", "collectives", "grade", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
     match = re.search(r"SCORE (\d+)/(\d+)", proc.stdout)
