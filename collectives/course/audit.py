@@ -55,7 +55,7 @@ class Tap:
 
     def __init__(self):
         self.on = False
-        self.events: list[tuple] = []   # (kind, global peer or None, numel, fingerprint)
+        self.events: list[tuple] = []   # (kind, global peer or None, numel, sum of |elements| sent)
         self.wrappers: dict[str, Any] = {}
 
     def install(self) -> "Tap":
@@ -81,16 +81,16 @@ class Tap:
                 flat = [t for t in (tensors if isinstance(tensors, (list, tuple)) else [tensors])
                         if isinstance(t, torch.Tensor)]
                 numel = sum(t.numel() for t in flat)
-                peer, print_ = None, 0.0
+                peer, weight = None, 0.0
                 if name in SEND_METHODS or name == "recv":
                     try:
                         peer = dist.get_process_group_ranks(pg)[args[1]]
                     except Exception:  # noqa: BLE001 - a group this tap cannot map
                         peer = args[1]
                 if name in SEND_METHODS and flat:
-                    print_ = float(sum(t.detach().double().abs().sum() for t in flat))
+                    weight = float(sum(t.detach().double().abs().sum() for t in flat))
                 kind = "send" if name in SEND_METHODS else "recv" if name in RECV_METHODS else name
-                tap.events.append((kind, peer, numel, print_))
+                tap.events.append((kind, peer, numel, weight))
             return original(pg, *args, **kwargs)
 
         wrapper.__name__ = name
@@ -162,10 +162,6 @@ def fingerprint(values: torch.Tensor) -> float:
     """An order-sensitive sum: the same for the same elements in the same order."""
     v = values.detach().reshape(-1).double()
     return float((v * torch.arange(1, v.numel() + 1, dtype=torch.float64)).sum()) if v.numel() else 0.0
-
-
-def _describe(case: Case) -> str:
-    return case.name
 
 
 def run_rank(fn: Callable, cases: list[Case], seed: int | None = None, name: str = "",
@@ -274,6 +270,9 @@ def ring_pattern(case: Case, p: int, rank_in_group: int, events: list[tuple], *,
     if case.op == ReduceOp.AVG and divided > large:
         return (f"divided {divided} elements for AVG; the ring divides only the chunk this rank "
                 f"finished ({large} at most), before the all-gather")
+    if (case.values == "int" and case.op in (ReduceOp.SUM, ReduceOp.AVG) and small >= 8
+            and sends and all(e[3] == 0 for e in sends)):
+        return "every message it sent held only zeros: the data did not travel in the ring's messages"
     total = sum(e[2] for e in sends)
     if total < 2 * (p - 1) * small or total > 2 * (p - 1) * large:
         return (f"sent {total} elements, expected 2(p-1)/p·n = {2 * (p - 1) * n / p:.0f} "
