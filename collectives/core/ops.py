@@ -7,9 +7,20 @@ lesson's code shows only its communication pattern.
 
 AVG is computed as SUM followed by one division by the group size -- the same order the
 equivalence harness uses for the reference, so integer-valued inputs agree bit for bit.
+
+**Check mode.** With ``COLLECTIVES_CHECK=1`` in the environment (``launch.run(...,
+check=True)``; on in the exercise runner and under the grader), the argument check also
+compares the call across the ranks of the group -- algorithm, element count, dtype, op,
+group -- and raises :class:`ArgumentMismatch` on every rank, naming the ranks that differ.
+It is the course's counterpart of ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, which checks
+``torch.distributed``'s own collectives the same way. Without it, ranks that pass tensors
+of different sizes meet in the middle of the algorithm, where gloo aborts the process
+("Received data size doesn't match expected size").
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.distributed as dist
@@ -27,13 +38,27 @@ def op_name(op) -> str:
     return OP_NAMES.get(op, str(op))
 
 
+class ArgumentMismatch(ValueError):
+    """The ranks of a group called a collective with arguments that do not agree."""
+
+
+def check_mode() -> bool:
+    """True when ``COLLECTIVES_CHECK`` asks for the cross-rank argument check."""
+    return os.environ.get("COLLECTIVES_CHECK", "0") not in ("", "0", "false", "no")
+
+
 def check_all_reduce_args(tensor, op=ReduceOp.SUM, group=None, *, what: str = "all_reduce") -> None:
     """Raise a clear error for input an in-place all-reduce cannot honour.
 
     * ``tensor`` must be a ``torch.Tensor``;
     * ``op`` one of SUM, PRODUCT, MIN, MAX, AVG (AVG only on floating dtypes);
     * no two elements may share memory (an ``expand``-ed tensor): an in-place result
-      cannot be written to both. gloo's own ``all_reduce`` crashes on such a tensor.
+      cannot be written to both. gloo's own ``all_reduce`` crashes on such a tensor;
+    * in check mode (:func:`check_mode`), every rank of the group passes the same
+      algorithm, element count, dtype, op and group (:func:`compare_across_ranks`).
+
+    It also tells the launcher which collective this rank is in (:func:`trace.note_call`),
+    so a rank that dies inside it is reported by name.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
@@ -48,6 +73,50 @@ def check_all_reduce_args(tensor, op=ReduceOp.SUM, group=None, *, what: str = "a
                          "elements, e.g. tensor.contiguous()")
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"{what}: group must be a ProcessGroup from dist.new_group, got {type(group).__name__}")
+    dtype = str(tensor.dtype).replace("torch.", "")
+    trace.note_call(f"{what} of {tensor.numel()} {dtype} ({op_name(op)})")
+    if check_mode():
+        compare_across_ranks(what, tensor, op, group)
+
+
+def _describe_call(what, tensor, op, group) -> dict[str, str]:
+    ranks = "the world" if group is None else "ranks " + _ranks_text(dist.get_process_group_ranks(group))
+    return {"algorithm": what, "elements": str(tensor.numel()),
+            "dtype": str(tensor.dtype).replace("torch.", ""), "op": op_name(op),
+            "group": ranks, "device": tensor.device.type}
+
+
+def _ranks_text(ranks) -> str:
+    return ", ".join(map(str, ranks))
+
+
+def compare_across_ranks(what: str, tensor: torch.Tensor, op=ReduceOp.SUM, group=None) -> None:
+    """Raise :class:`ArgumentMismatch` on every rank of ``group`` unless all of them call
+    ``what`` with the same element count, dtype, op, group and device.
+
+    One ``all_gather_object`` of a small description, made with the trace paused, so that
+    traces and the patterns tests assert on are the same with the check on or off.
+    """
+    if not dist.is_initialized() or dist.get_rank(group) < 0:
+        return
+    if tensor.is_cuda and torch.cuda.is_current_stream_capturing():
+        return                  # a CUDA graph being captured records no host-side exchange
+    mine = _describe_call(what, tensor, op, group)
+    everyone: list = [None] * dist.get_world_size(group)
+    with trace.paused():
+        dist.all_gather_object(everyone, mine, group=group)
+    ranks = [global_rank(group, i) for i in range(len(everyone))]
+    differences = []
+    for key in mine:
+        seen: dict[str, list[int]] = {}
+        for rank, call in zip(ranks, everyone):
+            seen.setdefault(call[key], []).append(rank)
+        if len(seen) > 1:
+            differences.append(f"{key} " + " vs ".join(
+                f"{value} on rank{'s' if len(rs) > 1 else ''} {_ranks_text(rs)}" for value, rs in seen.items()))
+    if differences:   # one line: it is what a RankError's summary and a FAIL line show
+        raise ArgumentMismatch(f"{what}: the ranks disagree on its arguments: " + "; ".join(differences)
+                               + " (checked because COLLECTIVES_CHECK=1)")
 
 
 def combine_(acc: torch.Tensor, incoming: torch.Tensor, op) -> torch.Tensor:

@@ -138,6 +138,14 @@ def _set_status(text: str) -> None:
         _status.set(text)
 
 
+def note_call(text: str) -> None:
+    """Tell the launcher which course collective this rank entered last ("ring_all_reduce
+    of 8 float32 (SUM)"), so a rank that dies inside it is reported with its name.
+    :func:`collectives.core.ops.check_all_reduce_args` calls it; nothing is recorded."""
+    if _status is not None and hasattr(_status, "set_context"):
+        _status.set_context(text)
+
+
 def _group_ranks(group) -> tuple[int, ...] | None:
     if group is None or group is c10d.GroupMember.WORLD:
         return None

@@ -86,6 +86,9 @@ def grade(lessons: list[int] | None = None, impl: str = "exercise", quiet: bool 
     if not files:
         raise SystemExit("no graded tests found for " + ", ".join(l.nn for l in chosen))
     collector = GradeCollector()
+    # The graded worlds compare every course collective's arguments across ranks, so a
+    # student whose ranks disagree reads which ranks and how (collectives.core.ops).
+    os.environ.setdefault("COLLECTIVES_CHECK", "1")
     args = ["-m", "task", f"--impl={impl}", "-p", "no:cacheprovider", "--rootdir", str(ROOT),
             "-c", str(ROOT / "pyproject.toml"), "--tb=line", "-q", "--no-header"] + files
     pytest.main(args, plugins=[collector])

@@ -8,7 +8,9 @@ Every ``lessons/NN_topic/exercise.py`` ends with::
 Under ``torchrun --nproc-per-node 4 lessons/NN_topic/exercise.py`` each rank joins the
 world torchrun set up, runs every task's check and prints one PASS/FAIL line per task.
 Run as plain ``python lessons/NN_topic/exercise.py``, it starts a local world of 4 ranks
-itself (``--world N`` for another size). A check returns a :class:`~collectives.course.verify.Report`
+itself (``--world N`` for another size). Check mode is on (``COLLECTIVES_CHECK=1``, see
+:mod:`collectives.core.ops`): ranks that call a course collective with different arguments
+get an error naming them. A check returns a :class:`~collectives.course.verify.Report`
 or raises; a stub's ``NotImplementedError`` is reported as "not implemented yet".
 """
 
@@ -58,6 +60,8 @@ def run_tasks(lesson: int, tasks: list[Task], argv: list[str] | None = None) -> 
     parser = argparse.ArgumentParser(description=f"Lesson {lesson}: check the exercise tasks")
     parser.add_argument("--world", type=int, default=4, help="ranks, when not started by torchrun")
     args = parser.parse_args(argv)
+    # Ranks that disagree on a call's arguments get an error naming them (COLLECTIVES_CHECK=0: off).
+    os.environ.setdefault("COLLECTIVES_CHECK", "1")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
         trace.install(dist.get_rank())
