@@ -38,8 +38,7 @@ import torch.distributed as dist
 
 from .core import nccl_memory, ops, trace
 from .core.ops import ReduceOp
-from .topologies import (halving_doubling_all_reduce, recursive_doubling_all_reduce,
-                         tree_all_reduce)
+from .topologies import halving_doubling_all_reduce, recursive_doubling_all_reduce, tree_all_reduce
 
 __all__ = ["ring_reduce_scatter", "ring_all_gather", "ring_all_reduce",
            "pipelined_ring_all_reduce", "multi_ring_all_reduce",

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from collectives import basics, cost, launch, trace, verify  # basics registers its cost model
-from collectives.course.impl import resolve
 from collectives.core.ops import ReduceOp
+from collectives.course.impl import resolve
 
 LESSON = 2
 P = 4

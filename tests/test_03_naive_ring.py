@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from collectives import cost, launch, trace, verify
-from collectives.course.impl import resolve
 from collectives.core.ops import ReduceOp
+from collectives.course.impl import resolve
 
 LESSON = 3
 WORLD_SIZES = (1, 2, 3, 4)

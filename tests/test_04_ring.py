@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from collectives import cost, launch, ops, trace, verify
-from collectives.course.impl import resolve
 from collectives.core.ops import ReduceOp
+from collectives.course.impl import resolve
 
 LESSON = 4
 WORLD_SIZES = (1, 2, 3, 4)
@@ -230,7 +230,8 @@ def _assert_p_minus_1_chunks_to_the_right(worlds, p, key):
 def test_reduce_scatter_matches_dist_reduce_scatter(worlds):
     for p, ranks in worlds.items():
         for rank, result in enumerate(ranks):
-            assert not result["reduce_scatter"], f"world size {p}, rank {rank}: " + "; ".join(result["reduce_scatter"][:4])
+            assert not result["reduce_scatter"], \
+                f"world size {p}, rank {rank}: " + "; ".join(result["reduce_scatter"][:4])
 
 
 @pytest.mark.task(lesson=4, task=1, points=3, title="ring reduce-scatter")

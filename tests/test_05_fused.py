@@ -8,7 +8,6 @@ one world of 4 ranks per module (``graded``), plus one for the reference's own e
 """
 
 import math
-
 import sys
 
 import pytest
@@ -16,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from collectives import launch, trace, verify
-from collectives.course.impl import resolve
 from collectives.core.ops import ReduceOp
+from collectives.course.impl import resolve
 
 LESSON = 5
 WORLD = 4

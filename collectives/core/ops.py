@@ -47,7 +47,8 @@ def check_mode() -> bool:
     return os.environ.get("COLLECTIVES_CHECK", "0") not in ("", "0", "false", "no")
 
 
-def check_all_reduce_args(tensor, op=ReduceOp.SUM, group=None, *, what: str = "all_reduce") -> None:
+def check_all_reduce_args(tensor, op=ReduceOp.SUM, group=None, *, what: str = "all_reduce",
+                          compare: bool = True) -> None:
     """Raise a clear error for input an in-place all-reduce cannot honour.
 
     * ``tensor`` must be a ``torch.Tensor``;
@@ -56,6 +57,8 @@ def check_all_reduce_args(tensor, op=ReduceOp.SUM, group=None, *, what: str = "a
       cannot be written to both. gloo's own ``all_reduce`` crashes on such a tensor;
     * in check mode (:func:`check_mode`), every rank of the group passes the same
       algorithm, element count, dtype, op and group (:func:`compare_across_ranks`).
+      The comparison is itself a collective: a call that not every rank makes (a check
+      inside a cache miss, say) passes ``compare=False``.
 
     It also tells the launcher which collective this rank is in (:func:`trace.note_call`),
     so a rank that dies inside it is reported by name.
@@ -75,7 +78,7 @@ def check_all_reduce_args(tensor, op=ReduceOp.SUM, group=None, *, what: str = "a
         raise TypeError(f"{what}: group must be a ProcessGroup from dist.new_group, got {type(group).__name__}")
     dtype = str(tensor.dtype).replace("torch.", "")
     trace.note_call(f"{what} of {tensor.numel()} {dtype} ({op_name(op)})")
-    if check_mode():
+    if compare and check_mode():
         compare_across_ranks(what, tensor, op, group)
 
 

@@ -79,12 +79,13 @@ def render(tasks: list[TaskScore]) -> tuple[int, int]:
     return earned, total
 
 
-def grade(lessons: list[int] | None = None, impl: str = "exercise", quiet: bool = True) -> tuple[int, int, list[TaskScore]]:
+def grade(lessons: list[int] | None = None, impl: str = "exercise",
+          quiet: bool = True) -> tuple[int, int, list[TaskScore]]:
     """Run the graded tests of ``lessons`` (all by default) against ``impl``; return (earned, total, tasks)."""
     chosen = [lesson(n) for n in lessons] if lessons else LESSONS
-    files = [str(l.test_file) for l in chosen if l.test_file.exists()]
+    files = [str(item.test_file) for item in chosen if item.test_file.exists()]
     if not files:
-        raise SystemExit("no graded tests found for " + ", ".join(l.nn for l in chosen))
+        raise SystemExit("no graded tests found for " + ", ".join(item.nn for item in chosen))
     collector = GradeCollector()
     # The graded worlds compare every course collective's arguments across ranks, so a
     # student whose ranks disagree reads which ranks and how (collectives.core.ops).

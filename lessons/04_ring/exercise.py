@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from collectives import ops, trace, verify
-from collectives.course.runner import Task, run_tasks
 from collectives.core.ops import ReduceOp
+from collectives.course.runner import Task, run_tasks
 
 LESSON = 4
 
