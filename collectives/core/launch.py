@@ -33,8 +33,8 @@ What it promises:
   in the error instead, so an expected crash prints nothing.
 * **back to back** -- a rank that is done stays up until the launcher has every result
   and ends the world: a rank that exited at once would close its connections while a
-  slower peer was still completing gloo's handshake with it ("Connection closed by
-  peer"), so a world started right after another must never fail or stall.
+  slower peer was still completing gloo's handshake with it, and that peer failed with
+  "Connection closed by peer": worlds started back to back failed now and then.
 * **check mode** -- ``check=True`` (or ``COLLECTIVES_CHECK=1``) makes every course
   algorithm compare its arguments across ranks before it communicates
   (:func:`collectives.core.ops.check_all_reduce_args`).
@@ -110,7 +110,7 @@ class _StatusBoard:
     def __init__(self, ctx, world_size: int):
         self.text = ctx.Array(ctypes.c_char, world_size * _SLOT_BYTES, lock=False)
         self.since = ctx.Array(ctypes.c_double, world_size, lock=False)
-        # the last course collective each rank entered ("ring_all_reduce of 8 float32, SUM")
+        # the last course collective each rank entered ("ring_all_reduce")
         self.context = ctx.Array(ctypes.c_char, world_size * _SLOT_BYTES, lock=False)
 
     def slot(self, rank: int) -> "_Slot":
@@ -419,7 +419,7 @@ def _stderr_tail(path: str) -> str:
 
 
 def _where(board, rank: int) -> str:
-    """", in ring_all_reduce of 8 float32 (SUM), waiting on irecv from rank 0": from the trace."""
+    """", in ring_all_reduce, waiting on irecv from rank 0": from the trace."""
     parts = []
     context = board.read_context(rank)
     if context:

@@ -42,9 +42,24 @@ class ArgumentMismatch(ValueError):
     """The ranks of a group called a collective with arguments that do not agree."""
 
 
+_check_mode: bool | None = None     # read once per process: every call of every algorithm asks
+
+
 def check_mode() -> bool:
-    """True when ``COLLECTIVES_CHECK`` asks for the cross-rank argument check."""
-    return os.environ.get("COLLECTIVES_CHECK", "0") not in ("", "0", "false", "no")
+    """True when ``COLLECTIVES_CHECK`` asks for the cross-rank argument check. Read once per
+    process; a forked rank reads it again, after the launcher has set its environment."""
+    global _check_mode
+    if _check_mode is None:
+        _check_mode = os.environ.get("COLLECTIVES_CHECK", "0").lower() not in ("", "0", "false", "no")
+    return _check_mode
+
+
+def _forget_check_mode() -> None:
+    global _check_mode
+    _check_mode = None
+
+
+os.register_at_fork(after_in_child=_forget_check_mode)
 
 
 def check_all_reduce_args(tensor, op=ReduceOp.SUM, group=None, *, what: str = "all_reduce",
@@ -76,8 +91,7 @@ def check_all_reduce_args(tensor, op=ReduceOp.SUM, group=None, *, what: str = "a
                          "elements, e.g. tensor.contiguous()")
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"{what}: group must be a ProcessGroup from dist.new_group, got {type(group).__name__}")
-    dtype = str(tensor.dtype).replace("torch.", "")
-    trace.note_call(f"{what} of {tensor.numel()} {dtype} ({op_name(op)})")
+    trace.note_call(what)
     if compare and check_mode():
         compare_across_ranks(what, tensor, op, group)
 
