@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PIP_FLAGS ?= -q
 
-.PHONY: tour test grade check docs docs-build bench clean
+.PHONY: tour test grade check docs docs-build bench lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,3 +46,7 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) site bench-results
+
+## make lint: ruff over the code (also part of make test: tests/test_lint.py)
+lint: $(STAMP)
+	$(PY) -m ruff check collectives lessons tests tools

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 from collectives import basics, cost, launch, trace, verify  # basics registers its cost model
+from collectives.core.ops import ReduceOp
 from collectives.course.catalog import world_timeout
 from collectives.course.impl import resolve
-from collectives.core.ops import ReduceOp
 
 LESSON = 2
 P = 4

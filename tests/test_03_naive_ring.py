@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 
 from collectives import cost, launch, trace, verify
+from collectives.core.ops import ReduceOp
 from collectives.course.catalog import world_timeout
 from collectives.course.impl import resolve
-from collectives.core.ops import ReduceOp
 
 LESSON = 3
 WORLD_SIZES = (1, 2, 3, 4)

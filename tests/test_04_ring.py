@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 
 from collectives import cost, launch, ops, trace, verify
+from collectives.core.ops import ReduceOp
 from collectives.course import audit
 from collectives.course.catalog import world_timeout
 from collectives.course.impl import resolve
-from collectives.core.ops import ReduceOp
 
 LESSON = 4
 WORLD_SIZES = (1, 2, 3, 4)
@@ -341,7 +341,8 @@ def test_reduce_scatter_matches_dist_reduce_scatter(task_worlds):
     worlds = task_worlds(1)
     for p, ranks in worlds.items():
         for rank, result in enumerate(ranks):
-            assert not result["reduce_scatter"], f"world size {p}, rank {rank}: " + "; ".join(result["reduce_scatter"][:4])
+            assert not result["reduce_scatter"], \
+                f"world size {p}, rank {rank}: " + "; ".join(result["reduce_scatter"][:4])
 
 
 @pytest.mark.task(lesson=4, task=1, points=3, title="ring reduce-scatter")

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 from collectives import launch, trace, verify
+from collectives.core.ops import ReduceOp
 from collectives.course.catalog import world_timeout
 from collectives.course.impl import resolve
-from collectives.core.ops import ReduceOp
 
 LESSON = 5
 WORLD = 4

@@ -24,9 +24,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from collectives import bucketing as reference
-from collectives.course.catalog import world_timeout
 from collectives import launch, trace
 from collectives.bucketing.models import BranchNet, SmallMLP, TiedNet, TwoBranchNet
+from collectives.course.catalog import world_timeout
 from collectives.course.impl import resolve
 
 LESSON = 6
@@ -459,7 +459,8 @@ def worlds(impl):
                 per_rank = [{} for _ in range(p)]
                 for name in names:
                     try:
-                        for rank, res in enumerate(launch.run(_run_checks, p, args=(impl, [name]), timeout=world_timeout(60))):
+                        results = launch.run(_run_checks, p, args=(impl, [name]), timeout=world_timeout(60))
+                        for rank, res in enumerate(results):
                             per_rank[rank].update(res)
                     except (launch.RankError, launch.WorldTimeout) as exc:
                         for res in per_rank:

@@ -138,6 +138,21 @@ def _set_status(text: str) -> None:
         _status.set(text)
 
 
+_noted = None
+
+
+def note_call(what: str) -> None:
+    """Tell the launcher which course collective this rank entered last ("ring_all_reduce"),
+    so a rank that dies inside it is reported by name. Nothing is recorded.
+    :func:`collectives.core.ops.check_all_reduce_args` calls it on every call, so a repeat
+    of the last name (the same string object: a call site's literal) costs one comparison."""
+    global _noted
+    if what is _noted or _status is None or not hasattr(_status, "set_context"):
+        return
+    _noted = what
+    _status.set_context(what)
+
+
 def _group_ranks(group) -> tuple[int, ...] | None:
     if group is None or group is c10d.GroupMember.WORLD:
         return None
@@ -310,8 +325,8 @@ def install(rank: int, status=None) -> None:
     Collectives are replaced only in the public namespace: the internal calls that
     ``all_gather_object`` and friends make are not counted twice.
     """
-    global _rank, _status
-    _rank, _status = rank, status
+    global _rank, _status, _noted
+    _rank, _status, _noted = rank, status, None
     if _originals:
         return
     for kind in POINT_TO_POINT:

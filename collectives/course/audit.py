@@ -33,8 +33,18 @@ import torch.distributed as dist
 
 from ..core import ops, trace
 from ..core.ops import ReduceOp
-from .verify import (SENTINEL, Case, CaseResult, Report, default_cases, make_input, make_values, tolerance,
-                     is_timeout, where_raised)
+from .verify import (
+    SENTINEL,
+    Case,
+    CaseResult,
+    Report,
+    default_cases,
+    is_timeout,
+    make_input,
+    make_values,
+    tolerance,
+    where_raised,
+)
 
 _PG = dist.ProcessGroup
 SEND_METHODS = ("send",)
@@ -382,7 +392,7 @@ def check_in_this_world(fn: Callable, cases: list[Case] | None = None, *, patter
 def _graded_rank(target: str, cases: list[Case], name: str, kwargs: dict | None) -> list[CaseRecord]:
     tap()                          # before the student's module is imported
     seed = int.from_bytes(os.urandom(6), "little")
-    from .impl import resolve      # noqa: PLC0415
+    from .impl import resolve  # noqa: PLC0415
 
     fn = resolve(target)
     return run_rank(fn, cases, seed=seed, name=name, kwargs=kwargs)

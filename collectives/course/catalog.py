@@ -71,4 +71,4 @@ def lesson(number: int | str) -> Lesson:
     for item in LESSONS:
         if item.number == n:
             return item
-    raise KeyError(f"no lesson {number}; lessons are " + ", ".join(l.nn for l in LESSONS))
+    raise KeyError(f"no lesson {number}; lessons are " + ", ".join(item.nn for item in LESSONS))

@@ -134,10 +134,13 @@ def grade(lessons: list[int] | None = None, impl: str = "exercise", quiet: bool 
     ``tasks``: grade only these task numbers (of every chosen lesson).
     """
     chosen = [lesson(n) for n in lessons] if lessons else LESSONS
-    files = [str(l.test_file) for l in chosen if l.test_file.exists()]
+    files = [str(item.test_file) for item in chosen if item.test_file.exists()]
     if not files:
-        raise SystemExit("no graded tests found for " + ", ".join(l.nn for l in chosen))
+        raise SystemExit("no graded tests found for " + ", ".join(item.nn for item in chosen))
     collector = GradeCollector(tasks)
+    # The graded worlds compare every course collective's arguments across ranks, so a
+    # student whose ranks disagree reads which ranks and how (collectives.core.ops).
+    os.environ.setdefault("COLLECTIVES_CHECK", "1")
     args = ["-m", "task", f"--impl={impl}", "-p", "no:cacheprovider", "--rootdir", str(ROOT),
             "-c", str(ROOT / "pyproject.toml"), "--tb=line", "-q", "--no-header"] + files
     pytest.main(args, plugins=[collector])

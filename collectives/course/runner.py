@@ -21,6 +21,9 @@ A check returns a :class:`~collectives.course.verify.Report` or raises; a stub's
 ``NotImplementedError`` is reported as "not implemented yet"; an exception's message says
 where it was raised in the exercise file.
 
+Check mode is on (``COLLECTIVES_CHECK=1``, see :mod:`collectives.core.ops`): ranks that call a
+course collective with different arguments get an error naming them.
+
 ``--impl reference`` (or ``COLLECTIVES_EXERCISE_IMPL=reference`` in the environment, which
 reaches every rank torchrun starts) runs the same checks against the reference solution:
 the exercise's functions and classes are replaced by the reference module's of the same
@@ -219,6 +222,8 @@ def run_tasks(lesson: int, tasks: list[Task], argv: list[str] | None = None) -> 
                         default=os.environ.get(IMPL_ENV, "exercise"),
                         help="check the exercise (default) or the reference solution")
     args = parser.parse_args(argv)
+    # Ranks that disagree on a call's arguments get an error naming them (COLLECTIVES_CHECK=0: off).
+    os.environ.setdefault("COLLECTIVES_CHECK", "1")
     if args.impl == "reference":
         use_reference(lesson, tasks)
     timeout = args.timeout if args.timeout is not None else world_timeout()
@@ -336,7 +341,8 @@ def _run_all(plan: list[tuple[int, list[Task]]]) -> list[tuple[int, int, str, bo
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m collectives.course.runner --all [--impl reference] [--lesson N ...]``."""
-    from .catalog import LESSONS, lesson as find
+    from .catalog import LESSONS
+    from .catalog import lesson as find
 
     parser = argparse.ArgumentParser(prog="python -m collectives.course.runner",
                                      description="run the exercises' checks, every lesson in one world")

@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 
 from collectives import ops, trace, verify
+from collectives.core.ops import ReduceOp
 from collectives.course import audit
 from collectives.course.runner import Task, run_tasks
-from collectives.core.ops import ReduceOp
 
 LESSON = 4
 
