@@ -122,9 +122,10 @@ def run_on_cluster(command: list[str], machines: int = 2, ranks_per_machine: int
         for machine in range(machines):
             argv = torchrun_argv(cluster, machine, command, port, rdzv)
             out.write(f"machine {machine}: torchrun {' '.join(argv[3:])}\n")
-            if machine > 0 and rdzv == "static":
-                # torchrun's own entry point, entered once machine 0's store listens: an agent
-                # that finds the port closed backs off for many seconds
+            if machine > 0:
+                # torchrun's own entry point, entered once machine 0's store listens (static:
+                # the master's store; c10d: the rendezvous store machine 0 hosts, is_host=true):
+                # an agent that finds the port closed backs off, a second, then longer
                 argv = [sys.executable, "-c", _AFTER_STORE, str(procs[0].pid), str(port)] + argv[3:]
             proc = cluster.popen(machine, argv, env=child_env, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True, bufsize=1)
