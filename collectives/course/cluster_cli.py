@@ -18,7 +18,9 @@ hosts the store; every worker gets ``RANK``, ``LOCAL_RANK``, ``GROUP_RANK``,
 ``--rdzv c10d`` uses the c10d rendezvous instead (``--rdzv-backend c10d --rdzv-endpoint
 ADDR:PORT --rdzv-id ID`` and ``--local-addr`` set to each machine's own address: without
 it, machine 0 advertises its host name as the store's address, and the host name resolves
-to nothing the other machines can reach).
+to nothing the other machines can reach). With either rendezvous, machines 1.. enter
+torchrun once machine 0's agent listens on the port: an agent that finds it closed tries
+again a second later, then later and later (seconds lost for nothing).
 
 Each machine's output comes back prefixed with ``[machine N]``; the exit status is the
 first failing machine's (0 when all pass). The cluster and every process in it are
