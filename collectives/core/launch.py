@@ -49,7 +49,9 @@ the ranks are spread machine-major over M simulated machines joined by a shaped 
 rank enters its machine's network namespace before it opens a socket, gets
 ``GROUP_RANK``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` as torchrun would give them and
 ``GLOO_SOCKET_IFNAME`` naming its link, and rank 0 hosts the store on machine 0's address.
-The same promises hold (needs root and iproute2).
+The same promises hold (needs root and iproute2). Its ranks log C++ messages from ERROR up
+(``TORCH_CPP_LOG_LEVEL=ERROR``, unless the environment or ``env=`` names another level):
+c10d warns once per connection that 198.18.x.x has no host name, which says nothing.
 """
 
 from __future__ import annotations
@@ -203,6 +205,24 @@ def _read_tail(path: str, max_bytes: int = 1 << 16) -> str:
             return f.read().decode(errors="replace")
     except OSError:
         return ""
+_CPP_LEVELS = {"INFO": 0, "WARNING": 1, "ERROR": 2, "FATAL": 3}
+
+
+def _set_cpp_log_level(level: str) -> None:
+    """What ``TORCH_CPP_LOG_LEVEL=level`` does, in a process that imported torch already.
+
+    torch reads the variable once, at import, into c10's ``FLAGS_caffe2_log_level``; a
+    forked rank sets that flag itself. An unknown level, or a libc10 without the flag,
+    changes nothing.
+    """
+    value = _CPP_LEVELS.get(level.upper(), int(level) if level.isdigit() else None)
+    if value is None:
+        return
+    try:
+        lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so")
+        ctypes.c_int.in_dll(ctypes.CDLL(lib), "FLAGS_caffe2_log_level").value = value
+    except (OSError, ValueError):
+        pass
 
 
 def _worker(rank, world_size, local_world_size, fn, args, kwargs, backend, port_box, conn,
@@ -219,6 +239,10 @@ def _worker(rank, world_size, local_world_size, fn, args, kwargs, backend, port_
             status.set("starting: entering its machine's network namespace")
             _cluster.enter_namespace(netns_path)
             os.environ.update(cluster_env)
+            # c10d looks up a name for every peer's address, for its messages; 198.18.x.x has
+            # none and each connection warns so. Real errors are still printed.
+            _set_cpp_log_level(env.get("TORCH_CPP_LOG_LEVEL")
+                               or os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"))
             store_addr = cluster_env["MASTER_ADDR"]
         os.environ.update(env)
         if threads:
