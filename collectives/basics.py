@@ -71,16 +71,22 @@ def tour_of_collectives(numel: int = 2) -> list[dict]:
     def mine(base=0):
         return full(base + r)
 
-    t = mine(); before = t.tolist()
+    t = mine()
+
+    before = t.tolist()
     dist.broadcast(t, src=0)
     row("broadcast", "dist.broadcast(t, src=0)", before, t.tolist(), "rank 0's tensor everywhere")
 
-    t = mine(1); before = t.tolist()
+    t = mine(1)
+
+    before = t.tolist()
     dist.reduce(t, dst=0, op=ReduceOp.SUM)
     row("reduce", "dist.reduce(t, dst=0, op=SUM)", before, t.tolist(),
         "only rank 0's result is defined; gloo leaves partial sums elsewhere")
 
-    t = mine(1); before = t.tolist()
+    t = mine(1)
+
+    before = t.tolist()
     dist.all_reduce(t, op=ReduceOp.SUM)
     row("all_reduce", "dist.all_reduce(t, op=SUM)", before, t.tolist(), "the sum on every rank")
 
@@ -125,12 +131,15 @@ def tour_of_collectives(numel: int = 2) -> list[dict]:
         f"left at {left * 1e3:.0f} ms", "nobody leaves before the last rank arrives")
 
     evens, odds = dist.new_group(list(range(0, p, 2))), dist.new_group(list(range(1, p, 2)))
-    t = mine(1); before = t.tolist()
+    t = mine(1)
+    before = t.tolist()
     dist.all_reduce(t, group=evens if r % 2 == 0 else odds)
     row("subgroups", "dist.all_reduce(t, group=evens or odds)", before, t.tolist(),
         "dist.new_group(ranks): each group reduces on its own")
 
-    t = mine(1); before = t.tolist()
+    t = mine(1)
+
+    before = t.tolist()
     work = dist.all_reduce(t, async_op=True)
     overlap = float(torch.arange(1000.0).sum())          # work done while the sum is in flight
     work.wait()

@@ -21,7 +21,8 @@ Cost, n bytes on p ranks (α per message, β per byte, γ per byte combined)::
 
 Each rank sends under 2n bytes whatever p is -- the least any all-reduce can send per
 rank when the ranks do the reducing themselves (Patarasuk & Yuan, 2009; a switch that
-reduces in the network, NVLink SHARP or InfiniBand SHARP, lets each rank send n once) -- which is why the ring is the workhorse of NCCL, gloo and
+reduces in the network, NVLink SHARP or InfiniBand SHARP, lets each rank send n once) --
+which is why the ring is the workhorse of NCCL, gloo and
 Horovod (Baidu's ring all-reduce, 2017, carried it from HPC to deep learning). Its 2(p − 1) latency
 terms are its weakness: for small tensors the latency-optimal algorithms of
 :mod:`collectives.topologies` win.
@@ -39,8 +40,7 @@ import torch.distributed as dist
 
 from .core import nccl_memory, ops, trace
 from .core.ops import ReduceOp
-from .topologies import (halving_doubling_all_reduce, recursive_doubling_all_reduce,
-                         tree_all_reduce)
+from .topologies import halving_doubling_all_reduce, recursive_doubling_all_reduce, tree_all_reduce
 
 __all__ = ["ring_reduce_scatter", "ring_all_gather", "ring_all_reduce",
            "pipelined_ring_all_reduce", "multi_ring_all_reduce",
@@ -299,7 +299,8 @@ def multi_ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
     neighbour idles; a second ring going the other way uses it, as NCCL does with its
     channels. On an NVSwitch machine there is no idle left link: each GPU reaches every
     other through its connection to the switches, which both directions share (4 H200s,
-    registered memory: one ring 0.77× NCCL, bidirectional 0.69×; docs/benchmarks.md). Posting all channels' sends and receives of a step in one
+    registered memory: one ring 0.77× NCCL, bidirectional 0.69×; docs/benchmarks.md).
+    Posting all channels' sends and receives of a step in one
     ``batch_isend_irecv`` lets NCCL launch them as one group, so they run concurrently.
     Arrivals land in a landing buffer per channel (allocated once) and are combined in
     place; the all-gather receives straight into the tensor.

@@ -12,10 +12,11 @@ import torch
 import torch.distributed as dist
 
 from collectives import cost, launch, p2p, trace
+from collectives.course.catalog import world_timeout
 from collectives.course.impl import resolve
 
 LESSON = 1
-WORLD_TIMEOUT = 20  # seconds; a correct task finishes in well under one
+WORLD_TIMEOUT = world_timeout(20)  # seconds; a correct task finishes in well under one
 
 
 def _run(fn, world_size, *args):
@@ -224,8 +225,10 @@ def test_ping_pong_returns_round_trip_times_on_rank_0_only(ping_pong_world):
 def test_ping_pong_sends_iters_messages_of_nbytes_each_way(ping_pong_world):
     results = _results(ping_pong_world)
     ev0, ev1, ev2 = (results[r]["world"][1] for r in range(3))
-    sends = lambda events: [(peer, n) for kind, peer, n in events if kind in trace.SENDS]
-    recvs = lambda events: [(peer, n) for kind, peer, n in events if kind in trace.RECVS]
+    def sends(events):
+        return [(peer, n) for kind, peer, n in events if kind in trace.SENDS]
+    def recvs(events):
+        return [(peer, n) for kind, peer, n in events if kind in trace.RECVS]
     assert sends(ev0) == recvs(ev0) == [(1, 1000)] * 5, f"rank 0: {ev0}"
     assert sends(ev1) == recvs(ev1) == [(0, 1000)] * 5, f"rank 1: {ev1}"
     assert ev2 == [], "rank 2 takes no part"

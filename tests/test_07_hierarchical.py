@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 from collectives import cost, launch, trace, verify
-from collectives.hierarchical.layout import Layout, resolve, stage_groups, tier_bytes
-from collectives.course.impl import resolve as load
 from collectives.core.ops import ReduceOp
+from collectives.course.impl import resolve as load
+from collectives.hierarchical.layout import Layout, resolve, stage_groups, tier_bytes
 
 LESSON = 7
 TIMEOUT = 150
@@ -168,10 +168,11 @@ def _assert_fairring_bytes(worlds, layout, name, numel=PATTERN_N):
         assert got["mixed"] == 0, (f"{name}, layout {layout}, rank {rank}: {got['mixed']:.0f} bytes in "
                                    "collectives that span several ranks of several machines -- a flat all-reduce")
         assert got["off_rail"] == 0, f"{name}, layout {layout}, rank {rank}: {got['off_rail']:.0f} bytes off the rail"
+        where = f"{name}, layout {layout}, rank {rank}"
         assert got["across"] == pytest.approx(across), \
-            f"{name}, layout {layout}, rank {rank}: {got['across']:.0f} bytes across machines, expected 2(M-1)/M·n/D = {across:.0f}"
+            f"{where}: {got['across']:.0f} bytes across machines, expected 2(M-1)/M·n/D = {across:.0f}"
         assert got["inside"] == pytest.approx(inside), \
-            f"{name}, layout {layout}, rank {rank}: {got['inside']:.0f} bytes inside, expected 2(D-1)/D·n = {inside:.0f}"
+            f"{where}: {got['inside']:.0f} bytes inside, expected 2(D-1)/D·n = {inside:.0f}"
 
 
 # ---- task 1: root-based ----------------------------------------------------------------
@@ -334,7 +335,7 @@ def _layout_from_env():
     return out
 
 
-@pytest.mark.parametrize("layout", [l for l in CROSSING if l[0] > 1])
+@pytest.mark.parametrize("layout", [shape for shape in CROSSING if shape[0] > 1])
 def test_a_flat_ring_handed_in_for_the_hierarchy_fails_the_pattern(worlds, layout):
     # Lesson 4's ring gives the right values; its bytes cross machines at the machines'
     # edges only, 2(p-1)/p·n from one rank and none from the others: no pattern points.

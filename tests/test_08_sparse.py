@@ -444,14 +444,15 @@ def _run_checks(impl: str, names: list[str]) -> dict:
 
 # Which checks run in which world: the contract everywhere; bytes, DDP where they say most.
 PLAN = {
-    1: ["selection", "allgather_direct", "contract_allgather", "contract_every_variant", "everything_kept_is_all_reduce",
-        "counts_ties_and_nonfinite"],
-    2: ["allgather_direct", "contract_allgather", "contract_every_variant", "contract_in_a_subgroup", "counts_ties_and_nonfinite",
-        "bytes_on_the_wire", "ddp_hook", "sparse_reducer", "average", "refuses_bad_input"],
-    3: ["contract_allgather", "contract_every_variant", "contract_in_a_subgroup", "everything_kept_is_all_reduce",
-        "bytes_on_the_wire"],
-    4: ["allgather_direct", "contract_allgather", "contract_every_variant", "contract_in_a_subgroup", "everything_kept_is_all_reduce",
-        "counts_ties_and_nonfinite", "bytes_on_the_wire", "average"],
+    1: ["selection", "allgather_direct", "contract_allgather", "contract_every_variant",
+        "everything_kept_is_all_reduce", "counts_ties_and_nonfinite"],
+    2: ["allgather_direct", "contract_allgather", "contract_every_variant", "contract_in_a_subgroup",
+        "counts_ties_and_nonfinite", "bytes_on_the_wire", "ddp_hook", "sparse_reducer", "average",
+        "refuses_bad_input"],
+    3: ["contract_allgather", "contract_every_variant", "contract_in_a_subgroup",
+        "everything_kept_is_all_reduce", "bytes_on_the_wire"],
+    4: ["allgather_direct", "contract_allgather", "contract_every_variant", "contract_in_a_subgroup",
+        "everything_kept_is_all_reduce", "counts_ties_and_nonfinite", "bytes_on_the_wire", "average"],
 }
 
 

@@ -102,7 +102,8 @@ def test_a_lesson_imports_only_earlier_lessons_and_the_infrastructure(module):
     for dep in GRAPH[module]:
         layer, other = _layer(dep)
         assert layer != "course", f"{module} (lesson {number}) imports the tooling module {dep}"
-        assert layer != "root", f"{module} (lesson {number}) imports the package root {dep}: import core modules directly"
+        assert layer != "root", \
+            f"{module} (lesson {number}) imports the package root {dep}: import core modules directly"
         assert layer != "lesson" or other <= number, \
             f"{module} (lesson {number}) imports {dep}, which belongs to the later lesson {other}"
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from collectives import cost, launch
-from collectives.core import cluster as cl
+from collectives.core import cluster as cl, netns
 from collectives.core.cluster import Cluster
 
 from . import workers
@@ -77,8 +77,8 @@ def everyone_receives_first():
 
 def test_a_missing_requirement_is_named(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    monkeypatch.setattr(cl.shutil, "which", lambda name: None)
-    monkeypatch.setattr(cl.os.path, "exists", lambda path: path == "/proc/self/ns/net")
+    monkeypatch.setattr(netns.shutil, "which", lambda name: None)
+    monkeypatch.setattr(netns.os.path, "exists", lambda path: path == "/proc/self/ns/net")
     reason = cl.unavailable_reason()
     assert "root" in reason and "uid 1000" in reason
     assert "`ip`" in reason and "`tc`" in reason and "iproute2" in reason
@@ -126,6 +126,19 @@ def test_every_address_is_in_the_benchmarking_range(cluster):
 def test_the_ring_matches_all_reduce_across_machines(cluster):
     for ok, summary in launch.run(ring_matches_all_reduce, 4, cluster=cluster):
         assert ok, summary
+
+
+@needs_cluster
+def test_cluster_ranks_print_no_warning_per_connection_but_the_level_can_be_raised(cluster, capfd):
+    """c10d warns on every connection that 198.18.x.x has no host name: the ranks of a
+    cluster log C++ messages from ERROR up, unless TORCH_CPP_LOG_LEVEL says otherwise."""
+    noise = "hostname of the client socket cannot be retrieved"
+    capfd.readouterr()
+    assert launch.run(workers.sum_of_ranks, 4, cluster=cluster) == [6] * 4
+    assert noise not in capfd.readouterr().err
+    assert launch.run(workers.sum_of_ranks, 4, cluster=cluster,
+                      env={"TORCH_CPP_LOG_LEVEL": "WARNING"}) == [6] * 4
+    assert noise in capfd.readouterr().err
 
 
 @needs_cluster
@@ -184,11 +197,12 @@ def test_an_exception_inside_the_cluster_removes_it_and_its_processes():
 
 
 OWNER = textwrap.dedent("""
-    import importlib.util, sys, time
-    # cluster.py by its path: it needs only the standard library, so no torch to import
-    spec = importlib.util.spec_from_file_location("cluster", sys.argv[1])
-    cluster = sys.modules["cluster"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cluster)
+    import importlib, os, sys, time, types
+    # cluster.py and netns.py from their folder: they need only the standard library, so
+    # no torch to import (collectives/__init__.py would import it)
+    package = sys.modules["core"] = types.ModuleType("core")
+    package.__path__ = [os.path.dirname(sys.argv[1])]
+    cluster = importlib.import_module("core.cluster")
     with cluster.Cluster(machines=2) as c:
         c.popen(1, ["sleep", "60"])
         print(" ".join(c.namespaces), flush=True)
@@ -256,6 +270,39 @@ def test_every_exercise_reference_passes_under_one_torchrun_per_machine():
                for (lesson, number), title in expected.items()} - passed
     assert not missing, sorted(missing)[:10]
     assert f"rank 0: {len(expected) + 1} of {len(expected) + 1} checks pass" in out
+
+
+C10D_SCRIPT = textwrap.dedent("""
+    import os
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    t = torch.tensor([dist.get_rank() + 1])
+    dist.all_reduce(t)
+    print(f"rank {dist.get_rank()} of {dist.get_world_size()} on machine {os.environ['GROUP_RANK']}: "
+          f"sum {t.item()}")
+""")
+
+
+@needs_cluster
+def test_the_c10d_rendezvous_numbers_the_machines_and_the_world_reduces(tmp_path):
+    """``--rdzv c10d``: no --node-rank; machine 0's agent hosts the rendezvous store on its
+    address (is_host, --local-addr) and the agents number themselves; one rank per machine."""
+    from collectives.course.catalog import ROOT
+
+    script = tmp_path / "reduce.py"
+    script.write_text(C10D_SCRIPT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "collectives", "cluster", "--machines", "2", "--ranks-per-machine", "1",
+         "--rdzv", "c10d", "--port", "29517", "--", str(script)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=180)
+    assert not _owned_by(proc.pid)
+    assert proc.returncode == 0, out[-4000:] + err[-2000:]
+    assert "--rdzv-backend c10d" in out and "--node-rank" not in out
+    seen = set(re.findall(r"\[machine (\d)\] rank (\d) of 2 on machine (\d): sum 3", out))
+    # each machine one rank, numbered as its torchrun was (GROUP_RANK): one world of two
+    assert {m for m, _, _ in seen} == {r for _, r, _ in seen} == {"0", "1"}, out[-4000:]
+    assert all(rank == group for _, rank, group in seen) and len(seen) == 2, out[-4000:]
 
 
 # -- the cost model per tier -----------------------------------------------------------------

@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from collectives import launch, trace
+from collectives.core.ops import ReduceOp
 from collectives.course.impl import resolve
 from collectives.course.tour import TOUR
-from collectives.core.ops import ReduceOp
 
 ALL_REDUCES = {e.name: e.target for e in TOUR if e.runner is None}
 ALL_REDUCES["fused"] = "tests.test_contract:fused_one"
@@ -176,12 +176,18 @@ def _temporaries_of_the_library() -> dict:
     out = {}
     try:
         view = torch.arange(12.0).view(3, 4).t()                 # not contiguous: copied
-        made.clear(); ops.work_buffer(view); out["work_buffer"] = list(made)
-        made.clear(); ring.ring_reduce_scatter(torch.empty(4), torch.ones(4 * p)); out["reduce_scatter"] = list(made)
+        made.clear()
+        ops.work_buffer(view)
+        out["work_buffer"] = list(made)
+        made.clear()
+        ring.ring_reduce_scatter(torch.empty(4), torch.ones(4 * p))
+        out["reduce_scatter"] = list(made)
         made.clear()
         p2p.exchange(torch.ones(3, 4).t(), torch.empty(4, 3).t(), (rank + 1) % p, (rank - 1) % p)
         out["exchange"] = list(made)
-        made.clear(); basics.reduce(torch.ones(5), dst=0); out["reduce"] = list(made)
+        made.clear()
+        basics.reduce(torch.ones(5), dst=0)
+        out["reduce"] = list(made)
     finally:
         nccl_memory.temporary = real
     return out

@@ -10,7 +10,7 @@ from collectives.course.catalog import LESSONS
 
 def test_every_lesson_contributes_to_the_tour_and_every_row_is_verified(monkeypatch):
     entries = tour.entries()
-    assert {e.lesson for e in entries} >= {l.number for l in LESSONS if l.number >= 2}
+    assert {e.lesson for e in entries} >= {item.number for item in LESSONS if item.number >= 2}
     rows = tour.run_tour(world_size=2, nbytes=64 << 10, progress=False)
     assert len(rows) == len(entries)
     bad = [(r.algorithm, r.detail) for r in rows if not r.verified]

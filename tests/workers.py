@@ -2,6 +2,7 @@
 
 import os
 import signal
+import sys
 import time
 
 import torch
@@ -180,3 +181,55 @@ def ring_in_registered_memory(nbytes):
     nccl_memory.register()
     ring_all_reduce(x)
     return verify.compare(expected, x)
+
+
+def two_ranks_stuck_inside_a_context():
+    """Ranks 0 and 1 wait for each other's message, inside trace.context; rank 2 returns."""
+    import torch
+    import torch.distributed as dist
+
+    from collectives import trace
+
+    with trace.context("my_all_reduce (case n=3 float32 SUM, world of 2)"):
+        if dist.get_rank() < 2:
+            dist.recv(torch.empty(1), 1 - dist.get_rank())
+    return "done"
+
+
+# --- back-to-back worlds, ranks that disagree ------------------------------------------
+
+def returns_at_once():
+    return dist.get_rank()
+
+
+def writes_to_stderr():
+    """Writes through Python and through the file descriptor, as C++ logging does."""
+    print(f"python stderr of rank {dist.get_rank()}", file=sys.stderr)
+    os.write(2, f"fd-2 stderr of rank {dist.get_rank()}\n".encode())
+    return dist.get_rank()
+
+
+def ring_with_sizes_by_rank():
+    """Rank r passes 8 + 4r elements to the course's ring: the commonest student bug.
+    Some rank then receives a chunk larger than it posted for, and gloo aborts it."""
+    from collectives.ring import ring_all_reduce
+    ring_all_reduce(torch.ones(8 + 4 * dist.get_rank()))
+
+
+def ring_mismatch_caught_everywhere():
+    """In check mode: every rank gets the same ArgumentMismatch; a matching call then runs
+    and leaves the same trace as without the check. Returns (message, kinds traced)."""
+    from collectives.core.ops import ArgumentMismatch
+    from collectives.ring import ring_all_reduce
+    rank = dist.get_rank()
+    numel = 6 if rank == 1 else 8
+    dtype = torch.float64 if rank == 3 else torch.float32
+    try:
+        ring_all_reduce(torch.ones(numel, dtype=dtype))
+        message = "no error"
+    except ArgumentMismatch as exc:
+        message = str(exc)
+    with trace.recording() as t:
+        x = torch.ones(8)
+        ring_all_reduce(x)
+    return message, sorted({e.kind for e in t}), len(t), x.tolist()

@@ -103,7 +103,7 @@ def build(dest: Path) -> float:
         cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         output = (proc.stdout + proc.stderr).splitlines()
-        warnings = [l for l in output if l.startswith(("WARNING", "ERROR", "Aborted"))]
+        warnings = [line for line in output if line.startswith(("WARNING", "ERROR", "Aborted"))]
         shown = warnings if warnings and "Traceback" not in proc.stderr else output[-40:]
         raise BuildError("mkdocs build --strict failed:\n" + "\n".join(shown))
     return time.perf_counter() - start

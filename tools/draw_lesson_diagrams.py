@@ -92,9 +92,11 @@ def measure(p: int = 4, sizes: str = "1K..4M") -> None:
           f"1/γ = {1 / gamma / 1e9:.2f} GB/s")
     print("size      " + "  ".join(f"{a:>18}" for a in ALGOS + ["gloo"]))
     for i, s in enumerate(byte_sizes):
-        print(f"{timing.human_bytes(s):>8}  " + "  ".join(
-            f"{timing.human_seconds(measured[a][i]):>9} ({timing.human_seconds(predicted[a][i]) if a in predicted else '-':>7})"
-            for a in ALGOS + ["gloo"]))
+        cells = []
+        for a in ALGOS + ["gloo"]:
+            model = timing.human_seconds(predicted[a][i]) if a in predicted else "-"
+            cells.append(f"{timing.human_seconds(measured[a][i]):>9} ({model:>7})")
+        print(f"{timing.human_bytes(s):>8}  " + "  ".join(cells))
 
 
 def main() -> None:

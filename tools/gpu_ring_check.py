@@ -16,8 +16,8 @@ import argparse
 import datetime
 import json
 import os
-import sys
 import statistics
+import sys
 import time
 
 import torch

@@ -160,11 +160,13 @@ def main():
     if args.register:
         backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cuda"))
         pool = torch.cuda.MemPool(backend.mem_allocator)
-        pool_ctx = lambda: torch.cuda.use_mem_pool(pool)
+        def pool_ctx():
+            return torch.cuda.use_mem_pool(pool)
     for size in args.sizes.split(","):
         nbytes = int(size[:-1]) << (20 if size.endswith("M") else 10)
         n = nbytes // 4
-        bus = lambda t: nbytes / t * 2 * (p - 1) / p / 1e9
+        def bus(t):
+            return nbytes / t * 2 * (p - 1) / p / 1e9
         variants = [v for v in args.variants.split(",") if not (v.startswith("cycles") and p != 4)]
         oks = {}
         for v in variants:  # correctness on integer data first, in ordinary memory

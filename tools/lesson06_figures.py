@@ -21,8 +21,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from collectives import launch, timing  # noqa: E402
-from collectives.course.bucketing_bench import LAB_SIZES, sweep_rank, timeline_rank  # noqa: E402
 from collectives.bucketing.models import plot_timeline  # noqa: E402
+from collectives.course.bucketing_bench import LAB_SIZES, sweep_rank, timeline_rank  # noqa: E402
 
 IMG = Path(__file__).resolve().parent.parent / "docs" / "img"
 CAPS = [0.02, 0.1, 0.5, 2, 8, 100]

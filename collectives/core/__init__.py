@@ -6,5 +6,6 @@
 :mod:`~collectives.core.timing`, :mod:`~collectives.core.cost` (the α–β model),
 :mod:`~collectives.core.nccl_memory` (registered memory on GPUs) and
 :mod:`~collectives.core.cluster` (several machines on one host: network namespaces joined
-by a shaped link). Nothing here imports a lesson or the course's tooling.
+by a shaped link, made with the ``ip`` and ``tc`` commands of :mod:`~collectives.core.netns`).
+Nothing here imports a lesson or the course's tooling.
 """

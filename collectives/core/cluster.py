@@ -35,162 +35,32 @@ never touched. Everything a cluster made -- namespaces, links, queues, and any p
 still inside them -- is removed on exit, after an exception, on Ctrl-C, on SIGTERM and at
 interpreter exit. Making one needs root and iproute2 (``ip``, ``tc``); without them
 :class:`ClusterUnavailable` says which is missing.
+
+This module is the cluster: its shape, where each rank goes and what it is told, and
+its removal on every way out. The ``ip`` and ``tc`` commands it is made of are in
+:mod:`~collectives.core.netns`; the names used from there (``ClusterUnavailable``,
+``require``, ``clean_leftovers``, ...) can be imported from here too.
 """
 
 from __future__ import annotations
 
 import atexit
-import ctypes
 import os
-import re
-import shutil
 import signal
 import subprocess
 import threading
-import time
 from dataclasses import dataclass, field
+
+from . import netns
+from .netns import (PREFIX, SUBNET, ClusterUnavailable, clean_leftovers, enter_namespace,
+                    our_namespaces, require, unavailable_reason)
 
 __all__ = ["Cluster", "Machine", "ClusterUnavailable", "unavailable_reason", "require",
            "clean_leftovers", "our_namespaces", "enter_namespace", "PREFIX", "SUBNET"]
 
-PREFIX = "collectives"
-"""Every namespace a cluster makes is called ``collectives-<owner pid>-<n>-<role>``."""
-SUBNET = "198.18.0.0/15"
-"""The only addresses a cluster uses (RFC 2544's benchmarking range)."""
-
-_NAME = re.compile(rf"^{PREFIX}-(\d+)-(\d+)-(\w+)$")
-_CLONE_NEWNET = 0x40000000
 _LIVE: list["Cluster"] = []          # clusters this process owns and has not torn down
 _LOCK = threading.Lock()
 _counter = 0
-
-
-class ClusterUnavailable(RuntimeError):
-    """A simulated cluster cannot be made here; the message says what is missing."""
-
-
-def unavailable_reason() -> str | None:
-    """Why no cluster can be made on this host (missing root or iproute2), or ``None``."""
-    missing = []
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        uid = os.geteuid() if hasattr(os, "geteuid") else "?"
-        missing.append(f"root (network namespaces and tc need it; running as uid {uid})")
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None and not os.path.exists(f"/usr/sbin/{tool}") \
-                and not os.path.exists(f"/sbin/{tool}"):
-            missing.append(f"the `{tool}` command from iproute2 (apt-get install iproute2)")
-    if not os.path.exists("/proc/self/ns/net"):
-        missing.append("Linux network namespaces (/proc/self/ns/net)")
-    elif not missing:
-        lacking = [name for name, bit in (("CAP_NET_ADMIN", 12), ("CAP_SYS_ADMIN", 21))
-                   if not _capabilities() >> bit & 1]
-        if lacking:
-            missing.append(" and ".join(lacking) + " (root in a container started without them: "
-                           "docker run --privileged, or --cap-add NET_ADMIN --cap-add SYS_ADMIN)")
-    if not missing:
-        return None
-    return "the simulated cluster needs " + " and ".join(missing)
-
-
-def _capabilities() -> int:
-    """This process's effective capabilities (a bit mask; all ones when unreadable)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("CapEff:"):
-                    return int(line.split()[1], 16)
-    except OSError:
-        pass
-    return -1
-
-
-def require() -> None:
-    """Raise :class:`ClusterUnavailable` naming what is missing, if anything."""
-    reason = unavailable_reason()
-    if reason:
-        raise ClusterUnavailable(reason)
-
-
-def _tool(name: str) -> str:
-    return shutil.which(name) or next((p for p in (f"/usr/sbin/{name}", f"/sbin/{name}")
-                                       if os.path.exists(p)), name)
-
-
-def _sh(*argv: str, check: bool = True) -> str:
-    argv = (_tool(argv[0]),) + argv[1:]
-    proc = subprocess.run(argv, capture_output=True, text=True)
-    if check and proc.returncode != 0:
-        raise RuntimeError(f"`{' '.join(argv)}` failed: {proc.stderr.strip() or proc.stdout.strip()}")
-    return proc.stdout
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def our_namespaces() -> list[str]:
-    """Every namespace on this host named by a cluster (any owner's), by ``ip netns list``."""
-    if shutil.which("ip") is None and not os.path.exists("/usr/sbin/ip"):
-        return []
-    out = _sh("ip", "netns", "list", check=False)
-    names = [line.split()[0] for line in out.splitlines() if line.strip()]
-    return [n for n in names if _NAME.match(n)]
-
-
-def _pids_in(namespace: str) -> list[int]:
-    out = _sh("ip", "netns", "pids", namespace, check=False)
-    return [int(x) for x in out.split() if x.isdigit()]
-
-
-def _remove_namespaces(names: list[str]) -> None:
-    """Kill every process inside ``names`` (not this one), then delete the namespaces."""
-    me = os.getpid()
-    for _ in range(3):
-        pids = [pid for name in names for pid in _pids_in(name) if pid != me]
-        if not pids:
-            break
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.05)
-    for name in names:   # deleting a namespace deletes the links and queues inside it
-        _sh("ip", "netns", "delete", name, check=False)
-
-
-def clean_leftovers() -> list[str]:
-    """Remove the namespaces of clusters whose owner process is gone; return their names.
-
-    A live owner's cluster (another test run, a notebook) is left alone.
-    """
-    dead = [n for n in our_namespaces() if not _pid_alive(int(_NAME.match(n).group(1)))]
-    if dead:
-        _remove_namespaces(dead)
-    return dead
-
-
-def enter_namespace(path: str) -> None:
-    """Move the calling thread (and the threads it starts later) into the network
-    namespace at ``path`` (``/run/netns/NAME``). Call it in a fresh child process,
-    before any socket is opened: before ``init_process_group``."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        if hasattr(os, "setns"):                               # Python 3.12+
-            os.setns(fd, _CLONE_NEWNET)
-        else:
-            libc = ctypes.CDLL(None, use_errno=True)
-            if libc.setns(fd, _CLONE_NEWNET) != 0:
-                err = ctypes.get_errno()
-                raise OSError(err, f"setns({path}): {os.strerror(err)}")
-    finally:
-        os.close(fd)
 
 
 @dataclass
@@ -304,13 +174,13 @@ class Cluster:
 
         def inside():
             enter_namespace(path)
-            _die_with_parent()
+            netns.die_with_parent()
         return subprocess.Popen(argv, preexec_fn=inside, **kwargs)
 
     def run_in(self, machine: int, *argv: str) -> str:
         """Run a short command (``ip addr``, ``tc -s qdisc``) in ``machine``; its output."""
         self._check_active()
-        return _sh("ip", "netns", "exec", self.machines[machine].namespace, *argv)
+        return netns.exec_in(self.machines[machine].namespace, *argv)
 
     # -- making and removing -----------------------------------------------------------
     def __enter__(self) -> "Cluster":
@@ -341,19 +211,11 @@ class Cluster:
         return self
 
     def _ns(self, name: str) -> str:
-        _sh("ip", "netns", "add", name)
-        self._made.append(name)
-        _sh("ip", "-n", name, "link", "set", "lo", "up")
+        self._made.append(netns.add_namespace(name))
         return name
 
     def _shape(self, namespace: str, dev: str) -> None:
-        _sh("tc", "-n", namespace, "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.link,
-            "burst", self.burst, "latency", self.latency)
-
-    def _up(self, namespace: str, dev: str, address: str | None = None) -> None:
-        if address:
-            _sh("ip", "-n", namespace, "addr", "add", f"{address}/24", "dev", dev)
-        _sh("ip", "-n", namespace, "link", "set", dev, "up")
+        netns.shape(namespace, dev, self.link, self.burst, self.latency)
 
     def _build(self, base: str) -> None:
         self.machines = [Machine(i, self._ns(f"{base}-m{i}")) for i in range(self.n_machines)]
@@ -362,39 +224,21 @@ class Cluster:
             self.switch = self._ns(f"{base}-sw")
         for j, dev in enumerate(names):
             if self.switch:
-                bridge = f"br{j}"
-                _sh("ip", "-n", self.switch, "link", "add", bridge, "type", "bridge")
-                _sh("ip", "-n", self.switch, "link", "set", bridge, "up")
+                netns.add_bridge(self.switch, f"br{j}")
             for m in self.machines:
                 address = f"198.18.{j}.{m.index + 1}"
                 m.addresses.append(address)
                 if self.switch:            # machine's dev <-> port m<i>r<j> on the bridge
                     port = f"m{m.index}r{j}"
-                    _sh("ip", "-n", m.namespace, "link", "add", dev, "type", "veth",
-                        "peer", "name", port, "netns", self.switch)
-                    _sh("ip", "-n", self.switch, "link", "set", port, "master", f"br{j}")
-                    self._up(self.switch, port)
+                    netns.add_veth(m.namespace, dev, self.switch, port)
+                    netns.attach(self.switch, port, f"br{j}")
+                    netns.up(self.switch, port)
                     self._shape(self.switch, port)          # the switch port toward machine m
                 elif m.index == 0:         # two machines: one veth pair per link
-                    _sh("ip", "-n", m.namespace, "link", "add", dev, "type", "veth",
-                        "peer", "name", dev, "netns", self.machines[1].namespace)
-                self._up(m.namespace, dev, address)
+                    netns.add_veth(m.namespace, dev, self.machines[1].namespace, dev)
+                netns.up(m.namespace, dev, address)
                 self._shape(m.namespace, dev)               # machine m's way out
-        self._wait_until_up(names)
-
-    def _wait_until_up(self, names: list[str], timeout: float = 5.0) -> None:
-        # The kernel switches a new link's queue on a moment after its carrier comes up
-        # (up to a second); a connection tried before then loses its first packets.
-        deadline = time.monotonic() + timeout
-        for m in self.machines:
-            for dev in names:
-                while True:
-                    state = _sh("ip", "-n", m.namespace, "-br", "link", "show", "dev", dev).split()
-                    if len(state) > 1 and state[1] == "UP":
-                        break
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"{dev} in {m.namespace} did not come up: {' '.join(state)}")
-                    time.sleep(0.01)
+        netns.wait_until_up([(m.namespace, dev) for m in self.machines for dev in names])
 
     def close(self) -> None:
         """Remove everything this cluster made: processes inside, links, namespaces."""
@@ -404,7 +248,7 @@ class Cluster:
             if self in _LIVE:
                 _LIVE.remove(self)
         if self._made:
-            _remove_namespaces(list(self._made))
+            netns.remove_namespaces(list(self._made))
         self._made = []
         self._active = False
 
@@ -421,13 +265,6 @@ class Cluster:
         state = "running" if self._active else "stopped"
         return (f"Cluster(machines={self.n_machines}, ranks_per_machine={self.ranks_per_machine}, "
                 f"link={self.link!r}, rails={self.rails}) [{state}]")
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:  # pragma: no cover - not Linux
-        pass
 
 
 # -- every way out ------------------------------------------------------------------------

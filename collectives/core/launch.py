@@ -24,7 +24,20 @@ What it promises:
 * **a free port every time** -- the rendezvous store listens on a port the kernel picks.
 * **errors name the rank** -- when a rank raises, :class:`RankError` reaches the caller
   with that rank's traceback, and the other ranks are killed at once: nobody sits in a
-  cleanup barrier waiting for a peer that will never come.
+  cleanup barrier waiting for a peer that will never come. A rank that dies without a
+  traceback (gloo aborting on a message of the wrong size, a segfault) is reported with
+  the last lines it wrote to stderr and the collective it was in.
+* **quiet ranks** -- each rank's stderr (C++ included: the file descriptor is redirected)
+  goes to a file of its own. A world that succeeds copies it to the caller's
+  ``sys.stderr``, where pytest and notebooks catch it; a world that fails puts its tail
+  in the error instead, so an expected crash prints nothing.
+* **back to back** -- a rank that is done stays up until the launcher has every result
+  and ends the world: a rank that exited at once would close its connections while a
+  slower peer was still completing gloo's handshake with it, and that peer failed with
+  "Connection closed by peer": worlds started back to back failed now and then.
+* **check mode** -- ``check=True`` (or ``COLLECTIVES_CHECK=1``) makes every course
+  algorithm compare its arguments across ranks before it communicates
+  (:func:`collectives.core.ops.check_all_reduce_args`).
 * **no hangs** -- a watchdog ends a world that overruns ``timeout`` and raises
   :class:`WorldTimeout` saying where each rank was waiting ("rank 1 waiting in recv from
   rank 0"), read from the trace.
@@ -36,19 +49,24 @@ the ranks are spread machine-major over M simulated machines joined by a shaped 
 rank enters its machine's network namespace before it opens a socket, gets
 ``GROUP_RANK``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` as torchrun would give them and
 ``GLOO_SOCKET_IFNAME`` naming its link, and rank 0 hosts the store on machine 0's address.
-The same promises hold (needs root and iproute2).
+The same promises hold (needs root and iproute2). Its ranks log C++ messages from ERROR up
+(``TORCH_CPP_LOG_LEVEL=ERROR``, unless the environment or ``env=`` names another level):
+c10d warns once per connection that 198.18.x.x has no host name, which says nothing.
 """
 
 from __future__ import annotations
 
 import ctypes
 import datetime
+import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
+import shutil
 import signal
 import sys
+import tempfile
 import time
 import traceback
 from typing import Any, Callable
@@ -56,23 +74,29 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from . import cluster as _cluster, trace
+from . import cluster as _cluster
+from . import trace
 
 __all__ = ["run", "RankError", "WorldTimeout", "auto_backend"]
 
 _SLOT_BYTES = 200
+STDERR_TAIL_LINES = 20      # lines of a dead rank's stderr that its RankError shows
 
 
 class RankError(RuntimeError):
     """A rank raised (or died). ``rank`` is the first rank that failed, ``remote_traceback`` its traceback."""
 
-    def __init__(self, rank: int, summary: str, remote_traceback: str, others: dict[int, str]):
+    def __init__(self, rank: int, summary: str, remote_traceback: str, others: dict[int, str],
+                 stderr_tail: str = ""):
         self.rank = rank
         self.summary = summary
         self.remote_traceback = remote_traceback
         self.others = others
+        self.stderr_tail = stderr_tail
         lines = [f"rank {rank} failed: {summary}", "", f"--- traceback of rank {rank} ---",
                  remote_traceback.rstrip()]
+        if stderr_tail:
+            lines += ["", f"--- last lines rank {rank} wrote to stderr ---", stderr_tail.rstrip()]
         if others:
             lines += ["", "other ranks, by the time the world was stopped:"]
             lines += [f"  rank {r}: {s}" for r, s in sorted(others.items())]
@@ -80,14 +104,24 @@ class RankError(RuntimeError):
 
 
 class WorldTimeout(TimeoutError):
-    """The world overran its time limit. ``waiting[rank]`` says where each rank was."""
+    """The world overran its time limit. ``waiting[rank]`` says where each rank was;
+    ``context[rank]`` what it was doing, as set by :func:`collectives.core.trace.context`
+    ("ring_all_reduce, case n=1001 float32 SUM"), for the ranks that had set one."""
 
-    def __init__(self, seconds: float, waiting: dict[int, str]):
+    def __init__(self, seconds: float, waiting: dict[int, str], context: dict[int, str] | None = None):
         self.seconds = seconds
         self.waiting = waiting
-        lines = [f"the world did not finish within {seconds:g} s; it was stopped. Where each rank was:"]
+        self.context = dict(context or {})
+        lines = [f"the world did not finish within {seconds:g} s; it was stopped"
+                 + (f" in {self.where}" if self.where else "") + ". Where each rank was:"]
         lines += [f"  rank {r} {w}" for r, w in sorted(waiting.items())]
         super().__init__("\n".join(lines))
+
+    @property
+    def where(self) -> str:
+        """What the stuck ranks were doing (the context most of them had set), or ""."""
+        stuck = [self.context[r] for r, w in self.waiting.items() if self.context.get(r) and w != "finished"]
+        return max(set(stuck), key=stuck.count) if stuck else ""
 
 
 class _StatusBoard:
@@ -97,24 +131,42 @@ class _StatusBoard:
         self.text = ctx.Array(ctypes.c_char, world_size * _SLOT_BYTES, lock=False)
         self.since = ctx.Array(ctypes.c_double, world_size, lock=False)
         self.done = ctx.Array(ctypes.c_byte, world_size, lock=False)
+        # the last course collective each rank entered ("ring_all_reduce")
+        self.context = ctx.Array(ctypes.c_char, world_size * _SLOT_BYTES, lock=False)
 
     def slot(self, rank: int) -> "_Slot":
         return _Slot(self, rank)
 
     def read(self, rank: int) -> tuple[str, float]:
-        raw = bytes(self.text[rank * _SLOT_BYTES:(rank + 1) * _SLOT_BYTES])
-        return raw.split(b"\0", 1)[0].decode(errors="replace"), self.since[rank]
+        return _text(self.text, rank), self.since[rank]
+
+    def read_context(self, rank: int) -> str:
+        return _text(self.context, rank)
+
+
+def _text(array, rank: int) -> str:
+    raw = bytes(array[rank * _SLOT_BYTES:(rank + 1) * _SLOT_BYTES])
+    return raw.split(b"\0", 1)[0].decode(errors="replace")
+
+
+def _put(array, rank: int, text: str) -> None:
+    data = text.encode()[: _SLOT_BYTES - 1] + b"\0"
+    start = rank * _SLOT_BYTES
+    array[start:start + len(data)] = data
 
 
 class _Slot:
+    """One rank's view of the board: :mod:`collectives.core.trace` writes through it."""
+
     def __init__(self, board: _StatusBoard, rank: int):
         self.board, self.rank = board, rank
 
     def set(self, text: str) -> None:
-        data = text.encode()[: _SLOT_BYTES - 1] + b"\0"
-        start = self.rank * _SLOT_BYTES
-        self.board.text[start:start + len(data)] = data
+        _put(self.board.text, self.rank, text)
         self.board.since[self.rank] = time.time()
+
+    def set_context(self, text: str) -> None:
+        _put(self.board.context, self.rank, text)
 
 
 def auto_backend(world_size: int) -> str:
@@ -131,11 +183,54 @@ def _die_with_parent() -> None:
         pass
 
 
+def _capture_stderr(path: str) -> None:
+    """Point file descriptor 2 at ``path``: C++ logging (gloo, NCCL), Python's writes and a
+    fatal-error dump all land there. ``sys.stderr`` and faulthandler are re-aimed at it:
+    under pytest both point elsewhere (a capture file, a copy of the terminal's stderr)."""
+    try:
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+
+
+def _read_tail(path: str, max_bytes: int = 1 << 16) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - max_bytes))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+_CPP_LEVELS = {"INFO": 0, "WARNING": 1, "ERROR": 2, "FATAL": 3}
+
+
+def _set_cpp_log_level(level: str) -> None:
+    """What ``TORCH_CPP_LOG_LEVEL=level`` does, in a process that imported torch already.
+
+    torch reads the variable once, at import, into c10's ``FLAGS_caffe2_log_level``; a
+    forked rank sets that flag itself. An unknown level, or a libc10 without the flag,
+    changes nothing.
+    """
+    value = _CPP_LEVELS.get(level.upper(), int(level) if level.isdigit() else None)
+    if value is None:
+        return
+    try:
+        lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so")
+        ctypes.c_int.in_dll(ctypes.CDLL(lib), "FLAGS_caffe2_log_level").value = value
+    except (OSError, ValueError):
+        pass
+
+
 def _worker(rank, world_size, local_world_size, fn, args, kwargs, backend, port_box, conn,
-            board, pg_timeout, init_timeout, threads, env, machine):
+            board, pg_timeout, init_timeout, threads, env, machine, stderr_path):
     _die_with_parent()
     status = board.slot(rank)
     try:
+        _capture_stderr(stderr_path)
         store_addr = "127.0.0.1"
         if machine is not None:
             # A rank of a simulated cluster: move into its machine's network namespace
@@ -144,6 +239,10 @@ def _worker(rank, world_size, local_world_size, fn, args, kwargs, backend, port_
             status.set("starting: entering its machine's network namespace")
             _cluster.enter_namespace(netns_path)
             os.environ.update(cluster_env)
+            # c10d looks up a name for every peer's address, for its messages; 198.18.x.x has
+            # none and each connection warns so. Real errors are still printed.
+            _set_cpp_log_level(env.get("TORCH_CPP_LOG_LEVEL")
+                               or os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"))
             store_addr = cluster_env["MASTER_ADDR"]
         os.environ.update(env)
         if threads:
@@ -182,23 +281,26 @@ def _worker(rank, world_size, local_world_size, fn, args, kwargs, backend, port_
         trace.install(rank, status)
         status.set("running")
         result = fn(*args, **(kwargs or {}))
+        board.done[rank] = 1
         status.set("finished")
         payload = pickle.dumps(("ok", result, ""))
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the caller
         summary = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
         payload = pickle.dumps(("error", summary, traceback.format_exc()))
     try:
+        sys.stdout.flush()
+        sys.stderr.flush()
         conn.send_bytes(payload)
         conn.close()
-        if rank == 0 and world_size > 1:
-            # Rank 0 hosts the store: it stays up until the launcher has every result and
-            # reaps the world, so late ranks can still rendezvous (subgroups, NCCL comms).
+        if world_size > 1:
+            # Stay up until the launcher has every result and ends the world. Exiting now
+            # would close this rank's connections while a slower peer may still be
+            # completing gloo's handshake with it (it fails with "Connection closed by
+            # peer"), and rank 0 hosts the store late ranks rendezvous through.
             while True:
                 time.sleep(3600)
     finally:
         # No destroy_process_group(): it can wait on peers. The parent reaps us.
-        sys.stdout.flush()
-        sys.stderr.flush()
         os._exit(0)
 
 
@@ -206,8 +308,9 @@ def run(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwargs: d
         *, backend: str | None = None, timeout: float = 120.0, start_method: str | None = None,
         local_world_size: int | None = None, threads: int | None = 1,
         env: dict[str, str] | None = None, init_timeout: float = 30.0,
-        machines: int | None = None, link: str = "1gbit", burst: str = "256kb",
-        rails: bool = False, cluster: "_cluster.Cluster | None" = None) -> list[Any]:
+        check: bool | None = None, machines: int | None = None, link: str = "1gbit",
+        burst: str = "256kb", rails: bool = False,
+        cluster: "_cluster.Cluster | None" = None) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the results, rank 0 first.
 
     Args:
@@ -220,6 +323,8 @@ def run(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwargs: d
         threads: intra-op threads per rank (1: ranks share few cores); ``None`` leaves torch's default.
         env: extra environment variables for the ranks.
         init_timeout: seconds the ranks may take to find each other before failing.
+        check: compare every course collective's arguments across ranks before it runs
+            (``COLLECTIVES_CHECK=1`` in the ranks); ``None`` leaves the environment's choice.
         machines: spread the ranks over this many simulated machines
             (:class:`~collectives.core.cluster.Cluster`, made for this call and removed
             after it): machine-major, ``world_size // machines`` ranks on each, every rank
@@ -248,7 +353,7 @@ def run(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwargs: d
                               rails=rails) as made:
             return run(fn, world_size, args, kwargs, backend=backend, timeout=timeout,
                        start_method=start_method, local_world_size=local_world_size,
-                       threads=threads, env=env, init_timeout=init_timeout, cluster=made)
+                       threads=threads, env=env, init_timeout=init_timeout, check=check, cluster=made)
     placements = [None] * world_size
     if cluster is not None:
         if world_size % cluster.n_machines:
@@ -264,7 +369,14 @@ def run(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwargs: d
     # The store's port is picked by the kernel (rank 0 publishes it here), so two worlds
     # -- two test runs, a notebook and a test -- never fight over 29500.
     port_box = ctx.Value(ctypes.c_int, 0, lock=False)
-    pg_timeout = max(5.0, timeout)
+    # gloo's own timeout stays behind the watchdog's: a rank stuck in a message is reported
+    # by the watchdog, with where it waited, instead of returning a gloo timeout error.
+    pg_timeout = timeout + max(5.0, timeout / 2)
+    env = dict(env or {})
+    if check is not None:
+        env["COLLECTIVES_CHECK"] = "1" if check else "0"
+    stderr_dir = tempfile.mkdtemp(prefix="collectives-world-")
+    stderr_paths = [os.path.join(stderr_dir, f"rank{rank}.stderr") for rank in range(world_size)]
     procs, conns = [], {}
     try:
         for rank in range(world_size):
@@ -272,24 +384,43 @@ def run(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwargs: d
             p = ctx.Process(target=_worker, name=f"rank{rank}", daemon=True,
                             args=(rank, world_size, local_world_size or world_size, fn, args,
                                   kwargs, backend, port_box, child_end, board, pg_timeout,
-                                  min(init_timeout, timeout), threads, dict(env or {}),
-                                  placements[rank]))
+                                  min(init_timeout, timeout), threads, env, placements[rank],
+                                  stderr_paths[rank]))
             p.start()
             child_end.close()
             procs.append(p)
             conns[parent_end] = rank
-        return _collect(procs, conns, board, timeout)
+        results = _collect(procs, conns, board, timeout, stderr_paths)
+        _end(procs)
+        for path in stderr_paths:    # a world that worked: its ranks' stderr, where it belongs
+            text = _read_tail(path)
+            if text:
+                sys.stderr.write(text)
+        return results
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        for p in procs:
-            p.join(timeout=5)
+        _end(procs)
         for c in conns:
             c.close()
+        shutil.rmtree(stderr_dir, ignore_errors=True)
 
 
-def _collect(procs, conns, board, timeout):
+def _end(procs) -> None:
+    """Kill and reap every rank (they wait to be ended; see ``_worker``)."""
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+    for p in procs:
+        p.join(timeout=10)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return f"signal {number}, {signal.Signals(number).name}"
+    except ValueError:
+        return f"signal {number}"
+
+
+def _collect(procs, conns, board, timeout, stderr_paths):
     world_size = len(procs)
     results: list[Any] = [None] * world_size
     errors: dict[int, tuple[str, str, float]] = {}
@@ -304,16 +435,21 @@ def _collect(procs, conns, board, timeout):
         if not ready:
             if errors:
                 break
-            waiting = {}
+            waiting, context = {}, {}
+            for rank in range(world_size):
+                context[rank] = board.read_context(rank)
             for rank in pending.values():
                 text, since = board.read(rank)
                 held = f" (for {time.time() - since:.1f} s)" if since else ""
                 if text.startswith("in "):
                     text = "waiting " + text          # "waiting in recv from rank 0"
                 waiting[rank] = (text or "running (not in a traced call)") + held
+                if context[rank]:
+                    waiting[rank] += f", in {context[rank]}"
             for rank in range(world_size):
-                waiting.setdefault(rank, "finished")
-            raise WorldTimeout(timeout, waiting)
+                # only a rank whose function returned is "finished"
+                waiting.setdefault(rank, "finished" if board.done[rank] else "stopped without a result")
+            raise WorldTimeout(timeout, waiting, context)
         for conn in ready:
             rank = pending.pop(conn)
             try:
@@ -321,18 +457,67 @@ def _collect(procs, conns, board, timeout):
             except (EOFError, OSError):
                 procs[rank].join(timeout=1)
                 code = procs[rank].exitcode
-                how = f"killed by signal {-code}" if code and code < 0 else f"exit code {code}"
-                errors[rank] = (f"the process died without a result ({how})", "", time.monotonic())
+                how = f"killed by {_signal_name(-code)}" if code and code < 0 else f"exit code {code}"
+                errors[rank] = (f"the process died without a result ({how}){_where(board, rank)}",
+                                "", time.monotonic())
                 continue
             if status == "ok":
                 results[rank] = value
             else:
                 errors[rank] = (value, tb, time.monotonic())
     if errors:
-        first = min(errors, key=lambda r: (errors[r][2], r))
+        # The first rank to fail, preferring a cause to its echoes: when a rank dies, its
+        # peers fail with gloo's "Connection closed by peer ... remote worker crashing".
+        first = min(errors, key=lambda r: ("remote worker" in errors[r][0], errors[r][2], r))
         others = {r: e[0] for r, e in errors.items() if r != first}
         for rank in pending.values():
             text, _ = board.read(rank)
             others.setdefault(rank, f"stopped while {text or 'running'}")
-        raise RankError(first, errors[first][0], errors[first][1] or "(no traceback)", others)
+        tail = ""
+        if not errors[first][1]:   # no traceback: what it wrote to stderr is all there is
+            procs[first].join(timeout=1)
+            tail = _stderr_tail(stderr_paths[first])
+            if "collective mismatch" in tail or "doesn't match expected size" in tail:
+                errors[first] = (errors[first][0] + "; the ranks' messages did not match: "
+                                 "compare the arguments with launch.run(..., check=True)",) + errors[first][1:]
+        raise RankError(first, errors[first][0], errors[first][1] or "(no traceback)", others, tail)
     return results
+
+
+STACK_FRAMES_SHOWN = 6      # innermost frames kept of each stack in a fatal-error dump
+
+
+def _stderr_tail(path: str) -> str:
+    """The last lines of a rank's stderr. Python's fatal-error dump is trimmed to the
+    innermost frames of each stack (it lists them first; the rest is the launcher, pytest,
+    a notebook's kernel) and loses its list of loaded extension modules."""
+    lines, frames = [], None
+    for line in _read_tail(path).splitlines():
+        if not line.strip() or line.startswith("Extension modules:"):
+            continue
+        if line.startswith(("Thread 0x", "Current thread 0x", "Stack (most recent call first)")):
+            frames = 0
+        elif frames is not None and line.startswith("  File "):
+            frames += 1
+            if frames == STACK_FRAMES_SHOWN + 1:
+                lines.append("  ...")
+            if frames > STACK_FRAMES_SHOWN:
+                continue
+        else:
+            frames = None
+        lines.append(line)
+    return "\n".join(lines[-STDERR_TAIL_LINES:])
+
+
+def _where(board, rank: int) -> str:
+    """", in ring_all_reduce, waiting on irecv from rank 0": from the trace."""
+    parts = []
+    context = board.read_context(rank)
+    if context:
+        parts.append(f"in {context}")
+    text, _ = board.read(rank)
+    if text.startswith("in "):
+        text = text[3:]
+    if text and text not in ("running", "finished"):
+        parts.append(text if text.startswith(("waiting", "starting")) else f"inside {text}")
+    return ", " + ", ".join(parts) if parts else ""

@@ -138,6 +138,21 @@ def _set_status(text: str) -> None:
         _status.set(text)
 
 
+_noted = None
+
+
+def note_call(what: str) -> None:
+    """Tell the launcher which course collective this rank entered last ("ring_all_reduce"),
+    so a rank that dies inside it is reported by name. Nothing is recorded.
+    :func:`collectives.core.ops.check_all_reduce_args` calls it on every call, so a repeat
+    of the last name (the same string object: a call site's literal) costs one comparison."""
+    global _noted
+    if what is _noted or _status is None or not hasattr(_status, "set_context"):
+        return
+    _noted = what
+    _status.set_context(what)
+
+
 def _group_ranks(group) -> tuple[int, ...] | None:
     if group is None or group is c10d.GroupMember.WORLD:
         return None
@@ -310,8 +325,8 @@ def install(rank: int, status=None) -> None:
     Collectives are replaced only in the public namespace: the internal calls that
     ``all_gather_object`` and friends make are not counted twice.
     """
-    global _rank, _status
-    _rank, _status = rank, status
+    global _rank, _status, _noted
+    _rank, _status, _noted = rank, status, None
     if _originals:
         return
     for kind in POINT_TO_POINT:
@@ -364,6 +379,36 @@ def active() -> bool:
     first and issues the calls for real while someone is watching.
     """
     return bool(_recorders) and not _paused
+
+
+_context = ""
+
+
+@contextlib.contextmanager
+def context(text: str) -> Iterator[None]:
+    """Tell the launcher's watchdog what this rank is doing ("ring_all_reduce (case n=1001
+    float32 SUM)"): a world that hangs inside the block is reported with it. Not recorded.
+    The innermost block wins; :func:`current_context` reads it back (after a gloo timeout,
+    say)."""
+    global _context
+    before, _context = _context, text
+    slot = getattr(_status, "set_context", None)
+    if slot is not None:
+        slot(text)
+    try:
+        yield
+    except BaseException:
+        # keep the innermost context for whoever catches the exception
+        raise
+    else:
+        _context = before
+        if slot is not None:
+            slot(before)
+
+
+def current_context() -> str:
+    """The text of the innermost :func:`context` block this rank is in (or last failed in)."""
+    return _context
 
 
 _NO_LABEL = contextlib.nullcontext()

@@ -12,10 +12,10 @@ each warmed up, then timed in turn -- one run of each per round, ``--iters`` rou
 that a slow spell of a shared machine hits them all alike. Each run is barrier-aligned
 and takes the slowest rank's time (CUDA events on GPU: :func:`collectives.core.timing.measure`);
 the median is reported. Before it is timed, each algorithm's result on integer-valued
-data is compared with the baseline's ("ok" column); that run counts as a warm-up run. The table gives time, algbw, busbw and the ratio to the baseline's time
-(above 1: faster than ``dist.all_reduce``); the rows go to ``DIR/allreduce.json`` and
-busbw against size is drawn in ``DIR/allreduce.png`` (``--out DIR``, default
-``bench-results``).
+data is compared with the baseline's ("ok" column); that run counts as a warm-up run.
+The table gives time, algbw, busbw and the ratio to the baseline's time (above 1: faster
+than ``dist.all_reduce``); the rows go to ``DIR/allreduce.json`` and busbw against size is
+drawn in ``DIR/allreduce.png`` (``--out DIR``, default ``bench-results``).
 
 Algorithms are named in :data:`ALGORITHMS` (name -> "module:function"); a
 "module:function" of your own works too.

@@ -180,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
                        median={v: timing.median(result["times"][v]) for v in VARIANTS},
                        torch=torch.__version__, python=platform.python_version(),
                        date=datetime.datetime.now().isoformat(timespec="seconds"),
-                       command="python -m collectives bench-ddp " + " ".join(argv if argv is not None else sys.argv[1:])),
+                       command="python -m collectives bench-ddp "
+                       + " ".join(argv if argv is not None else sys.argv[1:])),
                   f, indent=1)
     print(f"wrote {path}")
     return 0

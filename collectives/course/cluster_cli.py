@@ -18,7 +18,9 @@ hosts the store; every worker gets ``RANK``, ``LOCAL_RANK``, ``GROUP_RANK``,
 ``--rdzv c10d`` uses the c10d rendezvous instead (``--rdzv-backend c10d --rdzv-endpoint
 ADDR:PORT --rdzv-id ID`` and ``--local-addr`` set to each machine's own address: without
 it, machine 0 advertises its host name as the store's address, and the host name resolves
-to nothing the other machines can reach).
+to nothing the other machines can reach). With either rendezvous, machines 1.. enter
+torchrun once machine 0's agent listens on the port: an agent that finds it closed tries
+again a second later, then later and later (seconds lost for nothing).
 
 Each machine's output comes back prefixed with ``[machine N]``; the exit status is the
 first failing machine's (0 when all pass). The cluster and every process in it are
@@ -122,9 +124,10 @@ def run_on_cluster(command: list[str], machines: int = 2, ranks_per_machine: int
         for machine in range(machines):
             argv = torchrun_argv(cluster, machine, command, port, rdzv)
             out.write(f"machine {machine}: torchrun {' '.join(argv[3:])}\n")
-            if machine > 0 and rdzv == "static":
-                # torchrun's own entry point, entered once machine 0's store listens: an agent
-                # that finds the port closed backs off for many seconds
+            if machine > 0:
+                # torchrun's own entry point, entered once machine 0's store listens (static:
+                # the master's store; c10d: the rendezvous store machine 0 hosts, is_host=true):
+                # an agent that finds the port closed backs off, a second, then longer
                 argv = [sys.executable, "-c", _AFTER_STORE, str(procs[0].pid), str(port)] + argv[3:]
             proc = cluster.popen(machine, argv, env=child_env, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True, bufsize=1)

@@ -125,7 +125,8 @@ def render(result: dict) -> None:
 def tour_runner(nbytes: int) -> dict:
     """The tour's row for lesson 7 on a local world pretending to be 2 machines (1 when p is
     odd): verify, count the bytes of the traced collectives, time against ``dist.all_reduce``."""
-    from collectives.hierarchical import hierarchical_all_reduce, resolve as layout_of, stage_groups, tier_bytes
+    from collectives.hierarchical import hierarchical_all_reduce, stage_groups, tier_bytes
+    from collectives.hierarchical import resolve as layout_of
 
     p = dist.get_world_size()
     layout = (p // 2, 2) if p % 2 == 0 else (p, 1)

@@ -198,6 +198,7 @@ def _size_axis(ax, sizes: Sequence[int]) -> None:
 
 def _seconds_axis(ax) -> None:
     from matplotlib.ticker import FuncFormatter, LogLocator
+
     from ..core.timing import human_seconds
     ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
     fmt = FuncFormatter(lambda v, _: human_seconds(v))

@@ -35,7 +35,6 @@ import torch.distributed as dist
 
 from ..core import cost, ops, streams
 from ..core.ops import ReduceOp
-
 from .layout import Layout, resolve, stage_groups
 from .slice import NUM_SLOTS, Slice, SlotPool
 

@@ -26,7 +26,6 @@ import torch.distributed as dist
 
 from ..core import ops, trace
 from ..core.ops import ReduceOp
-
 from .layout import resolve, stage_groups
 
 

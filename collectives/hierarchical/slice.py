@@ -41,7 +41,6 @@ import torch.distributed as dist
 
 from ..core import ops, streams, trace
 from ..core.ops import ReduceOp
-
 from .layout import StageGroups
 
 # torch 2.13 renames these two (reduce_scatter_single, all_gather_single); the old names

@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 
 from ..core import trace
-
 from .select import INDEX_DTYPE
 
 

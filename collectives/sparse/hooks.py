@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 
 from ..bucketing import BucketedReducer
-
 from .all_reduce import sparse_all_reduce
 
 

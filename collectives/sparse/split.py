@@ -37,7 +37,6 @@ import torch
 import torch.distributed as dist
 
 from ..core import ops, trace
-
 from .allgather import exchange_counts, pack_pairs, unpack_pairs
 from .select import INDEX_DTYPE
 

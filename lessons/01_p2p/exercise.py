@@ -19,8 +19,9 @@ rank inside a group into a global one with ``ops.global_rank(group, group_rank)`
 
 from __future__ import annotations
 
-import statistics  # noqa: F401  (for your solutions: statistics.median, time.perf_counter,
-import time        # noqa: F401   ops.group_rank_and_size, ops.global_rank)
+# for your solutions: statistics.median, time.perf_counter, ops.group_rank_and_size, ops.global_rank
+import statistics  # noqa: F401
+import time  # noqa: F401
 
 import torch
 import torch.distributed as dist

@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 
 from collectives import ops, trace, verify
-from collectives.course.runner import Task, run_tasks
 from collectives.core.ops import ReduceOp
-from collectives.p2p import exchange  # noqa: F401  (lesson 1's reference: use it in task 5)
+from collectives.course.runner import Task, run_tasks
 from collectives.course.verify import CaseResult, Report
+from collectives.p2p import exchange  # noqa: F401  (lesson 1's reference: use it in task 5)
 
 LESSON = 2
 

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from collectives import ops, trace, verify
-from collectives.course.runner import Task, run_tasks
 from collectives.core.ops import ReduceOp
+from collectives.course.runner import Task, run_tasks
 
 LESSON = 3
 

@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 
 from collectives import ops, streams, verify
-from collectives.course.runner import Task, run_tasks
 from collectives.core.ops import ReduceOp
+from collectives.course.runner import Task, run_tasks
 
 LESSON = 5
 DEFAULT_THRESHOLD_BYTES = 1 << 20   # tensors this big or bigger are all-reduced on their own

@@ -277,7 +277,7 @@ def _contract(method: str) -> verify.Report:
 
 
 def check_allgather() -> verify.Report:
-    rank, p = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     x = torch.arange(1, 101, dtype=torch.float32) * (rank + 1)
     idx = torch.arange(rank, 100, 7)
     out = torch.empty(100)
@@ -316,7 +316,8 @@ def check_hook() -> verify.Report:
         g.manual_seed(dist.get_rank())
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for _ in range(3):
-            x, y = torch.randn(4, 8, generator=g, dtype=torch.float64), torch.randn(4, 4, generator=g, dtype=torch.float64)
+            x = torch.randn(4, 8, generator=g, dtype=torch.float64)
+            y = torch.randn(4, 4, generator=g, dtype=torch.float64)
             opt.zero_grad()
             F.mse_loss(model(x), y).backward()
             opt.step()
