@@ -3,7 +3,7 @@
 Three measurements, each printed as a table:
 
 * **selection** (one process): the time of each way to find the k largest of n (topk,
-  sort, kthvalue, reuse) and of a threshold, at the benchmark's size -- the part of a
+  sort, kthvalue, reuse, sample) and of a threshold, at the benchmark's size -- the part of a
   sparse all-reduce that does not shrink with the bytes;
 * **loopback** (``--world`` local ranks): each variant at ``--density`` against the dense
   all-reduce, with its selection time beside its total, so what remains is wire time;
