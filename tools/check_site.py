@@ -201,12 +201,12 @@ async () => {
     docObjects: article.querySelectorAll(".doc-heading, .doc-object").length,
     // what does not fit its column: a code block that scrolls sideways, a table wider
     // than the text (Material wraps tables in a scrolling div)
-    clipped: [...article.querySelectorAll("pre")].filter(p => {
+    clipped: [...article.querySelectorAll("pre")].filter(p => !p.closest("details:not([open])")).filter(p => {
         const box = p.querySelector(":scope > code") || p;
         return box.clientWidth > 0 && box.scrollWidth > box.clientWidth + 1;   // shown, and scrolls
       }).map(p => (p.closest(".jp-Cell") ? "notebook cell: " : "code block: ")
         + p.innerText.trim().split("\n").reduce((a, b) => a.length >= b.length ? a : b, "").slice(0, 60))
-      .concat([...article.querySelectorAll("table")].filter(t => t.offsetParent !== null).filter(t => {
+      .concat([...article.querySelectorAll("table")].filter(t => t.offsetParent !== null && !t.closest("details:not([open])")).filter(t => {
         const wrap = t.closest(".md-typeset__scrollwrap") || t.parentElement;
         return t.scrollWidth > wrap.clientWidth + 1 || t.getBoundingClientRect().right
             > article.getBoundingClientRect().right + 1;
