@@ -19,6 +19,7 @@ from __future__ import annotations
 import html
 import importlib.util
 import posixpath
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -148,6 +149,14 @@ def on_page_content(content: str, page, config, files) -> str:
         bottom = (f'<hr><p class="nb-back"><a class="md-button" href="{html.escape(back)}">'
                   f"← Back to the lesson</a></p>\n")
     return top + content + bottom
+
+
+def on_post_page(output: str, page, config) -> str:
+    # MathJax (2 MB) only where there is math to typeset: most API pages have none.
+    if 'class="arithmatex"' in output:
+        return output
+    return re.sub(r'<script src="[^"]*javascripts/(mathjax-config\.js|mathjax/tex-svg\.js)"></script>\s*',
+                  "", output)
 
 
 def _mathjax_source() -> Path | None:
