@@ -3,19 +3,19 @@
 Three layers, one folder each, imports going one way (tooling -> lessons -> infrastructure)::
 
     collectives/
-      core/      the infrastructure: launch, ops, trace, streams, timing, cost, nccl_memory
+      core/      the infrastructure: launch, ops, trace, streams, timing, cost, nccl_memory, cluster
       p2p.py basics.py naive_ring.py ring.py topologies.py fused/ bucketing/
                  the lessons' reference code, each importing only earlier lessons and core
       course/    the tooling: lesson map, verify, runner, grading, tour, bench, plots, cli
 
 ``from collectives import launch, ops, trace, verify`` (and ``streams``, ``timing``,
-``cost``, ``nccl_memory``) is the short form: the infrastructure is imported with the
+``cost``, ``nccl_memory``, ``cluster``) is the short form: the infrastructure is imported with the
 package, ``verify`` (tooling) only when asked for.
 """
 
 import importlib
 
-from .core import cost, launch, nccl_memory, ops, streams, timing, trace  # noqa: F401
+from .core import cluster, cost, launch, nccl_memory, ops, streams, timing, trace  # noqa: F401
 
 __version__ = "0.1.0"
 

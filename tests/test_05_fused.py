@@ -8,8 +8,8 @@ one world of 4 ranks per module (``graded``), plus one for the reference's own e
 """
 
 import math
-
 import sys
+import weakref
 
 import pytest
 import torch
@@ -202,7 +202,32 @@ def _graded_checks(spec):
     _check(results, "reducer subgroup", lambda: subgroup_only(reducer_call(True)))
     _check(results, "reducer errors", lambda: bad_input_is_refused(reducer_call(True)))
     _check(results, "reducer plans once", lambda: _planned_once(mod, rank))
+    _check(results, "reducer ordered", lambda: _streams_ordered(mod, rank))
     return results
+
+
+def _streams_ordered(mod, rank):
+    """The reducer under streams.checking(): the CPU stand-in streams keep count as a GPU's
+    would, so a missing wait (the copy-in's "filled", the copy-back's "free", the producer,
+    the caller) is reported here. Returns the violations, per setting."""
+    from collectives import streams
+
+    found = {}
+    for double in (True, False):
+        with streams.checking(raise_errors=False) as checker:
+            reducer = mod.FusedAllReducer(THRESHOLD, BUFFER, torch.device("cpu"), double_buffer=double)
+            # six flushes of one tensor each (both buffers used three times), a tensor on its
+            # own, a transposed view; three calls
+            for seed in range(3):
+                tensors = [_values((400,), torch.float32, ReduceOp.SUM, rank, seed + k) for k in range(6)]
+                tensors += [_values((1500,), torch.float32, ReduceOp.SUM, rank, seed),
+                            _values((7, 3), torch.float32, ReduceOp.SUM, rank, seed).t()]
+                expected = [verify.reference_all_reduce(t) for t in tensors]
+                reducer.all_reduce(tensors)
+                reducer.wait()
+                _compare_all(expected, tensors, f"double_buffer={double}, call {seed + 1}")
+        found["double" if double else "single"] = checker.violations
+    return found
 
 
 def _flush_timeline(mod, double, rank):
@@ -451,6 +476,17 @@ def test_double_buffering_issues_the_next_flush_before_the_previous_lands(graded
 
 
 @pytest.mark.task(lesson=5, task=5, points=4, title="FusedAllReducer: cached layout, double buffering")
+def test_streams_are_ordered_by_events_as_a_gpu_needs(graded):
+    # checked on the CPU stand-ins: every read of memory another stream wrote (and every
+    # write of memory another stream used) comes after a wait on an event recorded there
+    for rank, r in enumerate(graded):
+        found = r["reducer ordered"]
+        assert isinstance(found, dict), f"rank {rank}: {found}"
+        for mode, violations in found.items():
+            assert not violations, f"rank {rank}, {mode} buffer: " + "; ".join(violations[:3])
+
+
+@pytest.mark.task(lesson=5, task=5, points=4, title="FusedAllReducer: cached layout, double buffering")
 def test_one_buffer_waits_for_each_flush_before_the_next(graded):
     for rank, r in enumerate(graded):
         timeline = r["reducer overlap single"]
@@ -515,7 +551,7 @@ def _reference_checks():
         return [(e.dtype, e.numel) for e in t.collectives()]
 
     def bind_copies_nothing():
-        reducer = fused.FusedAllReducer(THRESHOLD, BUFFER, torch.device("cpu"))
+        reducer = fused.FastFusedAllReducer(THRESHOLD, BUFFER, torch.device("cpu"))
         tensors = [torch.zeros(n, dtype=d) for n, d in
                    [(200, torch.float32), (3000, torch.float32), (300, torch.float16), (200, torch.float32)]]
         for t in tensors:
@@ -542,7 +578,7 @@ def _reference_checks():
             pass
 
     def repeated_list_reuses_its_plan_until_its_memory_changes():
-        reducer = fused.FusedAllReducer(threshold_bytes=1 << 20, buffer_bytes=1 << 16)
+        reducer = fused.FastFusedAllReducer(threshold_bytes=1 << 20, buffer_bytes=1 << 16)
         ts = [torch.full((5,), float(rank + 1)), torch.ones(3)]
         reducer.all_reduce(ts).wait()
         planned = reducer._recent
@@ -561,12 +597,124 @@ def _reference_checks():
     _check(results, "overflow", overflow_falls_back_to_float32)
     _check(results, "bind", bind_copies_nothing)
     _check(results, "repeated list", repeated_list_reuses_its_plan_until_its_memory_changes)
+    _check(results, "training loop", lambda: _training_loop(torch.device("cpu")))
+    _check(results, "mis-ordered", lambda: _mis_ordered_reducers_are_caught(rank))
     return results
+
+
+def _training_loop(device):
+    """A standard loop: zero_grad() (set_to_none=True, the default), backward, all-reduce,
+    step. Returns, per step, whether the bound reducer recognised the list. (The model's
+    zero_grad() does what the optimizer's does; the update is SGD written out, because
+    constructing a torch.optim optimizer imports the compiler: seconds per rank.)"""
+    from collectives import fused
+
+    rank, p = dist.get_rank(), dist.get_world_size()
+    rtol, atol = verify.tolerance(torch.float32, p)
+    data = torch.Generator().manual_seed(rank)
+
+    def make_model():
+        torch.manual_seed(0)                      # the same model on every rank
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                   torch.nn.LayerNorm(16), torch.nn.Linear(16, 3)).to(device)
+
+    def step(model, reducer, what):
+        loss = model(torch.randn(4, 8, generator=data).to(device)).square().mean()
+        loss.backward()
+        grads = [q.grad for q in model.parameters()]
+        expected = [verify.reference_all_reduce(g) for g in grads]
+        reducer.all_reduce(grads).wait()
+        for i, (e, g) in enumerate(zip(expected, grads)):
+            problem = verify.compare(e, g, exact=False, rtol=rtol, atol=atol)
+            assert problem is None, f"{what}, gradient {i}: {problem}"
+        with torch.no_grad():
+            for q in model.parameters():
+                q -= 0.1 * q.grad
+        return [weakref.ref(g) for g in grads]
+
+    # Passing the gradients as they come: the reducer keeps none of them alive.
+    model = make_model()
+    reducer = fused.FastFusedAllReducer(THRESHOLD, BUFFER, device)
+    last = []
+    for k in range(4):
+        model.zero_grad()
+        held = sum(r() is not None for r in last)
+        assert held == 0, f"step {k + 1}: {held} gradients freed by zero_grad() are still alive"
+        last = step(model, reducer, f"as they come, step {k + 1}")
+
+    # Bound: the list is recognised, and autograd's own gradients are freed at once.
+    model = make_model()
+    made = []                                     # registered first: sees autograd's tensor
+    for q in model.parameters():
+        q.register_post_accumulate_grad_hook(lambda q: made.append(weakref.ref(q.grad)))
+    reducer = fused.FastFusedAllReducer(THRESHOLD, BUFFER, device)
+    reducer.bind_grads(model.parameters())
+    recognised = []
+    for k in range(4):
+        model.zero_grad()
+        step(model, reducer, f"bound, step {k + 1}")
+        recognised.append(reducer._known is not None and reducer._known is reducer._bound)
+        held = sum(r() is not None for r in made)
+        assert held == 0, f"bound, step {k + 1}: {held} of autograd's gradients still alive"
+        made.clear()
+    return recognised
+
+
+def _mis_ordered_reducers_are_caught(rank):
+    """The reference reducer with one wait taken out, under streams.checking(): what is reported."""
+    from collectives import streams
+    from collectives.fused import FusedAllReducer
+
+    def without(stream_name):
+        with streams.checking(raise_errors=False) as checker:
+            reducer = FusedAllReducer(THRESHOLD, BUFFER, torch.device("cpu"))
+            stream = {"copy-in": reducer._copy_in, "comm": reducer._comm}[stream_name]
+            stream.wait_event = lambda event: None          # the mistake: this stream waits on nothing
+            tensors = [_values((400,), torch.float32, ReduceOp.SUM, rank, k) for k in range(6)]
+            expected = [verify.reference_all_reduce(t) for t in tensors]
+            reducer.all_reduce(tensors)
+            reducer.wait()
+            _compare_all(expected, tensors, "on CPU the values still come out right")
+        return checker.violations
+
+    def never_recorded():
+        with streams.checking(raise_errors=False) as checker:
+            side = streams.new_stream(torch.device("cpu"), name="side")
+            side.wait_event(streams.new_event(torch.device("cpu"), name="done"))
+        return checker.violations
+
+    return {"free": without("copy-in"), "filled": without("comm"), "never recorded": never_recorded()}
 
 
 @pytest.fixture(scope="module")
 def reference_extras():
     return launch.run(_reference_checks, WORLD, timeout=60)
+
+
+def test_a_mis_ordered_reducer_fails_on_cpu(reference_extras):
+    for rank, r in enumerate(reference_extras):
+        found = r["mis-ordered"]
+        assert isinstance(found, dict), f"rank {rank}: {found}"
+        # copy-in not waiting for "buffer free": the third flush packs buffer A while the
+        # copy-back of the first may still read it
+        assert any(v.startswith("cat on copy-in writes memory that _foreach_copy_ on copy-back read")
+                   for v in found["free"]), found["free"]
+        # comm not waiting for "filled": the all-reduce reads the buffer before the copy is done
+        assert any("(issued on comm) reduces memory that cat on copy-in wrote" in v
+                   for v in found["filled"]), found["filled"]
+        assert found["never recorded"] == [
+            "side waits on event done, which was never recorded: the wait orders nothing"]
+
+
+def test_checking_raises_at_the_end_of_the_block_and_leaves_the_stand_ins_as_they_were():
+    from collectives import streams
+
+    cpu = torch.device("cpu")
+    with pytest.raises(streams.OrderingError, match="never recorded"):
+        with streams.checking():
+            streams.new_stream(cpu).wait_event(streams.new_event(cpu))
+    assert type(streams.new_stream(cpu)) is streams.NullStream
+    assert type(streams.current_stream(cpu)) is streams.NullStream
 
 
 def test_float16_on_the_wire_stays_within_the_stated_error_bound(reference_extras):
@@ -592,6 +740,16 @@ def test_bound_tensors_are_reduced_in_place_without_copies(reference_extras):
 
 def test_a_repeated_list_reuses_its_plan_and_is_replanned_when_its_memory_changes(reference_extras):
     _assert_ok(reference_extras, "repeated list")
+
+
+def test_a_training_loop_with_default_zero_grad_gets_the_fast_path_and_frees_its_gradients(
+        reference_extras):
+    # zero_grad() sets every .grad to None: the reducer must not keep the old ones alive,
+    # and with bind_grads the list is the bound one on every step from the second on
+    for rank, r in enumerate(reference_extras):
+        recognised = r["training loop"]
+        assert isinstance(recognised, list), f"rank {rank}: {recognised}"
+        assert recognised[1:] == [True, True, True], f"rank {rank}: recognised per step {recognised}"
 
 
 def _host_rows_round_trip(shapes, dtype):
@@ -641,10 +799,10 @@ def test_host_rows_refuse_what_is_not_a_plain_byte_copy():
 
 
 def test_compression_cannot_be_combined_with_bind():
-    from collectives.fused import FusedAllReducer
+    from collectives.fused import FastFusedAllReducer
 
     with pytest.raises(ValueError, match="compress"):
-        FusedAllReducer(compress_fp16=True).bind([torch.zeros(3)])
+        FastFusedAllReducer(compress_fp16=True).bind([torch.zeros(3)])
 
 
 def test_tour_entry_names_the_runner():
@@ -658,7 +816,16 @@ def test_tour_entry_names_the_runner():
 # GPU: the streams really order the work.
 
 def _gpu_producer_is_waited_for(spec):
-    Reducer = resolve(spec + ":FusedAllReducer")
+    mod = resolve(spec)
+    problems = []
+    # the plain reducer, and the reference's fast one (graphs) where there is one
+    for name in ("FusedAllReducer", "FastFusedAllReducer"):
+        if hasattr(mod, name):
+            problems += [f"{name}: {p}" for p in _gpu_steps(getattr(mod, name))]
+    return problems
+
+
+def _gpu_steps(Reducer):
     rank, p = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device())
     reducer = Reducer(64 << 10, 256 << 10, device)
@@ -686,7 +853,7 @@ def _gpu_producer_is_waited_for(spec):
             bad = int((seen != want).sum())
             problems.append(f"{what}: {bad} elements differ from what dist.all_reduce gives")
 
-    # The reference reducer records the list's second call as a CUDA graph and replays it
+    # The reference's fast reducer records the list's second call as a CUDA graph and replays it
     # from then on: steps 2-4 replay; then a different list reuses the same buffers right
     # behind a replay; then the first list again (planned, recorded and replayed anew).
     for k in range(1, 5):
@@ -708,3 +875,15 @@ def _gpu_producer_is_waited_for(spec):
 def test_streams_wait_for_the_producer_and_the_caller_waits_for_the_results(impl):
     results = launch.run(_gpu_producer_is_waited_for, 2, args=(impl,), backend="nccl", timeout=120)
     assert results == [[], []], results
+
+
+def _gpu_training_loop():
+    # the same loop on a GPU: the bound list is known from its first call, recorded as a
+    # CUDA graph then and replayed on steps 2-4, while the hook copies autograd's gradients in
+    return _training_loop(torch.device("cuda", torch.cuda.current_device()))
+
+
+@pytest.mark.gpu
+def test_a_training_loop_with_default_zero_grad_on_gpus():
+    results = launch.run(_gpu_training_loop, 2, backend="nccl", timeout=120)
+    assert results == [[True] * 4, [True] * 4], results

@@ -222,6 +222,53 @@ def all_gather(n: float, p: int) -> Cost:
     return Cost(p - 1, (p - 1) / p * n, (p - 1) / p * n)
 
 
+# ---------------------------------------------------------------------------------------
+# Two tiers: fast links inside a machine, slow ones across.
+#
+#     machine 0                 machine 1
+#   r0 ──inside──► r1 ──across──► r2 ──inside──► r3 ──across──► (back to r0)
+#
+# A flat ring placed machine-major crosses between machines once per machine; every step,
+# every rank sends its chunk at the same moment, so a step lasts as long as its slowest
+# hop: the ring is as slow as its slowest link, whatever the fast ones do.
+
+
+@dataclass(frozen=True)
+class TwoTier:
+    """A cluster's links: ``inside`` a machine (between its ranks) and ``across`` machines."""
+
+    inside: AlphaBeta
+    across: AlphaBeta
+    machines: int
+    ranks_per_machine: int
+
+    @property
+    def p(self) -> int:
+        return self.machines * self.ranks_per_machine
+
+    def step(self, chunk_bytes: float) -> float:
+        """Seconds of one ring step moving ``chunk_bytes`` on every hop at once: its
+        slowest hop (across, once there are two machines)."""
+        hops = [self.inside] if self.ranks_per_machine > 1 else []
+        hops += [self.across] if self.machines > 1 else []
+        return max(link.message(chunk_bytes) for link in hops) if hops else 0.0
+
+
+def predict_flat(name: str, nbytes: float, machine: TwoTier) -> float:
+    """Predicted seconds of a flat algorithm ``name`` (one of :data:`MODELS`) on all
+    ``machine.p`` ranks placed machine-major on a two-tier machine.
+
+    Every step of the critical path costs its slowest hop (:meth:`TwoTier.step`), plus γ
+    for the bytes combined: exact for the ring family, where every step has a hop across
+    machines; an upper bound for an algorithm whose steps could stay inside a machine.
+    """
+    c = cost(name, nbytes, machine.p)
+    if c.steps == 0:
+        return 0.0
+    gamma = max(machine.inside.gamma, machine.across.gamma)
+    return c.steps * machine.step(c.bytes_on_path / c.steps) + c.combine_bytes * gamma
+
+
 def fastest(names: list[str], nbytes: float, p: int, link: AlphaBeta) -> str:
     """The name of the algorithm the model predicts fastest for ``nbytes`` on ``p`` ranks."""
     return min(names, key=lambda name: predict(name, nbytes, p, link))

@@ -30,6 +30,13 @@ What it promises:
   rank 0"), read from the trace.
 * **nothing left behind** -- every child is killed and reaped on every way out, and a
   child dies with its parent.
+
+With ``machines=M`` (or ``cluster=`` a running :class:`~collectives.core.cluster.Cluster`)
+the ranks are spread machine-major over M simulated machines joined by a shaped link: each
+rank enters its machine's network namespace before it opens a socket, gets
+``GROUP_RANK``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` as torchrun would give them and
+``GLOO_SOCKET_IFNAME`` naming its link, and rank 0 hosts the store on machine 0's address.
+The same promises hold (needs root and iproute2).
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from . import trace
+from . import cluster as _cluster, trace
 
 __all__ = ["run", "RankError", "WorldTimeout", "auto_backend"]
 
@@ -125,10 +132,19 @@ def _die_with_parent() -> None:
 
 
 def _worker(rank, world_size, local_world_size, fn, args, kwargs, backend, port_box, conn,
-            board, pg_timeout, init_timeout, threads, env):
+            board, pg_timeout, init_timeout, threads, env, machine):
     _die_with_parent()
     status = board.slot(rank)
     try:
+        store_addr = "127.0.0.1"
+        if machine is not None:
+            # A rank of a simulated cluster: move into its machine's network namespace
+            # before any socket exists, so everything it opens lives there.
+            netns_path, cluster_env = machine
+            status.set("starting: entering its machine's network namespace")
+            _cluster.enter_namespace(netns_path)
+            os.environ.update(cluster_env)
+            store_addr = cluster_env["MASTER_ADDR"]
         os.environ.update(env)
         if threads:
             torch.set_num_threads(threads)
@@ -137,7 +153,7 @@ def _worker(rank, world_size, local_world_size, fn, args, kwargs, backend, port_
         # the parent runs no store thread, so nothing it holds is forked mid-operation.
         init = datetime.timedelta(seconds=init_timeout)
         if rank == 0:
-            store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,
+            store = dist.TCPStore(store_addr, 0, world_size, is_master=True,
                                   wait_for_workers=False, timeout=init)
             port_box.value = store.port
         else:
@@ -146,13 +162,14 @@ def _worker(rank, world_size, local_world_size, fn, args, kwargs, backend, port_
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"rank 0 did not open the store within {init_timeout:g} s")
                 time.sleep(0.002)
-            store = dist.TCPStore("127.0.0.1", port_box.value, world_size, is_master=False, timeout=init)
+            store = dist.TCPStore(store_addr, port_box.value, world_size, is_master=False,
+                                  timeout=init)
         port = port_box.value
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size),
                           LOCAL_RANK=str(rank % local_world_size),
                           LOCAL_WORLD_SIZE=str(local_world_size),
                           GROUP_RANK=str(rank // local_world_size),
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                          MASTER_ADDR=store_addr, MASTER_PORT=str(port))
         store.set_timeout(datetime.timedelta(seconds=pg_timeout))
         device_id = None
         if backend == "nccl":
@@ -188,7 +205,9 @@ def _worker(rank, world_size, local_world_size, fn, args, kwargs, backend, port_
 def run(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwargs: dict | None = None,
         *, backend: str | None = None, timeout: float = 120.0, start_method: str | None = None,
         local_world_size: int | None = None, threads: int | None = 1,
-        env: dict[str, str] | None = None, init_timeout: float = 30.0) -> list[Any]:
+        env: dict[str, str] | None = None, init_timeout: float = 30.0,
+        machines: int | None = None, link: str = "1gbit", burst: str = "256kb",
+        rails: bool = False, cluster: "_cluster.Cluster | None" = None) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the results, rank 0 first.
 
     Args:
@@ -201,6 +220,14 @@ def run(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwargs: d
         threads: intra-op threads per rank (1: ranks share few cores); ``None`` leaves torch's default.
         env: extra environment variables for the ranks.
         init_timeout: seconds the ranks may take to find each other before failing.
+        machines: spread the ranks over this many simulated machines
+            (:class:`~collectives.core.cluster.Cluster`, made for this call and removed
+            after it): machine-major, ``world_size // machines`` ranks on each, every rank
+            in its machine's network namespace with ``GLOO_SOCKET_IFNAME`` set to its link.
+        link, burst, rails: the cluster's link rate, token-bucket depth and one link per
+            local rank (see :class:`~collectives.core.cluster.Cluster`).
+        cluster: a running cluster to place the ranks on instead (one cluster, many
+            worlds); ``machines``, ``link``, ``burst`` and ``rails`` are then its own.
 
     Raises:
         RankError: a rank raised or died; the message names it and carries its traceback.
@@ -213,6 +240,25 @@ def run(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwargs: d
         raise RuntimeError(f"backend='nccl' needs {world_size} GPUs, found {torch.cuda.device_count()}")
     if start_method is None:
         start_method = "spawn" if backend == "nccl" else "fork"
+    if cluster is None and machines is not None:
+        if machines < 2 or world_size % machines:
+            raise ValueError(f"world_size {world_size} does not split over {machines} machines "
+                             "(at least 2, each with the same number of ranks)")
+        with _cluster.Cluster(machines, world_size // machines, link=link, burst=burst,
+                              rails=rails) as made:
+            return run(fn, world_size, args, kwargs, backend=backend, timeout=timeout,
+                       start_method=start_method, local_world_size=local_world_size,
+                       threads=threads, env=env, init_timeout=init_timeout, cluster=made)
+    placements = [None] * world_size
+    if cluster is not None:
+        if world_size % cluster.n_machines:
+            raise ValueError(f"world_size {world_size} does not split over {cluster.n_machines} "
+                             "machines: give each machine the same number of ranks")
+        if local_world_size not in (None, world_size // cluster.n_machines):
+            raise ValueError(f"local_world_size is {world_size // cluster.n_machines} on this cluster")
+        local_world_size = world_size // cluster.n_machines
+        placements = [(cluster.machines[rank // local_world_size].netns_path,
+                       cluster.rank_env(rank, world_size)) for rank in range(world_size)]
     ctx = mp.get_context(start_method)
     board = _StatusBoard(ctx, world_size)
     # The store's port is picked by the kernel (rank 0 publishes it here), so two worlds
@@ -226,7 +272,8 @@ def run(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwargs: d
             p = ctx.Process(target=_worker, name=f"rank{rank}", daemon=True,
                             args=(rank, world_size, local_world_size or world_size, fn, args,
                                   kwargs, backend, port_box, child_end, board, pg_timeout,
-                                  min(init_timeout, timeout), threads, dict(env or {})))
+                                  min(init_timeout, timeout), threads, dict(env or {}),
+                                  placements[rank]))
             p.start()
             child_end.close()
             procs.append(p)

@@ -10,7 +10,8 @@ in one world, every way this lesson discusses:
   one tensor, back to it): the floor for copying in and back around one call;
 * ``cat + copy_ loop`` -- ``torch.cat`` into a new tensor, all-reduce, a Python loop of
   ``copy_`` back: fusion as first written;
-* ``fused``            -- :class:`~collectives.fused.FusedAllReducer` with one buffer that
+* ``fused``            -- :class:`~collectives.fused.FastFusedAllReducer` (the lesson's
+  reducer with the training-loop fast path: the same list every run) with one buffer that
   holds everything (on GPUs each call after the second replays one CUDA graph; ``fused,
   eager`` issues every call afresh); then buffers of ``--split`` bytes, with and without
   double buffering;
@@ -40,7 +41,7 @@ import torch.distributed as dist
 
 from ..core import cost, launch, ops, timing, trace
 from ..core.ops import ReduceOp
-from ..fused import FusedAllReducer, fused_all_reduce
+from ..fused import FastFusedAllReducer, fused_all_reduce
 from . import verify
 
 
@@ -78,8 +79,8 @@ def _cases(count: int, numel: int, split_bytes: int, cuda: bool = False):
 
     def fused(buffer_bytes, double, bind=False, graphs=True):
         def setup(ts, flat):
-            reducer = FusedAllReducer(threshold_bytes=total + 1, buffer_bytes=buffer_bytes,
-                                      device=ts[0].device, double_buffer=double, graphs=graphs)
+            reducer = FastFusedAllReducer(threshold_bytes=total + 1, buffer_bytes=buffer_bytes,
+                                          device=ts[0].device, double_buffer=double, graphs=graphs)
             if bind:
                 ts = [t.clone() for t in ts]   # bind re-points them: keep the others' tensors apart
                 reducer.bind(ts)
@@ -214,7 +215,7 @@ def _flush_timeline(count: int, numel: int, buffer_bytes: int) -> dict:
     tensors = [torch.randn(numel) for _ in range(count)]
     out = {}
     for double in (False, True):
-        reducer = FusedAllReducer(count * numel * 4 + 1, buffer_bytes, double_buffer=double)
+        reducer = FastFusedAllReducer(count * numel * 4 + 1, buffer_bytes, double_buffer=double)
         for _ in range(3):                      # warm-up: buffers, layout, first touch
             reducer.all_reduce(tensors)
             reducer.wait()
@@ -304,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# The tour's row (collectives.fused.tour_runner calls this).
+# The tour's row (the tour's table names this runner).
 
 def _mixed_list(rank: int, device) -> list[torch.Tensor]:
     """Odd sizes, an empty tensor, one over the threshold, four dtypes, a transposed view."""
@@ -336,7 +337,7 @@ def tour_runner(nbytes: int) -> dict:
     count, numel = 1000, 1000
     tensors = [torch.randn(numel, device=device) for _ in range(count)]
     flat = torch.randn(count * numel, device=device)
-    reducer = FusedAllReducer(device=device)
+    reducer = FastFusedAllReducer(device=device)
     with trace.recording() as t:
         reducer.all_reduce(tensors)
         reducer.wait()

@@ -5,7 +5,7 @@ own (at or over the threshold) and which share a fused buffer -- one buffer per 
 closed when the next tensor would overflow it. :func:`copy_in` and :func:`copy_back` move a
 whole group in one call each (``torch.cat`` in, ``torch._foreach_copy_`` out), and
 :func:`flush` is the whole unfused-to-fused round trip without streams.
-:mod:`collectives.fused` builds the streamed, double-buffered all-reducer on these.
+:mod:`collectives.fused.reducer` builds the streamed, double-buffered all-reducer on these.
 """
 
 from __future__ import annotations
@@ -74,8 +74,14 @@ def plan_layout(specs: Sequence[tuple[int, torch.dtype]], threshold_bytes: int =
     * a tensor of ``threshold_bytes`` or more (or one that alone overflows a buffer) is
       all-reduced directly, at its place in the order;
     * every other tensor joins the open bucket of its dtype; when it would overflow that
-      bucket, the bucket is flushed first (SINGA's rule) and a new one opened;
+      bucket, the bucket is flushed first and a new one opened;
     * at the end, the open buckets are flushed in the order they were opened.
+
+    SINGA's rule differs: it sees one gradient at a time, copies it into the buffer as
+    autograd yields it, and sends the buffer *after* adding it, once the elements gathered
+    exceed its threshold (which also sends larger gradients on their own). Planning the whole
+    list first closes a bucket *before* the tensor that would overflow it instead, so no
+    flush is larger than ``buffer_bytes``.
 
     Every rank plans from the same shapes, so every rank issues the same all-reduces in
     the same order -- what keeps the collectives matched.
@@ -148,7 +154,7 @@ def copy_back(buffer: torch.Tensor, tensors: Sequence[torch.Tensor],
 
 
 def flush(tensors: Sequence[torch.Tensor], buffer: torch.Tensor, op=ReduceOp.SUM, group=None):
-    """SINGA's step, plainly: copy ``tensors`` into ``buffer``, start one all-reduce of the
+    """The fused step, plainly: copy ``tensors`` into ``buffer``, start one all-reduce of the
     filled part. Returns ``(work, filled)``: ``work.wait()``, divide for AVG
     (:func:`collectives.core.ops.finish_`), then :func:`copy_back`. AVG travels as SUM."""
     filled = copy_in(tensors, buffer)

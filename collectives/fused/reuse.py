@@ -1,11 +1,11 @@
-"""Lesson 5, part 3: what a training loop's second call need not do again.
+"""Lesson 5, part 3: the mechanics of the fast path -- what a training loop's second call need not do again.
 
 A training loop hands the fused all-reducer the same tensors every step. On a GPU that
 matters more than the bytes: for 1000 tensors of 16 KiB, planning the list costs several
 hundred µs of host time, a ``torch.cat`` 0.3 ms and a ``_foreach_copy_`` 0.45 ms, while the
 flat all-reduce of the same 16 MiB takes 0.2 ms in all (H200; ``tools/gpu_fused_profile.py``).
 The work is per tensor, on the host; the GPU moves the bytes in microseconds. Three ways
-to stop paying it every step, used by :class:`collectives.fused.FusedAllReducer`:
+to stop paying it every step, used by :class:`collectives.fused.fast.FastFusedAllReducer`:
 
 * :class:`KnownList` -- recognise a list seen before (same tensor objects, same memory)
   in two C-level passes, and reuse its plan;
@@ -20,15 +20,15 @@ to stop paying it every step, used by :class:`collectives.fused.FusedAllReducer`
   gather (in) and one scatter (back), at ``memcpy`` speed -- 0.2 ms each way for 1000
   tensors of 4000 bytes, against 0.5 ms for ``torch.cat`` or a loop of NumPy copies;
 * :func:`move_into_arenas` -- make the copies unnecessary: the tensors are re-pointed into
-  the fused buffer itself (``FusedAllReducer.bind``), as DDP's ``gradient_as_bucket_view``
+  the fused buffer itself (``FastFusedAllReducer.bind``), as DDP's ``gradient_as_bucket_view``
   and Megatron-LM's contiguous gradient buffer do.
 """
 
 from __future__ import annotations
 
 import bisect
-import operator
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -37,30 +37,48 @@ import torch
 from .layout import Bucket, slot_views
 
 
-@dataclass
 class KnownList:
-    """A list of tensors recognised in O(1) Python calls, with what was made for it."""
+    """A list of tensors recognised in O(1) Python calls, with what was made for it.
 
-    tensors: list[torch.Tensor]
-    data_ptrs: list[int]
-    plan: Any                       # the reducer's prepared plan for this list
-    graph: Any = None               # its recorded step (a CUDA graph), once there is one
-    host_rows: dict = field(default_factory=dict)   # CPU: bucket -> HostRows.of(), or None
+    It holds its tensors by weak reference: a training loop's old gradients are freed
+    when the loop drops them, and a list with a freed tensor matches nothing again.
+    """
+
+    def __init__(self, tensors: list[torch.Tensor], plan):
+        self.plan = plan                # the reducer's prepared plan for this list
+        self.graph: Any = None          # its recorded step (a CUDA graph), once there is one
+        self.host_rows: dict = {}       # CPU: bucket -> HostRows.of(), or None
+        self.arenas: list | None = None  # bound lists: per bucket, the memory its tensors live in
+        alive = self._alive = [True]    # cleared when any tensor of the list is freed
+
+        def freed(_ref, alive=alive):
+            alive[0] = False
+        self._refs = [weakref.ref(t, freed) for t in tensors]
+        self.ids = list(map(id, tensors))
+        self.data_ptrs = list(map(torch.Tensor.data_ptr, tensors))
 
     @classmethod
     def of(cls, tensors: list[torch.Tensor], plan) -> "KnownList":
-        return cls(tensors, list(map(torch.Tensor.data_ptr, tensors)), plan)
+        return cls(tensors, plan)
+
+    @property
+    def tensors(self) -> list[torch.Tensor | None]:
+        """The tensors, where still alive (None for a freed one)."""
+        return [ref() for ref in self._refs]
 
     def matches(self, tensors: list[torch.Tensor]) -> bool:
         """The same tensor objects, in the same order, still in the same memory.
 
-        A tensor given new memory (``t.data = ...``, ``set_``) no longer matches; one reshaped
-        in place (``resize_``) to the same address would, so the reducer asks callers not to.
-        For 1000 tensors the two passes cost about 15 and 55 µs of host time on an H200's
-        host: the floor of this check, one C call per tensor. (torch's C++ loop for the same
-        check, ``torch._C._tensors_data_ptrs_at_indices_equal``, measured slower: 84 µs.)
+        Same objects: every tensor of the list is still alive and the ids are the same (two
+        live objects never share an id). A tensor given new memory (``t.data = ...``,
+        ``set_``) no longer matches; one reshaped in place (``resize_``) to the same address
+        would, so the reducer asks callers not to. For 1000 tensors the two passes cost about
+        15 and 55 µs of host time on an H200's host: the floor of this check, one C call per
+        tensor. (torch's C++ loop for the same check,
+        ``torch._C._tensors_data_ptrs_at_indices_equal``, measured slower: 84 µs.)
         """
-        return (len(tensors) == len(self.tensors) and all(map(operator.is_, tensors, self.tensors))
+        return (self._alive[0] and len(tensors) == len(self.ids)
+                and list(map(id, tensors)) == self.ids
                 and list(map(torch.Tensor.data_ptr, tensors)) == self.data_ptrs)
 
 

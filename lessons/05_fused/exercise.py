@@ -244,10 +244,20 @@ class FusedAllReducer:
                   one (double_buffer=False) each flush lands before the next is packed.
         EXAMPLE:  six tensors of 400 float32, buffers of 512 elements: six flushes;
                   with two buffers flush 2 waits for flush 0, flush 3 for flush 1, ...
-        HINT:     streams (no-ops on CPU, real on CUDA): self._copy_in.wait_stream(current)
+        HINT:     streams (stand-ins on CPU, real on CUDA): self._copy_in.wait_stream(current)
                   before packing (the producer wrote the tensors there), pack under
                   streams.use(self._copy_in), start the all-reduce under
                   streams.use(self._comm) after self._comm waits on the copy-in.
+                  Each buffer needs two events (streams.new_event(self.device)):
+                  "filled" -- recorded on the copy-in stream after packing, waited on by
+                  the comm stream before the all-reduce; and "buffer free" -- recorded on
+                  the copy-back stream after that buffer's results were copied back,
+                  waited on by the copy-in stream before packing the buffer again (record
+                  it once when the buffer is made, so the first wait has something to wait
+                  on). Without "buffer free", on a GPU the next group overwrites the buffer
+                  while the previous one is still being copied out of it. On CPU,
+                  ``with streams.checking():`` reports a missing wait; the graded tests
+                  run your reducer inside it.
         """
         raise NotImplementedError("Lesson 5, task 5: FusedAllReducer.all_reduce")
 
@@ -335,14 +345,19 @@ def check_fused_all_reduce():
 def check_reducer():
     rank, report = dist.get_rank(), verify.Report()
     for double in (True, False):
-        reducer = FusedAllReducer(4096, 2048, torch.device("cpu"), double_buffer=double)
-        for seed in (0, 1):
-            tensors = _mixed(ReduceOp.SUM, rank, seed)
-            expected = [verify.reference_all_reduce(t) for t in tensors]
-            reducer.all_reduce(tensors)
-            reducer.wait()
-            _compare_lists(report, f"FusedAllReducer double_buffer={double} call {seed + 1}",
-                           expected, tensors)
+        # streams.checking(): the CPU stand-in streams keep count as a GPU's would
+        with streams.checking(raise_errors=False) as checker:
+            reducer = FusedAllReducer(4096, 2048, torch.device("cpu"), double_buffer=double)
+            for seed in (0, 1):
+                tensors = _mixed(ReduceOp.SUM, rank, seed)
+                expected = [verify.reference_all_reduce(t) for t in tensors]
+                reducer.all_reduce(tensors)
+                reducer.wait()
+                _compare_lists(report, f"FusedAllReducer double_buffer={double} call {seed + 1}",
+                               expected, tensors)
+        report.results.append(verify.CaseResult(
+            f"FusedAllReducer double_buffer={double}: streams ordered by events", rank,
+            not checker.violations, "; ".join(checker.violations[:2])))
     return report
 
 
