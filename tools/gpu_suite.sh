@@ -6,7 +6,7 @@
 # goes, so one hang costs one step. Tables, JSON and plots are packed into OUTDIR/gpu.tar.gz.
 set -uo pipefail
 OUT=${1:-gpu-results}; shift || true
-PARTS=${*:-ringcheck allreduce registered tests fused ddp tour}
+PARTS=${*:-ringcheck allreduce registered tests fused ddp hier tour}
 mkdir -p "$OUT"
 WORK=$(mktemp -d)
 LOG="$OUT/log.txt"
@@ -48,6 +48,8 @@ for part in $PARTS; do case $part in
     step 150 python3 -m collectives bench-fused --backend nccl --world "$four" --numel 4096 --out "$WORK/fused-p$four" ;;
   ddp)
     CUDA_VISIBLE_DEVICES=0,1 step 150 python3 -m collectives bench-ddp --backend nccl --world 2 --out "$WORK/ddp-p2" ;;
+  hier)        # lesson 7: hierarchical all-reduce against NCCL, layouts (1, 2) and (2, 1), 256 MiB
+    CUDA_VISIBLE_DEVICES=0,1 step 200 python3 tools/gpu_hierarchical.py --world 2 --size 256M ;;
   tour)
     step 200 python3 -m collectives tour --backend nccl --world "$four" --size 64M --json "$WORK/tour-p$four.json" ;;
 esac; done

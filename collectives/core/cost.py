@@ -295,3 +295,138 @@ def measure_gamma(nbytes: int = 16 << 20, repeats: int = 5, dtype=None) -> float
         acc.add_(incoming)
         times.append(time.perf_counter() - t0)
     return statistics.median(times) / (n * acc.element_size())
+
+
+# ---------------------------------------------------------------------------------------
+# Two tiers: fast links inside a machine, slow ones between machines (lesson 7).
+
+@dataclass(frozen=True)
+class Tiers:
+    """The two links of a cluster: ``inside`` a machine and ``across`` machines.
+
+    ``rails``: each local rank has a cross-machine link of its own (one NIC per GPU, as
+    on DGX-class machines); otherwise the D ranks of a machine share one link, and what
+    they send across at the same time adds up on it. (:class:`TwoTier` describes the same
+    two links with the cluster's shape, for :func:`predict_flat`; the functions below
+    accept either.)
+    """
+
+    inside: AlphaBeta
+    across: AlphaBeta
+    rails: bool = False
+
+
+# What hierarchical_all_reduce assumes when it is not told: gloo over loopback inside a
+# machine (≈ 50 µs, ≈ 1 GB/s: gloo's busbw on a 2-core CPU), 1 Gbit/s Ethernet between machines.
+DEFAULT_TIERS = Tiers(AlphaBeta(50e-6, 1 / 1e9), AlphaBeta(100e-6, 8 / 1e9))
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of an all-reduce on a two-tier cluster, for n bytes."""
+
+    name: str
+    tier: str                 # "inside" or "across"
+    steps: int                # messages on the critical path (α each)
+    bytes_per_rank: float     # bytes each rank sends in the stage
+    link_bytes: float         # bytes on the busiest link of the tier (β each)
+
+    def seconds(self, tiers: Tiers) -> float:
+        link = tiers.inside if self.tier == "inside" else tiers.across
+        return self.steps * link.alpha + self.link_bytes * link.beta
+
+
+TIERED = ("flat_ring", "root_based", "rail_all_reduce", "hierarchical")
+
+
+def tiered(name: str, n: float, D: int, M: int, rails: bool = False) -> list[Stage]:
+    """The stages of all-reduce ``name`` for n bytes on D ranks per machine × M machines.
+
+    * ``flat_ring``: one ring over all D·M ranks, machine-major. One ring edge per machine
+      leaves it, so each of the 2(p − 1) steps puts n/p on the machine's link: 2(p − 1)/p·n
+      across, on one link even when there are rails (what ``dist.all_reduce`` does too).
+    * ``root_based`` (Horovod's first hierarchy): reduce to local rank 0, ring all-reduce of
+      the whole tensor between the M roots, broadcast inside. Only the roots' links carry
+      the 2(M − 1)/M·n across.
+    * ``rail_all_reduce``: reduce-scatter inside, ring all-reduce of n/D on each rail,
+      all-gather inside: 2(M − 1)/M·n/D per rank across.
+    * ``hierarchical`` (Fairring): reduce-scatter inside, collect (all-to-all) and diffuse
+      (all-gather) on each rail, all-gather inside: the same bytes as ``rail_all_reduce``
+      in 2 rounds across instead of 2(M − 1).
+
+    Without rails the D ranks of a machine share its link, so a stage in which every rank
+    sends b across puts D·b on it.
+    """
+    p = D * M
+    share = 1 if rails else D            # ranks whose cross-machine bytes share one link
+    inside_rs = (D - 1) / D * n
+    if name == "flat_ring":
+        if p == 1:
+            return []
+        tier = "across" if M > 1 else "inside"
+        return [Stage("ring", tier, 2 * (p - 1), 2 * (p - 1) / p * n, 2 * (p - 1) / p * n)]
+    out = []
+    if name == "root_based":
+        if D > 1:
+            out.append(Stage("reduce to the root", "inside", D - 1, n, (D - 1) * n))
+        if M > 1:
+            out.append(Stage("ring all-reduce of the roots", "across", 2 * (M - 1),
+                             2 * (M - 1) / M * n, 2 * (M - 1) / M * n))
+        if D > 1:
+            out.append(Stage("broadcast from the root", "inside", D - 1, (D - 1) * n, (D - 1) * n))
+        return out
+    if name not in ("rail_all_reduce", "hierarchical"):
+        raise KeyError(f"no tiered model named {name!r}; known: {', '.join(TIERED)}")
+    if D > 1:
+        out.append(Stage("reduce-scatter", "inside", D - 1, inside_rs, inside_rs))
+    if M > 1:
+        per_rank = (M - 1) / M * n / D
+        if name == "rail_all_reduce":
+            out.append(Stage("ring all-reduce on the rail", "across", 2 * (M - 1), 2 * per_rank,
+                             2 * per_rank * share))
+        else:
+            out.append(Stage("collect", "across", 1, per_rank, per_rank * share))
+            out.append(Stage("diffuse", "across", 1, per_rank, per_rank * share))
+    if D > 1:
+        out.append(Stage("all-gather", "inside", D - 1, inside_rs, inside_rs))
+    return out
+
+
+def predict_tiered(name: str, n: float, D: int, M: int, tiers: Tiers, slices: int = 1) -> float:
+    """Predicted seconds of ``name`` on the two tiers; ``slices`` > 1 pipelines them.
+
+    With S slices each stage moves n/S. The inside link and the cross link work at the
+    same time, each on its own stages, so the slowest of the two sets the pace: one slice
+    goes through every stage, and the other S − 1 follow at the pace of the busier tier::
+
+        T(S) ≈ Σ_stages t(n/S) + (S − 1) · max(Σ_inside t(n/S), Σ_across t(n/S))
+
+    ``slices = 1`` is the plain sum of the stages. ``tiers`` may also be a :class:`TwoTier`
+    (fitted on a cluster; no rails): only its ``inside`` and ``across`` links are read.
+    """
+    stages = tiered(name, n / slices, D, M, getattr(tiers, "rails", False))
+    total = sum(s.seconds(tiers) for s in stages)
+    if slices == 1:
+        return total
+    by_tier = {"inside": 0.0, "across": 0.0}
+    for s in stages:
+        by_tier[s.tier] += s.seconds(tiers)
+    return total + (slices - 1) * max(by_tier.values())
+
+
+def best_slice_bytes(n: float, D: int, M: int, tiers: Tiers, largest_slices: int = 64) -> int:
+    """The slice size (bytes) for which :func:`predict_tiered` of ``hierarchical`` is least.
+
+    More slices hide more of the cheaper tier under the busier one, and each pays every
+    stage's α again: the best count balances the two. Tried: 1 to ``largest_slices``.
+    """
+    if n <= 0:
+        return 1
+    best = min(range(1, largest_slices + 1),
+               key=lambda s: predict_tiered("hierarchical", n, D, M, tiers, s))
+    return max(1, math.ceil(n / best))
+
+
+def cross_bytes_per_rank(name: str, n: float, D: int, M: int) -> float:
+    """Bytes the busiest rank sends across machines (the ring: a rank at a machine's edge)."""
+    return sum(s.bytes_per_rank for s in tiered(name, n, D, M) if s.tier == "across")

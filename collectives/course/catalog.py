@@ -49,6 +49,7 @@ LESSONS = [
            also=("collectives.topologies",)),
     Lesson(5, "fused", "Fused buffers, after SINGA", "collectives.fused"),
     Lesson(6, "bucketing", "DDP gradient bucketing", "collectives.bucketing"),
+    Lesson(7, "hierarchical", "Hierarchical all-reduce, after Fairring", "collectives.hierarchical"),
 ]
 
 

@@ -6,6 +6,7 @@
   bench        all-reduce algorithms against dist.all_reduce, nccl-tests style (make bench)
   bench-fused  the fused all-reducer against one flat all-reduce and per-tensor calls
   bench-ddp    the bucketed reducer against torch DDP
+  bench-hier   hierarchical all-reduce against the flat ring on the simulated cluster
   bench-cluster  the two tiers of a simulated cluster fitted, the flat ring predicted and measured
   cluster      one torchrun per machine of a simulated cluster: cluster --machines 2 -- CMD...
 """
@@ -22,6 +23,7 @@ COMMANDS = {
     "bench": "collectives.course.bench:main",
     "bench-fused": "collectives.course.fused_bench:main",
     "bench-ddp": "collectives.course.bucketing_bench:main",
+    "bench-hier": "collectives.course.hierarchical_bench:main",
     "bench-cluster": "collectives.course.cluster_bench:main",
     "cluster": "collectives.course.cluster_cli:main",
 }

@@ -72,6 +72,8 @@ TOUR = [
               runner="collectives.course.fused_bench:tour_runner"),
     TourEntry(6, "bucketed reducer", target="collectives.bucketing:BucketedReducer",
               runner="collectives.course.bucketing_bench:tour_fields"),
+    TourEntry(7, "hierarchical (2 machines)", target="collectives.hierarchical:hierarchical_all_reduce",
+              runner="collectives.course.hierarchical_bench:tour_runner"),
 ]
 
 

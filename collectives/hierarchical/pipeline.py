@@ -1,0 +1,158 @@
+"""Pipelined slices: stage k of slice i + 1 runs while stage k + 1 of slice i does.
+
+The tensor is cut into slices (a multiple of D·M elements each, so only the last one
+needs the padding slot). Every stage has a stream of its own and a process group of its
+own; slice i's stage k starts when its stage k − 1 is done, whatever the other slices
+are doing::
+
+    time ─►        t0      t1        t2        t3         t4         t5        t6
+    reduce-scatter  s0      s1        s2
+    collect                 s0        s1        s2
+    add                               s0        s1         s2
+    diffuse                                     s0         s1         s2
+    all-gather                                             s0         s1        s2
+
+Inside a machine the links are fast and across machines slow, so the inside stages of
+one slice hide under the slow stages of its neighbours: at best the time of the
+across-machine stages alone. Fairring chains the stages with CUDA events; here it is the
+same code on every device: each stage is issued with ``async_op=True`` under its stream
+(:mod:`collectives.streams`), and the next stage of the same slice first calls ``wait()``
+on its handles *under its own stream*. On NCCL that makes that stream wait -- the host
+moves on at once; on gloo (CPU) it blocks the host until the operation is done, and only
+there: the operations of other slices, on other groups, keep running on gloo's threads.
+
+The schedule is a wavefront, the same on every rank: at tick t, stage k works on slice
+t − k, the last stage first, so that a slot is released before the next slice asks for it.
+Every rank therefore issues the same operations on each group in the same order.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from ..core import cost, ops, streams
+from ..core.ops import ReduceOp
+
+from .layout import Layout, resolve, stage_groups
+from .slice import NUM_SLOTS, Slice, SlotPool
+
+_state: dict[tuple, dict] = {}     # per (groups, device): the stage streams and the slot pools
+
+
+def _device_state(groups, device) -> dict:
+    key = (id(groups), str(device))
+    if key not in _state:
+        _state[key] = {
+            "streams": [streams.new_stream(device) for _ in range(5)],
+            "pools": {"staging": SlotPool(NUM_SLOTS), "padding": SlotPool(NUM_SLOTS)},
+        }
+    return _state[key]
+
+
+def default_slice_numel(numel: int, element_size: int, layout: Layout,
+                        tiers: cost.Tiers | None = None) -> int:
+    """The slice size the tier-aware cost model finds fastest (:func:`cost.best_slice_bytes`)."""
+    nbytes = numel * element_size
+    best = cost.best_slice_bytes(nbytes, layout.D, layout.M, tiers or cost.DEFAULT_TIERS)
+    return max(1, best // element_size)
+
+
+def hierarchical_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, layout=None,
+                            slice_numel: int | None = None, initial_event=None) -> None:
+    """All-reduce ``tensor`` in place, hierarchically: five stages per slice, slices pipelined.
+
+    Args:
+        tensor: any tensor; a non-contiguous one is reduced through a contiguous copy.
+        op: SUM, PRODUCT, MIN, MAX or AVG (SUM, then one division of the owned block).
+        group: the process group (the world by default).
+        layout: ``(D, M)`` ranks per machine and machines; default from the environment
+            (``LOCAL_WORLD_SIZE``). It must match the group's size.
+        slice_numel: elements per slice (rounded down to a multiple of D·M); default from
+            the cost model; ``slice_numel >= tensor.numel()`` runs one slice.
+        initial_event: an event (``collectives.streams``) the first stage waits for, so
+            that writes the caller queued before it are seen; default: the caller's stream.
+
+    Cost, n bytes, one slice: inside 2(D − 1)·α_in + 2(D − 1)/D·n·β_in, across
+    2(M − 1)·α_x + 2(M − 1)/M·n/D·β_x per rank (:func:`cost.tiered`); pipelined over S
+    slices, about the across-machine stages alone plus one slice of the others.
+    """
+    ops.check_all_reduce_args(tensor, op, group, what="hierarchical_all_reduce")
+    shape = resolve(layout, group)
+    p = dist.get_world_size(group)
+    if tensor.numel() == 0:
+        return
+    if p == 1:
+        return              # one rank: SUM, MIN, MAX, PRODUCT and AVG leave it as it is
+    groups = stage_groups(shape, group)
+    flat = ops.work_buffer(tensor.detach())
+    device = flat.device
+    state = _device_state(groups, device)
+    stage_streams, pools = state["streams"], state["pools"]
+    DM = shape.D * shape.M
+    if slice_numel is None:
+        slice_numel = default_slice_numel(flat.numel(), flat.element_size(), shape)
+    if slice_numel < 1:
+        raise ValueError(f"hierarchical_all_reduce: slice_numel must be positive, got {slice_numel}")
+    step = max(DM, slice_numel // DM * DM)
+    bounds = [(lo, min(lo + step, flat.numel())) for lo in range(0, flat.numel(), step)]
+
+    caller = streams.current_stream(device)
+    if initial_event is not None:
+        stage_streams[0].wait_event(initial_event)
+    else:
+        stage_streams[0].wait_stream(caller)
+
+    slices: list[Slice | None] = [None] * len(bounds)
+    pending: dict[int, list] = {}      # slice -> handles its next stage must wait for
+
+    def run_stage(k: int, i: int) -> None:
+        stream = stage_streams[min(k, 4)]
+        with streams.use(stream):
+            for work in pending.pop(i, []):
+                work.wait()                           # NCCL: this stream waits; gloo: the host
+            works = []
+            if k == 0:
+                lo, hi = bounds[i]
+                slices[i] = Slice(flat[lo:hi], groups, op, p, pools, stage_streams, index=i)
+                works = slices[i].reduce_scatter()
+            elif k == 1:
+                works = slices[i].collect()
+            elif k == 2:
+                slices[i].add()
+            elif k == 3:
+                works = slices[i].diffuse()
+            elif k == 4:
+                works = slices[i].all_gather()
+            else:
+                slices[i].finish()
+                slices[i] = None                      # its views are no longer needed
+                return
+            # This stream's own work (copies, the add) and everything it waited for: the next
+            # stage waits for this mark too, so a skipped stage (D or M = 1) still orders them.
+            mark = streams.new_event(device)
+            mark.record(stream)
+            pending[i] = works + [mark]
+
+    stages = 6   # the five stages, and the copy back of the padding
+    for tick in range(len(bounds) + stages - 1):
+        for k in reversed(range(stages)):
+            i = tick - k
+            if 0 <= i < len(bounds):
+                run_stage(k, i)
+
+    caller.wait_stream(stage_streams[4])
+    ops.write_back(tensor.detach(), flat)
+
+
+def one_slice_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, layout=None) -> None:
+    """:func:`hierarchical_all_reduce` with the whole tensor as one slice: no pipelining."""
+    hierarchical_all_reduce(tensor, op, group, layout, slice_numel=max(1, tensor.numel()))
+
+
+def slices_of(numel: int, layout: Layout, slice_numel: int) -> int:
+    """How many slices :func:`hierarchical_all_reduce` cuts ``numel`` elements into."""
+    step = max(layout.size, slice_numel // layout.size * layout.size)
+    return math.ceil(numel / step) if numel else 0

@@ -1,0 +1,97 @@
+"""The two simpler hierarchies the lesson compares Fairring's with, on the same groups.
+
+Root-based (Horovod's first hierarchical mode)::
+
+    inside: reduce to local rank 0  ->  across: all-reduce between the M roots
+            ->  inside: broadcast from local rank 0
+
+Only one rank per machine talks across, with the whole tensor: 2(M − 1)/M·n on one
+link, while the other ranks' links (rails) idle; the inside stages move the whole
+tensor D − 1 times through the root.
+
+Reduce-scatter, all-reduce on the rails, all-gather::
+
+    inside: reduce-scatter (local rank d keeps part d)  ->  across: all-reduce of part d
+            on rail d  ->  inside: all-gather
+
+The bytes of Fairring's design (2(M − 1)/M·n/D per rank across), with every rail busy;
+what it lacks is the pipelining, and its rail all-reduce takes 2(M − 1) rounds where the
+collect and the diffuse take one each.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..core import ops, trace
+from ..core.ops import ReduceOp
+
+from .layout import resolve, stage_groups
+
+
+def _prepare(tensor, op, group, layout, what):
+    ops.check_all_reduce_args(tensor, op, group, what=what)
+    shape = resolve(layout, group)
+    if tensor.numel() == 0 or dist.get_world_size(group) == 1:
+        return None
+    return shape, stage_groups(shape, group)
+
+
+def root_based_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, layout=None) -> None:
+    """Reduce to each machine's local rank 0, all-reduce between those roots, broadcast back.
+
+    Cost, n bytes: inside 2(D − 1)·n through the root; across 2(M − 1)/M·n, all of it on
+    the root's link.
+    """
+    prepared = _prepare(tensor, op, group, layout, "root_based_all_reduce")
+    if prepared is None:
+        return
+    shape, groups = prepared
+    p = dist.get_world_size(group)
+    flat = ops.work_buffer(tensor.detach())
+    base = ReduceOp.SUM if op == ReduceOp.AVG else op
+    root = groups.inside_ranks()[0]
+    if shape.D > 1:
+        with trace.label("reduce to the root"):
+            dist.reduce(flat, root, op=base, group=groups.reduce_scatter)
+    if shape.M > 1 and groups.d == 0:
+        with trace.label("all-reduce between the roots"):
+            dist.all_reduce(flat, op=base, group=groups.collect)
+    if groups.d == 0:
+        ops.finish_(flat, op, p)
+    if shape.D > 1:
+        with trace.label("broadcast from the root"):
+            dist.broadcast(flat, root, group=groups.all_gather)
+    ops.write_back(tensor.detach(), flat)
+
+
+def rail_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, layout=None) -> None:
+    """Reduce-scatter inside the machine, all-reduce part d on rail d, all-gather inside.
+
+    The tensor is padded to a multiple of D (what the padding holds is reduced and thrown
+    away). Cost, n bytes: inside 2(D − 1)/D·n, across 2(M − 1)/M·n/D per rank.
+    """
+    prepared = _prepare(tensor, op, group, layout, "rail_all_reduce")
+    if prepared is None:
+        return
+    shape, groups = prepared
+    D, p = shape.D, dist.get_world_size(group)
+    n = tensor.numel()
+    part = -(-n // D)                              # ⌈n/D⌉
+    padded = torch.zeros(part * D, dtype=tensor.dtype, device=tensor.device)
+    padded[:n].copy_(tensor.detach().reshape(-1))
+    parts = padded.view(D, part)
+    mine = parts[groups.d]
+    base = ReduceOp.SUM if op == ReduceOp.AVG else op
+    if D > 1:
+        with trace.label("reduce-scatter inside"):
+            dist.reduce_scatter_tensor(mine, padded, op=base, group=groups.reduce_scatter)
+    if shape.M > 1:
+        with trace.label("all-reduce on the rail"):
+            dist.all_reduce(mine, op=base, group=groups.collect)
+    ops.finish_(mine, op, p)
+    if D > 1:
+        with trace.label("all-gather inside"):
+            dist.all_gather_into_tensor(padded, mine, group=groups.all_gather)
+    tensor.detach().copy_(padded[:n].view(tensor.shape))

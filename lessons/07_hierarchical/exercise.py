@@ -1,0 +1,217 @@
+"""Lesson 7 exercise: hierarchical all-reduce, after Fairring.
+
+Four functions, four tasks: the two simple hierarchies first, then Fairring's five stages
+on one slice, then the slices pipelined. Every function has ``dist.all_reduce``'s
+contract -- in place, every op and dtype, views -- plus ``layout=(D, M)``: D ranks per
+machine, M machines, ranks machine-major (rank r is local rank r % D of machine r // D).
+Without ``layout`` it comes from the launcher's environment (``LOCAL_WORLD_SIZE``).
+
+Given: :func:`stage_groups_for` -- the layout and a process group per stage (from
+``collectives.hierarchical.layout``, the same groups the reference uses). You write the
+communication.
+
+Check your work:
+
+    python lessons/07_hierarchical/exercise.py                # a local world of 4, layout (2, 2)
+    torchrun --nproc-per-node 4 lessons/07_hierarchical/exercise.py
+    make grade LESSON=07                                      # the graded tests
+
+The graded tests read your collectives from the trace: bytes across machines per rank
+must be 2(M − 1)/M · n/D, inside 2(D − 1)/D · n, and the cross-machine stages must stay
+on the rail. A flat all-reduce gives the right numbers and the wrong pattern: no points.
+
+The reference is ``collectives/hierarchical/``; the lesson page is docs/lessons/07-hierarchical.md.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from collectives import ops, trace, verify
+from collectives.course.runner import Task, run_tasks
+from collectives.hierarchical.layout import StageGroups, resolve, stage_groups, tier_bytes
+from collectives.core.ops import ReduceOp
+
+LESSON = 7
+EXERCISE_LAYOUT = (2, 2)    # what the checks below use on a world of 4 (else (p, 1))
+
+
+def stage_groups_for(group=None, layout=None) -> StageGroups:
+    """Given: this rank's :class:`StageGroups` -- ``.layout`` (``.D``, ``.M``), ``.d`` (local
+    rank), ``.m`` (machine), and one process group per stage: ``.reduce_scatter`` and
+    ``.all_gather`` (inside this machine), ``.collect`` and ``.diffuse`` (this rank's rail).
+    A stage whose tier has one rank (D = 1 or M = 1) has ``None``: skip it."""
+    return stage_groups(resolve(layout, group), group)
+
+
+def root_based_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, layout=None) -> None:
+    """Lesson 7, task 1: Horovod's first hierarchy: reduce to a root, all-reduce the roots, broadcast.
+
+    TODO:     inside each machine reduce the tensor to local rank 0; all-reduce between
+              the M roots; broadcast from local rank 0 inside each machine.
+    APPROACH: ``g = stage_groups_for(group, layout)``; the root is ``g.inside_ranks()[0]``
+              (a global rank). ``dist.reduce`` on ``g.reduce_scatter``, ``dist.all_reduce`` on
+              ``g.collect`` (only where ``g.d == 0``), ``dist.broadcast`` on ``g.all_gather``.
+    EXAMPLE:  layout (2, 2), tensor = [r] on rank r -> [6] everywhere; only ranks 0 and 2
+              send across machines, the whole tensor.
+    HINT:     work on ``ops.work_buffer(tensor.detach())`` and ``ops.write_back`` at the end;
+              AVG: reduce with SUM, then ``ops.finish_`` once, on the root, before the broadcast.
+              Return early for an empty tensor or a group of one rank.
+    """
+    raise NotImplementedError("Lesson 7, task 1: root_based_all_reduce")
+
+
+def rail_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, layout=None) -> None:
+    """Lesson 7, task 2: reduce-scatter inside, all-reduce on the rail, all-gather inside.
+
+    TODO:     split the tensor into D parts; after a reduce-scatter inside the machine,
+              local rank d holds part d summed over its machine; all-reduce part d with the
+              ranks of rail d (the same d on every machine); all-gather inside the machine.
+    APPROACH: copy the tensor into a zero-padded flat buffer of D·⌈n/D⌉ elements viewed
+              [D, ⌈n/D⌉]; ``dist.reduce_scatter_tensor(parts[d], padded, op, group=g.reduce_scatter)``,
+              ``dist.all_reduce(parts[d], op, group=g.collect)``,
+              ``dist.all_gather_into_tensor(padded, parts[d], group=g.all_gather)``.
+    EXAMPLE:  layout (2, 2), n = 8: each rank sends 4·(1/2) = 4 elements inside in each of
+              the two inside stages, and 2·(1/2)·4 = 4 elements across.
+    HINT:     skip a stage whose group is None. AVG: SUM, then ``ops.finish_(parts[d], op, p)``
+              before the all-gather. Copy ``padded[:n]`` back into the tensor.
+    """
+    raise NotImplementedError("Lesson 7, task 2: rail_all_reduce")
+
+
+def one_slice_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, layout=None) -> None:
+    """Lesson 7, task 3: Fairring's five stages on one slice viewed [D, M, −1].
+
+    TODO:     with ``blocks = flat[:main].view(D, M, -1)`` (``main`` = n rounded down to a
+              multiple of D·M), rank (d, m):
+              1. reduce-scatter inside: ``blocks[d]`` <- [d, :, :] summed over the machine;
+              2. collect on the rail: all-to-all ``blocks[d]`` (row m' goes to machine m')
+                 into a staging buffer [M, −1];
+              3. add: ``blocks[d, m]`` <- the M staging rows combined with ``op``;
+              4. diffuse on the rail: all-gather ``blocks[d, m]`` into ``blocks[d]``;
+              5. all-gather inside: ``blocks[d]`` into ``blocks``.
+              The tail (n mod D·M elements) goes through a padding buffer of D·M elements
+              viewed [D, M, 1] that takes the same five stages.
+    APPROACH: ``dist.reduce_scatter_tensor``, ``dist.all_to_all_single``,
+              ``dist.all_gather_into_tensor`` on flat views (``.view(-1)``), each on its
+              stage's group. Staging: with D > 1 use ``blocks[(d + 1) % D]`` -- after stage 1
+              this rank no longer needs it, and stage 5 overwrites it; with D = 1 allocate it.
+    EXAMPLE:  layout (2, 2), n = 8, rank (d=0, m=1) = rank 2: after stage 1 it holds
+              elements 0-3 summed over ranks 2 and 3; after stage 3 it owns elements 2-3
+              summed over all four ranks.
+    HINT:     AVG: SUM everywhere, ``ops.finish_`` on ``blocks[d, m]`` after stage 3 -- one
+              division. Skip the main part when it is empty (n < D·M), and a stage whose
+              group is None. ``ops.combine_(acc, row, op)`` does one step of the add.
+    """
+    raise NotImplementedError("Lesson 7, task 3: one_slice_all_reduce")
+
+
+def hierarchical_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, layout=None,
+                            slice_numel: int | None = None) -> None:
+    """Lesson 7, task 4: slices pipelined, each stage on its own group, waiting only where needed.
+
+    TODO:     cut the flat tensor into slices of ``slice_numel`` elements (rounded down to a
+              multiple of D·M; ``None``: 4 slices). Run the five stages of task 3 on every
+              slice, issuing each with ``async_op=True``, so that stage k of slice i + 1
+              runs while stage k + 1 of slice i does.
+    APPROACH: a wavefront: at tick t, for k from the last stage down to the first, run
+              stage k of slice t − k: first ``wait()`` the handles of that slice's stage
+              k − 1, then issue stage k and keep its handles. After the last tick, wait for
+              the all-gathers and copy each padding back.
+    EXAMPLE:  layout (1, 4), 3 slices: the collect of slice 1 is issued before the diffuse
+              of slice 0 has finished -- two operations in flight on different groups.
+    HINT:     every rank must issue the same operations on each group in the same order:
+              the wavefront does that. With D = 1 each slice in flight needs its own staging
+              buffer -- or reuse a few, once the slice that used one has finished its add.
+    """
+    raise NotImplementedError("Lesson 7, task 4: hierarchical_all_reduce")
+
+
+# ---- the checks run by `python lessons/07_hierarchical/exercise.py` ----------------------
+
+def _layout() -> tuple[int, int]:
+    """Several machines (torchrun per machine, the simulated cluster): the environment's
+    layout. One machine: pretend, with EXERCISE_LAYOUT on 4 ranks."""
+    p = dist.get_world_size()
+    if int(os.environ.get("LOCAL_WORLD_SIZE", p)) < p:
+        machines = resolve()
+        return machines.D, machines.M
+    return EXERCISE_LAYOUT if p == EXERCISE_LAYOUT[0] * EXERCISE_LAYOUT[1] else (p, 1)
+
+
+def _layout_arg():
+    """What the checks pass as ``layout=``: None where the environment has the machines."""
+    p = dist.get_world_size()
+    return None if int(os.environ.get("LOCAL_WORLD_SIZE", p)) < p else _layout()
+
+
+def _cases() -> list:
+    D, M = _layout()
+    dm = D * M
+    cases = [verify.Case(n) for n in (0, 1, dm - 1, dm, dm + 1, 1009)]
+    cases += [verify.Case(1009, dtype, op) for dtype in (torch.float64, torch.int64)
+              for op in (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX)]
+    cases += [verify.Case(1009, torch.float32, ReduceOp.AVG), verify.Case(1009, layout="strided")]
+    return cases
+
+
+def _pattern(fn, numel: int, across_per_rank: float, inside_per_rank: float, **kwargs) -> verify.Report:
+    p = dist.get_world_size()
+    x = torch.ones(numel)
+    with trace.recording() as t:
+        fn(x, layout=_layout_arg(), **kwargs)
+    got = tier_bytes(t.events, stage_groups_for(None, _layout()), p)
+    want = {"across": across_per_rank, "inside": inside_per_rank, "mixed": 0.0, "off_rail": 0.0}
+    report = verify.Report(reference="the hierarchical pattern")
+    for tier, value in want.items():
+        ok = abs(got[tier] - value) <= 1e-6 * max(value, 1)
+        report.results.append(verify.CaseResult(f"bytes {tier}", dist.get_rank(), ok,
+                                                "" if ok else f"sent {got[tier]:.0f} bytes {tier}, "
+                                                f"expected {value:.0f}"))
+    return report
+
+
+def _check(fn, across, inside, **kwargs):
+    import functools
+
+    report = verify.check_all_reduce(functools.partial(fn, layout=_layout_arg(), **kwargs), _cases())
+    D, M = _layout()
+    n = 64 * D * M
+    return report.merge(_pattern(fn, n, across(n * 4, D, M), inside(n * 4, D, M), **kwargs))
+
+
+def check_root_based():
+    rank = dist.get_rank()
+    D = _layout()[0]
+    return _check(root_based_all_reduce,
+                  lambda b, D, M: 2 * (M - 1) / M * b if rank % D == 0 else 0.0,
+                  lambda b, D, M: (b if rank % D else (D - 1) * b) if D > 1 else 0.0)
+
+
+def _fairring_bytes():
+    return (lambda b, D, M: 2 * (M - 1) / M * b / D), (lambda b, D, M: 2 * (D - 1) / D * b)
+
+
+def check_rail():
+    return _check(rail_all_reduce, *_fairring_bytes())
+
+
+def check_one_slice():
+    return _check(one_slice_all_reduce, *_fairring_bytes())
+
+
+def check_pipelined():
+    D, M = _layout()
+    return _check(hierarchical_all_reduce, *_fairring_bytes(), slice_numel=16 * D * M)
+
+
+if __name__ == "__main__":
+    run_tasks(LESSON, [
+        Task(1, "root-based hierarchy", check_root_based),
+        Task(2, "reduce-scatter, rail all-reduce, all-gather", check_rail),
+        Task(3, "five stages on one slice", check_one_slice),
+        Task(4, "pipelined slices", check_pipelined),
+    ])
