@@ -9,7 +9,7 @@ PIP_FLAGS ?= -q
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install $(PIP_FLAGS) -c constraints.txt -e '.[test,docs]'
+	$(PY) -m pip install $(PIP_FLAGS) -c constraints.txt -e '.[test,docs,lab]'
 	@touch $(STAMP)
 
 ## make tour: every lesson's algorithm on a local world, verified against dist.all_reduce

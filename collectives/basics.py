@@ -40,7 +40,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .core import cost, ops
+from .core import cost, nccl_memory, ops
 from .core.ops import ReduceOp
 from .p2p import exchange
 
@@ -150,8 +150,9 @@ def _group_rank_of(global_rank: int, group, what: str) -> int:
     return ranks.index(global_rank)
 
 
-def _check(tensor, group, what: str) -> None:
-    ops.check_all_reduce_args(tensor, ReduceOp.SUM, group, what=what)   # type, expanded, group
+def _check(tensor, group, what: str) -> bool:
+    """Type, expanded tensor, group; False on a rank outside ``group`` (it returns at once)."""
+    return ops.check_all_reduce_args(tensor, ReduceOp.SUM, group, what=what)
 
 
 def _check_list(tensors, p: int, like: torch.Tensor, name: str, what: str) -> None:
@@ -175,11 +176,12 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None) -> None:
 
     Linear: the root sends the whole tensor to each other rank. Works on views.
     """
-    _check(tensor, group, "broadcast")
+    if not _check(tensor, group, "broadcast"):
+        return
     root = _group_rank_of(src, group, "broadcast")
     me, p = ops.group_rank_and_size(group)
     if me == root:
-        payload = tensor.contiguous()
+        payload = ops.work_buffer(tensor)     # a copy only for a view (from the pool once registered)
         sends = [dist.isend(payload, ops.global_rank(group, r), group=group)
                  for r in range(p) if r != root]
         for work in sends:
@@ -202,7 +204,8 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None) -> None:
 
 def tree_broadcast(tensor: torch.Tensor, src: int = 0, group=None) -> None:
     """:func:`broadcast` along a binomial tree rooted at ``src``: ⌈log2 p⌉ rounds."""
-    _check(tensor, group, "tree_broadcast")
+    if not _check(tensor, group, "tree_broadcast"):
+        return
     root = _group_rank_of(src, group, "tree_broadcast")
     me, p = ops.group_rank_and_size(group)
     v = (me - root) % p
@@ -235,14 +238,15 @@ def reduce(tensor: torch.Tensor, dst: int = 0, op=ReduceOp.SUM, group=None) -> N
     other ranks' tensors are left untouched (gloo's ``dist.reduce`` leaves partial
     results in them).
     """
-    ops.check_all_reduce_args(tensor, op, group, what="reduce")
+    if not ops.check_all_reduce_args(tensor, op, group, what="reduce"):
+        return                         # not in the group: nothing to do, as dist.*
     root = _group_rank_of(dst, group, "reduce")
     me, p = ops.group_rank_and_size(group)
     if me != root:
-        dist.send(tensor.contiguous(), dst, group=group)
+        dist.send(ops.work_buffer(tensor), dst, group=group)
         return
     acc = ops.work_buffer(tensor)
-    incoming = torch.empty_like(acc)
+    incoming = nccl_memory.temporary(acc.numel(), acc.dtype, acc.device)   # registered memory once registered
     for r in range(p):                       # in group-rank order: the same order every run
         if r != root:
             dist.recv(incoming, ops.global_rank(group, r), group=group)
@@ -262,12 +266,13 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
     ``scatter_list`` is read on the root only (one tensor per group rank, each with
     ``tensor``'s dtype and number of elements); other ranks may pass None.
     """
-    _check(tensor, group, "scatter")
+    if not _check(tensor, group, "scatter"):
+        return
     root = _group_rank_of(src, group, "scatter")
     me, p = ops.group_rank_and_size(group)
     if me == root:
         _check_list(scatter_list, p, tensor, "scatter_list", "scatter")
-        sends = [dist.isend(scatter_list[r].contiguous(), ops.global_rank(group, r), group=group)
+        sends = [dist.isend(ops.work_buffer(scatter_list[r]), ops.global_rank(group, r), group=group)
                  for r in range(p) if r != root]
         tensor.copy_(scatter_list[root].reshape(tensor.shape))
         for work in sends:
@@ -285,11 +290,12 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
     ``gather_list`` is needed on the root only (one tensor per group rank, each with
     ``tensor``'s dtype and number of elements); other ranks may pass None.
     """
-    _check(tensor, group, "gather")
+    if not _check(tensor, group, "gather"):
+        return
     root = _group_rank_of(dst, group, "gather")
     me, p = ops.group_rank_and_size(group)
     if me != root:
-        dist.send(tensor.contiguous(), dst, group=group)
+        dist.send(ops.work_buffer(tensor), dst, group=group)
         return
     _check_list(gather_list, p, tensor, "gather_list", "gather")
     for r in range(p):
@@ -312,10 +318,11 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
 
 def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None) -> None:
     """Every rank's ``tensor`` lands in ``tensor_list[i]`` (i its group rank) on every rank."""
-    _check(tensor, group, "all_gather")
+    if not _check(tensor, group, "all_gather"):
+        return
     me, p = ops.group_rank_and_size(group)
     _check_list(tensor_list, p, tensor, "tensor_list", "all_gather")
-    payload = tensor.contiguous()
+    payload = ops.work_buffer(tensor)
     for k in range(1, p):
         to, frm = (me + k) % p, (me - k) % p
         exchange(payload, tensor_list[frm], ops.global_rank(group, to), ops.global_rank(group, frm),
@@ -333,7 +340,8 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None
 
 def all_reduce_via_reduce_broadcast(tensor: torch.Tensor, op=ReduceOp.SUM, group=None) -> None:
     """All-reduce ``tensor`` in place: :func:`reduce` to group rank 0, then :func:`broadcast`."""
-    ops.check_all_reduce_args(tensor, op, group, what="all_reduce_via_reduce_broadcast")
+    if not ops.check_all_reduce_args(tensor, op, group, what="all_reduce_via_reduce_broadcast"):
+        return                         # not in the group: nothing to do, as dist.*
     root = ops.global_rank(group, 0)
     flat = ops.work_buffer(tensor)
     reduce(flat, root, op, group)

@@ -54,7 +54,8 @@ def naive_ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None) -> 
     rank adds the same p terms in a different order (its own first). ``dist.all_reduce``
     (and lesson 4's ring) give every rank the very same bits.
     """
-    ops.check_all_reduce_args(tensor, op, group, what="naive_ring_all_reduce")
+    if not ops.check_all_reduce_args(tensor, op, group, what="naive_ring_all_reduce"):
+        return                         # not in the group: nothing to do, as dist.*
     rank, p = ops.group_rank_and_size(group)
     if p == 1 or tensor.numel() == 0:
         return  # nothing to exchange (AVG over one rank divides by 1)
@@ -62,7 +63,8 @@ def naive_ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None) -> 
     right = ops.global_rank(group, (rank + 1) % p)
     left = ops.global_rank(group, (rank - 1) % p)
     # where arrivals land; two alternate when p > 2
-    landing = nccl_memory.scratch_parts(2 if p > 2 else 1, flat.numel(), flat.dtype, flat.device)
+    landing = nccl_memory.scratch_parts(2 if p > 2 else 1, flat.numel(), flat.dtype, flat.device,
+                                         group)
     forward = flat                          # what goes right this step: our own input first
     for step in range(p - 1):
         incoming = landing[step % 2]

@@ -30,7 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .core import cost, ops
+from .core import cost, nccl_memory, ops
 
 __all__ = ["pass_token", "exchange", "ping_pong", "measure_alpha_beta", "DEFAULT_SIZES",
            "modify_after_isend", "read_before_wait", "recv_first_deadlock", "send_first_ring"]
@@ -46,8 +46,11 @@ __all__ = ["pass_token", "exchange", "ping_pong", "measure_alpha_beta", "DEFAULT
 # Every rank sends to its right neighbour and receives from its left one. If every
 # rank called send first, each would wait for its right neighbour to call recv --
 # which it never does, because it is itself waiting in send: a deadlock, on gloo at
-# every message size (MPI and NCCL buffer small messages, so there the same code
-# "works" until the message grows). Ordering by parity breaks the cycle: even ranks
+# every message size. (MPI libraries send small messages eagerly into a buffer on the
+# receiver, so there the same code "works" until the message grows. NCCL does not: with
+# its communicator created eagerly, a process group's point-to-point operations run one
+# after the other on one stream, and a blocking send-then-recv between two NCCL ranks
+# hangs at 4 KiB too.) Ordering by parity breaks the cycle: even ranks
 # send then receive, odd ranks receive then send, so rank 1's recv lets rank 0's send
 # finish, and the chain unwinds from there. With an odd ring the last rank is even
 # too; it waits one step longer, but the chain still unwinds.
@@ -124,12 +127,16 @@ def exchange(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, send_to: int,
                              f"and receiving from itself (got send_to={send_to}, recv_from={recv_from})")
         recv_tensor.copy_(send_tensor)  # a ring of one: gloo cannot send to its own rank
         return
-    landing = recv_tensor if recv_tensor.is_contiguous() else torch.empty(
-        recv_tensor.shape, dtype=recv_tensor.dtype, device=recv_tensor.device)
-    outgoing = send_tensor.contiguous()
+    # Copies for views come from nccl_memory.temporary: registered memory once
+    # nccl_memory.register() has run (a transfer between registered and ordinary memory
+    # never completes on NCCL).
+    landing = recv_tensor if recv_tensor.is_contiguous() else nccl_memory.temporary(
+        recv_tensor.numel(), recv_tensor.dtype, recv_tensor.device).view(recv_tensor.shape)
+    outgoing = send_tensor if send_tensor.is_contiguous() else nccl_memory.contiguous_copy(send_tensor)
     if landing.is_cuda:
-        # NCCL runs one-by-one posts to the same peer in order: two ranks each posting
-        # "receive, then send" would deadlock. One group posts both at once.
+        # NCCL runs a process group's operations posted one by one in order, on one
+        # stream, whatever the peer: two ranks each posting "receive, then send" would
+        # deadlock. One group posts both at once.
         recv_work, send_work = ops.sendrecv(outgoing, send_to, landing, recv_from, group)
     else:
         recv_work = dist.irecv(landing, recv_from, group=group)

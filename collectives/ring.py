@@ -20,7 +20,8 @@ Cost, n bytes on p ranks (α per message, β per byte, γ per byte combined)::
     bytes/rank  2(p − 1)/p·n    (the naive ring: (p − 1)·n)
 
 Each rank sends under 2n bytes whatever p is -- the least any all-reduce can send per
-rank (Patarasuk & Yuan, 2009) -- which is why the ring is the workhorse of NCCL, gloo and
+rank when the ranks do the reducing themselves (Patarasuk & Yuan, 2009; a switch that
+reduces in the network, NVLink SHARP or InfiniBand SHARP, lets each rank send n once) -- which is why the ring is the workhorse of NCCL, gloo and
 Horovod (Baidu's ring all-reduce, 2017, carried it from HPC to deep learning). Its 2(p − 1) latency
 terms are its weakness: for small tensors the latency-optimal algorithms of
 :mod:`collectives.topologies` win.
@@ -62,7 +63,7 @@ def _reduce_scatter_in_place(flat, bounds, op, rank, p, right, left, group) -> N
     different chunks.
     """
     largest = max(hi - lo for lo, hi in bounds)
-    landing = nccl_memory.scratch(largest, flat.dtype, flat.device)
+    landing = nccl_memory.scratch(largest, flat.dtype, flat.device, group)
     for step in range(p - 1):
         send_chunk, recv_chunk = (rank - 1 - step) % p, (rank - 2 - step) % p
         s_lo, s_hi = bounds[send_chunk]
@@ -102,7 +103,8 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.S
 
     Cost: (p − 1)·α + (p − 1)/p·n·β, n the bytes of ``input``.
     """
-    ops.check_all_reduce_args(input, op, group, what="ring_reduce_scatter")
+    if not ops.check_all_reduce_args(input, op, group, what="ring_reduce_scatter"):
+        return                         # not in the group: nothing to do, as dist.*
     rank, p, right, left = _neighbours(group)
     bounds = ops.chunk_bounds(input.numel(), p)
     lo, hi = bounds[rank]
@@ -110,7 +112,8 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.S
         raise ValueError(f"ring_reduce_scatter: rank {rank}'s output must hold {hi - lo} elements "
                          f"of {input.dtype} (chunk {rank} of {input.numel()} split {p} ways), "
                          f"got {output.numel()} of {output.dtype}")
-    flat = input.reshape(-1).clone()   # the scratch the running sums are built in
+    flat = nccl_memory.contiguous_copy(input)   # where the running sums are built (registered
+                                                # memory once nccl_memory.register() has run)
     if p > 1 and flat.numel() > 0:
         _reduce_scatter_in_place(flat, bounds, op, rank, p, right, left, group)
     ops.finish_(flat[lo:hi], op, p)
@@ -125,7 +128,8 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group=None) -> No
 
     Cost: (p − 1)·α + (p − 1)/p·n·β, n the bytes of ``output``.
     """
-    ops.check_all_reduce_args(output, ReduceOp.SUM, group, what="ring_all_gather")
+    if not ops.check_all_reduce_args(output, ReduceOp.SUM, group, what="ring_all_gather"):
+        return                         # not in the group: nothing to do, as dist.*
     rank, p, right, left = _neighbours(group)
     bounds = ops.chunk_bounds(output.numel(), p)
     lo, hi = bounds[rank]
@@ -147,7 +151,8 @@ def ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None) -> None:
     elements. AVG divides only the chunk this rank finished, before the all-gather: one
     division of n/p elements instead of n, and every rank ends with the same bits.
     """
-    ops.check_all_reduce_args(tensor, op, group, what="ring_all_reduce")
+    if not ops.check_all_reduce_args(tensor, op, group, what="ring_all_reduce"):
+        return                         # not in the group: nothing to do, as dist.*
     rank, p, right, left = _neighbours(group)
     if p == 1 or tensor.numel() == 0:
         return
@@ -187,9 +192,18 @@ def pipelined_ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
 
     Cost: 2(p − 1)·k·α + 2(p − 1)/p·n·β + (p − 1)/p·n·γ/k (only one piece's combine per
     step is left uncovered). More pieces hide more of γ and pay more α: worth it only
-    for large tensors, so ``pieces`` is capped at the chunk size.
+    for large tensors.
+
+    The number of messages, 2(p − 1)·k, depends on ``pieces`` alone, never on the tensor's
+    size: a chunk smaller than k elements has empty pieces, posted as empty messages on
+    gloo. A rank handed a tensor of another size than its peers then makes some neighbour
+    receive a longer message than it posted for, and gloo aborts at once; were the count
+    to follow the size (k capped at the chunk), the ranks would post different numbers of
+    messages, a shorter message would land silently in a longer receive, and the ranks
+    would wait for ever for the messages in between.
     """
-    ops.check_all_reduce_args(tensor, op, group, what="pipelined_ring_all_reduce")
+    if not ops.check_all_reduce_args(tensor, op, group, what="pipelined_ring_all_reduce"):
+        return                         # not in the group: nothing to do, as dist.*
     if pieces < 1:
         raise ValueError(f"pipelined_ring_all_reduce: pieces must be at least 1, got {pieces}")
     rank, p, right, left = _neighbours(group)
@@ -198,7 +212,7 @@ def pipelined_ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
     flat = ops.work_buffer(tensor)
     bounds = ops.chunk_bounds(flat.numel(), p)
     largest = max(hi - lo for lo, hi in bounds)
-    k = min(pieces, largest)
+    k = pieces                              # not capped by the size: see above
 
     def piece(chunk: int, j: int) -> tuple[int, int]:
         """Element range of piece j of ``chunk`` in ``flat``."""
@@ -206,7 +220,7 @@ def pipelined_ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
         a, b = ops.chunk_bounds(hi - lo, k)[j]
         return lo + a, lo + b
 
-    landing = nccl_memory.scratch_parts(2, largest, flat.dtype, flat.device)   # registered, under NCCL
+    landing = nccl_memory.scratch_parts(2, largest, flat.dtype, flat.device, group)   # registered, under NCCL
 
     def post_reduce_step(step: int, j: int):
         """Post piece j of reduce-scatter step ``step``; return (recv work, send work)."""
@@ -215,7 +229,8 @@ def pipelined_ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
         offset = recv_lo - bounds[(rank - 2 - step) % p][0]
         arrived = landing[step % 2][offset: offset + recv_hi - recv_lo]
         with trace.label(f"reduce-scatter {step}: c{(rank - 1 - step) % p}.{j}"):
-            recv, send = ops.sendrecv(flat[send_lo:send_hi], right, arrived, left, group)
+            recv, send = ops.sendrecv(flat[send_lo:send_hi], right, arrived, left, group,
+                                      post_empty=True)
         return recv, send, arrived, (recv_lo, recv_hi)
 
     posted = [post_reduce_step(0, j) for j in range(k)]
@@ -239,7 +254,8 @@ def pipelined_ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
         send_lo, send_hi = piece((rank - step) % p, j)
         recv_lo, recv_hi = piece((rank - 1 - step) % p, j)
         with trace.label(f"all-gather {step}: c{(rank - step) % p}.{j}"):
-            recv, send = ops.sendrecv(flat[send_lo:send_hi], right, flat[recv_lo:recv_hi], left, group)
+            recv, send = ops.sendrecv(flat[send_lo:send_hi], right, flat[recv_lo:recv_hi], left, group,
+                                      post_empty=True)
         return recv, send
 
     posted = [post_gather_step(0, j) for j in range(k)]
@@ -261,7 +277,13 @@ def pipelined_ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
 # Several rings at once, for GPUs whose links a single ring leaves idle.
 
 def _batch(p2p: list) -> None:
-    """Post every operation in one ``batch_isend_irecv`` (one NCCL group) and wait for all."""
+    """Post every operation in one ``batch_isend_irecv`` (one NCCL group) and wait for all.
+
+    Empty messages are dropped under NCCL only: on gloo they are posted, so the number of
+    messages depends on the channels alone and ranks handed tensors of different sizes
+    fail at once (a longer message than its receive aborts gloo) instead of waiting."""
+    if p2p and p2p[0].tensor.is_cuda:
+        p2p = [op for op in p2p if op.tensor.numel()]
     if p2p:
         for work in dist.batch_isend_irecv(p2p):
             work.wait()
@@ -272,9 +294,12 @@ def multi_ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
     """``channels`` rings over slices of the tensor, even ones clockwise, odd ones
     counter-clockwise, every step of every ring posted in one ``batch_isend_irecv``.
 
-    One ring drives one outgoing link per GPU. On GPUs connected all to all (NVLink), the
-    link to the left neighbour idles; a second ring going the other way uses it, as NCCL
-    does with its channels. Posting all channels' sends and receives of a step in one
+    One ring drives one outgoing link per GPU. Where neighbours are joined by direct links
+    of their own (NVLink bridges, a mesh of point-to-point links), the link to the left
+    neighbour idles; a second ring going the other way uses it, as NCCL does with its
+    channels. On an NVSwitch machine there is no idle left link: each GPU reaches every
+    other through its connection to the switches, which both directions share (4 H200s,
+    registered memory: one ring 0.77× NCCL, bidirectional 0.69×; docs/benchmarks.md). Posting all channels' sends and receives of a step in one
     ``batch_isend_irecv`` lets NCCL launch them as one group, so they run concurrently.
     Arrivals land in a landing buffer per channel (allocated once) and are combined in
     place; the all-gather receives straight into the tensor.
@@ -283,10 +308,12 @@ def multi_ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
     a rank's position is its rank (clockwise) or −rank mod p (counter-clockwise), and the
     chunk schedule is :func:`ring_all_reduce`'s by position.
 
-    Cost, when each ring has links of its own: 2(p − 1)·α + 2(p − 1)/p·(n/c)·β. On one
-    shared link (gloo over loopback) it is the plain ring's, with c× the messages.
+    Cost, when each ring has direct links of its own: 2(p − 1)·α + 2(p − 1)/p·(n/c)·β. On
+    a shared link or a switch (gloo over loopback, NVSwitch) it is the plain ring's, with
+    c× the messages.
     """
-    ops.check_all_reduce_args(tensor, op, group, what="multi_ring_all_reduce")
+    if not ops.check_all_reduce_args(tensor, op, group, what="multi_ring_all_reduce"):
+        return                         # not in the group: nothing to do, as dist.*
     if channels < 1:
         raise ValueError(f"multi_ring_all_reduce: channels must be at least 1, got {channels}")
     rank, p = ops.group_rank_and_size(group)
@@ -296,7 +323,7 @@ def multi_ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
     rings = []   # per channel: (position, send-to, receive-from, chunk bounds in flat, landing)
     parts = ops.chunk_bounds(flat.numel(), channels)
     widest = max(max(b - a for a, b in ops.chunk_bounds(hi - lo, p)) for lo, hi in parts)
-    landings = nccl_memory.scratch_parts(channels, widest, flat.dtype, flat.device)
+    landings = nccl_memory.scratch_parts(channels, widest, flat.dtype, flat.device, group)
     for c, (lo, hi) in enumerate(parts):
         direction = 1 if c % 2 == 0 else -1
         position = (direction * rank) % p
@@ -315,7 +342,7 @@ def multi_ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
                     dist.P2POp(dist.isend, flat[s_lo:s_hi], to, group=group)]
             combines.append((flat[r_lo:r_hi], arrived))
         with trace.label(f"reduce-scatter {step}"):
-            _batch([op for op in p2p if op.tensor.numel()])
+            _batch(p2p)
         for target, arrived in combines:
             ops.combine_(target, arrived, op)
 
@@ -331,6 +358,6 @@ def multi_ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
             p2p += [dist.P2POp(dist.irecv, flat[r_lo:r_hi], frm, group=group),
                     dist.P2POp(dist.isend, flat[s_lo:s_hi], to, group=group)]
         with trace.label(f"all-gather {step}"):
-            _batch([op for op in p2p if op.tensor.numel()])
+            _batch(p2p)
     ops.write_back(tensor, flat)
 

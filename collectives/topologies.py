@@ -101,12 +101,13 @@ def recursive_doubling_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=N
 
     Cost: L·α + L·n·β + L·n·γ (power of two); two more steps of n otherwise.
     """
-    ops.check_all_reduce_args(tensor, op, group, what="recursive_doubling_all_reduce")
+    if not ops.check_all_reduce_args(tensor, op, group, what="recursive_doubling_all_reduce"):
+        return                         # not in the group: nothing to do, as dist.*
     rank, p = ops.group_rank_and_size(group)
     if p == 1 or tensor.numel() == 0:
         return
     flat = ops.work_buffer(tensor)
-    arrived = nccl_memory.scratch(flat.numel(), flat.dtype, flat.device)
+    arrived = nccl_memory.scratch(flat.numel(), flat.dtype, flat.device, group)
     fold = _Fold(rank, p, group)
     fold.fold_in(flat, arrived, op)
     if fold.virtual is not None:
@@ -141,7 +142,8 @@ def halving_doubling_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=Non
 
     Cost: 2L·α + 2(p − 1)/p·n·β + (p − 1)/p·n·γ (power of two); two more steps of n otherwise.
     """
-    ops.check_all_reduce_args(tensor, op, group, what="halving_doubling_all_reduce")
+    if not ops.check_all_reduce_args(tensor, op, group, what="halving_doubling_all_reduce"):
+        return                         # not in the group: nothing to do, as dist.*
     rank, p = ops.group_rank_and_size(group)
     if p == 1 or tensor.numel() == 0:
         return
@@ -156,7 +158,7 @@ def halving_doubling_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=Non
     # Arrivals land in scratch: the whole tensor when folding in, else at most the first half.
     folds_in = fold.virtual is not None and rank < 2 * fold.extra
     scratch = nccl_memory.scratch(flat.numel() if folds_in else blocks[fold.pof2 // 2 - 1][1],
-                                  flat.dtype, flat.device)
+                                  flat.dtype, flat.device, group)
     fold.fold_in(flat, scratch, op)
     if fold.virtual is not None:
         v, first, last = fold.virtual, 0, fold.pof2      # I am responsible for blocks first..last−1
@@ -200,8 +202,10 @@ def tree_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None) -> None:
 
     Ranks form a binary heap: rank r's children are 2r + 1 and 2r + 2, its parent
     (r − 1) // 2. Going up, each rank receives its children's partial results (both
-    receives posted at once), combines them in child order, and sends the sum to its
-    parent. Going down, each rank receives the result from its parent and sends it to
+    receives posted before either is waited on: on gloo they arrive concurrently; on NCCL,
+    which runs a process group's point-to-point operations one after the other, the first
+    child's message is taken before the second's), combines them in child order, and
+    sends the sum to its parent. Going down, each rank receives the result from its parent and sends it to
     its children::
 
                  0            reduce: 3 -> 1, then 1 -> 0 and 2 -> 0
@@ -218,14 +222,15 @@ def tree_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None) -> None:
     Cost (one message in or out at a time per rank): at most 4·⌊log2 p⌋·(α + n·β);
     ``cost.tree_schedule(p)`` counts the rounds exactly (5 at p = 4).
     """
-    ops.check_all_reduce_args(tensor, op, group, what="tree_all_reduce")
+    if not ops.check_all_reduce_args(tensor, op, group, what="tree_all_reduce"):
+        return                         # not in the group: nothing to do, as dist.*
     rank, p = ops.group_rank_and_size(group)
     if p == 1 or tensor.numel() == 0:
         return
     flat = ops.work_buffer(tensor)
     children = [c for c in (2 * rank + 1, 2 * rank + 2) if c < p]
     parent = ops.global_rank(group, (rank - 1) // 2) if rank > 0 else None
-    landing = nccl_memory.scratch_parts(len(children), flat.numel(), flat.dtype, flat.device)
+    landing = nccl_memory.scratch_parts(len(children), flat.numel(), flat.dtype, flat.device, group)
     with trace.label("reduce"):
         recvs = [dist.irecv(buf, ops.global_rank(group, c), group=group)
                  for c, buf in zip(children, landing)]

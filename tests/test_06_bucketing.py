@@ -181,6 +181,38 @@ def _trains_like_ddp_and_one_process(impl, group, steps):
     return out
 
 
+@check
+def bucket_view_steps_bit_for_bit_like_ddp(impl, group):
+    """float32, gradient_as_bucket_view, 3 steps keeping .grad (zero_grad(set_to_none=False)):
+    from the second step on each gradient is accumulated inside its bucket and must be
+    divided by p there exactly as DDP does (div_, not mul_ by 1/p: they differ at p = 3).
+
+    One weight, so that both reducers hold it in one bucket of the same size from the first
+    step (torch DDP's first bucket layout differs from ours, see the lesson page): gloo then
+    adds the p contributions in the same order for both, and any difference is arithmetic."""
+    Reducer = resolve(impl + ":BucketedReducer")
+    torch.manual_seed(0)
+    ours = torch.nn.Linear(8, 4, bias=False)
+    theirs = copy.deepcopy(ours)
+    r = Reducer(ours, bucket_cap_mb=4096 / MiB, first_bucket_cap_mb=2048 / MiB,
+                gradient_as_bucket_view=True, group=group)
+    d = _ddp(theirs, group, bucket_cap_mb=4096 / MiB, gradient_as_bucket_view=True)
+    batches = [tuple(t.float() for t in b) for b, _ in _batches(3, 4)]
+    grads = []
+    for model in (r, d):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        per_step = []
+        for x, y in batches:
+            opt.zero_grad(set_to_none=False)
+            F.mse_loss(model(x), y).backward()
+            per_step.append(model.module.weight.grad.clone())
+            opt.step()
+        grads.append(per_step)
+    r.close()
+    return dict(grad_elements_differing=[int((a != b).sum()) for a, b in zip(*grads)],
+                param_elements_differing=int((ours.weight != theirs.weight).sum()))
+
+
 def _frozen_and_tied_parameters(impl, group, steps):
     Reducer = resolve(impl + ":BucketedReducer")
     out = {}
@@ -288,11 +320,14 @@ def unused_parameters(impl, group):
     d = _ddp(theirs, group, bucket_cap_mb=cap, find_unused_parameters=True)
     names = [n for n, _ in ours.named_parameters()]
     grads, events, last_hook = [], [], None
+    layouts = []
     for model, opt in ((r, torch.optim.SGD(r.parameters(), lr=0.1)), (d, torch.optim.SGD(d.parameters(), lr=0.1))):
         for step, (x, y) in enumerate(batches):
             opt.zero_grad()
             with trace.recording() as t:
                 F.mse_loss(model(x, use_b=use_b), y).backward()
+            if model is r:
+                layouts.append((r.bucket_indices, len(t.of_kind("broadcast"))))
             if step == 0:
                 grads.append({n: None if p.grad is None else p.grad.clone()
                               for n, p in zip(names, model.module.parameters())})
@@ -315,7 +350,7 @@ def unused_parameters(impl, group):
     return dict(none_in_ours=none_in_ours, none_in_ddp=none_in_ddp, grad_diff=grad_diff,
                 vs_ddp=_max_diff(ours, theirs), events=events, last_hook=last_hook,
                 layout=layout, names=[n for n, p in ours.named_parameters()],
-                strict_error=strict_error)
+                strict_error=strict_error, layouts=layouts)
 
 
 # ---- task 6: no_sync -----------------------------------------------------------------------
@@ -357,6 +392,37 @@ def no_sync_accumulates_then_reduces_the_sum(impl, group):
                 reduced_inside=reduced_inside,
                 branch_b_reduced=m.branch_b.weight.grad is not None,
                 never_none=m.never.weight.grad is None)
+
+
+# ---- beyond gradients: buffers, sparse gradients --------------------------------------------
+
+class _NormNet(torch.nn.Module):
+    """A BatchNorm between two layers: running statistics are buffers, updated by forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.norm, self.fc2 = torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.norm(self.fc1(x))))
+
+
+@check
+def buffers_follow_rank0_like_ddp(impl, group):
+    Reducer = resolve(impl + ":BucketedReducer")
+    ours, theirs, _ = _three(_NormNet)
+    batches = [b for b, _ in _batches(3, 4)]
+    r = Reducer(ours, bucket_cap_mb=ONE_BUCKET, group=group)
+    _train(r, batches)
+    _train(_ddp(theirs, group), batches)
+    buffers = [(name, (a - b).abs().max().item()) for (name, a), b in zip(ours.named_buffers(), theirs.buffers())]
+    r.close()
+    try:
+        Reducer(torch.nn.Embedding(10, 4, sparse=True).double(), group=group)
+        sparse = "accepted"
+    except ValueError as exc:
+        sparse = str(exc)
+    return dict(buffers=buffers, vs_ddp=_max_diff(ours, theirs), sparse=sparse)
 
 
 # ---- the world --------------------------------------------------------------------------
@@ -408,7 +474,7 @@ def _ok(per_rank: list[dict], name: str) -> list[dict]:
     return [res[name] for res in per_rank]
 
 
-WORLDS = pytest.mark.parametrize("p", [2, 4])
+WORLDS = pytest.mark.parametrize("p", [2, 3, 4])
 
 
 # ---- the tests ----------------------------------------------------------------------------
@@ -501,6 +567,16 @@ def test_gradient_as_bucket_view_leaves_grads_inside_the_buckets(worlds, p):
         assert r["storages"] == r["buckets"] == 2, "each .grad should be a view into one of the 2 buckets"
 
 
+@pytest.mark.parametrize("p", [2, 3])
+@pytest.mark.task(lesson=6, task=3, points=5, title="finalize and write back")
+def test_gradients_in_their_buckets_are_divided_by_p_bit_for_bit_like_ddp(worlds, p):
+    # p = 3: 1/3 is not exact, so multiplying by it and dividing by 3 differ in the last bit
+    for res in _ok(worlds(p), "bucket_view_steps_bit_for_bit_like_ddp"):
+        assert res["grad_elements_differing"] == [0, 0, 0], \
+            f"gradient elements differing from torch DDP's, per step: {res['grad_elements_differing']}"
+        assert res["param_elements_differing"] == 0
+
+
 @WORLDS
 @pytest.mark.task(lesson=6, task=3, points=5, title="finalize and write back")
 def test_frozen_parameters_are_skipped_and_tied_weights_reduced_once(worlds, p):
@@ -569,6 +645,29 @@ def test_no_sync_accumulates_locally_and_the_next_step_reduces_the_sum(worlds, p
         assert res["reduced_inside"] == 0, "no all-reduce inside no_sync()"
         assert res["vs_ddp"] <= TOL and res["vs_single"] <= TOL
         assert res["branch_b_reduced"] and res["never_none"]
+
+
+@WORLDS
+@pytest.mark.task(lesson=6, task=5, points=4, title="unused parameters")
+def test_with_find_unused_parameters_the_buckets_are_never_rebuilt_as_in_ddp(worlds, p):
+    for res in _ok(worlds(p), "unused_parameters"):
+        first = res["layouts"][0][0]
+        assert all(layout == first for layout, _ in res["layouts"]), "DDP does not rebuild then"
+        assert [n for _, n in res["layouts"]] == [0, 0, 0], "no broadcast of a gradient order"
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_buffers_are_broadcast_from_rank0_before_each_forward_like_ddp(worlds, p):
+    for rank, res in enumerate(_ok(worlds(p), "buffers_follow_rank0_like_ddp")):
+        for name, diff in res["buffers"]:
+            assert diff <= TOL, f"rank {rank}: buffer {name} differs from torch DDP's by {diff:.2e}"
+        assert res["vs_ddp"] <= TOL
+
+
+@pytest.mark.parametrize("p", [2])
+def test_sparse_gradients_are_refused_at_construction(worlds, p):
+    for res in _ok(worlds(p), "buffers_follow_rank0_like_ddp"):
+        assert "sparse" in res["sparse"], res["sparse"]
 
 
 @pytest.mark.gpu

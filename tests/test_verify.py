@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from collectives import launch, verify
 from collectives.core.ops import ReduceOp
@@ -108,3 +109,61 @@ def test_a_crash_on_an_expanded_tensor_costs_one_case_not_the_world():
     assert "expanded tensor is rejected" in {r.case for r in naive.failures}
     good = verify.check_in_world("tests.workers:ar_correct", 2, quick=True)
     assert good.ok and "expanded tensor is rejected" in {r.case for r in good.results}
+
+
+# ---- AVG as the contract states it, and the same bits on every rank -------------------------
+
+def ar_nudges_one_rank(tensor, op=dist.ReduceOp.SUM, group=None):
+    """Correct values, but rank 1 ends one ulp away at its first non-integer element (random
+    floats only: integer-valued cases stay exact): within any tolerance, not the same bits."""
+    random = tensor.is_floating_point() and tensor.numel() and bool(tensor.reshape(-1)[0] != tensor.reshape(-1)[0].round())
+    workers.ar_correct(tensor, op, group)
+    if dist.get_rank() == 1 and random:
+        flat = tensor.reshape(-1)
+        flat[0] = torch.nextafter(flat[0], flat[0] + 1)
+
+
+def _reference_avg_with_a_premultiplying_backend() -> dict:
+    """Give this world a backend AVG that works as NCCL's does (every input times 1/p, then
+    summed); the harness's reference must still be SUM followed by one division."""
+    import torch.distributed as d
+    real = d.all_reduce
+    p = d.get_world_size()
+
+    def premultiplying(tensor, op=d.ReduceOp.SUM, group=None, async_op=False):
+        if op == d.ReduceOp.AVG:
+            tensor.mul_(1.0 / p)
+            op = d.ReduceOp.SUM
+        return real(tensor, op=op, group=group, async_op=async_op)
+
+    x = verify.make_values(verify.Case(4099, torch.float32, ReduceOp.AVG, values="random"), d.get_rank())
+    summed = x.clone()
+    real(summed)
+    d.all_reduce = premultiplying
+    try:
+        got = verify.reference_all_reduce(x, ReduceOp.AVG)
+        native = x.clone()
+        d.all_reduce(native, op=ReduceOp.AVG)
+    finally:
+        d.all_reduce = real
+    return dict(bits_from_sum_then_divide=bool(torch.equal(got, summed / p)),
+                native_differs=int((native != summed / p).sum()))
+
+
+def test_the_avg_reference_is_sum_then_one_division_whatever_the_backend_does():
+    for res in launch.run(_reference_avg_with_a_premultiplying_backend, 3):
+        assert res["native_differs"] > 0, "at p = 3 the pre-multiplied AVG rounds differently"
+        assert res["bits_from_sum_then_divide"]
+
+
+def test_the_harness_catches_ranks_that_end_with_different_bits():
+    report = verify.check_in_world("tests.test_verify:ar_nudges_one_rank", 3, quick=True, expanded=False)
+    assert not report.ok
+    assert all(r.case.endswith("random") for r in report.failures), report.summary()
+    assert "ranks disagree" in report.summary() and "rank 1" in report.summary()
+    # the naive ring's documented exception: callers waive the rule
+    assert all(r.ok for r in launch.run(_waived, 3))
+
+
+def _waived():
+    return verify.check_all_reduce(ar_nudges_one_rank, quick=True, identical_bits=False)

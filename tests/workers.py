@@ -159,9 +159,12 @@ def check_targets(targets, quick):
     """Check several all-reduce targets in this one world; {target: (ok, summary)}."""
     from collectives import verify
     from collectives.course.impl import resolve
+    from collectives.course.tour import TOUR
+    identical = {e.target: e.identical_bits for e in TOUR}
     out = {}
     for target in targets:
-        report = verify.check_all_reduce(resolve(target), quick=quick)
+        report = verify.check_all_reduce(resolve(target), quick=quick,
+                                         identical_bits=identical.get(target, True))
         out[target] = (report.ok, report.summary())
     return out
 

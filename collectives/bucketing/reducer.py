@@ -144,11 +144,17 @@ class BucketedReducer(nn.Module):
         gradient_as_bucket_view: after backward, ``param.grad`` is a view into its bucket
             (saves the write-back copy and one gradient's worth of memory).
         group: the process group (default: the world).
+        broadcast_buffers: before every forward that follows a synced one (and the first),
+            copy rank 0's buffers (BatchNorm's running statistics) to every rank, as DDP's
+            default does; ``False`` lets each rank keep its own.
+
+    Sparse gradients (``nn.Embedding(sparse=True)``) are refused at construction: they do
+    not fit a flat bucket (DDP reduces each on its own).
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, first_bucket_cap_mb: float = 1,
                  find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False,
-                 group=None):
+                 group=None, broadcast_buffers: bool = True):
         super().__init__()
         if bucket_cap_mb <= 0 or first_bucket_cap_mb <= 0:
             raise ValueError(f"bucket caps must be positive, got {bucket_cap_mb} and {first_bucket_cap_mb} MiB")
@@ -163,6 +169,14 @@ class BucketedReducer(nn.Module):
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]
+        sparse = [name for name, m in module.named_modules() if getattr(m, "sparse", False) is True
+                  and any(p.requires_grad for p in m.parameters(recurse=False))]
+        if sparse:
+            raise ValueError(f"BucketedReducer: {sparse} produce sparse gradients (sparse=True), "
+                             "which do not fit a flat bucket; build them with sparse=False, or "
+                             "use torch DDP, which all-reduces sparse gradients on their own")
+        self.broadcast_buffers = broadcast_buffers
+        self._buffers_before_forward = True    # as DDP: after a synced forward, and at first
         self._broadcast_from_rank0()
         self.buckets: list[Bucket] = []
         self._where: list[tuple[int, int]] = []      # param index -> (bucket, slot in bucket)
@@ -193,11 +207,14 @@ class BucketedReducer(nn.Module):
 
     def _broadcast_from_rank0(self) -> None:
         """Every replica starts from rank 0's state: one broadcast per (dtype, device)."""
-        state = list(self.module.parameters()) + list(self.module.buffers())
+        self._broadcast(list(self.module.parameters()) + list(self.module.buffers()), "initial broadcast")
+
+    def _broadcast(self, state: list[torch.Tensor], label: str) -> None:
+        """Copy group rank 0's ``state`` to every rank: one broadcast per (dtype, device)."""
         by_key: dict[tuple, list[torch.Tensor]] = {}
         for t in state:
             by_key.setdefault((t.dtype, t.device), []).append(t)
-        with torch.no_grad(), trace.label("initial broadcast"):
+        with torch.no_grad(), trace.label(label):
             for tensors in by_key.values():
                 flat = torch.cat([t.detach().reshape(-1) for t in tensors])
                 dist.broadcast(flat, src=ops.global_rank(self.group, 0), group=self.group)
@@ -239,10 +256,14 @@ class BucketedReducer(nn.Module):
         if self._started:
             raise RuntimeError("the previous backward did not finish reducing its gradients "
                                "(it raised part-way); build a new BucketedReducer")
-        if torch.is_grad_enabled() and self._order_observed and not self._rebuilt:
+        if (torch.is_grad_enabled() and self._order_observed and not self._rebuilt
+                and not self.find_unused_parameters):       # as DDP: no rebuild then
             self._rebuild_buckets()
+        if self.broadcast_buffers and self._buffers_before_forward:
+            self._broadcast(list(self.module.buffers()), "buffers")   # rank 0's running stats
         out = self.module(*args, **kwargs)
         self._expect_hooks = torch.is_grad_enabled() and self._sync
+        self._buffers_before_forward = self._expect_hooks
         if self._expect_hooks:
             outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
             self.stats = BackwardStats(bucket_bytes=[b.flat.numel() * b.flat.element_size()
@@ -307,8 +328,11 @@ class BucketedReducer(nn.Module):
         """Put parameter ``index``'s gradient, divided by the world size, into its bucket;
         launch every bucket that is now complete -- strictly in index order.
 
-        Dividing is a multiply by ``1/p``, as DDP does: cheaper than a divide, and the same
-        number when p is a power of two."""
+        Exactly DDP's arithmetic, so that the two agree bit for bit at every p: a gradient
+        copied into its bucket is multiplied by ``1/p`` on the way (one pass instead of a
+        copy and a divide); a gradient already in its bucket (``gradient_as_bucket_view``)
+        is divided by p in place. The two differ in the last bit whenever 1/p is not
+        exact (p = 3, 5, 6, ...)."""
         if self._marked[index]:
             raise RuntimeError(f"parameter {self.names[index]!r} was marked ready twice in one "
                                "iteration (backward called twice after one forward?)")
@@ -321,7 +345,7 @@ class BucketedReducer(nn.Module):
         if grad is None:                                   # no gradient here: contribute zeros
             view.zero_()
         elif grad.data_ptr() == view.data_ptr():          # already accumulated in the bucket
-            view.mul_(1.0 / self.world_size)
+            view.div_(self.world_size)                     # as DDP: div_, not mul_(1/p)
         else:
             torch.mul(grad, 1.0 / self.world_size, out=view)   # copy and scale in one pass
             if self.gradient_as_bucket_view:

@@ -137,7 +137,9 @@ def pipelined_ring(n: float, p: int) -> Cost:
 
 def multi_ring_cost(n: float, p: int, channels: int = CHANNELS, links: int = 2) -> Cost:
     """``channels`` rings side by side, each over n/channels bytes, spread over ``links``
-    independent outgoing links per rank (2: one to each neighbour, both used at once)."""
+    independent outgoing links per rank (2: a direct link to each neighbour, both used at
+    once). Only direct links give the second link: on a switch (NVSwitch) or one shared
+    link, pass ``links=1`` -- the plain ring's β term."""
     if p == 1:
         return Cost(0, 0.0, 0.0)
     share = n / min(channels, links)     # bytes one link carries, in total
@@ -147,8 +149,10 @@ def multi_ring_cost(n: float, p: int, channels: int = CHANNELS, links: int = 2) 
 
 @model("multi_ring")
 def multi_ring(n: float, p: int) -> Cost:
-    """Two rings in opposite directions, each on a link of its own: half the ring's β term.
-    On one shared link (gloo over loopback) the plain ring's model is the right one."""
+    """Two rings in opposite directions, each on a direct link of its own: half the ring's
+    β term. Only where neighbours have direct links: on a switch (NVSwitch: one ring 0.77×
+    NCCL, bidirectional 0.69× on 4 H200s) or one shared link (gloo over loopback) the
+    plain ring's model is the right one."""
     return multi_ring_cost(n, p, CHANNELS)
 
 
@@ -430,3 +434,94 @@ def best_slice_bytes(n: float, D: int, M: int, tiers: Tiers, largest_slices: int
 def cross_bytes_per_rank(name: str, n: float, D: int, M: int) -> float:
     """Bytes the busiest rank sends across machines (the ring: a rank at a machine's edge)."""
     return sum(s.bytes_per_rank for s in tiered(name, n, D, M) if s.tier == "across")
+# ---- lesson 8: sparse all-reduce ----------------------------------------------------------
+#
+# A sparse all-reduce sends k (index, value) pairs instead of n values. Indices are int32
+# (4 bytes), values keep the tensor's dtype (``value_bytes``): a pair of float32 costs 8 bytes,
+# twice a dense element, so sparse pays only while k·(4+e) stays well under what the dense
+# ring sends. Three ways to move the pairs (collectives.sparse):
+#
+#   all-gather  every rank receives every other rank's k pairs:   (p−1)·k·(4+e) bytes per rank.
+#               Beats the dense ring, 2(p−1)/p·n·e, only while k/n < 2e/(p·(4+e)) = 1/p for fp32.
+#   split       SparCML: pairs go to the owner of their index range (all-to-all), the owner
+#               sums them, then every owner's reduced piece is all-gathered -- as pairs while
+#               that is smaller, as a dense piece once it fills (densification):
+#               (p−1)/p·k·(4+e) + (p−1)·min(u·(4+e), n/p·e),  u = distinct indices per piece.
+#   dense       the kept values written into a zeroed tensor and all-reduced by the ring.
+
+INDEX_BYTES = 4            # int32 indices: tensors of 2^31 elements or more are refused
+SPARSE_VARIANTS = ("allgather", "split", "dense")
+
+
+def expected_union(n: float, k: float, p: int) -> float:
+    """Expected distinct indices in one of p pieces when each rank keeps k of n indices at
+    random: (n/p)·(1 − (1 − k/n)^p). Real gradients overlap more (the same large entries on
+    every rank), which only helps the split variant."""
+    if n <= 0:
+        return 0.0
+    return n / p * (1.0 - (1.0 - min(k, n) / n) ** p)
+
+
+def sparse_cost(variant: str, n: float, k: float, p: int, value_bytes: int = 4,
+                counts: bool = False, union: float | None = None) -> Cost:
+    """What ``variant`` costs for k kept of n elements on p ranks (bytes from element counts).
+
+    ``counts``: threshold mode, where every rank first all-gathers its count (one more round
+    of p−1 messages of 8 bytes). ``union``: the largest number of distinct indices in a
+    reduced piece, if known (default: :func:`expected_union`).
+    """
+    if p == 1:
+        return Cost(0, 0.0, 0.0)
+    pair = INDEX_BYTES + value_bytes
+    count_steps, count_bytes = ((p - 1), (p - 1) * 8.0) if counts else (0, 0.0)
+    if variant == "allgather":
+        moved = (p - 1) * k * pair
+        return Cost(p - 1 + count_steps, moved + count_bytes, moved + count_bytes, (p - 1) * k * value_bytes)
+    if variant == "split":
+        u = expected_union(n, k, p) if union is None else union
+        piece = math.ceil(n / p)
+        scatter = (p - 1) / p * k * pair
+        gather = (p - 1) * min(u * pair, piece * value_bytes)
+        # two small exchanges: how many pairs go to each rank, how many each piece holds
+        small = 2 * (p - 1) * 8.0
+        moved = scatter + gather + small
+        return Cost(4 * (p - 1), moved, moved, k * value_bytes)
+    if variant == "dense":
+        return ring(n * value_bytes, p)
+    raise ValueError(f"unknown sparse variant {variant!r}; use one of {', '.join(SPARSE_VARIANTS)}")
+
+
+def choose_sparse_variant(n: float, k: float, p: int, link: AlphaBeta, value_bytes: int = 4,
+                          counts: bool = False, variants=SPARSE_VARIANTS) -> str:
+    """The variant the model predicts fastest (ties go to the earlier name in ``variants``)."""
+    return min(variants, key=lambda v: sparse_cost(v, n, k, p, value_bytes, counts).seconds(link))
+
+
+def sparse_crossover(n: float, p: int, link: AlphaBeta, variant: str = "allgather",
+                     value_bytes: int = 4, against: str = "dense") -> float:
+    """The density k/n above which ``variant`` is predicted slower than ``against`` (1.0 if never).
+
+    Found by bisection on the model; for the all-gather variant against the dense ring on a
+    link where β dominates, it is 2e/(p·(4+e)): 1/p for float32, (2/3)/p for 16-bit values
+    (their pairs are 6 bytes for 2 of payload). Against an fp16-compressed dense ring
+    (half the dense bytes), float32 pairs cross over at 1/(2p).
+    """
+    def gap(d):
+        k = d * n
+        return (sparse_cost(variant, n, k, p, value_bytes).seconds(link)
+                - sparse_cost(against, n, k, p, value_bytes).seconds(link))
+    lo, hi = 1.0 / n, 1.0
+    if gap(hi) <= 0:
+        return 1.0
+    if gap(lo) >= 0:
+        return lo
+    for _ in range(60):
+        mid = (lo * hi) ** 0.5
+        if gap(mid) < 0:
+            lo = mid
+        else:
+            hi = mid
+    return (lo * hi) ** 0.5
+
+
+GIGABIT = AlphaBeta(alpha=100e-6, beta=1 / 125e6)   # a 1 Gbit/s link: the default for choosing

@@ -23,9 +23,12 @@ good. So every algorithm of the course takes the buffers it receives into from
 :func:`scratch` (the pool), never from ``torch.empty``; warmed up before :func:`register`,
 they are registered with everything else. (Found when the benchmark's sweep hung as soon
 as halving-doubling, whose landing buffer was still ordinary memory, met registered
-tensors; after the change all seven algorithms ran there clean.) The same holds for your
-tensors: once :func:`register` has run, hand the algorithms tensors from :func:`empty`
-only, or ordinary ones in a process that never registers.
+tensors; after the change all seven algorithms ran there clean.) The library's other
+temporaries -- the contiguous copy of a view (``ops.work_buffer``), the reduce-scatter's
+working copy, ``exchange``'s landing buffer -- come from :func:`temporary`, which takes
+them from the pool once :func:`register` has run. The same holds for your tensors: once
+:func:`register` has run, hand the algorithms tensors from :func:`empty` only, or
+ordinary ones in a process that never registers.
 """
 
 from __future__ import annotations
@@ -103,29 +106,71 @@ def register() -> None:
     _registered = True
 
 
-_scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+def registered() -> bool:
+    """Whether :func:`register` has run in this process."""
+    return _registered
 
 
-def scratch_parts(count: int, numel: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+def pool_allocates(device) -> bool:
+    """Whether a temporary on ``device`` must come from the pool: once :func:`register` has
+    run, on a GPU. Ordinary memory could then meet registered memory in a transfer, and
+    such a transfer never completes (NCCL 2.28, measured both ways on 2 H200s)."""
+    return _registered and torch.device(device).type == "cuda"
+
+
+def temporary(numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """A flat temporary of ``numel`` elements for the library's own copies (a contiguous copy
+    of a view, a landing buffer, a reduce-scatter's working copy): ``torch.empty``, or, once
+    :func:`register` has run, memory from the registered pool (:func:`pool_allocates`), so
+    that no transfer mixes registered and ordinary memory."""
+    device = torch.device(device)
+    if pool_allocates(device) and _pool is not None:
+        with torch.cuda.use_mem_pool(_pool):
+            return torch.empty(numel, dtype=dtype, device=device)
+    return torch.empty(numel, dtype=dtype, device=device)
+
+
+def contiguous_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s elements in a new flat :func:`temporary` (its data: detached)."""
+    flat = temporary(tensor.numel(), tensor.dtype, tensor.device)
+    flat.copy_(tensor.detach().reshape(-1))
+    return flat
+
+
+def scratch_key(dtype: torch.dtype, device, group=None) -> tuple:
+    """What a :func:`scratch` buffer is shared by: one dtype on one device, *and* one process
+    group on one stream. Two groups (a hierarchical all-reduce's inner and outer ones) or two
+    streams may run at the same time; sharing a landing buffer between them would let one's
+    arrivals overwrite the other's."""
+    device = torch.device(device)
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    return (dtype, device, group, stream)
+
+
+_scratch: dict[tuple, torch.Tensor] = {}
+
+
+def scratch_parts(count: int, numel: int, dtype: torch.dtype, device: torch.device,
+                  group=None) -> list[torch.Tensor]:
     """``count`` landing buffers of ``numel`` elements each, side by side in :func:`scratch`."""
-    whole = scratch(count * numel, dtype, device)
+    whole = scratch(count * numel, dtype, device, group)
     return [whole[i * numel: (i + 1) * numel] for i in range(count)]
 
 
-def scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A landing buffer of ``numel`` elements for received chunks (one per process: callers
-    that need several at once take :func:`scratch_parts`).
+def scratch(numel: int, dtype: torch.dtype, device: torch.device, group=None) -> torch.Tensor:
+    """A landing buffer of ``numel`` elements for received chunks (one per :func:`scratch_key`:
+    callers that need several at once take :func:`scratch_parts`).
 
-    Under NCCL it is cached per (dtype, device) and comes from the pool, grown when a
-    larger one is asked for. It is *not* registered here: registering (or re-registering)
-    while earlier asynchronous transfers may still be in flight is unsafe. Warm up once,
-    then call :func:`register` -- from then on the arrivals are zero-copy. Elsewhere it is
-    a fresh ``torch.empty``.
+    Under NCCL it is cached per (dtype, device, group, stream) and comes from the pool,
+    grown when a larger one is asked for. It is *not* registered here: registering (or
+    re-registering) while earlier asynchronous transfers may still be in flight is unsafe.
+    Warm up once, then call :func:`register` -- from then on the arrivals are zero-copy.
+    Elsewhere it is a fresh ``torch.empty``.
     """
     device = torch.device(device)
     if device.type != "cuda" or pool(device) is None:
         return torch.empty(numel, dtype=dtype, device=device)
-    key = (dtype, device)
+    key = scratch_key(dtype, device, group)
     buf = _scratch.get(key)
     if buf is None or buf.numel() < numel:
         with allocating():

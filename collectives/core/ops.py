@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import trace
+from . import nccl_memory, trace
 
 ReduceOp = dist.ReduceOp
 
@@ -27,27 +27,59 @@ def op_name(op) -> str:
     return OP_NAMES.get(op, str(op))
 
 
-def check_all_reduce_args(tensor, op=ReduceOp.SUM, group=None, *, what: str = "all_reduce") -> None:
-    """Raise a clear error for input an in-place all-reduce cannot honour.
+def is_member(group=None) -> bool:
+    """Whether this rank belongs to ``group`` (the world when ``group`` is None).
+
+    ``dist.new_group(ranks)`` hands the ranks outside ``ranks`` a placeholder
+    (``dist.GroupMember.NON_GROUP_MEMBER``) instead of a process group; ``dist.all_reduce``
+    called with it returns at once, doing nothing.
+    """
+    if group is None:
+        return True
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        return False
+    return isinstance(group, dist.ProcessGroup) and dist.get_rank(group) >= 0
+
+
+def check_all_reduce_args(tensor, op=ReduceOp.SUM, group=None, *, what: str = "all_reduce") -> bool:
+    """Raise a clear error for input an in-place all-reduce cannot honour; return whether
+    this rank takes part.
 
     * ``tensor`` must be a ``torch.Tensor``;
-    * ``op`` one of SUM, PRODUCT, MIN, MAX, AVG (AVG only on floating dtypes);
+    * a rank outside ``group`` takes no part: the result is ``False`` and the caller
+      returns at once, leaving the tensor as it was -- what ``dist.all_reduce`` does;
+    * ``op`` one of SUM, PRODUCT, MIN, MAX, AVG (AVG only on floating dtypes; MIN and MAX
+      not on complex ones, which have no order);
     * no two elements may share memory (an ``expand``-ed tensor): an in-place result
       cannot be written to both. gloo's own ``all_reduce`` crashes on such a tensor.
+
+    Everything here depends only on the arguments, never on what a peer holds, so every
+    rank raises the same error before any message is sent: nobody is left waiting.
+    Usage, first thing in every all-reduce::
+
+        if not ops.check_all_reduce_args(tensor, op, group, what="ring_all_reduce"):
+            return                                  # not in the group: nothing to do
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER \
+            and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{what}: group must be a ProcessGroup from dist.new_group, got {type(group).__name__}")
+    if not is_member(group):
+        return False
     if op not in SUPPORTED_OPS:
         raise ValueError(f"{what}: unsupported op {op}; use one of "
                          + ", ".join(OP_NAMES.values()))
     if op == ReduceOp.AVG and not (tensor.is_floating_point() or tensor.is_complex()):
         raise ValueError(f"{what}: ReduceOp.AVG needs a floating-point tensor, got {tensor.dtype}")
+    if op in (ReduceOp.MIN, ReduceOp.MAX) and tensor.is_complex():
+        raise ValueError(f"{what}: ReduceOp.{op_name(op)} is not defined for complex tensors "
+                         f"({tensor.dtype}): complex numbers have no order")
     if tensor.numel() > 1 and torch._debug_has_internal_overlap(tensor) == 1:
         raise ValueError(f"{what}: the tensor has elements that share memory (an expanded "
                          f"tensor, stride {tuple(tensor.stride())}); pass a tensor with distinct "
                          "elements, e.g. tensor.contiguous()")
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"{what}: group must be a ProcessGroup from dist.new_group, got {type(group).__name__}")
+    return True
 
 
 def combine_(acc: torch.Tensor, incoming: torch.Tensor, op) -> torch.Tensor:
@@ -72,17 +104,23 @@ def finish_(tensor: torch.Tensor, op, group_size: int) -> torch.Tensor:
 
 def work_buffer(tensor: torch.Tensor) -> torch.Tensor:
     """A flat, contiguous buffer holding ``tensor``'s elements: the tensor's own memory when
-    it is contiguous, else a copy (to be written back with :func:`write_back`)."""
-    return tensor.contiguous().view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
+    it is contiguous, else a copy (to be written back with :func:`write_back`).
+
+    Always detached from autograd, as ``dist.all_reduce`` works on the data: a leaf that
+    requires a gradient (an ``nn.Parameter``) refuses in-place arithmetic, its detached
+    view of the same memory does not. The copy is a :func:`nccl_memory.temporary
+    <collectives.core.nccl_memory.temporary>`: registered memory once registration has run."""
+    tensor = tensor.detach()
+    return tensor.view(-1) if tensor.is_contiguous() else nccl_memory.contiguous_copy(tensor)
 
 
 def write_back(tensor: torch.Tensor, flat: torch.Tensor) -> None:
-    """Copy ``flat`` into ``tensor`` unless it already is ``tensor``'s memory."""
+    """Copy ``flat`` into ``tensor`` (its data, detached) unless it already is ``tensor``'s memory."""
     if tensor.numel() == 0:
         return
     if tensor.is_contiguous() and flat.data_ptr() == tensor.data_ptr():
         return
-    tensor.copy_(flat.view(tensor.shape))
+    tensor.detach().copy_(flat.view(tensor.shape))
 
 
 def group_rank_and_size(group=None) -> tuple[int, int]:
@@ -123,62 +161,41 @@ class _Posted:
             work.wait()
 
 
-DIRECT_NCCL_POSTING = True
-
-
-def _post_together(send_buf, dst, recv_buf, src, group):
-    """One NCCL group holding a receive and a send, posted through the process group itself."""
-    pg = group if group is not None else dist.distributed_c10d._get_default_group()
-    if group is not None:
-        src, dst = dist.get_group_rank(group, src), dist.get_group_rank(group, dst)
-    device = recv_buf.device if recv_buf.is_cuda else send_buf.device
-    if not recv_buf.numel() and not send_buf.numel():
-        return None
-    pg._start_coalescing(device)
-    if recv_buf.numel():
-        pg.recv([recv_buf], src, 0)
-    if send_buf.numel():
-        pg.send([send_buf], dst, 0)
-    return pg._end_coalescing(device)
-
-
-def sendrecv(send_buf: torch.Tensor, dst: int, recv_buf: torch.Tensor, src: int, group=None):
+def sendrecv(send_buf: torch.Tensor, dst: int, recv_buf: torch.Tensor, src: int, group=None,
+             *, post_empty: bool = False):
     """Post a receive of ``recv_buf`` from ``src`` and a send of ``send_buf`` to ``dst``;
     return the ``(receive, send)`` handles. ``dst``/``src`` are global ranks.
 
     An empty buffer is not posted at all: both ends know its size (a chunk of a tensor
-    smaller than the world), and NCCL need not see a 0-byte message.
+    smaller than the world), and NCCL need not see a 0-byte message. ``post_empty=True``
+    posts it anyway on gloo, for algorithms whose number of messages must not depend on
+    the tensor's size: if ranks are (wrongly) handed tensors of different sizes, every
+    receive still has its send, a message longer than its receive aborts gloo at once, and
+    nobody waits for a message that never comes.
 
-    On GPUs (NCCL) both go into one ``batch_isend_irecv``, and they must: NCCL runs
-    point-to-point operations posted one by one to the same peer in order, on one stream,
-    so when two ranks each post "receive from you, then send to you" each receive waits
-    for a send queued behind the other's receive -- a deadlock, at every world of two.
-    Grouped, NCCL starts both together; and the group runs on the group's own
+    On GPUs (NCCL) both go into one ``batch_isend_irecv``, and they must: the communicator
+    is created eagerly (the launcher passes ``device_id``), and then NCCL runs a process
+    group's point-to-point operations posted one by one in order, on one stream, whatever
+    their peer. When two ranks each post "receive from you, then send to you", each
+    receive waits for a send queued behind the other's receive: a deadlock, at every
+    message size (a blocking send-then-recv pair between two NCCL ranks hangs at 4 KiB
+    too). Grouped, NCCL starts both together; and the group runs on the group's own
     communicator, the one :mod:`collectives.core.nccl_memory` registers buffers with, so a
     transfer between registered buffers is zero-copy. The receive handle then waits for
     both; the send handle waits for nothing.
 
     On gloo they are posted one by one, receive first, so the caller can combine an
     arrival while its own send is still going.
-
-    ``batch_isend_irecv`` builds and checks its ``P2POp`` list in Python, tens of µs a
-    step; a ring's first step waits for them with the GPU idle. Unless a trace is
-    recording (it sees calls through ``torch.distributed``'s functions), the pair goes to
-    the process group's own coalescing calls instead -- the ones ``batch_isend_irecv``
-    ends in (``DIRECT_NCCL_POSTING = False`` restores the public route, to compare).
     """
     if recv_buf.is_cuda or send_buf.is_cuda:
-        if DIRECT_NCCL_POSTING and not trace.active():
-            work = _post_together(send_buf, dst, recv_buf, src, group)
-            return _Posted([work] if work is not None else ()), _Posted()
         p2p = []
         if recv_buf.numel():
             p2p.append(dist.P2POp(dist.irecv, recv_buf, src, group=group))
         if send_buf.numel():
             p2p.append(dist.P2POp(dist.isend, send_buf, dst, group=group))
         return _Posted(dist.batch_isend_irecv(p2p) if p2p else ()), _Posted()
-    recv = _Posted([dist.irecv(recv_buf, src, group=group)] if recv_buf.numel() else [])
-    send = _Posted([dist.isend(send_buf, dst, group=group)] if send_buf.numel() else [])
+    recv = _Posted([dist.irecv(recv_buf, src, group=group)] if recv_buf.numel() or post_empty else [])
+    send = _Posted([dist.isend(send_buf, dst, group=group)] if send_buf.numel() or post_empty else [])
     return recv, send
 
 

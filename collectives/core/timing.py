@@ -95,7 +95,11 @@ def algbw(nbytes: int, seconds: float) -> float:
 
 def busbw(nbytes: int, seconds: float, world_size: int) -> float:
     """Bus bandwidth, bytes/s: algbw times 2(p-1)/p, the share of the data each link must
-    carry in a bandwidth-optimal all-reduce -- comparable across world sizes (nccl-tests)."""
+    carry in a bandwidth-optimal all-reduce -- comparable across world sizes (nccl-tests).
+
+    A link rate only for bandwidth-optimal algorithms (the ring, halving-doubling, NCCL's
+    own): for one that sends more (the naive ring, recursive doubling, a tree) it is a
+    normalised speed, not what its links carried."""
     if world_size <= 1:
         return algbw(nbytes, seconds)
     return algbw(nbytes, seconds) * 2 * (world_size - 1) / world_size

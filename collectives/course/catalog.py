@@ -50,6 +50,7 @@ LESSONS = [
     Lesson(5, "fused", "Fused buffers, after SINGA", "collectives.fused"),
     Lesson(6, "bucketing", "DDP gradient bucketing", "collectives.bucketing"),
     Lesson(7, "hierarchical", "Hierarchical all-reduce, after Fairring", "collectives.hierarchical"),
+    Lesson(8, "sparse", "Sparse all-reduce with error feedback, after SINGA", "collectives.sparse"),
 ]
 
 

@@ -29,6 +29,7 @@ class TourEntry:
     target: str                   # "module:function"
     model: str | None = None      # cost model giving bytes sent per rank (collectives.core.cost)
     runner: str | None = None     # "module:function" run on every rank: runner(nbytes) -> dict
+    identical_bits: bool = True   # every rank ends with the same bits (the naive ring: not)
 
 
 @dataclass
@@ -59,7 +60,8 @@ class TourRow:
 TOUR = [
     TourEntry(2, "reduce+broadcast", "collectives.basics:all_reduce_via_reduce_broadcast",
               model="reduce_broadcast"),
-    TourEntry(3, "naive ring", "collectives.naive_ring:naive_ring_all_reduce", model="naive_ring"),
+    TourEntry(3, "naive ring", "collectives.naive_ring:naive_ring_all_reduce", model="naive_ring",
+              identical_bits=False),
     TourEntry(4, "ring", "collectives.ring:ring_all_reduce", model="ring"),
     TourEntry(4, "pipelined ring", "collectives.ring:pipelined_ring_all_reduce", model="pipelined_ring"),
     TourEntry(4, "multi-ring (2 channels)", "collectives.ring:multi_ring_all_reduce", model="multi_ring"),
@@ -74,6 +76,12 @@ TOUR = [
               runner="collectives.course.bucketing_bench:tour_fields"),
     TourEntry(7, "hierarchical (2 machines)", target="collectives.hierarchical:hierarchical_all_reduce",
               runner="collectives.course.hierarchical_bench:tour_runner"),
+    TourEntry(8, "sparse top-k 1% (all-gather)", target="collectives.sparse:sparse_all_reduce",
+              runner="collectives.course.sparse_bench:tour_topk_allgather"),
+    TourEntry(8, "sparse top-k 1% (split)", target="collectives.sparse:sparse_all_reduce",
+              runner="collectives.course.sparse_bench:tour_topk_split"),
+    TourEntry(8, "sparse threshold 1% (all-gather)", target="collectives.sparse:sparse_all_reduce",
+              runner="collectives.course.sparse_bench:tour_threshold_allgather"),
 ]
 
 
@@ -87,7 +95,7 @@ def all_reduce_runner(entry: TourEntry, nbytes: int) -> dict:
     fn = resolve(entry.target)
     p = dist.get_world_size()
     device = verify.rank_device()
-    report = verify.check_all_reduce(fn, quick=True)
+    report = verify.check_all_reduce(fn, quick=True, identical_bits=entry.identical_bits)
     x = torch.randn(max(nbytes // 4, 1), device=device)
     y = x.clone()
     with trace.recording() as t:

@@ -25,6 +25,23 @@ Two rules keep the reference honest:
   always computed on a contiguous copy; the implementation gets the view itself, and the
   harness also checks that the elements *between* the view's elements were left alone.
 
+A third rule holds the result to what ``dist.all_reduce`` promises beyond the values:
+
+* **every rank ends with the same bits.** A random-float case passes only if every rank
+  of the group holds bit for bit what the group's first rank holds (the harness
+  broadcasts it and compares). The naive ring of lesson 3 is the documented exception:
+  each rank adds the p terms in its own order, so its callers pass
+  ``identical_bits=False``.
+
+**AVG** is, by the contract, the SUM followed by one division by the group size, and the
+reference is built that way on every backend -- never from the backend's own AVG. NCCL
+computes a floating-point AVG differently: it multiplies every rank's input by 1/p first
+and then sums (a "pre-multiplied sum"). Where 1/p is not exact in the dtype (p = 3, 5, 6,
+7, ...) the two round differently in the last bits, so comparing an algorithm that sums and
+divides once with NCCL's native AVG bit for bit would fail for no fault of the algorithm.
+gloo has no AVG at all. (On integer-valued inputs SUM-then-divide is exact whenever the
+mean is representable; NCCL's pre-multiply is not, since x/3 rarely is.)
+
 A mismatch names the case, the rank, the first differing index, expected and got.
 """
 
@@ -233,20 +250,40 @@ def reference_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None) -> t
     """``dist.all_reduce`` of a contiguous copy of ``tensor``; returns the copy. Not traced.
 
     Never the view itself: gloo reduces the wrong elements of a non-contiguous view and
-    crashes on an expanded one. AVG falls back to SUM and one division where the backend
-    lacks it.
+    crashes on an expanded one. AVG is always SUM then one division by the group size, as
+    the contract states -- not the backend's own AVG, which on NCCL pre-multiplies each
+    input by 1/p and rounds differently (see the module's docstring).
     """
     buf = tensor.clone(memory_format=torch.contiguous_format)
     with trace.paused():
         if op == ReduceOp.AVG:
-            try:
-                dist.all_reduce(buf, op=op, group=group)
-            except (RuntimeError, ValueError):
-                dist.all_reduce(buf, op=ReduceOp.SUM, group=group)
-                buf.div_(dist.get_world_size(group))
+            dist.all_reduce(buf, op=ReduceOp.SUM, group=group)
+            buf.div_(dist.get_world_size(group))
         else:
             dist.all_reduce(buf, op=op, group=group)
     return buf
+
+
+def same_bits_problem(tensor: torch.Tensor, group=None) -> str | None:
+    """None when every rank of ``group`` holds ``tensor`` bit for bit, else what differs.
+
+    Collective (every rank of the group must call it): the group's first rank broadcasts
+    its tensor, every rank compares bitwise (NaN with the same payload is equal)."""
+    mine = tensor.detach().reshape(-1).contiguous()
+    first = mine.clone()
+    with trace.paused():
+        root = 0 if group is None else dist.get_global_rank(group, 0)
+        dist.broadcast(first, root, group=group)
+    if first.element_size() in (2, 4, 8) and first.is_floating_point():
+        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[first.element_size()]
+        differ = mine.view(bits) != first.view(bits)
+    else:
+        differ = mine != first
+    if not bool(differ.any()):
+        return None
+    i = int(differ.nonzero()[0])
+    return (f"ranks disagree: {int(differ.sum())} elements differ in their bits from the group's "
+            f"first rank; first at index {i}: {first[i].item()!r} there, {mine[i].item()!r} here")
 
 
 def compare(expected: torch.Tensor, got: torch.Tensor, *, exact: bool = True,
@@ -287,8 +324,11 @@ def _make_groups(cases: Iterable[Case]) -> dict[tuple[int, ...], object]:
     return groups
 
 
-def run_case(fn: Callable, case: Case, group=None, seed: int = 0) -> CaseResult:
-    """Run one case on this rank: reference on a copy, ``fn`` in place, compare."""
+def run_case(fn: Callable, case: Case, group=None, seed: int = 0, *,
+             identical_bits: bool = True) -> CaseResult:
+    """Run one case on this rank: reference on a copy, ``fn`` in place, compare; for random
+    floats (``identical_bits``) also check that every rank of the group ends with the
+    same bits (collective: every rank of the group runs the case)."""
     rank = dist.get_rank()
     group_rank = rank if case.group is None else case.group.index(rank)
     p = dist.get_world_size(group)
@@ -308,6 +348,8 @@ def run_case(fn: Callable, case: Case, group=None, seed: int = 0) -> CaseResult:
     if case.op == ReduceOp.PRODUCT and not exact:
         rtol, atol = rtol * 2, 0.0
     problem = compare(expected, tensor, exact=exact, rtol=rtol, atol=atol)
+    if identical_bits and case.values == "random":   # exact cases agree by being exact
+        problem = same_bits_problem(tensor, group) or problem
     if problem is None and base is not None and case.layout == "strided":
         gaps = base[1::2]
         if bool((gaps != SENTINEL).any()):
@@ -318,12 +360,13 @@ def run_case(fn: Callable, case: Case, group=None, seed: int = 0) -> CaseResult:
 
 
 def check_all_reduce(fn: Callable, cases: list[Case] | None = None, *, seed: int = 0,
-                     quick: bool = False) -> Report:
+                     quick: bool = False, identical_bits: bool = True) -> Report:
     """On every rank of the world: run ``fn`` and ``dist.all_reduce`` on each case, compare.
 
     ``fn(tensor, op=..., group=...)`` must reduce ``tensor`` in place. Returns this rank's
     :class:`Report`; exceptions from ``fn`` become failed cases, so one unfinished task
-    does not hide the others.
+    does not hide the others. ``identical_bits=False`` waives the same-bits-on-every-rank
+    rule (for the naive ring, whose ranks add in different orders).
     """
     world = dist.get_world_size()
     cases = default_cases(world, quick=quick) if cases is None else cases
@@ -333,7 +376,8 @@ def check_all_reduce(fn: Callable, cases: list[Case] | None = None, *, seed: int
     for case in cases:
         if case.group is not None and rank not in case.group:
             continue
-        report.results.append(run_case(fn, case, groups.get(case.group), seed))
+        report.results.append(run_case(fn, case, groups.get(case.group), seed,
+                                       identical_bits=identical_bits))
     return report
 
 
@@ -352,10 +396,10 @@ def check_expanded_rejected(fn: Callable) -> CaseResult:
     return CaseResult(name, rank, False, "accepted an expanded tensor without an error")
 
 
-def _check_in_rank(target: str, quick: bool, seed: int) -> Report:
+def _check_in_rank(target: str, quick: bool, seed: int, identical_bits: bool = True) -> Report:
     from .impl import resolve
 
-    return check_all_reduce(resolve(target), quick=quick, seed=seed)
+    return check_all_reduce(resolve(target), quick=quick, seed=seed, identical_bits=identical_bits)
 
 
 def _expanded_in_rank(target: str) -> CaseResult:
@@ -365,7 +409,7 @@ def _expanded_in_rank(target: str) -> CaseResult:
 
 
 def check_in_world(target: str, world_size: int, *, quick: bool = False, seed: int = 0,
-                   expanded: bool = True, **launch_kwargs) -> Report:
+                   expanded: bool = True, identical_bits: bool = True, **launch_kwargs) -> Report:
     """Start a world, check ``target`` (``"module:function"`` or ``"path/file.py:function"``)
     on every rank, and return the merged report.
 
@@ -376,7 +420,8 @@ def check_in_world(target: str, world_size: int, *, quick: bool = False, seed: i
     from ..core import launch
 
     merged = Report(reference="dist.all_reduce")
-    for r in launch.run(_check_in_rank, world_size, args=(target, quick, seed), **launch_kwargs):
+    for r in launch.run(_check_in_rank, world_size, args=(target, quick, seed, identical_bits),
+                        **launch_kwargs):
         merged = merged.merge(r)
     if expanded:
         name = "expanded tensor is rejected"

@@ -32,7 +32,7 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from ..core import streams, trace
+from ..core import ops, streams, trace
 from ..core.ops import ReduceOp
 from .layout import DEFAULT_BUFFER_BYTES, DEFAULT_THRESHOLD_BYTES, _wire_op
 from .reducer import _CACHE_LIMIT, FusedAllReducer, _Flight, _Prepared
@@ -235,6 +235,8 @@ def fused_all_reduce(tensors: Sequence[torch.Tensor], op=ReduceOp.SUM, group=Non
     first = tensors[0]
     if not isinstance(first, torch.Tensor):
         raise TypeError(f"fused_all_reduce: expected tensors, got {type(first).__name__}")
+    if not ops.is_member(group):
+        return                              # outside the group: nothing to do, as dist.all_reduce
     key = (first.device, op, group, threshold_bytes, buffer_bytes, compress_fp16)
     reducer = _reducers.get(key)
     if reducer is None:

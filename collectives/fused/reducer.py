@@ -145,6 +145,7 @@ class FusedAllReducer:
         if self.device.type == "cuda" and self.device.index is None:   # "cuda": the current GPU
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.op, self.group = op, group
+        self._member = ops.is_member(group)    # outside the group: every call does nothing
         self.compress_fp16, self.double_buffer = compress_fp16, double_buffer
         self._copy_in = streams.new_stream(self.device, name="copy-in")      # packs groups into buffers
         self._comm = streams.new_stream(self.device, name="comm")            # runs the all-reduces
@@ -218,12 +219,15 @@ class FusedAllReducer:
         return prep
 
     # -- issuing -----------------------------------------------------------------------
+    @torch.no_grad()        # on the tensors' data, as dist.all_reduce: a Parameter is fine
     def all_reduce(self, tensors: Sequence[torch.Tensor]) -> "FusedAllReducer":
-        """Issue the all-reduce of every tensor of ``tensors``; finish with :meth:`wait`."""
+        """Issue the all-reduce of every tensor of ``tensors``; finish with :meth:`wait`.
+
+        A rank outside the reducer's group does nothing, as ``dist.all_reduce``."""
         if self._inflight:
             self.wait()
         tensors = list(tensors)
-        if not tensors:
+        if not tensors or not self._member:
             return self
         self._issue(self._prepare(tensors), tensors)
         return self
@@ -320,6 +324,7 @@ class FusedAllReducer:
         ops.finish_(full, self.op, dist.get_world_size(self.group))
         copy_back(full, targets)
 
+    @torch.no_grad()
     def wait(self) -> None:
         """Finish every flush in order; the caller's current stream then sees the results."""
         for flight in self._inflight:

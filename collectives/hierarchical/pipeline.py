@@ -79,7 +79,8 @@ def hierarchical_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, l
     2(M − 1)·α_x + 2(M − 1)/M·n/D·β_x per rank (:func:`cost.tiered`); pipelined over S
     slices, about the across-machine stages alone plus one slice of the others.
     """
-    ops.check_all_reduce_args(tensor, op, group, what="hierarchical_all_reduce")
+    if not ops.check_all_reduce_args(tensor, op, group, what="hierarchical_all_reduce"):
+        return                         # not in the group: nothing to do, as dist.all_reduce
     shape = resolve(layout, group)
     p = dist.get_world_size(group)
     if tensor.numel() == 0:

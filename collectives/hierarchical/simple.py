@@ -31,7 +31,8 @@ from .layout import resolve, stage_groups
 
 
 def _prepare(tensor, op, group, layout, what):
-    ops.check_all_reduce_args(tensor, op, group, what=what)
+    if not ops.check_all_reduce_args(tensor, op, group, what=what):
+        return None                    # not in the group: nothing to do, as dist.all_reduce
     shape = resolve(layout, group)
     if tensor.numel() == 0 or dist.get_world_size(group) == 1:
         return None

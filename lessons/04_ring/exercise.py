@@ -52,7 +52,7 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.S
               send at step s is what you finished combining at step s − 1.
     EXAMPLE:  p = 2, input [1, 2, 3, 4] on rank 0 and [10, 20, 30, 40] on rank 1
               -> output [11, 22] on rank 0, [33, 44] on rank 1.
-    HINT:     ``ops.check_all_reduce_args(input, op, group)`` first; AVG: ``ops.finish_`` on
+    HINT:     ``if not ops.check_all_reduce_args(input, op, group): return`` first; AVG: ``ops.finish_`` on
               your chunk. Chunks may be empty when numel < p: sending 0 elements is fine.
               Allocate the landing buffer once (the size of the largest chunk), not per step.
     """
@@ -105,8 +105,11 @@ def pipelined_ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
     EXAMPLE:  p = 4, pieces = 4, 4000 elements: chunks of 1000, messages of 250;
               2(p − 1)·pieces = 24 messages per rank, the same bytes as the ring.
     HINT:     messages between two ranks are matched in the order they were posted, so
-              post pieces in the same order on every rank. Use ``min(pieces, chunk size)``
-              pieces for tiny tensors. The graded test checks that the first piece of a
+              post pieces in the same order on every rank. Keep ``pieces`` pieces even for
+              tiny tensors (some empty), so the number of messages never depends on the
+              size: the reference posts empty ones on gloo with ``ops.sendrecv(...,
+              post_empty=True)``, which turns ranks handed different sizes into an error
+              instead of a hang. The graded test checks that the first piece of a
               step leaves before the last piece of the previous step has arrived.
     """
     raise NotImplementedError("Lesson 4, task 4: pipelined_ring_all_reduce")

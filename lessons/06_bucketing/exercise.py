@@ -109,7 +109,7 @@ class BucketedReducer(nn.Module):
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, first_bucket_cap_mb: float = 1,
                  find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False,
-                 group=None):
+                 group=None, broadcast_buffers: bool = True):
         super().__init__()
         if bucket_cap_mb <= 0 or first_bucket_cap_mb <= 0:
             raise ValueError(f"bucket caps must be positive, got {bucket_cap_mb} and {first_bucket_cap_mb} MiB")
@@ -124,6 +124,14 @@ class BucketedReducer(nn.Module):
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]
+        sparse = [name for name, m in module.named_modules() if getattr(m, "sparse", False) is True
+                  and any(p.requires_grad for p in m.parameters(recurse=False))]
+        if sparse:
+            raise ValueError(f"BucketedReducer: {sparse} produce sparse gradients (sparse=True), "
+                             "which do not fit a flat bucket; build them with sparse=False, or "
+                             "use torch DDP, which all-reduces sparse gradients on their own")
+        self.broadcast_buffers = broadcast_buffers
+        self._buffers_before_forward = True    # as DDP: after a synced forward, and at first
         self._broadcast_from_rank0()
         self.buckets: list[Bucket] = []
         self._where: list[tuple[int, int]] = []      # param index -> (bucket, slot in bucket)
@@ -152,11 +160,14 @@ class BucketedReducer(nn.Module):
         return torch.device("cpu")
 
     def _broadcast_from_rank0(self) -> None:
-        state = list(self.module.parameters()) + list(self.module.buffers())
+        self._broadcast(list(self.module.parameters()) + list(self.module.buffers()), "initial broadcast")
+
+    def _broadcast(self, state: list[torch.Tensor], label: str) -> None:
+        """Copy group rank 0's ``state`` to every rank: one broadcast per (dtype, device)."""
         by_key: dict[tuple, list[torch.Tensor]] = {}
         for t in state:
             by_key.setdefault((t.dtype, t.device), []).append(t)
-        with torch.no_grad(), trace.label("initial broadcast"):
+        with torch.no_grad(), trace.label(label):
             for tensors in by_key.values():
                 flat = torch.cat([t.detach().reshape(-1) for t in tensors])
                 dist.broadcast(flat, src=ops.global_rank(self.group, 0), group=self.group)
@@ -194,10 +205,14 @@ class BucketedReducer(nn.Module):
         if self._started:
             raise RuntimeError("the previous backward did not finish reducing its gradients "
                                "(it raised part-way); build a new BucketedReducer")
-        if torch.is_grad_enabled() and self._order_observed and not self._rebuilt:
+        if (torch.is_grad_enabled() and self._order_observed and not self._rebuilt
+                and not self.find_unused_parameters):       # as DDP: no rebuild then
             self._rebuild_buckets()
+        if self.broadcast_buffers and self._buffers_before_forward:
+            self._broadcast(list(self.module.buffers()), "buffers")   # rank 0's running stats
         out = self.module(*args, **kwargs)
         self._expect_hooks = torch.is_grad_enabled() and self._sync
+        self._buffers_before_forward = self._expect_hooks
         if self._expect_hooks:
             outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
             self.stats = BackwardStats(bucket_bytes=[b.flat.numel() * b.flat.element_size()
@@ -302,8 +317,9 @@ class BucketedReducer(nn.Module):
         EXAMPLE:  3 buckets; bucket 1 completes first: nothing is launched; bucket 0
                   completes: buckets 0 and 1 are launched; then bucket 2 when it completes.
         HINT:     ``torch.mul(grad, 1.0 / p, out=view)`` scales and copies in one pass (a
-                  multiply, as DDP does: cheaper than a divide, the same for p = 2, 4, 8);
-                  ``grad.data_ptr() == view.data_ptr()`` tells you the grad is the view.
+                  multiply, as DDP does); ``grad.data_ptr() == view.data_ptr()`` tells you
+                  the grad is already the view: then ``view.div_(p)``, as DDP does there
+                  (a multiply by 1/p differs in the last bit at p = 3).
         """
         raise NotImplementedError("Lesson 6, task 2: _mark_ready")
 

@@ -1,0 +1,250 @@
+"""``python -m collectives bench-sparse``: lesson 8's sparse all-reduce against ``dist.all_reduce``.
+
+Three measurements, each printed as a table:
+
+* **selection** (one process): the time of each way to find the k largest of n (topk,
+  sort, kthvalue, reuse) and of a threshold, at the benchmark's size -- the part of a
+  sparse all-reduce that does not shrink with the bytes;
+* **loopback** (``--world`` local ranks): each variant at ``--density`` against the dense
+  all-reduce, with its selection time beside its total, so what remains is wire time;
+* **cluster** (``--cluster``: 2 simulated machines × 2 ranks joined by a 1 Gbit/s link,
+  :mod:`collectives.core.cluster`; needs root): the same, and a density sweep from 0.1 %
+  to 50 % with the crossover measured against the one :mod:`collectives.core.cost`
+  predicts from α and β (β from the link rate, α from a small all-reduce).
+
+Bytes each rank sends are counted from the trace (an all-gather's contribution leaves a
+rank p−1 times in a ring, an all-reduce's 2(p−1)/p times).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..core import cost, launch, timing, trace
+from ..sparse import keep_count, sparse_all_reduce, time_selection
+
+VARIANTS = ("allgather", "split", "dense")
+
+
+def wire_bytes(t: trace.Trace, p: int) -> float:
+    """Bytes this rank puts on the wire for the collectives in ``t``, with ring all-gathers
+    and a ring all-reduce: an all-gather's contribution goes out p−1 times."""
+    total = 0.0
+    for e in t.collectives():
+        if e.kind in ("all_gather", "all_gather_into_tensor"):
+            total += (p - 1) * e.nbytes
+        elif e.kind == "all_reduce":
+            total += 2 * (p - 1) / p * e.nbytes
+        elif e.kind in ("all_to_all_single", "all_to_all"):
+            total += e.nbytes
+        else:
+            total += e.nbytes
+    return total
+
+
+def _inputs(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed + dist.get_rank())
+    return torch.randn(n, generator=g)
+
+
+def _one(x: torch.Tensor, mode: dict, method: str, iters: int, selection: str = "topk") -> dict:
+    """Time ``method`` on ``x``: total, and the selection alone, median over ``iters``.
+
+    ``selection="reuse"`` keeps its threshold between calls (its steady state: the same
+    tensor every call, so the filter always passes a few times k candidates)."""
+    p = dist.get_world_size()
+    state: dict = {}
+    with trace.recording() as t:
+        info = sparse_all_reduce(x.clone(), method=method, selection=selection, state=state, **mode)
+    sent = wire_bytes(t, p)
+    total = timing.median(timing.measure(
+        lambda: sparse_all_reduce(x.clone(), method=method, selection=selection, state=state, **mode),
+        warmup=1, iters=iters))
+    k = keep_count(x.numel(), mode["density"]) if "density" in mode else info.kept
+    select = statistics.median(s.seconds for s in time_selection(x, k, methods=(selection,), repeats=iters)) \
+        if "density" in mode else statistics.median(
+            s.seconds for s in time_selection(x, k, methods=(), repeats=iters, threshold=mode["threshold"]))
+    return dict(seconds=total, select=select, sent=sent, used=info.variant)
+
+
+def compare_in_world(n: int, density: float, iters: int = 5, sweep=(), variants=VARIANTS,
+                     sweep_selection: str = "reuse", main: bool = True) -> dict:
+    """On every rank: the dense all-reduce, each variant at ``density`` (unless not ``main``),
+    and a sweep of densities (top-k with ``sweep_selection``)."""
+    p = dist.get_world_size()
+    x = _inputs(n)
+    y = x.clone()
+    dense = timing.median(timing.measure(lambda: dist.all_reduce(y), warmup=1, iters=iters))
+    tiny = torch.zeros(1)
+    alpha = timing.median(timing.measure(lambda: dist.all_reduce(tiny), warmup=2, iters=10)) / (2 * max(p - 1, 1))
+    out = dict(p=p, n=n, density=density, dense=dense, dense_sent=2 * (p - 1) / p * n * 4, alpha=alpha,
+               rows=[], sweep=[])
+    for variant in variants if main else ():
+        out["rows"].append(dict(variant=variant, mode="top-k", **_one(x, {"density": density}, variant, iters)))
+    if main:
+        out["rows"].append(dict(variant="allgather", mode="top-k (reuse)",
+                                **_one(x, {"density": density}, "allgather", iters, "reuse")))
+        thr = float(torch.quantile(x[: 1 << 20].abs(), 1 - density))
+        out["rows"].append(dict(variant="allgather", mode="threshold",
+                                **_one(x, {"threshold": thr}, "allgather", iters)))
+    for d in sweep:
+        row = dict(density=d)
+        for variant in ("allgather", "split"):
+            row[variant] = _one(x, {"density": d}, variant, max(2, iters // 2), sweep_selection)["seconds"]
+        out["sweep"].append(row)
+    return out
+
+
+def measured_crossover(sweep: list[dict], dense: float) -> float | None:
+    """The density where the best sparse variant's time meets the dense time (log-linear
+    interpolation between the two sweep points around it); None if it never does."""
+    pts = [(r["density"], min(r["allgather"], r["split"])) for r in sweep]
+    for (d0, t0), (d1, t1) in zip(pts, pts[1:]):
+        if t0 <= dense < t1 or t0 < dense <= t1:
+            f = (dense - t0) / (t1 - t0)
+            return math.exp(math.log(d0) + f * (math.log(d1) - math.log(d0)))
+    return None
+
+
+def _print(result: dict, where: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=140)
+    table = Table(title=f"sparse all-reduce, {where}: {result['p']} ranks, n = {result['n']} float32 "
+                        f"({timing.human_bytes(result['n'] * 4)}), density {result['density']:.2%}")
+    for col in ("variant", "mode", "time", "selection", "wire + rest", "speed-up vs dense", "sent / rank",
+                "dense ring sends"):
+        table.add_column(col, justify="left" if col in ("variant", "mode") else "right")
+    for r in result["rows"]:
+        table.add_row(r["variant"], r["mode"], timing.human_seconds(r["seconds"]), timing.human_seconds(r["select"]),
+                      timing.human_seconds(max(r["seconds"] - r["select"], 0.0)),
+                      f"{result['dense'] / r['seconds']:.2f}×", timing.human_bytes(r["sent"]),
+                      timing.human_bytes(result["dense_sent"]))
+    if result["rows"]:
+        console.print(table)
+    console.print(f"dist.all_reduce: {timing.human_seconds(result['dense'])}")
+    if result["sweep"]:
+        sweep = Table(title="density sweep (top-k)")
+        for col in ("density", "all-gather", "split", "dense", "best / dense"):
+            sweep.add_column(col, justify="right")
+        for r in result["sweep"]:
+            sweep.add_row(f"{r['density']:.2%}", timing.human_seconds(r["allgather"]), timing.human_seconds(r["split"]),
+                          timing.human_seconds(result["dense"]),
+                          f"{min(r['allgather'], r['split']) / result['dense']:.2f}")
+        console.print(sweep)
+
+
+def model_crossover(result: dict, gbit: float) -> float:
+    link = cost.AlphaBeta(alpha=result["alpha"], beta=8 / (gbit * 1e9))
+    n, p = result["n"], result["p"]
+    best = lambda d: min(cost.sparse_cost(v, n, d * n, p).seconds(link) for v in ("allgather", "split"))  # noqa: E731
+    dense = cost.sparse_cost("dense", n, n, p).seconds(link)
+    lo, hi = 1e-4, 1.0
+    if best(hi) < dense:
+        return 1.0
+    for _ in range(60):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if best(mid) < dense else (lo, mid)
+    return math.sqrt(lo * hi)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m collectives bench-sparse", description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="64M", help="bytes of float32 per all-reduce (default 64M = 16 Mi floats)")
+    parser.add_argument("--density", type=float, default=0.01)
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--cluster", action="store_true",
+                        help="2 simulated machines x world/2 ranks over a shaped link (needs root)")
+    parser.add_argument("--link", default="1gbit", help="the cluster's link rate (default 1gbit)")
+    parser.add_argument("--sweep", default="", help="densities to sweep, e.g. 0.001,0.003,0.01,0.03,0.1,0.2,0.3,0.5")
+    parser.add_argument("--no-selection", action="store_true", help="skip the one-process selection table")
+    parser.add_argument("--sweep-only", action="store_true", help="only the dense all-reduce and the sweep")
+    parser.add_argument("--json", default="", help="also write the results to this file")
+    args = parser.parse_args(argv)
+    n = timing.parse_size(args.size) // 4
+    sweep = [float(s) for s in args.sweep.split(",") if s]
+    results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
+               "torch": torch.__version__}
+    if not args.no_selection:
+        x = torch.randn(n, generator=torch.Generator().manual_seed(0))
+        k = keep_count(n, args.density)
+        thr = float(torch.quantile(x[: 1 << 20].abs(), 1 - args.density))
+        rows = time_selection(x, k, repeats=args.iters, threshold=thr)
+        print(f"selection of k = {k} of n = {n} (one process, {torch.get_num_threads()} threads):")
+        for r in rows:
+            print(f"  {r.method:>9}: {timing.human_seconds(r.seconds)}")
+        results["selection"] = [dict(method=r.method, seconds=r.seconds) for r in rows]
+    kwargs = dict(args=(n, args.density, args.iters, sweep, VARIANTS, "reuse", not args.sweep_only), timeout=1800)
+    if args.cluster:
+        kwargs.update(machines=2, link=args.link)
+    t0 = time.time()
+    result = launch.run(compare_in_world, args.world, **kwargs)[0]
+    where = f"cluster 2 machines, {args.link}" if args.cluster else "loopback"
+    _print(result, where)
+    results[where] = result
+    if sweep:
+        measured = measured_crossover(result["sweep"], result["dense"])
+        gbit = float(args.link.lower().replace("gbit", "")) if args.cluster and "gbit" in args.link.lower() else None
+        line = f"crossover (best sparse = dense): measured {measured if measured is None else f'{measured:.1%}'}"
+        if gbit:
+            predicted = model_crossover(result, gbit)
+            line += f", model {predicted:.1%} (α = {timing.human_seconds(result['alpha'])}, {args.link})"
+            results["model_crossover"] = predicted
+        results["measured_crossover"] = measured
+        print(line)
+    print(f"({time.time() - t0:.0f} s)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+def _tour(nbytes: int, mode_name: str, method: str) -> dict:
+    """A tour row: verify the contract on this input, count bytes, time against dist.all_reduce."""
+    p = dist.get_world_size()
+    n = max(nbytes // 4, 1)
+    x = _inputs(n)
+    mode = {"density": 0.01} if mode_name == "top-k" else \
+        {"threshold": float(torch.quantile(x[: 1 << 20].abs(), 0.99))}
+    t, r = x.clone(), torch.zeros_like(x)
+    sparse_all_reduce(t, r, method=method, **mode)
+    sent = x - r
+    expected = sent.clone()
+    with trace.paused():
+        dist.all_reduce(expected)
+    ok = bool(torch.equal(sent + r, x)) and bool(torch.allclose(t, expected, atol=1e-5))
+    with trace.recording() as tr:
+        info = sparse_all_reduce(x.clone(), method=method, **mode)
+    counts = info.counts or [info.kept] * p
+    y = x.clone()
+    with trace.paused():
+        ours = timing.measure(lambda: sparse_all_reduce(x.clone(), method=method, **mode))
+        ref = timing.measure(lambda: dist.all_reduce(y))
+    theory = cost.sparse_cost(method, n, max(counts), p, 4, counts="threshold" in mode).bytes_per_rank
+    ring = cost.ring(n * 4, p).bytes_per_rank
+    return dict(verified=ok, detail="" if ok else "not dist.all_reduce of what was sent",
+                seconds=timing.median(ours), ref_seconds=timing.median(ref), nbytes=n * 4,
+                bytes_sent=wire_bytes(tr, p), bytes_theory=theory,
+                baseline=f"all_reduce, ring {timing.human_bytes(ring)}")
+
+
+def tour_topk_allgather(nbytes: int) -> dict:
+    return _tour(nbytes, "top-k", "allgather")
+
+
+def tour_topk_split(nbytes: int) -> dict:
+    return _tour(nbytes, "top-k", "split")
+
+
+def tour_threshold_allgather(nbytes: int) -> dict:
+    return _tour(nbytes, "threshold", "allgather")

@@ -1,0 +1,166 @@
+"""Choosing what to send: a threshold, or the k largest magnitudes.
+
+Selection is half of a sparse all-reduce's time on a fast link: the wire carries 1 % of
+the bytes, but the selection still reads 100 % of the tensor, and top-k reads it more
+than once. Four ways to find the k largest magnitudes, each returning *exactly* k
+indices (ties broken arbitrarily, never by dropping a larger magnitude for a smaller):
+
+=============  ==========================================================================
+``topk``       ``torch.topk(|x|, k)``: one pass with a heap (CPU) or radix select (GPU).
+``sort``       a full sort of ``|x|``, then the first k: O(n log n), the plainest.
+``kthvalue``   the k-th largest magnitude ``t`` by ``kthvalue``, then every ``|x| > t``
+               and as many ``|x| == t`` as fill k: two passes and a host-side count.
+``reuse``      Ok-Topk's trick: last step's k-th magnitude as a filter. Gradients change
+               slowly, so ``|x| ≥ t_prev`` keeps a few times k candidates; top-k of the
+               candidates is the top-k of the whole. Too few candidates: a plain top-k.
+=============  ==========================================================================
+
+Every method treats NaN as the largest magnitude (as ``torch.sort`` does) and infinities
+as larger than any finite value, so a NaN or inf in the input is always sent and reaches
+every rank, as it would through a dense all-reduce -- unless more than k of them crowd
+out each other, when the residual keeps the rest.
+
+SINGA's top-k (``sparsabs`` with a magnitude comparator on integers) ranks ``|g|`` cast to
+an integer, so every gradient below 1 in magnitude ties at 0 and the "top" k are simply
+the first k indices: :func:`truncated_magnitude_topk` reproduces that, for the lesson to
+show the difference.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+METHODS = ("topk", "sort", "kthvalue", "reuse")
+INDEX_DTYPE = torch.int32         # what travels: 4 bytes per index
+MAX_NUMEL = 2**31 - 1             # the largest tensor int32 indices can address
+
+
+def magnitude(x: torch.Tensor) -> torch.Tensor:
+    """``|x|``, with NaN kept as NaN: sorting and top-k rank NaN above +inf."""
+    return x.abs()
+
+
+def keep_count(numel: int, density: float) -> int:
+    """k = ⌈density·n⌉ (at least 1 for a non-empty tensor): the same on every rank, so
+    top-k mode needs no count exchange."""
+    if not 0.0 < density <= 1.0:
+        raise ValueError(f"density must be in (0, 1], got {density}")
+    if numel == 0:
+        return 0
+    return min(numel, max(1, int(-(-density * numel // 1))))
+
+
+def threshold_indices(x: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Indices (int64, ascending) of the elements with ``|x| ≥ threshold``, NaN included.
+
+    Written as ``not (|x| < threshold)`` so that NaN, for which every comparison is false,
+    is kept. The count of a threshold is data-dependent: ``nonzero`` synchronises with the
+    host on a GPU. It is the one synchronisation threshold mode needs anyway (every rank
+    must learn every rank's count)."""
+    return torch.nonzero(~(magnitude(x) < threshold)).view(-1)
+
+
+def _sort_desc(mag: torch.Tensor) -> torch.Tensor:
+    # torch.sort puts NaN last in ascending order, i.e. first in descending: the largest.
+    return torch.sort(mag, descending=True, stable=True).indices
+
+
+def topk_indices(x: torch.Tensor, k: int, method: str = "topk", state: dict | None = None) -> torch.Tensor:
+    """Indices (int64) of the k largest magnitudes of the 1-D tensor ``x``.
+
+    ``method`` is one of :data:`METHODS`. ``state`` carries ``reuse``'s threshold from one
+    call to the next (a dict the caller keeps, one per tensor); the other methods ignore it.
+    """
+    n = x.numel()
+    if not 0 <= k <= n:
+        raise ValueError(f"k must be between 0 and {n}, got {k}")
+    if k == 0:
+        return torch.empty(0, dtype=torch.int64, device=x.device)
+    if k == n:
+        return torch.arange(n, device=x.device)
+    mag = magnitude(x)
+    if mag.dtype in (torch.float16, torch.bfloat16) and mag.device.type == "cpu":
+        mag = mag.float()                   # CPU top-k/sort of half types: slower, same order
+    if method == "topk":
+        return torch.topk(mag, k, sorted=False).indices
+    if method == "sort":
+        return _sort_desc(mag)[:k]
+    if method == "kthvalue":
+        # kthvalue finds the k-th *smallest*; the k-th largest is the (n-k+1)-th smallest.
+        # NaN is never "greater": count NaN as above the threshold explicitly.
+        t = torch.kthvalue(torch.nan_to_num(mag, nan=float("inf")), n - k + 1).values
+        above = torch.nonzero((mag > t) | torch.isnan(mag)).view(-1)
+        if above.numel() > k:               # more than k NaN/inf: rank them by sort instead
+            return _sort_desc(mag)[:k]
+        at = torch.nonzero(mag == t).view(-1)[: k - above.numel()]
+        return torch.cat([above, at])
+    if method == "reuse":
+        state = {} if state is None else state
+        t = state.get("threshold")
+        picked = None
+        if t is not None:
+            candidates = torch.nonzero(~(mag < t)).view(-1)
+            if candidates.numel() >= k:     # every top-k element is a candidate
+                picked = candidates[torch.topk(mag[candidates], k, sorted=False).indices]
+        if picked is None:
+            picked = torch.topk(mag, k, sorted=False).indices
+        # The k-th largest kept magnitude, a little lowered: next step's filter keeps
+        # somewhat more than k candidates when the gradient drifts.
+        state["threshold"] = float(mag[picked].min()) * 0.9
+        return picked
+    raise ValueError(f"unknown selection method {method!r}; use one of {', '.join(METHODS)}")
+
+
+def truncated_magnitude_topk(x: torch.Tensor, k: int) -> torch.Tensor:
+    """SINGA's ranking, for comparison: magnitudes compared as integers (``int(|g|)``).
+
+    Every ``|g| < 1`` becomes 0, all tie, and a stable ranking returns the first k
+    indices whatever their size. Not used by the all-reduce; the lesson's test shows
+    :func:`topk_indices` picks the true largest where this does not.
+    """
+    as_int = magnitude(x).to(torch.int64)
+    return torch.sort(as_int, descending=True, stable=True).indices[:k]
+
+
+@dataclass
+class SelectionTime:
+    method: str
+    seconds: float       # median over repeats
+    k: int
+    n: int
+
+
+def time_selection(x: torch.Tensor, k: int, methods=METHODS, repeats: int = 5,
+                   threshold: float | None = None) -> list[SelectionTime]:
+    """Median time of each selection method on ``x`` (and of a fixed ``threshold``, if given).
+
+    ``reuse`` is timed in its steady state: primed once on ``x`` itself, so each timed call
+    filters with last step's threshold. On a GPU each call is synchronised before the clock
+    stops (the figure includes the kernels, not only their launch).
+    """
+    import statistics
+
+    def timed(fn):
+        times = []
+        for _ in range(repeats + 1):
+            if x.is_cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            if x.is_cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:])          # the first call warms up
+
+    rows = []
+    for method in methods:
+        state: dict = {}
+        if method == "reuse":
+            topk_indices(x, k, "reuse", state)
+        rows.append(SelectionTime(method, timed(lambda: topk_indices(x, k, method, state)), k, x.numel()))
+    if threshold is not None:
+        rows.append(SelectionTime("threshold", timed(lambda: threshold_indices(x, threshold)), k, x.numel()))
+    return rows

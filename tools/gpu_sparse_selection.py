@@ -1,0 +1,36 @@
+"""Time lesson 8's selection methods on one GPU (and the CPU, for comparison).
+
+    .venv/bin/python tools/gpu_sparse_selection.py --size 64M --density 0.01
+
+Prints the median time of torch.topk, a sort, kthvalue, Ok-Topk's reused threshold and a
+plain threshold for k = density·n of n float32 values: the part of a sparse all-reduce that
+does not shrink with the bytes sent, and what decides at which link speed sparse wins.
+"""
+
+import argparse
+
+import torch
+
+from collectives import timing
+from collectives.sparse import keep_count, time_selection
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="64M")
+    parser.add_argument("--density", type=float, default=0.01)
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    n = timing.parse_size(args.size) // 4
+    k = keep_count(n, args.density)
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for device in devices:
+        x = torch.randn(n, device=device)
+        threshold = float(torch.quantile(x[: 1 << 24].abs().float(), 1 - args.density))
+        print(f"{device}: k = {k} of n = {n} ({timing.human_bytes(n * 4)})")
+        for row in time_selection(x, k, repeats=args.repeats, threshold=threshold):
+            print(f"  {row.method:>9}: {timing.human_seconds(row.seconds)}")
+
+
+if __name__ == "__main__":
+    main()
