@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PIP_FLAGS ?= -q
 
-.PHONY: tour test grade docs docs-build bench clean
+.PHONY: tour test grade check docs docs-build bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,9 +20,15 @@ tour: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-## make grade [LESSON=04]: score the exercises in lessons/*/exercise.py
+## make grade [LESSON=04] [TASK=3] [TIMEOUT=30]: score the exercises in lessons/*/exercise.py
 grade: $(STAMP)
-	$(PY) -m collectives grade $(if $(LESSON),--lesson $(LESSON))
+	$(PY) -m collectives grade $(if $(LESSON),--lesson $(LESSON)) $(if $(TASK),--task $(TASK)) $(if $(TIMEOUT),--timeout $(TIMEOUT))
+
+## make check LESSON=04 [TASK=3] [WORLD=4] [TIMEOUT=30] [VERBOSE=1]: run one exercise's checks, one line per task
+check: $(STAMP)
+	@test -n "$(LESSON)" || { echo "usage: make check LESSON=04 [TASK=3] [WORLD=4] [TIMEOUT=30] [VERBOSE=1]"; exit 2; }
+	$(PY) $(firstword $(wildcard lessons/$(LESSON)_*/exercise.py) lessons/$(LESSON)_missing/exercise.py) \
+		$(if $(TASK),--task $(TASK)) $(if $(WORLD),--world $(WORLD)) $(if $(TIMEOUT),--timeout $(TIMEOUT)) $(if $(VERBOSE),--verbose)
 
 ## make docs: build and serve the site on http://127.0.0.1:8000
 docs: $(STAMP)

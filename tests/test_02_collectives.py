@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from collectives import basics, cost, launch, trace, verify  # basics registers its cost model
+from collectives.course.catalog import world_timeout
 from collectives.course.impl import resolve
 from collectives.core.ops import ReduceOp
 
@@ -23,7 +24,7 @@ P = 4
 SUBGROUP = (1, 2, 3)
 ODD = 1001               # not divisible by 2, 3 or 4; 7 * 11 * 13, so it also transposes
 PATTERN_ROOT = 1         # not rank 0: a root hard-wired to 0 shows up
-WORLD_TIMEOUT = 20       # seconds; every world here finishes in a few
+WORLD_TIMEOUT = world_timeout(20)       # seconds; every world here finishes in a few
 
 
 def _cases(ops_for=None):

@@ -11,13 +11,14 @@ import torch
 import torch.distributed as dist
 
 from collectives import cost, launch, trace, verify
+from collectives.course.catalog import world_timeout
 from collectives.course.impl import resolve
 from collectives.core.ops import ReduceOp
 
 LESSON = 3
 WORLD_SIZES = (1, 2, 3, 4)
 PATTERN_NUMEL = 1000     # any size: the naive ring never cuts the tensor
-WORLD_TIMEOUT = 60
+WORLD_TIMEOUT = world_timeout(60)
 
 
 def _plain(case, p):

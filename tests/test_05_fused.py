@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from collectives import launch, trace, verify
+from collectives.course.catalog import world_timeout
 from collectives.course.impl import resolve
 from collectives.core.ops import ReduceOp
 
@@ -275,7 +276,7 @@ def _planned_once(mod, rank):
 
 @pytest.fixture(scope="module")
 def graded(impl):
-    return launch.run(_graded_checks, WORLD, args=(impl,), timeout=120)
+    return launch.run(_graded_checks, WORLD, args=(impl,), timeout=world_timeout(120))
 
 
 def _assert_ok(graded, name):

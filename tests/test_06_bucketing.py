@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from collectives import bucketing as reference
+from collectives.course.catalog import world_timeout
 from collectives import launch, trace
 from collectives.bucketing.models import BranchNet, SmallMLP, TiedNet, TwoBranchNet
 from collectives.course.impl import resolve
@@ -453,12 +454,12 @@ def worlds(impl):
         if p not in cache:
             names = [fn.__name__ for fn in CHECKS]
             try:
-                cache[p] = launch.run(_run_checks, p, args=(impl, names), timeout=120)
+                cache[p] = launch.run(_run_checks, p, args=(impl, names), timeout=world_timeout(120))
             except (launch.RankError, launch.WorldTimeout):
                 per_rank = [{} for _ in range(p)]
                 for name in names:
                     try:
-                        for rank, res in enumerate(launch.run(_run_checks, p, args=(impl, [name]), timeout=60)):
+                        for rank, res in enumerate(launch.run(_run_checks, p, args=(impl, [name]), timeout=world_timeout(60))):
                             per_rank[rank].update(res)
                     except (launch.RankError, launch.WorldTimeout) as exc:
                         for res in per_rank:

@@ -69,6 +69,18 @@ def test_the_watchdog_says_where_each_rank_was_waiting():
     assert not _children_of_this_process()
 
 
+def test_a_hang_names_what_the_rank_was_doing_and_only_a_rank_that_returned_is_finished():
+    # gloo's own timeout is set behind the watchdog's, so the stuck rank is still stuck
+    # (not "finished" after a swallowed gloo timeout) when the watchdog reports it
+    with pytest.raises(launch.WorldTimeout) as info:
+        launch.run(workers.two_ranks_stuck_inside_a_context, world_size=3, timeout=2)
+    assert info.value.where == "my_all_reduce (case n=3 float32 SUM, world of 2)"
+    assert info.value.waiting[0].startswith("waiting in recv from rank 1")
+    assert "in my_all_reduce (case n=3" in info.value.waiting[0]
+    assert info.value.waiting[1].startswith("waiting in recv from rank 0")
+    assert info.value.waiting[2] == "finished"
+
+
 def test_a_rank_that_exits_without_a_result_is_reported_with_its_exit_code():
     with pytest.raises(launch.RankError) as info:
         launch.run(workers.rank_one_exits, world_size=2, args=(3,), timeout=20)

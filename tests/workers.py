@@ -180,3 +180,16 @@ def ring_in_registered_memory(nbytes):
     nccl_memory.register()
     ring_all_reduce(x)
     return verify.compare(expected, x)
+
+
+def two_ranks_stuck_inside_a_context():
+    """Ranks 0 and 1 wait for each other's message, inside trace.context; rank 2 returns."""
+    import torch
+    import torch.distributed as dist
+
+    from collectives import trace
+
+    with trace.context("my_all_reduce (case n=3 float32 SUM, world of 2)"):
+        if dist.get_rank() < 2:
+            dist.recv(torch.empty(1), 1 - dist.get_rank())
+    return "done"

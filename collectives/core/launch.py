@@ -80,14 +80,24 @@ class RankError(RuntimeError):
 
 
 class WorldTimeout(TimeoutError):
-    """The world overran its time limit. ``waiting[rank]`` says where each rank was."""
+    """The world overran its time limit. ``waiting[rank]`` says where each rank was;
+    ``context[rank]`` what it was doing, as set by :func:`collectives.core.trace.context`
+    ("ring_all_reduce, case n=1001 float32 SUM"), for the ranks that had set one."""
 
-    def __init__(self, seconds: float, waiting: dict[int, str]):
+    def __init__(self, seconds: float, waiting: dict[int, str], context: dict[int, str] | None = None):
         self.seconds = seconds
         self.waiting = waiting
-        lines = [f"the world did not finish within {seconds:g} s; it was stopped. Where each rank was:"]
+        self.context = dict(context or {})
+        lines = [f"the world did not finish within {seconds:g} s; it was stopped"
+                 + (f" in {self.where}" if self.where else "") + ". Where each rank was:"]
         lines += [f"  rank {r} {w}" for r, w in sorted(waiting.items())]
         super().__init__("\n".join(lines))
+
+    @property
+    def where(self) -> str:
+        """What the stuck ranks were doing (the context most of them had set), or ""."""
+        stuck = [self.context[r] for r, w in self.waiting.items() if self.context.get(r) and w != "finished"]
+        return max(set(stuck), key=stuck.count) if stuck else ""
 
 
 class _StatusBoard:
@@ -97,6 +107,7 @@ class _StatusBoard:
         self.text = ctx.Array(ctypes.c_char, world_size * _SLOT_BYTES, lock=False)
         self.since = ctx.Array(ctypes.c_double, world_size, lock=False)
         self.done = ctx.Array(ctypes.c_byte, world_size, lock=False)
+        self.context = ctx.Array(ctypes.c_char, world_size * _SLOT_BYTES, lock=False)
 
     def slot(self, rank: int) -> "_Slot":
         return _Slot(self, rank)
@@ -104,6 +115,10 @@ class _StatusBoard:
     def read(self, rank: int) -> tuple[str, float]:
         raw = bytes(self.text[rank * _SLOT_BYTES:(rank + 1) * _SLOT_BYTES])
         return raw.split(b"\0", 1)[0].decode(errors="replace"), self.since[rank]
+
+    def read_context(self, rank: int) -> str:
+        raw = bytes(self.context[rank * _SLOT_BYTES:(rank + 1) * _SLOT_BYTES])
+        return raw.split(b"\0", 1)[0].decode(errors="replace")
 
 
 class _Slot:
@@ -115,6 +130,12 @@ class _Slot:
         start = self.rank * _SLOT_BYTES
         self.board.text[start:start + len(data)] = data
         self.board.since[self.rank] = time.time()
+
+    def set_context(self, text: str) -> None:
+        """What the rank is doing, in the caller's words (which function, which case)."""
+        data = text.encode()[: _SLOT_BYTES - 1] + b"\0"
+        start = self.rank * _SLOT_BYTES
+        self.board.context[start:start + len(data)] = data
 
 
 def auto_backend(world_size: int) -> str:
@@ -182,6 +203,7 @@ def _worker(rank, world_size, local_world_size, fn, args, kwargs, backend, port_
         trace.install(rank, status)
         status.set("running")
         result = fn(*args, **(kwargs or {}))
+        board.done[rank] = 1
         status.set("finished")
         payload = pickle.dumps(("ok", result, ""))
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the caller
@@ -264,7 +286,9 @@ def run(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwargs: d
     # The store's port is picked by the kernel (rank 0 publishes it here), so two worlds
     # -- two test runs, a notebook and a test -- never fight over 29500.
     port_box = ctx.Value(ctypes.c_int, 0, lock=False)
-    pg_timeout = max(5.0, timeout)
+    # gloo's own timeout stays behind the watchdog's: a rank stuck in a message is reported
+    # by the watchdog, with where it waited, instead of returning a gloo timeout error.
+    pg_timeout = timeout + max(5.0, timeout / 2)
     procs, conns = [], {}
     try:
         for rank in range(world_size):
@@ -304,16 +328,21 @@ def _collect(procs, conns, board, timeout):
         if not ready:
             if errors:
                 break
-            waiting = {}
+            waiting, context = {}, {}
+            for rank in range(world_size):
+                context[rank] = board.read_context(rank)
             for rank in pending.values():
                 text, since = board.read(rank)
                 held = f" (for {time.time() - since:.1f} s)" if since else ""
                 if text.startswith("in "):
                     text = "waiting " + text          # "waiting in recv from rank 0"
                 waiting[rank] = (text or "running (not in a traced call)") + held
+                if context[rank]:
+                    waiting[rank] += f", in {context[rank]}"
             for rank in range(world_size):
-                waiting.setdefault(rank, "finished")
-            raise WorldTimeout(timeout, waiting)
+                # only a rank whose function returned is "finished"
+                waiting.setdefault(rank, "finished" if board.done[rank] else "stopped without a result")
+            raise WorldTimeout(timeout, waiting, context)
         for conn in ready:
             rank = pending.pop(conn)
             try:

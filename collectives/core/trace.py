@@ -366,6 +366,36 @@ def active() -> bool:
     return bool(_recorders) and not _paused
 
 
+_context = ""
+
+
+@contextlib.contextmanager
+def context(text: str) -> Iterator[None]:
+    """Tell the launcher's watchdog what this rank is doing ("ring_all_reduce (case n=1001
+    float32 SUM)"): a world that hangs inside the block is reported with it. Not recorded.
+    The innermost block wins; :func:`current_context` reads it back (after a gloo timeout,
+    say)."""
+    global _context
+    before, _context = _context, text
+    slot = getattr(_status, "set_context", None)
+    if slot is not None:
+        slot(text)
+    try:
+        yield
+    except BaseException:
+        # keep the innermost context for whoever catches the exception
+        raise
+    else:
+        _context = before
+        if slot is not None:
+            slot(before)
+
+
+def current_context() -> str:
+    """The text of the innermost :func:`context` block this rank is in (or last failed in)."""
+    return _context
+
+
 _NO_LABEL = contextlib.nullcontext()
 
 

@@ -6,10 +6,22 @@ the site's checks -- reads this table, so a lesson is added in one place.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]   # the repository: collectives/course/catalog.py
+
+# How long a world of the exercise runner, the torchrun path or the grader may run before
+# it is stopped as hung: the same everywhere, set with --timeout (or COLLECTIVES_TIMEOUT).
+DEFAULT_TIMEOUT = 30.0
+
+
+def world_timeout(default: float = DEFAULT_TIMEOUT) -> float:
+    """Seconds a graded or checked world may take: ``COLLECTIVES_TIMEOUT`` (what ``--timeout``
+    of the grader and the runner sets), else ``default``."""
+    value = os.environ.get("COLLECTIVES_TIMEOUT", "")
+    return float(value) if value else default
 
 
 @dataclass(frozen=True)

@@ -64,3 +64,38 @@ def spec_for(number: int, kind: str = "reference") -> str:
             return str(Path(other).resolve() / item.exercise.parent.name / "exercise.py")
         return str(item.exercise.relative_to(ROOT))
     raise ValueError(f"kind must be 'reference' or 'exercise', got {kind!r}")
+
+
+class Lab:
+    """What a lab notebook's cells call, chosen by the switch at its top.
+
+    ``lab = Lab(4, "exercise")``: ``lab.ring_all_reduce`` is the function of YOUR
+    ``lessons/04_ring/exercise.py`` (``"reference"``: the course's), and
+    ``lab.target("ring_all_reduce")`` its spec for a world's ranks, so a notebook runs and
+    draws your code. Names your exercise does not define itself (demos, helpers) come
+    from the reference.
+    """
+
+    def __init__(self, number: int, impl: str = "reference"):
+        self.impl = impl
+        self.spec = spec_for(number, impl)
+        self.reference_spec = lesson(number).module
+        self._module = load_module(self.spec)
+        self._reference = load_module(self.reference_spec)
+
+    def _own(self, name: str) -> bool:
+        obj = getattr(self._module, name, None)
+        return (self.impl == "exercise" and obj is not None and not name.startswith("_")
+                and getattr(obj, "__module__", None) == self._module.__name__)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("impl", "spec", "reference_spec", "_module", "_reference"):
+            raise AttributeError(name)
+        return getattr(self._module if self._own(name) else self._reference, name)
+
+    def target(self, name: str) -> str:
+        """``"spec:name"``, for :func:`resolve` in the ranks of a world."""
+        return f"{self.spec if self._own(name) else self.reference_spec}:{name}"
+
+    def __repr__(self) -> str:
+        return f"<lab {self.impl}: {self.spec}>"

@@ -47,6 +47,8 @@ A mismatch names the case, the rank, the first differing index, expected and got
 
 from __future__ import annotations
 
+import os
+import traceback
 import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -188,6 +190,29 @@ def default_cases(world_size: int, *, quick: bool = False, large: bool = True) -
         if not quick:
             cases.append(Case(odd, torch.int64, ReduceOp.PRODUCT, group=g))
     return cases
+
+
+_TOOLING = (os.sep + os.path.join("collectives", "core") + os.sep,
+            os.sep + os.path.join("collectives", "course") + os.sep,
+            os.sep + "torch" + os.sep, os.sep + "site-packages" + os.sep, os.sep + "lib" + os.sep + "python")
+
+
+def where_raised(exc: BaseException) -> str:
+    """ " (exercise.py line 87, in ring_all_reduce: flat[lo:hi] += buf)": the deepest frame of
+    ``exc`` outside torch and the course's own tooling -- the student's code -- or ""."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not any(t in f.filename for t in _TOOLING)]
+    if not frames:
+        return ""
+    f = frames[-1]
+    code = f" `{f.line.strip()}`" if f.line else ""
+    return f" ({os.path.basename(f.filename)} line {f.lineno}, in {f.name}:{code})"
+
+
+def is_timeout(exc: BaseException) -> bool:
+    """A gloo timeout (under torchrun there is no watchdog): the world is stuck, and the next
+    case would wait as long again, so the checks stop instead of reporting a failed case."""
+    text = str(exc).lower()
+    return any(k in text for k in ("timed out", "connection closed", "connection reset", "transport/tcp"))
 
 
 def _generator(case: Case, rank: int, seed: int) -> torch.Generator:
@@ -334,15 +359,20 @@ def run_case(fn: Callable, case: Case, group=None, seed: int = 0, *,
     p = dist.get_world_size(group)
     tensor, base = make_input(case, group_rank, seed, rank_device())
     expected = reference_all_reduce(tensor, case.op, group)
+    where = f"{getattr(fn, '__name__', 'the function')} (case {case.name}, world of {dist.get_world_size()})"
     try:
-        if group is None:
-            fn(tensor, op=case.op)
-        else:
-            fn(tensor, op=case.op, group=group)
+        with trace.context(where):
+            if group is None:
+                fn(tensor, op=case.op)
+            else:
+                fn(tensor, op=case.op, group=group)
     except NotImplementedError as exc:
         return CaseResult(case.name, rank, False, f"not implemented: {exc}")
     except Exception as exc:  # noqa: BLE001 - reported, not raised: other cases still run
-        return CaseResult(case.name, rank, False, f"raised {type(exc).__name__}: {exc}")
+        if is_timeout(exc):
+            raise
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        return CaseResult(case.name, rank, False, f"raised {type(exc).__name__}: {first}{where_raised(exc)}")
     exact = case.values == "int" or case.op in (ReduceOp.MIN, ReduceOp.MAX)
     rtol, atol = (0.0, 0.0) if exact else tolerance(case.dtype, p)
     if case.op == ReduceOp.PRODUCT and not exact:
