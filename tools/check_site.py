@@ -295,7 +295,8 @@ def check_notebook_page(item, seen: dict, fetch) -> list[str]:
     # Each lab shows a real run: most code cells have an output (the site renders the
     # executed copy, collectives.course.labs), and none shows a traceback.
     quiet = sum(1 for c in code if not _shows_output("".join(c["source"])))
-    if seen["codeCells"] and seen["cellsWithOutput"] < len(code) - quiet:
+    # (three quarters of the cells that look as if they print: a guess from the source)
+    if seen["codeCells"] and seen["cellsWithOutput"] < max(1, (len(code) - quiet) * 3 // 4):
         problems.append(f"shows outputs for {seen['cellsWithOutput']} of {len(code)} code cells, "
                         f"expected at least {len(code) - quiet}: is the page rendered from the "
                         "executed copy?")
