@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from collectives import cost, launch
-from collectives.core import cluster as cl, netns
+from collectives.core import cluster as cl
+from collectives.core import netns
 from collectives.core.cluster import Cluster
 
 from . import workers

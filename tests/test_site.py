@@ -42,6 +42,21 @@ def test_nav_lists_every_lesson_page_and_notebook():
         assert f"notebooks/{item.notebook.name}" in nav, f"lesson {item.nn}'s notebook is not in the nav"
 
 
+def test_nav_reads_lesson_then_its_lab():
+    # "Next" from lesson N is lab N, from lab N lesson N + 1: the hook that fails the
+    # build otherwise agrees with the nav as written.
+    _spec = importlib.util.spec_from_file_location("mkdocs_hooks", ROOT / "tools" / "mkdocs_hooks.py")
+    hooks = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(hooks)
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
+    assert hooks.nav_problems(nav) == []
+    files = _nav_files(nav)
+    swapped = list(files)
+    i = swapped.index(f"lessons/{LESSONS[0].page.name}")
+    swapped[i], swapped[i + 1] = swapped[i + 1], swapped[i]
+    assert hooks.nav_problems(swapped), "a lab before its lesson must be reported"
+
+
 def test_notebooks_are_reachable_from_docs():
     # docs/notebooks is a symlink to ../notebooks: the notebooks are built as pages
     # without a second copy in git.

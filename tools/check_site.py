@@ -9,11 +9,14 @@ Chromium, with no network beyond that server. A page fails on:
 * a console error, an uncaught exception, a failed request or an HTTP error status;
 * any request that leaves the local server (a web font, a script from a CDN): the site
   must read offline;
+* clipping at 1400 px: a code block (or a notebook cell) that scrolls sideways, a table
+  wider than its column; math left untypeset;
 * missing content: a lesson page without the sections every lesson promises
   (objectives, a diagram, the cost, the exercise tasks as a table with difficulty and
   minutes, how to run it with torchrun and ``make grade``, credits, a link to its
-  notebook); a notebook page that does not show every cell of its notebook, or whose
-  download link is broken; an API page that documents nothing.
+  notebook); a notebook page that does not show every cell of its notebook, that shows
+  no outputs for cells that print or plot (the site renders the executed copy) or shows a
+  traceback, or whose download link is broken; an API page that documents nothing.
 
 Exit status 0 when every page passes. Chromium is Debian's ``/usr/bin/chromium`` unless
 ``--chromium`` or the ``CHROMIUM`` environment variable names another; it is driven
@@ -62,6 +65,9 @@ LESSON_SECTIONS = {
     "exercise": r"exercise|tasks",
     "credits": r"credit",
 }
+# Pages are read at this size: nothing may be clipped at it (a code block that scrolls
+# sideways, a table wider than the text).
+VIEWPORT = {"width": 1400, "height": 900}
 DIAGRAM_LANGUAGES = {"", "text", "txt", "plain", "none", "ascii"}
 
 
@@ -164,7 +170,10 @@ def page_paths(site: Path) -> list[str]:
 
 # Runs in the page once it has loaded: what a reader sees, as plain data.
 _INSPECT = r"""
-() => {
+async () => {
+  if (window.MathJax && MathJax.startup && MathJax.startup.promise) {
+    await MathJax.startup.promise;            // typeset before anything is measured
+  }
   const article = document.querySelector("article.md-content__inner") || document.body;
   const outermost = (sel) => [...article.querySelectorAll(sel)]
       .filter(e => !e.parentElement.closest(sel));
@@ -188,8 +197,27 @@ _INSPECT = r"""
     links: [...article.querySelectorAll("a[href]")].map(a => a.href),
     codeCells: outermost(".jp-CodeCell").map(c => (c.querySelector(".jp-InputArea pre, pre") || {}).textContent || ""),
     markdownCells: outermost(".jp-MarkdownCell").length,
-    download: [...article.querySelectorAll(".nb-download a[href]")].map(a => a.href),
+    download: [...article.querySelectorAll(".nb-download a[download]")].map(a => a.href),
     docObjects: article.querySelectorAll(".doc-heading, .doc-object").length,
+    // what does not fit its column: a code block that scrolls sideways, a table wider
+    // than the text (Material wraps tables in a scrolling div)
+    clipped: [...article.querySelectorAll("pre")].filter(p => !p.closest("details:not([open])")).filter(p => {
+        const box = p.querySelector(":scope > code") || p;
+        return box.clientWidth > 0 && box.scrollWidth > box.clientWidth + 1;   // shown, and scrolls
+      }).map(p => (p.closest(".jp-Cell") ? "notebook cell: " : "code block: ")
+        + p.innerText.trim().split("\n").reduce((a, b) => a.length >= b.length ? a : b, "").slice(0, 60))
+      .concat([...article.querySelectorAll("table")].filter(t => t.offsetParent !== null && !t.closest("details:not([open])")).filter(t => {
+        const wrap = t.closest(".md-typeset__scrollwrap") || t.parentElement;
+        return t.scrollWidth > wrap.clientWidth + 1 || t.getBoundingClientRect().right
+            > article.getBoundingClientRect().right + 1;
+      }).map(t => "table: " + (t.querySelector("th, td") || {}).textContent.trim().slice(0, 40))),
+    // labs: code cells that show an output (a figure, a table, a printed line)
+    cellsWithOutput: outermost(".jp-CodeCell").filter(c =>
+        [...c.querySelectorAll(".jp-OutputArea-output")].some(o => o.innerText.trim() || o.querySelector("img, svg"))).length,
+    errorOutputs: article.querySelectorAll(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr'] .ansi-red-fg, .jp-OutputArea-output .traceback").length,
+    // math: every formula typeset by MathJax, none left as \( ... \) text
+    math: article.querySelectorAll(".arithmatex").length,
+    mathUntypeset: [...article.querySelectorAll(".arithmatex")].filter(m => !m.querySelector("mjx-container")).length,
   };
 }
 """
@@ -235,6 +263,18 @@ def check_lesson_page(item, seen: dict, base: str) -> list[str]:
     return problems
 
 
+def _shows_output(source: str) -> bool:
+    """Whether a cell is expected to show something: it prints, displays or plots, or
+    ends on an expression. Imports and definitions alone show nothing."""
+    lines = [line for line in source.strip().splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    if not lines:
+        return False
+    if re.search(r"\b(print|display|plt\.|plots\.)", source):
+        return True
+    last = lines[-1]
+    return not (last[:1].isspace() or re.match(r"(import|from|def|class|return|for|if|with|%)\b|\w+\s*=[^=]", last))
+
+
 def check_notebook_page(item, seen: dict, fetch) -> list[str]:
     """Every cell of the notebook is on its page, and the download link works."""
     problems = []
@@ -252,6 +292,16 @@ def check_notebook_page(item, seen: dict, fetch) -> list[str]:
             if first and first not in shown:
                 problems.append(f"code cell {i + 1} does not show its source (expected {first[:40]!r})")
                 break
+    # Each lab shows a real run: most code cells have an output (the site renders the
+    # executed copy, collectives.course.labs), and none shows a traceback.
+    quiet = sum(1 for c in code if not _shows_output("".join(c["source"])))
+    # (three quarters of the cells that look as if they print: a guess from the source)
+    if seen["codeCells"] and seen["cellsWithOutput"] < max(1, (len(code) - quiet) * 3 // 4):
+        problems.append(f"shows outputs for {seen['cellsWithOutput']} of {len(code)} code cells, "
+                        f"expected at least {len(code) - quiet}: is the page rendered from the "
+                        "executed copy?")
+    if seen["errorOutputs"]:
+        problems.append("shows a traceback in its outputs")
     if seen["markdownCells"] != len(markdown):
         problems.append(f"shows {seen['markdownCells']} markdown cells, the notebook has {len(markdown)}")
     if not seen["download"]:
@@ -331,6 +381,10 @@ async def _check_content(context, base: str, path: str, seen: dict) -> list[str]
         problems.append("no h1 title")
     if seen["textLength"] < 40 and not path.endswith("404.html"):
         problems.append("the page is (nearly) empty")
+    for what in seen["clipped"]:
+        problems.append(f"wider than its column at {VIEWPORT['width']} px: {what}")
+    if seen["mathUntypeset"]:
+        problems.append(f"{seen['mathUntypeset']} of {seen['math']} formulas not typeset (MathJax)")
     for img in seen["images"]:
         if not img["ok"]:
             problems.append(f"image does not load: {img['src']}")
@@ -364,7 +418,7 @@ async def _browse(base: str, paths: list[str], chromium: str, jobs: int, settle_
         async with async_playwright() as pw:
             context = await pw.chromium.launch_persistent_context(
                 profile, executable_path=chromium, headless=True, args=CHROMIUM_FLAGS,
-                service_workers="block")
+                service_workers="block", viewport=VIEWPORT)
             try:
                 await context.route("**/*", only_local)
 

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 from collectives import cost, launch, plots, timing  # noqa: E402
 
 IMG = ROOT / "docs" / "img"
-DPI = 80
+DPI = plots.DPI   # 2x, readable when the page scales them to its column
 
 # (file, target, ranks, elements, layout, title)
 STEP_DIAGRAMS = [

@@ -1,21 +1,178 @@
-"""mkdocs hook: a download link on every notebook page.
+"""mkdocs hooks: labs with their outputs, lesson and lab linked both ways, math served locally.
 
-mkdocs-jupyter (``include_source: true``) copies each notebook beside its page; this puts
-a link to that copy at the top of the page, so a reader can take the lab home.
+* **Lab pages show a real run.** Notebooks are stored without outputs. Before
+  mkdocs-jupyter renders a notebook page, its source is pointed at the executed copy that
+  ``collectives.course.labs`` keeps under ``build/executed/`` (the test suite makes it;
+  when it is missing or stale the notebook is executed here, once). The download link
+  still serves the clean notebook from git.
+* **Lesson N, lab N, lesson N + 1.** The nav must list each lesson's page followed at once
+  by its lab (checked here against the lesson map, ``collectives.course.catalog``); each
+  lesson page gets an "Open the lab" link under its title and each lab a "Back to the
+  lesson" link, so nothing needs writing by hand when a lesson is added.
+* **MathJax from the package, not a CDN.** ``$...$`` is typeset by MathJax 3, copied into
+  the built site from the ``django-static-mathjax`` wheel (a plain copy of MathJax's
+  files, no Django needed): the site reads offline.
 """
 
 from __future__ import annotations
 
 import html
+import importlib.util
 import posixpath
+import re
+import shutil
+import sys
+from pathlib import Path
+
+from mkdocs.exceptions import PluginError
+from mkdocs.plugins import event_priority
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from collectives.course import labs  # noqa: E402
+from collectives.course.catalog import LESSONS  # noqa: E402
+
+MATHJAX_TARGET = "javascripts/mathjax/tex-svg.js"   # named in mkdocs.yml's extra_javascript
+
+
+def _lesson_src(item) -> str:
+    return f"lessons/{item.page.name}"
+
+
+def _lab_src(item) -> str:
+    return f"notebooks/{item.notebook.name}"
+
+
+def _nav_files(node) -> list[str]:
+    if isinstance(node, str):
+        return [node]
+    if isinstance(node, dict):
+        return [f for value in node.values() for f in _nav_files(value)]
+    if isinstance(node, list):
+        return [f for value in node for f in _nav_files(value)]
+    return []
+
+
+def nav_problems(nav) -> list[str]:
+    """Each lesson in the map whose page exists: its page, then at once its lab."""
+    files = _nav_files(nav or [])
+    problems = []
+    for item in LESSONS:
+        if not item.page.exists():
+            continue                   # a lesson being written: its page lands with it
+        page, lab = _lesson_src(item), _lab_src(item)
+        if page not in files:
+            problems.append(f"lesson {item.nn}: {page} is not in the nav")
+        elif item.notebook.exists() and files[files.index(page) + 1:files.index(page) + 2] != [lab]:
+            problems.append(f"lesson {item.nn}: the nav entry after {page} must be its lab {lab}")
+    return problems
+
+
+def on_config(config):
+    problems = nav_problems(config.get("nav"))
+    if problems:
+        raise PluginError("nav: lesson N is followed by lab N (see docs/writing-pages.md):\n  "
+                          + "\n  ".join(problems))
+    return config
+
+
+def _by_src():
+    lessons = {_lesson_src(item): item for item in LESSONS}
+    notebooks = {_lab_src(item): item for item in LESSONS}
+    return lessons, notebooks
+
+
+@event_priority(100)   # before mkdocs-jupyter reads the notebook
+def on_pre_page(page, config, files):
+    _, notebooks = _by_src()
+    item = notebooks.get(page.file.src_uri)
+    if item is not None:
+        clean = Path(page.file.abs_src_path)
+        try:
+            copy = labs.executed(clean)
+        except Exception as exc:   # a failing lab fails the build, naming the notebook
+            raise PluginError(f"{clean.name} does not run top to bottom:\n{exc}") from exc
+        page.file.clean_src_path = str(clean)
+        page.file.abs_src_path = str(copy)
+    return page
+
+
+def _url(page, target_src: str, files) -> str | None:
+    target = files.get_file_from_path(target_src)
+    if target is None:
+        return None
+    return posixpath.relpath(target.url or ".", posixpath.dirname(page.url.rstrip("/") + "/x"))
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    lessons, _ = _by_src()
+    item = lessons.get(page.file.src_uri)
+    if item is None or not item.notebook.exists():
+        return markdown
+    lab = f"../notebooks/{item.notebook.name}"
+    bar = (f'[Open the lab: notebook {item.nn} →]({lab}){{ .md-button .md-button--primary }} '
+           f'*The lab runs this lesson\'s code and shows what it measures.*\n')
+    lines = markdown.split("\n")
+    for i, line in enumerate(lines):
+        if line.startswith("# "):
+            lines.insert(i + 1, "\n" + bar)
+            break
+    else:
+        lines.insert(0, bar)
+    tail = (f"\n\n---\n\n[Open the lab: notebook {item.nn} →]({lab}){{ .md-button .md-button--primary }}\n")
+    return "\n".join(lines) + tail
 
 
 def on_page_content(content: str, page, config, files) -> str:
-    src = page.file.src_uri
-    if not src.endswith(".ipynb"):
+    _, notebooks = _by_src()
+    item = notebooks.get(page.file.src_uri)
+    if item is None:
         return content
-    name = posixpath.basename(src)
-    link = (f'<p class="nb-download"><a href="{html.escape(name)}" download>'
-            f"Download {html.escape(name)}</a> and run it with Jupyter from the "
-            "<code>notebooks/</code> folder of your checkout.</p>\n")
-    return link + content
+    # rendered from the executed copy: from here on the page's file is the clean notebook
+    # again, which mkdocs-jupyter copies beside the page for download
+    page.file.abs_src_path = getattr(page.file, "clean_src_path", page.file.abs_src_path)
+    name = posixpath.basename(page.file.src_uri)
+    back = _url(page, _lesson_src(item), files)
+    links = []
+    if back:
+        links.append(f'<a class="md-button" href="{html.escape(back)}">← Back to the lesson: '
+                     f'{html.escape(item.title)}</a>')
+    links.append(f'<a href="{html.escape(name)}" download>Download {html.escape(name)}</a> '
+                 "(stored without outputs) and run it with Jupyter from the "
+                 "<code>notebooks/</code> folder of your checkout. The outputs below are "
+                 "from a run made when this site was built.")
+    top = f'<p class="nb-download">{" ".join(links)}</p>\n'
+    bottom = ""
+    if back:
+        bottom = (f'<hr><p class="nb-back"><a class="md-button" href="{html.escape(back)}">'
+                  f"← Back to the lesson</a></p>\n")
+    return top + content + bottom
+
+
+def on_post_page(output: str, page, config) -> str:
+    # MathJax (2 MB) only where there is math to typeset: most API pages have none.
+    if 'class="arithmatex"' in output:
+        return output
+    return re.sub(r'<script src="[^"]*javascripts/(mathjax-config\.js|mathjax/tex-svg\.js)"></script>\s*',
+                  "", output)
+
+
+def _mathjax_source() -> Path | None:
+    spec = importlib.util.find_spec("mathjax")
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(location) / "static" / "mathjax" / "es5" / "tex-svg.js"
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def on_post_build(config):
+    source = _mathjax_source()
+    if source is None:
+        raise PluginError("MathJax not found: pip install django-static-mathjax "
+                          "(it is in the docs extra of pyproject.toml)")
+    target = Path(config["site_dir"]) / MATHJAX_TARGET
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(source, target)

@@ -52,8 +52,16 @@ import threading
 from dataclasses import dataclass, field
 
 from . import netns
-from .netns import (PREFIX, SUBNET, ClusterUnavailable, clean_leftovers, enter_namespace,
-                    our_namespaces, require, unavailable_reason)
+from .netns import (
+    PREFIX,
+    SUBNET,
+    ClusterUnavailable,
+    clean_leftovers,
+    enter_namespace,
+    our_namespaces,
+    require,
+    unavailable_reason,
+)
 
 __all__ = ["Cluster", "Machine", "ClusterUnavailable", "unavailable_reason", "require",
            "clean_leftovers", "our_namespaces", "enter_namespace", "PREFIX", "SUBNET"]
