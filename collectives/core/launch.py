@@ -131,8 +131,10 @@ class _StatusBoard:
         self.text = ctx.Array(ctypes.c_char, world_size * _SLOT_BYTES, lock=False)
         self.since = ctx.Array(ctypes.c_double, world_size, lock=False)
         self.done = ctx.Array(ctypes.c_byte, world_size, lock=False)
-        # the last course collective each rank entered ("ring_all_reduce")
+        # what each rank is doing in its caller's words (trace.context: function and case)
         self.context = ctx.Array(ctypes.c_char, world_size * _SLOT_BYTES, lock=False)
+        # the last course collective each rank entered ("ring_all_reduce"; trace.note_call)
+        self.collective = ctx.Array(ctypes.c_char, world_size * _SLOT_BYTES, lock=False)
 
     def slot(self, rank: int) -> "_Slot":
         return _Slot(self, rank)
@@ -142,6 +144,9 @@ class _StatusBoard:
 
     def read_context(self, rank: int) -> str:
         return _text(self.context, rank)
+
+    def read_collective(self, rank: int) -> str:
+        return _text(self.collective, rank)
 
 
 def _text(array, rank: int) -> str:
@@ -167,6 +172,9 @@ class _Slot:
 
     def set_context(self, text: str) -> None:
         _put(self.board.context, self.rank, text)
+
+    def set_collective(self, name: str) -> None:
+        _put(self.board.collective, self.rank, name)
 
 
 def auto_backend(world_size: int) -> str:
@@ -512,7 +520,7 @@ def _stderr_tail(path: str) -> str:
 def _where(board, rank: int) -> str:
     """", in ring_all_reduce, waiting on irecv from rank 0": from the trace."""
     parts = []
-    context = board.read_context(rank)
+    context = board.read_collective(rank) or board.read_context(rank)
     if context:
         parts.append(f"in {context}")
     text, _ = board.read(rank)

@@ -147,10 +147,10 @@ def note_call(what: str) -> None:
     :func:`collectives.core.ops.check_all_reduce_args` calls it on every call, so a repeat
     of the last name (the same string object: a call site's literal) costs one comparison."""
     global _noted
-    if what is _noted or _status is None or not hasattr(_status, "set_context"):
+    if what is _noted or _status is None or not hasattr(_status, "set_collective"):
         return
     _noted = what
-    _status.set_context(what)
+    _status.set_collective(what)
 
 
 def _group_ranks(group) -> tuple[int, ...] | None:

@@ -408,5 +408,9 @@ def check_graded(target: str, world_size: int, cases: list[Case], *, pattern: Ca
     from ..core import launch
 
     name = target.rsplit(":", 1)[-1]
-    per_rank = launch.run(_graded_rank, world_size, args=(target, cases, name, kwargs), timeout=timeout)
+    # check=False: the audit records every collective at the process group, check mode's own
+    # all-gather of the arguments included; here the grader draws every rank's inputs and
+    # judges them itself, so ranks cannot disagree by the grader's doing.
+    per_rank = launch.run(_graded_rank, world_size, args=(target, cases, name, kwargs), timeout=timeout,
+                          check=False)
     return judge(per_rank, pattern=pattern)
