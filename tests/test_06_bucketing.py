@@ -14,8 +14,6 @@ compared within TOL, a few hundred ulps of values of order 1.
 from __future__ import annotations
 
 import copy
-import datetime
-import traceback
 
 import pytest
 import torch
@@ -28,6 +26,8 @@ from collectives import launch, trace
 from collectives.bucketing.models import BranchNet, SmallMLP, TiedNet, TwoBranchNet
 from collectives.course.catalog import world_timeout
 from collectives.course.impl import resolve
+
+from . import workers
 
 LESSON = 6
 TOL = 1e-12
@@ -429,16 +429,7 @@ def buffers_follow_rank0_like_ddp(impl, group):
 # ---- the world --------------------------------------------------------------------------
 
 def _run_checks(impl: str, names: list[str]) -> dict:
-    chosen = [fn for fn in CHECKS if fn.__name__ in names]
-    groups = [dist.new_group(timeout=datetime.timedelta(seconds=30)) for _ in chosen]
-    results = {}
-    for fn, group in zip(chosen, groups):
-        try:
-            results[fn.__name__] = fn(impl, group)
-        except Exception as exc:  # noqa: BLE001 - one failing check must not hide the others
-            tb = traceback.format_exc(limit=-3)
-            results[fn.__name__] = dict(error=f"{type(exc).__name__}: {exc}\n{tb}")
-    return results
+    return workers.run_named_checks(CHECKS, impl, names)
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,6 @@ from __future__ import annotations
 import copy
 import datetime
 import math
-import traceback
 
 import pytest
 import torch
@@ -35,6 +34,8 @@ import torch.nn.functional as F
 
 from collectives import cost, launch, trace, verify
 from collectives.course.impl import resolve
+
+from . import workers
 
 LESSON = 8
 N = 241                       # elements per test tensor: odd, not divisible by 2, 3 or 4
@@ -430,16 +431,7 @@ def sparse_reducer(impl, group):
 # ---- the world --------------------------------------------------------------------------
 
 def _run_checks(impl: str, names: list[str]) -> dict:
-    chosen = [fn for fn in CHECKS if fn.__name__ in names]
-    groups = [dist.new_group(timeout=datetime.timedelta(seconds=30)) for _ in chosen]
-    results = {}
-    for fn, group in zip(chosen, groups):
-        try:
-            results[fn.__name__] = fn(impl, group)
-        except Exception as exc:  # noqa: BLE001 - one failing check must not hide the others
-            tb = traceback.format_exc(limit=-3)
-            results[fn.__name__] = dict(error=f"{type(exc).__name__}: {exc}\n{tb}")
-    return results
+    return workers.run_named_checks(CHECKS, impl, names)
 
 
 # Which checks run in which world: the contract everywhere; bytes, DDP where they say most.

@@ -24,14 +24,10 @@ _spec.loader.exec_module(check_site)
 REFERENCE = ROOT / "docs" / "reference"
 
 
-def _nav_files(node) -> list[str]:
-    if isinstance(node, str):
-        return [node]
-    if isinstance(node, dict):
-        return [f for value in node.values() for f in _nav_files(value)]
-    if isinstance(node, list):
-        return [f for value in node for f in _nav_files(value)]
-    return []
+_hooks_spec = importlib.util.spec_from_file_location("mkdocs_hooks", ROOT / "tools" / "mkdocs_hooks.py")
+mkdocs_hooks = importlib.util.module_from_spec(_hooks_spec)
+_hooks_spec.loader.exec_module(mkdocs_hooks)
+_nav_files = mkdocs_hooks._nav_files   # the walk the build's own nav check uses
 
 
 def test_nav_lists_every_lesson_page_and_notebook():

@@ -233,3 +233,22 @@ def ring_mismatch_caught_everywhere():
         x = torch.ones(8)
         ring_all_reduce(x)
     return message, sorted({e.kind for e in t}), len(t), x.tolist()
+
+
+def run_named_checks(checks, impl: str, names: list[str]) -> dict:
+    """Run the checks among ``checks`` named in ``names``, each on a process group of its own,
+    on this rank; a check that raises gives its error and the end of its traceback, and the
+    others still run."""
+    import datetime
+    import traceback
+
+    chosen = [fn for fn in checks if fn.__name__ in names]
+    groups = [dist.new_group(timeout=datetime.timedelta(seconds=30)) for _ in chosen]
+    results = {}
+    for fn, group in zip(chosen, groups):
+        try:
+            results[fn.__name__] = fn(impl, group)
+        except Exception as exc:  # noqa: BLE001 - one failing check must not hide the others
+            tb = traceback.format_exc(limit=-3)
+            results[fn.__name__] = dict(error=f"{type(exc).__name__}: {exc}\n{tb}")
+    return results
