@@ -281,6 +281,7 @@ C10D_SCRIPT = textwrap.dedent("""
     dist.all_reduce(t)
     print(f"rank {dist.get_rank()} of {dist.get_world_size()} on machine {os.environ['GROUP_RANK']}: "
           f"sum {t.item()}")
+    dist.destroy_process_group()
 """)
 
 
