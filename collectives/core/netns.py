@@ -29,7 +29,7 @@ import time
 
 __all__ = ["PREFIX", "SUBNET", "ClusterUnavailable", "unavailable_reason", "require",
            "our_namespaces", "clean_leftovers", "remove_namespaces", "enter_namespace",
-           "add_namespace", "add_veth", "add_bridge", "attach", "up", "shape", "wait_until_up",
+           "add_namespace", "add_veth", "add_bridge", "attach", "up", "shape", "rate_bytes_per_second", "wait_until_up",
            "exec_in", "die_with_parent"]
 
 PREFIX = "collectives"
@@ -139,6 +139,22 @@ def shape(namespace: str, dev: str, rate: str, burst: str, latency: str) -> None
     """A token bucket on ``dev``'s way out: ``tc qdisc add ... root tbf rate burst latency``."""
     _sh("tc", "-n", namespace, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
         "burst", burst, "latency", latency)
+
+
+_RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
+               "kibit": 1 << 10, "mibit": 1 << 20, "gibit": 1 << 30, "tibit": 1 << 40,
+               "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12}
+
+
+def rate_bytes_per_second(rate: str) -> float:
+    """What a ``tc`` rate means, in bytes per second: ``"1gbit"`` -> 125e6.
+
+    tc's units are decimal (``gbit`` = 10^9 bits/s), ``*bps`` are bytes per second, ``*ibit``
+    binary; a bare number is bits per second. The α–β models take β = 1 / this."""
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-z]*)\s*", rate.lower())
+    if not match or match.group(2) not in {"", *_RATE_UNITS}:
+        raise ValueError(f"not a tc rate: {rate!r} (e.g. 1gbit, 200mbit, 125mbps)")
+    return float(match.group(1)) * _RATE_UNITS.get(match.group(2), 1) / 8
 
 
 def wait_until_up(links: list[tuple[str, str]], timeout: float = 5.0) -> None:

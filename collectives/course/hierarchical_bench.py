@@ -26,7 +26,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from ..core import cost, launch, timing, trace
+from ..core import cost, launch, netns, timing, trace
 from . import verify
 
 # The queue of each shaped link, as tc's tbf ``latency``: how long a packet may wait. With
@@ -83,7 +83,7 @@ def run_bench(sizes: list[int], machines: int = 2, ranks_per_machine: int = 2, l
     with Cluster(machines, ranks_per_machine, link=link, rails=rails, latency=latency) as made:
         result = launch.run(_bench_in_rank, p, args=(sizes, iters, names), cluster=made,
                             timeout=60 + 60 * iters * len(sizes) * len(names))[0]
-    rate = timing.parse_size(link.lower().replace("gbit", "G").replace("mbit", "M")) / 8
+    rate = netns.rate_bytes_per_second(link)
     tiers = cost.Tiers(cost.DEFAULT_TIERS.inside, cost.AlphaBeta(100e-6, 1 / rate), rails=rails)
     D, M = result["layout"]
     for row in result["rows"]:

@@ -28,7 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..core import cost, launch, timing, trace
+from ..core import cost, launch, netns, timing, trace
 from ..sparse import keep_count, sparse_all_reduce, time_selection
 
 VARIANTS = ("allgather", "split", "dense")
@@ -149,8 +149,8 @@ def _print(result: dict, where: str) -> None:
         console.print(sweep)
 
 
-def model_crossover(result: dict, gbit: float) -> float:
-    link = cost.AlphaBeta(alpha=result["alpha"], beta=8 / (gbit * 1e9))
+def model_crossover(result: dict, rate: str) -> float:
+    link = cost.AlphaBeta(alpha=result["alpha"], beta=1 / netns.rate_bytes_per_second(rate))
     n, p = result["n"], result["p"]
     best = lambda d: min(cost.sparse_cost(v, n, d * n, p).seconds(link) for v in ("allgather", "split"))  # noqa: E731
     dense = cost.sparse_cost("dense", n, n, p).seconds(link)
@@ -200,10 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     results[where] = result
     if sweep:
         measured = measured_crossover(result["sweep"], result["dense"])
-        gbit = float(args.link.lower().replace("gbit", "")) if args.cluster and "gbit" in args.link.lower() else None
         line = f"crossover (best sparse = dense): measured {measured if measured is None else f'{measured:.1%}'}"
-        if gbit:
-            predicted = model_crossover(result, gbit)
+        if args.cluster:
+            predicted = model_crossover(result, args.link)
             line += f", model {predicted:.1%} (α = {timing.human_seconds(result['alpha'])}, {args.link})"
             results["model_crossover"] = predicted
         results["measured_crossover"] = measured

@@ -41,12 +41,14 @@ from .slice import NUM_SLOTS, Slice, SlotPool
 _state: dict[tuple, dict] = {}     # per (groups, device): the stage streams and the slot pools
 
 
-def _device_state(groups, device) -> dict:
+def slice_resources(groups, device) -> dict:
+    """The stage streams and the slot pools of ``groups`` on ``device``, made on first use."""
     key = (id(groups), str(device))
     if key not in _state:
         _state[key] = {
             "streams": [streams.new_stream(device) for _ in range(5)],
-            "pools": {"staging": SlotPool(NUM_SLOTS), "padding": SlotPool(NUM_SLOTS)},
+            "pools": {"staging": SlotPool(NUM_SLOTS), "padding": SlotPool(NUM_SLOTS),
+                      "partials": SlotPool(NUM_SLOTS)},
         }
     return _state[key]
 
@@ -89,7 +91,7 @@ def hierarchical_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, l
     groups = stage_groups(shape, group)
     flat = ops.work_buffer(tensor.detach())
     device = flat.device
-    state = _device_state(groups, device)
+    state = slice_resources(groups, device)
     stage_streams, pools = state["streams"], state["pools"]
     DM = shape.D * shape.M
     if slice_numel is None:

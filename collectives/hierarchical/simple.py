@@ -24,9 +24,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..core import ops, trace
+from ..core import ops, streams, trace
 from ..core.ops import ReduceOp
+from ..ring import ring_all_reduce
 from .layout import resolve, stage_groups
+from .pipeline import slice_resources
+from .slice import Slice
 
 
 def _prepare(tensor, op, group, layout, what):
@@ -69,29 +72,32 @@ def root_based_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, lay
 def rail_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, layout=None) -> None:
     """Reduce-scatter inside the machine, all-reduce part d on rail d, all-gather inside.
 
-    The tensor is padded to a multiple of D (what the padding holds is reduced and thrown
-    away). Cost, n bytes: inside 2(D − 1)/D·n, across 2(M − 1)/M·n/D per rank.
+    The inside stages are the hierarchy's own (one :class:`~.slice.Slice`, its padding slot
+    included); only the middle differs: lesson 4's ring all-reduce of [d, :, :] on the rail,
+    2(M − 1) rounds, where the hierarchy collects and diffuses in one round each. Cost, n
+    bytes: inside 2(D − 1)/D·n, across 2(M − 1)/M·n/D per rank -- the hierarchy's bytes.
     """
     prepared = _prepare(tensor, op, group, layout, "rail_all_reduce")
     if prepared is None:
         return
     shape, groups = prepared
-    D, p = shape.D, dist.get_world_size(group)
-    n = tensor.numel()
-    part = -(-n // D)                              # ⌈n/D⌉
-    padded = torch.zeros(part * D, dtype=tensor.dtype, device=tensor.device)
-    padded[:n].copy_(tensor.detach().reshape(-1))
-    parts = padded.view(D, part)
-    mine = parts[groups.d]
+    p = dist.get_world_size(group)
+    flat = ops.work_buffer(tensor.detach())
+    caller = streams.current_stream(flat.device)      # every stage on the caller's stream, in turn
+    one = Slice(flat, groups, op, p, slice_resources(groups, flat.device)["pools"], [caller] * 5)
+    _wait(one.reduce_scatter())
+    one.sum_partials()                             # [d, :, :]: machine m's sum
     base = ReduceOp.SUM if op == ReduceOp.AVG else op
-    if D > 1:
-        with trace.label("reduce-scatter inside"):
-            dist.reduce_scatter_tensor(mine, padded, op=base, group=groups.reduce_scatter)
-    if shape.M > 1:
-        with trace.label("all-reduce on the rail"):
-            dist.all_reduce(mine, op=base, group=groups.collect)
-    ops.finish_(mine, op, p)
-    if D > 1:
-        with trace.label("all-gather inside"):
-            dist.all_gather_into_tensor(padded, mine, group=groups.all_gather)
-    tensor.detach().copy_(padded[:n].view(tensor.shape))
+    for blocks, _ in one.parts():
+        if shape.M > 1:
+            with trace.label("all-reduce on the rail"):
+                ring_all_reduce(blocks[groups.d], op=base, group=groups.collect)
+        ops.finish_(blocks[groups.d], op, p)
+    _wait(one.all_gather())
+    one.finish()
+    ops.write_back(tensor.detach(), flat)
+
+
+def _wait(works) -> None:
+    for work in works:
+        work.wait()

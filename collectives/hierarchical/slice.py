@@ -34,19 +34,10 @@ group and returns the handles: the pipeline (:mod:`.pipeline`) decides when to w
 
 from __future__ import annotations
 
-import warnings
-
 import torch
-import torch.distributed as dist
 
-from ..core import ops, streams, trace
-from ..core.ops import ReduceOp
+from ..core import nccl_memory, ops, streams, trace
 from .layout import StageGroups
-
-# torch 2.13 renames these two (reduce_scatter_single, all_gather_single); the old names
-# are the ones every torch the course supports has, and the ones the trace records.
-warnings.filterwarnings("ignore", message=r".*`torch\.distributed\.(reduce_scatter_tensor|"
-                        r"all_gather_into_tensor)` is deprecated", category=FutureWarning)
 
 NUM_SLOTS = 2   # staging and padding slots in each pool: slices in flight may outnumber them
 
@@ -76,7 +67,7 @@ class SlotPool:
         if buf is None or buf.numel() < need or buf.device != torch.device(device):
             if self.events[slot] is not None:
                 self.events[slot].synchronize()      # the old buffer may still be in use
-            buf = torch.zeros(max(need, 64), dtype=torch.uint8, device=device)
+            buf = nccl_memory.temporary(max(need, 64), torch.uint8, device)
             self.buffers[slot] = buf
         return slot, buf[:need].view(dtype)
 
@@ -116,7 +107,7 @@ class Slice:
                 self.staging = buf[:M * k].view(M, k)
                 self.pad_staging = buf[M * k:].view(M, 1)
 
-    def _parts(self):
+    def parts(self):
         """(block, staging) for the main part and for the padding, skipping empty ones."""
         parts = []
         if self.block.numel():
@@ -128,63 +119,93 @@ class Slice:
     def _label(self, stage: str):
         return trace.label(f"slice {self.index}: {stage}")
 
-    # ---- stage 1: reduce-scatter inside the machine --------------------------------------
+    # ---- stage 1: reduce-scatter inside the machine (as messages) --------------------------
     def reduce_scatter(self) -> list:
         if self.padding is not None:        # the tail goes into the padding slot first
             self.padding.view(-1)[: self.tail.numel()].copy_(self.tail)
         if self.D == 1:
             return []
-        op = ReduceOp.SUM if self.op == ReduceOp.AVG else self.op
-        works = []
+        inside, d = self.groups.inside_ranks(), self.d
+        others = [j for j in range(self.D) if j != d]
+        # What the D − 1 other local ranks send for block [d] lands in a slot of the pool: it
+        # cannot land in the slice, whose other blocks are leaving at the same time.
+        sizes = [blocks[d].numel() for blocks, _ in self.parts()]
+        self.partials_slot, buf = self.pools["partials"].acquire((self.D - 1) * sum(sizes), self.flat.dtype,
+                                                                 self.flat.device, self.streams[0])
+        self.partials, works, at = [], [], 0
         with self._label("reduce-scatter"):
-            for blocks, _ in self._parts():   # rank d keeps [d, :, :], summed over the machine
-                works.append(dist.reduce_scatter_tensor(blocks[self.d].view(-1), blocks.view(-1), op=op,
-                                                        group=self.groups.reduce_scatter, async_op=True))
+            for (blocks, _), size in zip(self.parts(), sizes):   # block [j, :, :] goes to local rank j
+                incoming = buf[at:at + (self.D - 1) * size].view(self.D - 1, *blocks[d].shape)
+                at += incoming.numel()
+                self.partials.append(incoming)
+                works += ops.post_exchange(recvs=[(incoming[i], inside[j]) for i, j in enumerate(others)],
+                                           sends=[(blocks[j], inside[j]) for j in others],
+                                           group=self.groups.reduce_scatter)
         return works
 
-    # ---- stage 2: collect on the rail (all-to-all) -----------------------------------------
+    def sum_partials(self) -> None:
+        """The end of stage 1, once its messages are in: add the other local ranks' partial
+        sums of block [d] into this rank's own. Now [d, :, :] is machine m's sum."""
+        if self.D == 1:
+            return
+        for (blocks, _), incoming in zip(self.parts(), self.partials):
+            for row in incoming:
+                ops.combine_(blocks[self.d], row, self.op)
+        self.pools["partials"].release(self.partials_slot, self.streams[1], self.flat.device)
+        self.partials = []
+
+    # ---- stage 2: collect on the rail (all-to-all, as messages) ---------------------------
     def collect(self) -> list:
+        self.sum_partials()
         if self.M == 1:
             return []
+        rail, d, m = self.groups.rail_ranks(), self.d, self.m
+        others = [j for j in range(self.M) if j != m]
         works = []
         with self._label("collect"):
-            for blocks, staging in self._parts():   # row m of [d, :, :] goes to machine m
-                works.append(dist.all_to_all_single(staging.view(-1), blocks[self.d].reshape(-1),
-                                                    group=self.groups.collect, async_op=True))
+            for blocks, staging in self.parts():   # row j of [d, :, :] goes to machine j
+                works += ops.post_exchange(recvs=[(staging[j], rail[j]) for j in others],
+                                           sends=[(blocks[d, j], rail[j]) for j in others],
+                                           group=self.groups.collect)
         return works
 
-    # ---- stage 3: add the M rows into the block this rank owns -----------------------------
+    # ---- stage 3: add the rows that arrived into the block this rank owns ------------------
     def add(self) -> None:
-        for blocks, staging in self._parts():
-            mine = blocks[self.d, self.m]
-            if self.M > 1:
-                mine.copy_(staging[0])
-                for row in range(1, self.M):
+        for blocks, staging in self.parts():
+            mine = blocks[self.d, self.m]            # this machine's partial sum, already in place
+            for row in range(self.M):
+                if row != self.m:
                     ops.combine_(mine, staging[row], self.op)
             ops.finish_(mine, self.op, self.p)       # AVG: the one division, on n/(D·M) elements
         if self.staging_slot is not None:
             self.pools["staging"].release(self.staging_slot, self.streams[2], self.flat.device)
 
-    # ---- stage 4: diffuse on the rail (all-gather) -----------------------------------------
+    # ---- stage 4: diffuse on the rail (all-gather, as messages) ---------------------------
     def diffuse(self) -> list:
         if self.M == 1:
             return []
+        rail, d, m = self.groups.rail_ranks(), self.d, self.m
+        others = [j for j in range(self.M) if j != m]
         works = []
         with self._label("diffuse"):
-            for blocks, _ in self._parts():   # [d, m, :] from every machine -> [d, :, :]
-                works.append(dist.all_gather_into_tensor(blocks[self.d].view(-1), blocks[self.d, self.m],
-                                                         group=self.groups.diffuse, async_op=True))
+            for blocks, _ in self.parts():   # [d, m, :] to every machine; [d, j, :] from each
+                works += ops.post_exchange(recvs=[(blocks[d, j], rail[j]) for j in others],
+                                           sends=[(blocks[d, m], rail[j]) for j in others],
+                                           group=self.groups.diffuse)
         return works
 
-    # ---- stage 5: all-gather inside the machine --------------------------------------------
+    # ---- stage 5: all-gather inside the machine (as messages) -----------------------------
     def all_gather(self) -> list:
         if self.D == 1:
             return []
+        inside, d = self.groups.inside_ranks(), self.d
+        others = [j for j in range(self.D) if j != d]
         works = []
         with self._label("all-gather"):
-            for blocks, _ in self._parts():   # [d, :, :] from every local rank -> [:, :, :]
-                works.append(dist.all_gather_into_tensor(blocks.view(-1), blocks[self.d].view(-1),
-                                                         group=self.groups.all_gather, async_op=True))
+            for blocks, _ in self.parts():   # [d, :, :] to every local rank; [j, :, :] from each
+                works += ops.post_exchange(recvs=[(blocks[j], inside[j]) for j in others],
+                                           sends=[(blocks[d], inside[j]) for j in others],
+                                           group=self.groups.all_gather)
         return works
 
     # ---- after the last stage: the tail comes back from the padding slot ------------------
