@@ -337,7 +337,8 @@ def bytes_on_the_wire(impl, group):
                 x = _input(rank, dtype, n=BYTES_N)
                 with trace.recording() as t:
                     sparse_all_reduce(x.clone(), method=variant, **mode)
-                events = [dict(kind=ev.kind, nbytes=ev.nbytes, label=ev.label) for ev in t.collectives()]
+                events = [dict(kind=ev.kind, nbytes=ev.nbytes, label=ev.label) for ev in t.events
+                          if ev.is_send or ev.kind in trace.COLLECTIVES]
                 kept = int(_expected_sent(x, mode).count_nonzero())
                 every = torch.tensor([kept])
                 with trace.paused():
@@ -530,6 +531,29 @@ def test_sampled_threshold_selection_is_the_exact_top_k():
     assert {7, 11, 13} <= set(topk_indices(specials, k, "sample").tolist())
 
 
+def test_the_chunked_filter_finds_what_the_one_line_filter_finds():
+    """On a CPU ``at_least`` compares a chunk at a time (no tensor the size of the input is
+    made): across chunk boundaries, with NaN and ±inf at them, it returns what the plain
+    ``nonzero(not |x| < t)`` returns, ascending; and the filters built on it (``sample``,
+    ``reuse``) still pick the exact top-k of a tensor several chunks long."""
+    from collectives.sparse.select import CHUNK, at_least, topk_indices
+
+    n = 2 * CHUNK + 12345
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(n, generator=g)
+    x[[0, CHUNK - 1, CHUNK, 2 * CHUNK, n - 1]] = torch.tensor([float("nan"), 5.0, -float("inf"), float("nan"), -3.0])
+    for t in (0.0, 2.5, 4.0, float("inf")):
+        plain = torch.nonzero(x.abs().lt(t).logical_not_()).view(-1)
+        assert torch.equal(at_least(x, t), plain), f"threshold {t}"
+    k = n // 100
+    truth = set(torch.topk(torch.nan_to_num(x.abs(), nan=float("inf")), k).indices.tolist())
+    state: dict = {}
+    for method in ("sample", "reuse", "reuse"):     # reuse: cold (a full top-k), then filtered
+        picked = topk_indices(x, k, method, state)
+        assert picked.numel() == k and set(picked.tolist()) == truth, method
+    assert "threshold" in state
+
+
 @pytest.mark.parametrize("p", [1, 2, 4])
 @pytest.mark.task(lesson=8, task=2, points=5, title="all-gather of (index, value) pairs")
 def test_allgather_sums_every_ranks_pairs_with_counts_differing_or_zero(worlds, p):
@@ -611,16 +635,30 @@ def test_trace_bytes_match_the_cost_model(worlds, p):
                 union, longest = max(pieces["union"]), pieces["longest"]
                 dense = union * pair >= longest * e
                 gather = longest * e if dense else union * pair
-                kinds = [(x["kind"], x["nbytes"]) for x in ev]
-                expected = (([("all_gather", 8)] if threshold else [])
-                            + [("all_to_all_single", 8 * p), ("all_to_all_single", sum(to_others) * pair),
-                               ("all_gather", 8), ("all_gather", gather)])
-                assert kinds == expected, where
+                # Pairs go to their owners (one all-to-all, or a message each); the reduced
+                # pieces come back by an all-gather (of pairs; of dense pieces once they fill,
+                # which a ring all-gather in place sends as p-1 chunks, one element shorter
+                # each where p does not divide n). Small count exchanges come on top.
+                sent = sum(_wire_bytes(x, p) for x in ev)
+                least = sum(to_others) * pair + (p - 1) * (gather - (e if dense else 0))
+                most = sum(to_others) * pair + (p - 1) * gather + 2 * 8 * p + (8 * p if threshold else 0)
+                assert least <= sent <= most, f"{where}: {sent} bytes on the wire, expected {least}..{most}"
                 assert sum(to_others) <= kept, where
                 # the model's gather term, given the fullest piece, is what the trace saw
                 model = cost.sparse_cost("split", BYTES_N, width, p, e, union=union)
                 scatter = (p - 1) / p * width * pair
                 assert model.bytes_per_rank == pytest.approx(scatter + (p - 1) * gather + 2 * (p - 1) * 8), where
+
+
+def _wire_bytes(event: dict, p: int) -> float:
+    """Bytes one rank puts on the wire in a traced call: a message its size, an all-gather
+    its part p − 1 times, an all-to-all what it was handed, an all-reduce 2(p − 1)/p of it."""
+    kind, nbytes = event["kind"], event["nbytes"]
+    if kind in ("all_gather", "all_gather_into_tensor"):
+        return (p - 1) * nbytes
+    if kind == "all_reduce":
+        return 2 * (p - 1) / p * nbytes
+    return nbytes
 
 
 @pytest.mark.task(lesson=8, task=5, points=5, title="DDP communication hook")
@@ -651,6 +689,31 @@ def test_cost_model_crossovers():
     assert cost.choose_sparse_variant(n, 0.35 * n, 4, link) == "split"
     assert cost.choose_sparse_variant(n, 0.8 * n, 4, link) == "dense"
 
+
+
+def test_processor_time_moves_the_crossover_down_by_what_it_costs():
+    """The processor's part of the model (collectives.cost.SparseCompute): with work per
+    element and per pair, sparse stops paying at a lower density than the bytes alone say,
+    and by as much as the arithmetic predicts."""
+    link = cost.AlphaBeta(alpha=0.0, beta=1e-9)
+    n, p = 16 << 20, 4
+    wire_only = cost.sparse_crossover(n, p, link)
+    assert cost.SparseCompute().seconds("allgather", n, n / 100, p) == 0.0
+    compute = cost.SparseCompute(scan=0.1e-9, pick=1e-9, pair=1e-9)
+    # all-gather at k: k picked, k + p·k pairs packed/added, n scanned
+    k = n / 100
+    assert compute.seconds("allgather", n, k, p) == pytest.approx(0.1e-9 * n + 1e-9 * k + 1e-9 * (k + p * k))
+    assert cost.sparse_seconds("allgather", n, k, p, link, compute) == pytest.approx(
+        cost.sparse_cost("allgather", n, k, p).seconds(link) + compute.seconds("allgather", n, k, p))
+    with_cpu = cost.sparse_crossover(n, p, link, compute=compute)
+    assert with_cpu < wire_only
+    # at the crossover the model's sparse time equals the dense ring's
+    dense = cost.sparse_cost("dense", n, n, p).seconds(link)
+    assert cost.sparse_seconds("allgather", n, with_cpu * n, p, link, compute) == pytest.approx(dense, rel=1e-6)
+    # "best": the faster of all-gather and split at each density; split carries it past 1/p
+    assert cost.sparse_crossover(n, p, link, variant="best") > cost.sparse_crossover(n, p, link)
+    # against a measured time instead of the dense model
+    assert cost.sparse_crossover(n, p, link, against_seconds=dense / 2) < wire_only
 
 # ---- convergence: what error feedback buys, on real data ------------------------------------
 

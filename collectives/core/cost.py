@@ -491,25 +491,79 @@ def sparse_cost(variant: str, n: float, k: float, p: int, value_bytes: int = 4,
     raise ValueError(f"unknown sparse variant {variant!r}; use one of {', '.join(SPARSE_VARIANTS)}")
 
 
+@dataclass(frozen=True)
+class SparseCompute:
+    """What a sparse all-reduce spends off the wire, on each rank's processor.
+
+    The bytes are few; the work is not. Selection reads every one of the n elements (a
+    comparison pass; the result is zeroed before the sums land in it), then spends time per
+    kept element (gathering the candidates' magnitudes, trimming them to k, copying the
+    values out); every pair that travels is packed, unpacked and added. On a fast link this
+    is most of the time; on a slow one it still sets where sparse stops paying. The three
+    rates are measured, not derived: ``python -m collectives bench-sparse`` times each alone,
+    in the same world as the all-reduce it predicts.
+    """
+
+    scan: float = 0.0     # seconds per element of the tensor (the comparison pass, the zeroing)
+    pick: float = 0.0     # seconds per element kept (selection's work beyond the pass)
+    pair: float = 0.0     # seconds per pair packed, unpacked and added
+
+    def seconds(self, variant: str, n: float, k: float, p: int, union: float | None = None) -> float:
+        """Predicted processor time of ``variant`` for k kept of n on p ranks (one rank)."""
+        if p == 1:
+            return 0.0
+        if variant == "allgather":
+            moved = k + p * k                      # ours packed; every rank's unpacked and added
+        elif variant == "split":
+            u = expected_union(n, k, p) if union is None else union
+            piece = math.ceil(n / p)
+            dense = u * (INDEX_BYTES + 4) >= piece * 4
+            moved = k + k + (0 if dense else u + p * u)   # ours packed; a piece's worth added; pieces
+        elif variant == "dense":
+            moved = 0.0
+        else:
+            raise ValueError(f"unknown sparse variant {variant!r}; use one of {', '.join(SPARSE_VARIANTS)}")
+        return self.scan * n + self.pick * k + self.pair * moved
+
+
+def sparse_seconds(variant: str, n: float, k: float, p: int, link: AlphaBeta,
+                   compute: SparseCompute | None = None, value_bytes: int = 4, counts: bool = False,
+                   union: float | None = None) -> float:
+    """Predicted seconds of ``variant``: the wire (:func:`sparse_cost` on ``link``) plus, when
+    ``compute`` is given, the processor's part (:class:`SparseCompute`)."""
+    wire = sparse_cost(variant, n, k, p, value_bytes, counts, union).seconds(link)
+    return wire + (compute.seconds(variant, n, k, p, union) if compute is not None else 0.0)
+
+
 def choose_sparse_variant(n: float, k: float, p: int, link: AlphaBeta, value_bytes: int = 4,
-                          counts: bool = False, variants=SPARSE_VARIANTS) -> str:
+                          counts: bool = False, variants=SPARSE_VARIANTS,
+                          compute: SparseCompute | None = None) -> str:
     """The variant the model predicts fastest (ties go to the earlier name in ``variants``)."""
-    return min(variants, key=lambda v: sparse_cost(v, n, k, p, value_bytes, counts).seconds(link))
+    return min(variants, key=lambda v: sparse_seconds(v, n, k, p, link, compute, value_bytes, counts))
 
 
 def sparse_crossover(n: float, p: int, link: AlphaBeta, variant: str = "allgather",
-                     value_bytes: int = 4, against: str = "dense") -> float:
+                     value_bytes: int = 4, against: str = "dense",
+                     compute: SparseCompute | None = None, against_seconds: float | None = None) -> float:
     """The density k/n above which ``variant`` is predicted slower than ``against`` (1.0 if never).
 
     Found by bisection on the model; for the all-gather variant against the dense ring on a
     link where β dominates, it is 2e/(p·(4+e)): 1/p for float32, (2/3)/p for 16-bit values
     (their pairs are 6 bytes for 2 of payload). Against an fp16-compressed dense ring
-    (half the dense bytes), float32 pairs cross over at 1/(2p).
+    (half the dense bytes), float32 pairs cross over at 1/(2p). ``variant="best"`` takes
+    the faster of all-gather and split at each density. ``compute`` adds the processor's
+    part (:class:`SparseCompute`) to ``variant``; ``against`` is priced by the wire alone (the
+    plain all-reduce selects nothing), or given as ``against_seconds`` (a measured time).
     """
+    def seconds(v, k, with_compute=True):
+        if v == "best":
+            return min(seconds(w, k, with_compute) for w in ("allgather", "split"))
+        return sparse_seconds(v, n, k, p, link, compute if with_compute else None, value_bytes)
+
     def gap(d):
         k = d * n
-        return (sparse_cost(variant, n, k, p, value_bytes).seconds(link)
-                - sparse_cost(against, n, k, p, value_bytes).seconds(link))
+        other = against_seconds if against_seconds is not None else seconds(against, k, with_compute=False)
+        return seconds(variant, k) - other
     lo, hi = 1.0 / n, 1.0
     if gap(hi) <= 0:
         return 1.0

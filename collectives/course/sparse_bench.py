@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..core import cost, launch, netns, timing, trace
-from ..sparse import keep_count, sparse_all_reduce, time_selection
+from ..sparse import keep_count, pack_pairs, sparse_all_reduce, time_selection, topk_indices, unpack_pairs
 
 VARIANTS = ("allgather", "split", "dense")
 
@@ -79,6 +79,44 @@ def _one(x: torch.Tensor, mode: dict, method: str, iters: int, selection: str = 
     return dict(seconds=total, select=select, sent=sent, used=info.variant)
 
 
+def measure_compute(x: torch.Tensor, iters: int = 3) -> dict:
+    """The processor's rates that are not selection, timed alone on every rank at once (so
+    the ranks share the cores as they do in the all-reduce), as
+    :class:`collectives.cost.SparseCompute` fields:
+
+    * ``scan``: zeroing the result, per element;
+    * ``pair``: packing 10 % of the elements as pairs, then unpacking and adding them p times
+      (what the all-gather variant does with every rank's), per pair.
+
+    Selection is timed at each density of the sweep instead (its cost per kept element
+    grows with the density: trimming more candidates, copying more out).
+    """
+    p, n = dist.get_world_size(), x.numel()
+    many = keep_count(n, 0.1)
+    out = torch.empty_like(x)
+
+    def timed(fn):
+        return timing.median(timing.measure(fn, warmup=1, iters=iters))
+
+    idx = topk_indices(x, many, "sample")
+    vals = x.index_select(0, idx)
+
+    def pack_and_add():
+        packed = pack_pairs(idx, vals, many)
+        for _ in range(p):
+            i, v = unpack_pairs(packed, many, x.dtype)
+            out.index_add_(0, i, v)
+    return dict(scan=timed(out.zero_) / n, pair=timed(pack_and_add) / (many + p * many))
+
+
+def time_select(x: torch.Tensor, density: float, selection: str = "sample", iters: int = 3) -> float:
+    """Seconds to choose what to send at ``density`` and copy the values out, alone, on
+    every rank at once."""
+    k = keep_count(x.numel(), density)
+    return timing.median(timing.measure(lambda: x.index_select(0, topk_indices(x, k, selection)),
+                                        warmup=1, iters=iters))
+
+
 def compare_in_world(n: int, density: float, iters: int = 5, sweep=(), variants=VARIANTS,
                      sweep_selection: str = "sample", main: bool = True) -> dict:
     """On every rank: the dense all-reduce, each variant at ``density`` (unless not ``main``),
@@ -101,8 +139,10 @@ def compare_in_world(n: int, density: float, iters: int = 5, sweep=(), variants=
         thr = float(torch.quantile(x[: 1 << 20].abs(), 1 - density))
         out["rows"].append(dict(variant="allgather", mode="threshold",
                                 **_one(x, {"threshold": thr}, "allgather", iters)))
+    if sweep:
+        out["compute"] = measure_compute(x, max(2, iters // 2))
     for d in sweep:
-        row = dict(density=d)
+        row = dict(density=d, select=time_select(x, d, sweep_selection, max(2, iters // 2)))
         for variant in ("allgather", "split"):
             row[variant] = _one(x, {"density": d}, variant, max(2, iters // 2), sweep_selection)["seconds"]
         out["sweep"].append(row)
@@ -120,7 +160,7 @@ def measured_crossover(sweep: list[dict], dense: float) -> float | None:
     return None
 
 
-def _print(result: dict, where: str) -> None:
+def _print(result: dict, where: str, rate: str | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -140,26 +180,69 @@ def _print(result: dict, where: str) -> None:
     console.print(f"dist.all_reduce: {timing.human_seconds(result['dense'])}")
     if result["sweep"]:
         sweep = Table(title="density sweep (top-k)")
-        for col in ("density", "all-gather", "split", "dense", "best / dense"):
+        model = rate is not None and "compute" in result
+        for col in (("density",) + (("selection",) if model else ()) + ("all-gather", "split", "dense", "best / dense")
+                    + (("model: best",) if model else ())):
             sweep.add_column(col, justify="right")
         for r in result["sweep"]:
-            sweep.add_row(f"{r['density']:.2%}", timing.human_seconds(r["allgather"]), timing.human_seconds(r["split"]),
-                          timing.human_seconds(result["dense"]),
-                          f"{min(r['allgather'], r['split']) / result['dense']:.2f}")
+            cells = [f"{r['density']:.2%}", timing.human_seconds(r["allgather"]), timing.human_seconds(r["split"]),
+                     timing.human_seconds(result["dense"]), f"{min(r['allgather'], r['split']) / result['dense']:.2f}"]
+            if model:
+                cells.append(timing.human_seconds(model_seconds(result, rate, r["density"])))
+                cells.insert(1, timing.human_seconds(r["select"]))
+            sweep.add_row(*cells)
         console.print(sweep)
 
 
-def model_crossover(result: dict, rate: str) -> float:
-    link = cost.AlphaBeta(alpha=result["alpha"], beta=1 / netns.rate_bytes_per_second(rate))
+def model_link(result: dict, rate: str) -> cost.AlphaBeta:
+    """The cluster's link as the model sees it: α measured (a one-element all-reduce), β from
+    the link's rate."""
+    return cost.AlphaBeta(alpha=result["alpha"], beta=1 / netns.rate_bytes_per_second(rate))
+
+
+def _select_seconds(result: dict, density: float) -> float:
+    """Selection time at ``density``, interpolated (log-log) between the swept densities."""
+    pts = sorted((r["density"], r["select"]) for r in result["sweep"])
+    if density <= pts[0][0]:
+        return pts[0][1]
+    for (d0, t0), (d1, t1) in zip(pts, pts[1:]):
+        if density <= d1:
+            f = math.log(density / d0) / math.log(d1 / d0)
+            return math.exp(math.log(t0) + f * (math.log(t1) - math.log(t0)))
+    return pts[-1][1] * density / pts[-1][0]
+
+
+def model_seconds(result: dict, rate: str, density: float, variant: str = "best",
+                  with_compute: bool = True) -> float:
+    """The model's time at ``density``: the wire (α, β), and with ``with_compute`` the
+    processor -- selection as timed at the swept densities, the zeroing and the pairs' work
+    at the rates :func:`measure_compute` timed."""
+    if variant == "best":
+        return min(model_seconds(result, rate, density, v, with_compute) for v in ("allgather", "split"))
     n, p = result["n"], result["p"]
-    best = lambda d: min(cost.sparse_cost(v, n, d * n, p).seconds(link) for v in ("allgather", "split"))  # noqa: E731
-    dense = cost.sparse_cost("dense", n, n, p).seconds(link)
-    lo, hi = 1e-4, 1.0
-    if best(hi) < dense:
-        return 1.0
+    k = keep_count(n, density)
+    compute = None
+    if with_compute and "compute" in result:
+        compute = cost.SparseCompute(scan=result["compute"]["scan"], pick=_select_seconds(result, density) / k,
+                                     pair=result["compute"]["pair"])
+    return cost.sparse_seconds(variant, n, k, p, model_link(result, rate), compute)
+
+
+def model_crossover(result: dict, rate: str, with_compute: bool = False) -> float | None:
+    """Where the model's best sparse variant (all-gather or split) meets its dense ring: the
+    wire alone, or with the processor's part measured in the same world (then only within
+    the swept densities; None if it does not meet there)."""
+    if not with_compute:
+        return cost.sparse_crossover(result["n"], result["p"], model_link(result, rate), variant="best")
+    dense = cost.sparse_cost("dense", result["n"], result["n"], result["p"]).seconds(model_link(result, rate))
+    densities = sorted(r["density"] for r in result["sweep"])
+    lo, hi = densities[0], densities[-1]
+    gap = lambda d: model_seconds(result, rate, d) - dense  # noqa: E731
+    if gap(lo) >= 0 or gap(hi) <= 0:
+        return None
     for _ in range(60):
         mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if best(mid) < dense else (lo, mid)
+        lo, hi = (mid, hi) if gap(mid) < 0 else (lo, mid)
     return math.sqrt(lo * hi)
 
 
@@ -196,15 +279,21 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     result = launch.run(compare_in_world, args.world, **kwargs)[0]
     where = f"cluster 2 machines, {args.link}" if args.cluster else "loopback"
-    _print(result, where)
+    _print(result, where, args.link if args.cluster else None)
     results[where] = result
     if sweep:
         measured = measured_crossover(result["sweep"], result["dense"])
         line = f"crossover (best sparse = dense): measured {measured if measured is None else f'{measured:.1%}'}"
         if args.cluster:
-            predicted = model_crossover(result, args.link)
-            line += f", model {predicted:.1%} (α = {timing.human_seconds(result['alpha'])}, {args.link})"
-            results["model_crossover"] = predicted
+            wire_only = model_crossover(result, args.link)
+            with_cpu = model_crossover(result, args.link, with_compute=True)
+            c = result["compute"]
+            line += (f"; model, wire alone {wire_only:.1%}, wire + processor "
+                     f"{'none in the sweep' if with_cpu is None else f'{with_cpu:.1%}'} "
+                     f"(α = {timing.human_seconds(result['alpha'])}, {args.link}; zeroing "
+                     f"{c['scan'] * 1e9:.2f} ns per element, {c['pair'] * 1e9:.1f} ns per pair)")
+            results["model_crossover"] = wire_only
+            results["model_crossover_with_compute"] = with_cpu
         results["measured_crossover"] = measured
         print(line)
     print(f"({time.time() - t0:.0f} s)")

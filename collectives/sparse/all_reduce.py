@@ -119,12 +119,11 @@ def sparse_all_reduce(tensor: torch.Tensor, residual: torch.Tensor | None = None
     if tensor.numel() == 0:
         return SparseInfo("dense", 0)
     flat = ops.work_buffer(tensor)                   # the tensor's memory when contiguous
-    if residual is not None:
-        flat.add_(residual.view(-1))                 # x = tensor + residual, in the output buffer
     keep_all = threshold == 0 or density == 1
     if keep_all:
         # Everything is sent: the dense all-reduce itself, so the result is bit for bit its own.
         if residual is not None:
+            flat.add_(residual.view(-1))
             residual.zero_()
         with trace.label("sparse: everything kept, dense all-reduce"):
             dist.all_reduce(flat, group=group)
@@ -132,12 +131,13 @@ def sparse_all_reduce(tensor: torch.Tensor, residual: torch.Tensor | None = None
         ops.write_back(tensor, flat)
         return SparseInfo("dense", flat.numel())
 
-    indices = select_to_send(flat, density=density, threshold=threshold, selection=selection, state=state)
-    values = flat[indices]                           # what this rank sends (a copy)
-    if residual is not None:                         # the rest waits for the next call
-        res = residual.view(-1)
-        res.copy_(flat)
-        res[indices] = 0
+    # x = tensor + residual, computed in the residual's memory: after the selection, what is
+    # left there (x with the sent elements zeroed) *is* the next residual -- no copy of x.
+    x = flat if residual is None else residual.view(-1).add_(flat)
+    indices = select_to_send(x, density=density, threshold=threshold, selection=selection, state=state)
+    values = x.index_select(0, indices)              # what this rank sends (a copy)
+    if residual is not None:
+        x.index_fill_(0, indices, 0)                 # the rest waits for the next call
     counts = None
     n, kept = flat.numel(), indices.numel()
     if threshold is not None and p > 1:
@@ -151,15 +151,13 @@ def sparse_all_reduce(tensor: torch.Tensor, residual: torch.Tensor | None = None
                                              counts=False)
     info = SparseInfo(variant, kept, counts)
     if variant == "local":
-        flat.zero_()
-        flat[indices] = values
+        flat.zero_().index_copy_(0, indices, values)
     elif variant == "allgather":
         allgather_sum_(flat, indices, values, counts=counts, group=group)
     elif variant == "split":
         info.split = split_sum_(flat, indices, values, group=group)
     else:                                            # "dense": sent values in zeros, ring it
-        flat.zero_()
-        flat[indices] = values
+        flat.zero_().index_copy_(0, indices, values)
         with trace.label("sparse: dense all-reduce of the kept values"):
             dist.all_reduce(flat, group=group)
     ops.finish_(flat, op, p)

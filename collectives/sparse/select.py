@@ -63,8 +63,37 @@ def threshold_indices(x: torch.Tensor, threshold: float) -> torch.Tensor:
     Written as ``not (|x| < threshold)`` so that NaN, for which every comparison is false,
     is kept. The count of a threshold is data-dependent: ``nonzero`` synchronises with the
     host on a GPU. It is the one synchronisation threshold mode needs anyway (every rank
-    must learn every rank's count)."""
-    return torch.nonzero(magnitude(x).lt(threshold).logical_not_()).view(-1)
+    must learn every rank's count). The work is done by :func:`at_least`."""
+    return at_least(x, threshold)
+
+
+CHUNK = 1 << 20      # elements :func:`at_least` compares at a time on a CPU (4 MiB of float32)
+
+
+def at_least(x: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Indices (int64, ascending) of ``not (|x| < threshold)`` in the 1-D ``x``: one read of ``x``.
+
+    The plain version is one line -- ``torch.nonzero(x.abs().lt(t).logical_not_())`` --
+    and on a GPU that is what runs. On a CPU it is written chunk by chunk, for the memory:
+    ``x.abs()`` of 16 Mi floats is a fresh 64 MiB tensor, and a fresh tensor that large
+    costs more in page faults (the kernel zeroing every new page on first touch) than the
+    arithmetic: 31 ms against 5 ms for the same ``abs`` into memory that exists (one core,
+    ``docs/benchmarks.md``). Two small buffers, reused for every chunk, stay in the cache.
+    """
+    n = x.numel()
+    if x.is_cuda or n <= CHUNK:
+        return torch.nonzero(magnitude(x).lt(threshold).logical_not_()).view(-1)
+    mag = torch.empty(CHUNK, dtype=x.dtype)
+    below = torch.empty(CHUNK, dtype=torch.bool)
+    found = []
+    for lo in range(0, n, CHUNK):
+        part = x[lo:lo + CHUNK]
+        m, b = mag[:part.numel()], below[:part.numel()]
+        torch.lt(torch.abs(part, out=m), threshold, out=b)
+        hits = torch.nonzero(b.logical_not_()).view(-1)
+        if hits.numel():
+            found.append(hits.add_(lo))
+    return torch.cat(found) if found else torch.empty(0, dtype=torch.int64)
 
 
 def _sort_desc(mag: torch.Tensor) -> torch.Tensor:
@@ -85,14 +114,13 @@ def topk_indices(x: torch.Tensor, k: int, method: str = "topk", state: dict | No
         return torch.empty(0, dtype=torch.int64, device=x.device)
     if k == n:
         return torch.arange(n, device=x.device)
-    mag = magnitude(x)
-    if mag.dtype in (torch.float16, torch.bfloat16) and mag.device.type == "cpu":
-        mag = mag.float()                   # CPU top-k/sort of half types: slower, same order
+    mag = _Magnitudes(x)                    # |x|, computed whole only if a method needs it whole
     if method == "topk":
-        return torch.topk(mag, k, sorted=False).indices
+        return torch.topk(mag.whole(), k, sorted=False).indices
     if method == "sort":
-        return _sort_desc(mag)[:k]
+        return _sort_desc(mag.whole())[:k]
     if method == "kthvalue":
+        mag = mag.whole()
         # kthvalue finds the k-th *smallest*; the k-th largest is the (n-k+1)-th smallest.
         # NaN is never "greater": count NaN as above the threshold explicitly.
         t = torch.kthvalue(torch.nan_to_num(mag, nan=float("inf")), n - k + 1).values
@@ -102,46 +130,78 @@ def topk_indices(x: torch.Tensor, k: int, method: str = "topk", state: dict | No
         at = torch.nonzero(mag == t).view(-1)[: k - above.numel()]
         return torch.cat([above, at])
     if method == "sample":
-        return _filtered_topk(mag, k, _sample_threshold(mag, k))
+        return _filtered_topk(x, mag, k, _sample_threshold(x, k))
     if method == "reuse":
         state = {} if state is None else state
-        t = state.get("threshold")
-        picked = None
-        if t is not None:
-            candidates = torch.nonzero(mag.lt(t).logical_not_()).view(-1)
-            if candidates.numel() >= k:     # every top-k element is a candidate
-                picked = candidates[torch.topk(mag[candidates], k, sorted=False).indices]
-        if picked is None:
-            picked = torch.topk(mag, k, sorted=False).indices
+        picked = _filtered_topk(x, mag, k, state.get("threshold"))
         # The k-th largest kept magnitude, a little lowered: next step's filter keeps
         # somewhat more than k candidates when the gradient drifts.
-        state["threshold"] = float(mag[picked].min()) * 0.9
+        state["threshold"] = float(mag.index_select(0, picked).min()) * 0.9
         return picked
     raise ValueError(f"unknown selection method {method!r}; use one of {', '.join(METHODS)}")
 
 
-def _sample_threshold(mag: torch.Tensor, k: int) -> float | None:
-    """A magnitude that about 1.2·k + 4·√k elements reach, estimated from an evenly spaced
-    sample of :data:`SAMPLE` elements (None when the sample would be most of the tensor)."""
-    n = mag.numel()
+class _Magnitudes:
+    """``|x|`` on demand: whole (``torch.topk`` of everything), or at given indices (the
+    candidates of a filter) without ever making the whole. CPU top-k and sort of half
+    types go through float32: slower in half, the same order."""
+
+    def __init__(self, x: torch.Tensor):
+        self.x, self._whole = x, None
+
+    def _widen(self, t: torch.Tensor) -> torch.Tensor:
+        return t.float() if t.dtype in (torch.float16, torch.bfloat16) and not t.is_cuda else t
+
+    def whole(self) -> torch.Tensor:
+        if self._whole is None:
+            self._whole = self._widen(magnitude(self.x))
+        return self._whole
+
+    def index_select(self, dim: int, indices: torch.Tensor) -> torch.Tensor:
+        return self._widen(magnitude(self.x.index_select(dim, indices)))
+
+
+def _sample_threshold(x: torch.Tensor, k: int) -> float | None:
+    """A magnitude that a few more than k elements reach, estimated from an evenly spaced
+    sample of :data:`SAMPLE` elements (None when the sample would be most of the tensor).
+
+    Of the sample, about e = SAMPLE·k/n elements lie above the k-th largest magnitude, give or
+    take √e (a binomial count); the threshold is the sample's (e + 4√e)-th largest, so that
+    fewer than k candidates pass only on a 4σ bad draw -- or on data whose large entries hide
+    between the sampled positions, which the fallback to a full top-k covers.
+    """
+    n = x.numel()
     if n <= 4 * SAMPLE:
         return None
-    sample = mag[:: n // SAMPLE][:SAMPLE]
+    sample = magnitude(x[:: n // SAMPLE][:SAMPLE]).float()
     expected = SAMPLE * k / n                     # sample elements above the k-th largest
-    rank = int(1.2 * expected + 4 * expected ** 0.5) + 1
+    rank = int(expected + 4 * expected ** 0.5) + 1
     if rank >= SAMPLE:
         return None
     return float(torch.topk(sample, rank, sorted=True).values[-1])
 
 
-def _filtered_topk(mag: torch.Tensor, k: int, t: float | None) -> torch.Tensor:
-    """Top-k of the elements with ``|x| ≥ t``: exact whenever at least k pass (every top-k
-    element then passes). Fewer, or no ``t``: a plain top-k of the whole."""
+def _filtered_topk(x: torch.Tensor, mag: "_Magnitudes", k: int, t: float | None) -> torch.Tensor:
+    """Top-k of the elements with ``|x| ≥ t``, in ascending index order: exact whenever at
+    least k pass (every top-k element then passes). Fewer, or no ``t``: a plain top-k of
+    the whole (in no particular order).
+
+    Of c candidates, the k largest stay: found as the c − k smallest to drop when those are
+    fewer (the usual case: the filter lets through only a few more than k), else directly.
+    Either way a mask over the candidates keeps them in index order."""
     if t is not None and t == t:                  # a NaN estimate would filter out nothing
-        candidates = torch.nonzero(mag.lt(t).logical_not_()).view(-1)
-        if candidates.numel() >= k:
-            return candidates[torch.topk(mag[candidates], k, sorted=False).indices]
-    return torch.topk(mag, k, sorted=False).indices
+        candidates = at_least(x, t)                # ascending
+        c = candidates.numel()
+        if c >= k:
+            cand_mag = mag.index_select(0, candidates)
+            if c - k < k:                          # NaN ranks largest: never dropped
+                drop = torch.topk(cand_mag, c - k, largest=False, sorted=False).indices
+                keep = torch.ones(c, dtype=torch.bool, device=x.device).index_fill_(0, drop, False)
+            else:
+                best = torch.topk(cand_mag, k, sorted=False).indices
+                keep = torch.zeros(c, dtype=torch.bool, device=x.device).index_fill_(0, best, True)
+            return candidates[keep]
+    return torch.topk(mag.whole(), k, sorted=False).indices
 
 
 def truncated_magnitude_topk(x: torch.Tensor, k: int) -> torch.Tensor:

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ..core import ops, trace
+from ..ring import ring_all_gather
 from .allgather import exchange_counts, pack_pairs, unpack_pairs
 from .select import INDEX_DTYPE
 
@@ -59,64 +60,61 @@ def piece_bounds(numel: int, p: int) -> list[tuple[int, int]]:
 def split_sum_(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, *, group=None,
                densify: bool = True) -> SplitInfo:
     """``out`` <- the sum over ranks of each rank's pairs, via a sparse reduce-scatter and an
-    all-gather of the reduced pieces. ``out`` is 1-D; ``indices`` int64 in any order."""
+    all-gather of the reduced pieces. ``out`` is 1-D; its contents are not read (it is the
+    result's memory); ``indices`` int64, ascending or not (the selection hands them over
+    ascending, which saves a sort)."""
     r, p = ops.group_rank_and_size(group)
+    members = [ops.global_rank(group, j) for j in range(p)]
     device, dtype = out.device, out.dtype
     pair_bytes = torch.empty((), dtype=INDEX_DTYPE).element_size() + out.element_size()
     bounds = piece_bounds(out.numel(), p)
 
-    # ---- 1. scatter: sort by index, cut at the piece boundaries, all-to-all ------------
-    order = torch.argsort(indices)
-    idx, val = indices[order], values[order]
-    starts = torch.tensor([lo for lo, _ in bounds] + [out.numel()], dtype=idx.dtype, device=device)
-    offsets = torch.searchsorted(idx, starts)             # pairs for rank j: offsets[j]:offsets[j+1]
-    to_each = offsets.diff()
-    to_others = to_each.clone()
-    to_others[r] = 0                                       # our own piece never leaves the rank
+    # ---- 1. scatter: cut the (sorted) pairs at the piece boundaries, one message per owner --
+    if indices.numel() > 1 and not bool((indices[1:] >= indices[:-1]).all()):
+        order = torch.argsort(indices)
+        indices, values = indices[order], values[order]
+    starts = torch.tensor([lo for lo, _ in bounds] + [out.numel()], dtype=indices.dtype, device=device)
+    first = torch.searchsorted(indices, starts).tolist()    # pairs for rank j: first[j]:first[j+1]
+    to_others = torch.tensor([first[j + 1] - first[j] if j != r else 0 for j in range(p)],
+                             dtype=torch.int64, device=device)   # our own piece never leaves
     from_each = torch.empty_like(to_others)
     with trace.label("sparse split: counts"):
         dist.all_to_all_single(from_each, to_others, group=group)
     sent, received = to_others.tolist(), from_each.tolist()     # host synchronisation
-    first = offsets.tolist()
-    parts = [pack_pairs(idx[first[j]:first[j + 1]], val[first[j]:first[j + 1]], sent[j])
-             for j in range(p) if j != r and sent[j]]
-    send_buf = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
-    recv_buf = torch.empty(sum(received) * pair_bytes, dtype=torch.uint8, device=device)
+    others = [j for j in range(p) if j != r]
+    outgoing = {j: pack_pairs(indices[first[j]:first[j + 1]], values[first[j]:first[j + 1]], sent[j])
+                for j in others}
+    incoming = {j: torch.empty(received[j] * pair_bytes, dtype=torch.uint8, device=device) for j in others}
     with trace.label("sparse split: scatter pairs"):
-        dist.all_to_all_single(recv_buf, send_buf, [c * pair_bytes for c in received],
-                               [c * pair_bytes for c in sent], group=group)
+        works = ops.post_exchange(recvs=[(incoming[j], members[j]) for j in others],
+                                  sends=[(outgoing[j], members[j]) for j in others], group=group)
 
-    # ---- 2. reduce: add every rank's pairs for our piece, in rank order ------------------
+    # ---- 2. reduce: add every rank's pairs for our piece into out's own piece ------------
     lo, hi = bounds[r]
-    piece = torch.zeros(hi - lo, dtype=dtype, device=device)
+    piece = out[lo:hi].zero_()                 # out's own memory: no buffer the size of a piece
     touched = torch.zeros(hi - lo, dtype=torch.bool, device=device)
-    at = 0
-    for src in range(p):
-        if src == r:
-            ids, vals = idx[first[r]:first[r + 1]], val[first[r]:first[r + 1]]
-        else:
-            size = received[src] * pair_bytes
-            ids, vals = unpack_pairs(recv_buf[at:at + size], received[src], dtype)
-            at += size
+    mine = indices[first[r]:first[r + 1]] - lo
+    piece.index_add_(0, mine, values[first[r]:first[r + 1]])   # ours first: it needs no message
+    touched.index_fill_(0, mine, True)
+    for work in works:
+        work.wait()
+    for src in others:                         # then the others', in rank order
+        ids, vals = unpack_pairs(incoming[src], received[src], dtype)
         piece.index_add_(0, ids - lo, vals)
-        touched[ids - lo] = True
+        touched.index_fill_(0, ids - lo, True)
 
     # ---- 3. gather the reduced pieces: pairs, or dense once a piece fills ----------------
-    union = exchange_counts(int(touched.sum()), group, device)      # host synchronisation
+    union = exchange_counts(int(torch.count_nonzero(touched)), group, device)   # host synchronisation
     longest = max(b - a for a, b in bounds)
     densified = densify and max(union) * pair_bytes >= longest * out.element_size()
     if densified:
-        mine = torch.zeros(longest, dtype=dtype, device=device)
-        mine[:hi - lo] = piece
-        every = torch.empty(p * longest, dtype=dtype, device=device)
+        # Every piece is dense already, in its place in out: lesson 4's ring all-gather, in place.
         with trace.label("sparse split: gather dense pieces"):
-            dist.all_gather(list(every.chunk(p)), mine, group=group)
-        for src, (a, b) in enumerate(bounds):
-            out[a:b] = every[src * longest:src * longest + (b - a)]
+            ring_all_gather(out, piece, group=group)
     else:
         width = max(union)
         kept = torch.nonzero(touched).view(-1)
-        mine = pack_pairs(kept + lo, piece[kept], width)
+        mine = pack_pairs(kept + lo, piece.index_select(0, kept), width)
         every = torch.empty(p * mine.numel(), dtype=torch.uint8, device=device)
         out.zero_()
         if width:
@@ -125,5 +123,5 @@ def split_sum_(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, *
             per_rank = every.view(p, mine.numel())
             for src in range(p):
                 ids, vals = unpack_pairs(per_rank[src], width, dtype)
-                out[ids[:union[src]]] = vals[:union[src]]     # pieces are disjoint: a copy
+                out.index_copy_(0, ids[:union[src]], vals[:union[src]])   # pieces are disjoint
     return SplitInfo(sent, received, union, densified)
