@@ -15,13 +15,17 @@ The same call works from pytest, a notebook cell and the command line. Each rank
 process with an initialized default process group (gloo on CPU; NCCL with one GPU per
 rank when ``backend="nccl"``), ``torch.distributed`` traced (:mod:`collectives.core.trace`)
 and the usual launcher variables set (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``).
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``; ``MASTER_PORT`` on a simulated cluster).
 
 What it promises:
 
 * **fast start** -- on CPU the ranks are forked (about 0.1 s for 4 ranks instead of
   3.5-5.5 s for spawned ones); NCCL ranks are spawned, as CUDA requires.
-* **a free port every time** -- the rendezvous store listens on a port the kernel picks.
+* **no port, no stall** -- the ranks meet through a file store of this world's own: no
+  port to clash with another world's, and no TCP connection for c10d to look a host name
+  up for (it asked the DNS resolver about 127.0.0.1, and a world in eight waited out the
+  resolver's 5 s timeout). A simulated cluster's ranks meet through a TCP store on
+  machine 0, on a port the kernel picks.
 * **errors name the rank** -- when a rank raises, :class:`RankError` reaches the caller
   with that rank's traceback, and the other ranks are killed at once: nobody sits in a
   cleanup barrier waiting for a peer that will never come. A rank that dies without a
@@ -234,7 +238,7 @@ def _set_cpp_log_level(level: str) -> None:
 
 
 def _worker(rank, world_size, local_world_size, fn, args, kwargs, backend, port_box, conn,
-            board, pg_timeout, init_timeout, threads, env, machine, stderr_path):
+            board, pg_timeout, init_timeout, threads, env, machine, stderr_path, store_path):
     _die_with_parent()
     status = board.slot(rank)
     try:
@@ -256,27 +260,38 @@ def _worker(rank, world_size, local_world_size, fn, args, kwargs, backend, port_
         if threads:
             torch.set_num_threads(threads)
         status.set("starting: joining the store")
-        # Rank 0 hosts the rendezvous store on a port the kernel picks and publishes it;
-        # the parent runs no store thread, so nothing it holds is forked mid-operation.
         init = datetime.timedelta(seconds=init_timeout)
-        if rank == 0:
-            store = dist.TCPStore(store_addr, 0, world_size, is_master=True,
-                                  wait_for_workers=False, timeout=init)
-            port_box.value = store.port
+        if machine is None:
+            # One machine: the ranks rendezvous through a file of this world's own. A TCP
+            # store would do as well but for one thing: c10d looks up a host name for every
+            # address it connects to or accepts, ::ffff:127.0.0.1 is not in /etc/hosts, and
+            # the lookup goes to the DNS resolver -- which, offline or slow, answered after
+            # its 5 s timeout one world in eight (docs/benchmarks.md, "worlds back to back").
+            store = dist.FileStore(store_path, world_size)
+            store.set_timeout(init)
+            rendezvous = dict(MASTER_ADDR=store_addr)
+            os.environ.pop("MASTER_PORT", None)      # no port: an inherited one would mislead
         else:
-            deadline = time.monotonic() + init_timeout
-            while port_box.value == 0:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"rank 0 did not open the store within {init_timeout:g} s")
-                time.sleep(0.002)
-            store = dist.TCPStore(store_addr, port_box.value, world_size, is_master=False,
-                                  timeout=init)
-        port = port_box.value
+            # Several machines: a TCP store on machine 0, as torchrun's static rendezvous.
+            # Rank 0 hosts it on a port the kernel picks and publishes the port; the parent
+            # runs no store thread, so nothing it holds is forked mid-operation.
+            if rank == 0:
+                store = dist.TCPStore(store_addr, 0, world_size, is_master=True,
+                                      wait_for_workers=False, timeout=init)
+                port_box.value = store.port
+            else:
+                deadline = time.monotonic() + init_timeout
+                while port_box.value == 0:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"rank 0 did not open the store within {init_timeout:g} s")
+                    time.sleep(0.002)
+                store = dist.TCPStore(store_addr, port_box.value, world_size, is_master=False,
+                                      timeout=init)
+            rendezvous = dict(MASTER_ADDR=store_addr, MASTER_PORT=str(port_box.value))
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size),
                           LOCAL_RANK=str(rank % local_world_size),
                           LOCAL_WORLD_SIZE=str(local_world_size),
-                          GROUP_RANK=str(rank // local_world_size),
-                          MASTER_ADDR=store_addr, MASTER_PORT=str(port))
+                          GROUP_RANK=str(rank // local_world_size), **rendezvous)
         store.set_timeout(datetime.timedelta(seconds=pg_timeout))
         device_id = None
         if backend == "nccl":
@@ -393,7 +408,7 @@ def run(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwargs: d
                             args=(rank, world_size, local_world_size or world_size, fn, args,
                                   kwargs, backend, port_box, child_end, board, pg_timeout,
                                   min(init_timeout, timeout), threads, env, placements[rank],
-                                  stderr_paths[rank]))
+                                  stderr_paths[rank], os.path.join(stderr_dir, "store")))
             p.start()
             child_end.close()
             procs.append(p)
