@@ -27,11 +27,19 @@ same order -- ``dist.new_group`` is collective.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from ..core import trace
+
+# torch 2.13 renames reduce_scatter_tensor and all_gather_into_tensor (reduce_scatter_single,
+# all_gather_single) and warns at every call; the old names are the ones every torch the
+# course supports has, the ones the trace records, and the plain way to write stages 1 and
+# 5 of this lesson's exercise.
+warnings.filterwarnings("ignore", message=r".*`torch\.distributed\.(reduce_scatter_tensor|"
+                        r"all_gather_into_tensor)` is deprecated", category=FutureWarning)
 
 STAGES = ("reduce-scatter", "collect", "add", "diffuse", "all-gather")
 

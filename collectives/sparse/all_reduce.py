@@ -61,7 +61,7 @@ def _check(tensor, residual, density, threshold, method, op, group):
             raise ValueError("sparse_all_reduce: the residual must be contiguous (it is state you keep)")
 
 
-def select_to_send(x: torch.Tensor, *, density=None, threshold=None, selection="sample",
+def select_to_send(x: torch.Tensor, *, density=None, threshold=None, selection="auto",
                    state: dict | None = None) -> torch.Tensor:
     """Indices (int64) of the elements of the 1-D tensor ``x`` this rank sends."""
     if threshold is not None:
@@ -71,7 +71,7 @@ def select_to_send(x: torch.Tensor, *, density=None, threshold=None, selection="
 
 def sparse_all_reduce(tensor: torch.Tensor, residual: torch.Tensor | None = None, *,
                       density: float | None = None, threshold: float | None = None,
-                      method: str = "auto", selection: str = "sample", op=ReduceOp.SUM,
+                      method: str = "auto", selection: str = "auto", op=ReduceOp.SUM,
                       group=None, link: cost.AlphaBeta | None = None,
                       state: dict | None = None) -> SparseInfo:
     """Sum (or average) over ranks of what each rank chose to send; in place.
@@ -101,15 +101,17 @@ def sparse_all_reduce(tensor: torch.Tensor, residual: torch.Tensor | None = None
             :func:`collectives.cost.choose_sparse_variant` predicts fastest for ``link``.
         selection: how top-k finds the k largest (:data:`METHODS`); ignored by threshold mode.
             Every method finds the same k (up to ties); they differ in speed. The default,
-            ``"sample"``, filters by a threshold estimated from a sample: one pass.
+            ``"auto"``, is the fastest measured on the device: ``"topk"`` on a GPU, ``"sample"``
+            (a threshold estimated from a sample, one filtering pass) on a CPU.
         op: ``ReduceOp.SUM`` or ``ReduceOp.AVG``.
         group: a process group (default: the world).
         link: α and β for ``method="auto"`` (default :data:`collectives.cost.GIGABIT`).
         state: a dict kept per tensor by the caller, for ``selection="reuse"``.
 
-    Host synchronisation: top-k with the all-gather or dense transport needs none; threshold
-    mode reads every rank's count (one small all-gather), and the split transport reads its
-    two small exchanges.
+    Host synchronisation: top-k with ``torch.topk`` (the GPU default) and the all-gather or
+    dense transport needs none; the filtering selections (``sample``, ``reuse``) read their
+    threshold and their candidates' count, threshold mode reads every rank's count (one
+    small all-gather), and the split transport reads its two small exchanges.
 
     Returns:
         :class:`SparseInfo`: the transport used and what this rank sent.

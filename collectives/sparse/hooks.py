@@ -42,7 +42,7 @@ class SparseHookState:
     threshold: float | None = None      # ... or threshold mode
     error_feedback: bool = True         # keep what was not sent for the next step
     method: str = "auto"                # transport: auto | allgather | split | dense
-    selection: str = "sample"           # top-k method (collectives.sparse.select)
+    selection: str = "auto"             # top-k method (collectives.sparse.select)
     group: object = None                # the process group (DDP's own is passed to the hook too)
     residuals: dict = field(default_factory=dict)    # bucket index -> residual
     selection_state: dict = field(default_factory=dict)   # bucket index -> "reuse" threshold
@@ -104,7 +104,7 @@ class SparseBucketedReducer(BucketedReducer):
     """
 
     def __init__(self, module, *, density=None, threshold=None, error_feedback=True,
-                 method="auto", selection="sample", **kwargs):
+                 method="auto", selection="auto", **kwargs):
         super().__init__(module, **kwargs)
         self.sparse = SparseHookState(density, threshold, error_feedback, method, selection, self.group)
 
