@@ -63,6 +63,8 @@ LESSON_SECTIONS = {
     "objectives": r"objective",
     "cost": r"\bcost",
     "exercise": r"exercise|tasks",
+    "measured": r"measured",
+    "key takeaways": r"takeaway",
     "credits": r"credit",
 }
 # Pages are read at this size: nothing may be clipped at it (a code block that scrolls
@@ -257,6 +259,13 @@ def check_lesson_page(item, seen: dict, base: str) -> list[str]:
         problems.append(f"lesson {item.nn}: no torchrun command for the exercise")
     if not re.search(rf"make grade LESSON=0?{item.number}\b", seen["text"]):
         problems.append(f"lesson {item.nn}: no 'make grade LESSON={item.nn}' command")
+    text = seen["text"].lower()
+    if not re.search(r"\bhints?\b", text):
+        problems.append(f"lesson {item.nn}: no hints for the tasks (??? tip \"Hints, task by task\")")
+    if "check your understanding" not in text:
+        problems.append(f"lesson {item.nn}: no 'Check your understanding' questions")
+    if not seen["math"]:
+        problems.append(f"lesson {item.nn}: no typeset formula (cost formulas are math: $...$)")
     notebook_url = urljoin(base, f"notebooks/{item.notebook.stem}/")
     if not any(link.split("#")[0] == notebook_url for link in seen["links"]):
         problems.append(f"lesson {item.nn}: no link to its lab notebook {item.notebook.name}")

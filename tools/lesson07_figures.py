@@ -18,6 +18,7 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")
 
 from collectives import launch  # noqa: E402
+from collectives.course import plots  # noqa: E402
 from collectives.course.hierarchical_bench import plot_slices, traced_slices  # noqa: E402
 
 
@@ -27,7 +28,7 @@ def main() -> None:
     fig = plot_slices([rows[0], rows[2]], "hierarchical_all_reduce, 16 MiB float32 in 8 slices, "
                       "layout (2, 2): rank 0 (machine 0) and rank 2 (machine 1)", ranks=[0, 2])
     out = ROOT / "docs" / "img" / "07-timeline.png"
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=plots.DPI)
     print(out)
 
 

@@ -188,7 +188,7 @@ def _print(result: dict, where: str, rate: str | None = None) -> None:
             cells = [f"{r['density']:.2%}", timing.human_seconds(r["allgather"]), timing.human_seconds(r["split"]),
                      timing.human_seconds(result["dense"]), f"{min(r['allgather'], r['split']) / result['dense']:.2f}"]
             if model:
-                cells.append(timing.human_seconds(model_seconds(result, rate, r["density"])))
+                cells.append(timing.human_seconds(model_seconds(result, model_link(result, rate), r["density"])))
                 cells.insert(1, timing.human_seconds(r["select"]))
             sweep.add_row(*cells)
         console.print(sweep)
@@ -212,32 +212,32 @@ def _select_seconds(result: dict, density: float) -> float:
     return pts[-1][1] * density / pts[-1][0]
 
 
-def model_seconds(result: dict, rate: str, density: float, variant: str = "best",
+def model_seconds(result: dict, link: cost.AlphaBeta, density: float, variant: str = "best",
                   with_compute: bool = True) -> float:
     """The model's time at ``density``: the wire (α, β), and with ``with_compute`` the
     processor -- selection as timed at the swept densities, the zeroing and the pairs' work
     at the rates :func:`measure_compute` timed."""
     if variant == "best":
-        return min(model_seconds(result, rate, density, v, with_compute) for v in ("allgather", "split"))
+        return min(model_seconds(result, link, density, v, with_compute) for v in ("allgather", "split"))
     n, p = result["n"], result["p"]
     k = keep_count(n, density)
     compute = None
     if with_compute and "compute" in result:
         compute = cost.SparseCompute(scan=result["compute"]["scan"], pick=_select_seconds(result, density) / k,
                                      pair=result["compute"]["pair"])
-    return cost.sparse_seconds(variant, n, k, p, model_link(result, rate), compute)
+    return cost.sparse_seconds(variant, n, k, p, link, compute)
 
 
-def model_crossover(result: dict, rate: str, with_compute: bool = False) -> float | None:
+def model_crossover(result: dict, link: cost.AlphaBeta, with_compute: bool = False) -> float | None:
     """Where the model's best sparse variant (all-gather or split) meets its dense ring: the
     wire alone, or with the processor's part measured in the same world (then only within
     the swept densities; None if it does not meet there)."""
     if not with_compute:
-        return cost.sparse_crossover(result["n"], result["p"], model_link(result, rate), variant="best")
-    dense = cost.sparse_cost("dense", result["n"], result["n"], result["p"]).seconds(model_link(result, rate))
+        return cost.sparse_crossover(result["n"], result["p"], link, variant="best")
+    dense = cost.sparse_cost("dense", result["n"], result["n"], result["p"]).seconds(link)
     densities = sorted(r["density"] for r in result["sweep"])
     lo, hi = densities[0], densities[-1]
-    gap = lambda d: model_seconds(result, rate, d) - dense  # noqa: E731
+    gap = lambda d: model_seconds(result, link, d) - dense  # noqa: E731
     if gap(lo) >= 0 or gap(hi) <= 0:
         return None
     for _ in range(60):
@@ -285,8 +285,9 @@ def main(argv: list[str] | None = None) -> int:
         measured = measured_crossover(result["sweep"], result["dense"])
         line = f"crossover (best sparse = dense): measured {measured if measured is None else f'{measured:.1%}'}"
         if args.cluster:
-            wire_only = model_crossover(result, args.link)
-            with_cpu = model_crossover(result, args.link, with_compute=True)
+            link = model_link(result, args.link)
+            wire_only = model_crossover(result, link)
+            with_cpu = model_crossover(result, link, with_compute=True)
             c = result["compute"]
             line += (f"; model, wire alone {wire_only:.1%}, wire + processor "
                      f"{'none in the sweep' if with_cpu is None else f'{with_cpu:.1%}'} "
