@@ -30,9 +30,20 @@ _hooks_spec.loader.exec_module(mkdocs_hooks)
 _nav_files = mkdocs_hooks._nav_files   # the walk the build's own nav check uses
 
 
+class _MkdocsYaml(yaml.SafeLoader):
+    """mkdocs.yml as YAML: its ``!ENV`` tags (read by mkdocs at build time) read as None."""
+
+
+_MkdocsYaml.add_constructor("!ENV", lambda loader, node: None)
+
+
+def _mkdocs_yml() -> dict:
+    return yaml.load((ROOT / "mkdocs.yml").read_text(), Loader=_MkdocsYaml)
+
+
 def test_nav_lists_every_lesson_page_and_notebook():
     # mkdocs.yml has no python-specific tags, so the plain YAML loader reads it.
-    nav = _nav_files(yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"])
+    nav = _nav_files(_mkdocs_yml()["nav"])
     for item in LESSONS:
         assert f"lessons/{item.page.name}" in nav, f"lesson {item.nn}'s page is not in the nav"
         assert f"notebooks/{item.notebook.name}" in nav, f"lesson {item.nn}'s notebook is not in the nav"
@@ -44,7 +55,7 @@ def test_nav_reads_lesson_then_its_lab():
     _spec = importlib.util.spec_from_file_location("mkdocs_hooks", ROOT / "tools" / "mkdocs_hooks.py")
     hooks = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(hooks)
-    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
+    nav = _mkdocs_yml()["nav"]
     assert hooks.nav_problems(nav) == []
     files = _nav_files(nav)
     swapped = list(files)
@@ -59,6 +70,21 @@ def test_notebooks_are_reachable_from_docs():
     link = ROOT / "docs" / "notebooks"
     assert link.is_dir() and link.resolve() == (ROOT / "notebooks").resolve(), \
         "docs/notebooks must be a symlink to ../notebooks"
+
+
+def test_site_and_repository_addresses_come_from_the_build_environment(monkeypatch):
+    """SITE_URL fills the sitemap, REPO_URL links the repository; unset, the site is offline."""
+    from mkdocs.config import load_config
+
+    monkeypatch.setenv("SITE_URL", "https://example.org/course/")
+    monkeypatch.setenv("REPO_URL", "https://example.org/course.git")
+    config = load_config(str(ROOT / "mkdocs.yml"))
+    assert config["site_url"] == "https://example.org/course/"
+    assert config["repo_url"] == "https://example.org/course.git"
+    monkeypatch.delenv("SITE_URL")
+    monkeypatch.delenv("REPO_URL")
+    config = load_config(str(ROOT / "mkdocs.yml"))
+    assert not config["site_url"] and not config["repo_url"]
 
 
 def test_every_module_has_a_reference_page():
