@@ -46,6 +46,7 @@ from urllib.parse import urljoin, urlparse
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from collectives.course import labs  # noqa: E402
 from collectives.course.catalog import LESSONS  # noqa: E402
 
 CHROMIUM_CANDIDATES = ("/usr/bin/chromium", "chromium", "chromium-browser", "google-chrome")
@@ -213,9 +214,9 @@ async () => {
         return t.scrollWidth > wrap.clientWidth + 1 || t.getBoundingClientRect().right
             > article.getBoundingClientRect().right + 1;
       }).map(t => "table: " + (t.querySelector("th, td") || {}).textContent.trim().slice(0, 40))),
-    // labs: code cells that show an output (a figure, a table, a printed line)
-    cellsWithOutput: outermost(".jp-CodeCell").filter(c =>
-        [...c.querySelectorAll(".jp-OutputArea-output")].some(o => o.innerText.trim() || o.querySelector("img, svg"))).length,
+    // labs: for each code cell, whether it shows an output (a figure, a table, a printed line)
+    cellOutput: outermost(".jp-CodeCell").map(c =>
+        [...c.querySelectorAll(".jp-OutputArea-output")].some(o => o.innerText.trim() || o.querySelector("img, svg"))),
     errorOutputs: article.querySelectorAll(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr'] .ansi-red-fg, .jp-OutputArea-output .traceback").length,
     // math: every formula typeset by MathJax, none left as \( ... \) text
     math: article.querySelectorAll(".arithmatex").length,
@@ -284,6 +285,13 @@ def _shows_output(source: str) -> bool:
     return not (last[:1].isspace() or re.match(r"(import|from|def|class|return|for|if|with|%)\b|\w+\s*=[^=]", last))
 
 
+def _visible(output: dict) -> bool:
+    """Whether a cell output of an executed notebook shows something on a page."""
+    if output.get("output_type") == "stream":
+        return bool("".join(output.get("text", "")).strip())
+    return output.get("output_type") in ("display_data", "execute_result", "error")
+
+
 def check_notebook_page(item, seen: dict, fetch) -> list[str]:
     """Every cell of the notebook is on its page, and the download link works."""
     problems = []
@@ -301,14 +309,23 @@ def check_notebook_page(item, seen: dict, fetch) -> list[str]:
             if first and first not in shown:
                 problems.append(f"code cell {i + 1} does not show its source (expected {first[:40]!r})")
                 break
-    # Each lab shows a real run: most code cells have an output (the site renders the
-    # executed copy, collectives.course.labs), and none shows a traceback.
-    quiet = sum(1 for c in code if not _shows_output("".join(c["source"])))
-    # (three quarters of the cells that look as if they print: a guess from the source)
-    if seen["codeCells"] and seen["cellsWithOutput"] < max(1, (len(code) - quiet) * 3 // 4):
-        problems.append(f"shows outputs for {seen['cellsWithOutput']} of {len(code)} code cells, "
-                        f"expected at least {len(code) - quiet}: is the page rendered from the "
-                        "executed copy?")
+    # Each lab shows a real run: every code cell that printed or drew something when the
+    # notebook was executed (the copy the build renders, collectives.course.labs) shows it,
+    # and none shows a traceback. Without an executed copy, every cell that looks as if it
+    # prints must show something.
+    shown = seen["cellOutput"]
+    executed = labs.cached_path(item.notebook)
+    if executed.exists():
+        run = [c for c in json.loads(executed.read_text(encoding="utf-8"))["cells"] if c["cell_type"] == "code"]
+        expected = [i for i, c in enumerate(run) if any(_visible(o) for o in c.get("outputs", []))]
+        what = "printed or drew something when the lab was run"
+    else:
+        expected = [i for i, c in enumerate(code) if _shows_output("".join(c["source"]))]
+        what = "look as if they print"
+    missing = [i + 1 for i in expected if i < len(shown) and not shown[i]]
+    if missing:
+        problems.append(f"code cells {missing} {what}, and show no output on the page: is it rendered "
+                        "from the executed copy?")
     if seen["errorOutputs"]:
         problems.append("shows a traceback in its outputs")
     if seen["markdownCells"] != len(markdown):
