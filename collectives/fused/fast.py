@@ -170,7 +170,7 @@ class FastFusedAllReducer(FusedAllReducer):
         shapes = tuple(map(torch.Tensor.size, tensors))
         prep = self._plan(tensors, shapes, tuple(t.dtype for t in tensors), tuple(t.device for t in tensors))
         arenas = move_into_arenas(prep.layout.buckets, tensors, self.device)
-        self._bound = KnownList.of(tensors, prep)
+        self._bound = KnownList.of(tensors, prep, hold=True)
         self._bound.arenas = arenas
 
     def bind_grads(self, parameters: Iterable[torch.Tensor]) -> list[torch.Tensor]:
