@@ -6,9 +6,8 @@ Prints one JSON line (rank 0). One size per process: NCCL registration is once p
 process (see nccl_memory.register). Both tensors come from collectives.core.nccl_memory; the
 rings warm up once (allocating their landing buffers in the pool), then the pool is
 registered, then results are checked bit for bit on integer data. Then NCCL, the ring as
-the library runs it, the same ring posted through ``batch_isend_irecv``
-(``ops.DIRECT_NCCL_POSTING = False``) and the pipelined ring (``--pieces``, 2 by default)
-are timed with CUDA events in interleaved rounds (``--rounds`` × ``--iters``; each run the
+the library runs it (each step through ``batch_isend_irecv``) and the pipelined ring
+(``--pieces``, 2 by default) are timed with CUDA events in interleaved rounds (``--rounds`` × ``--iters``; each run the
 slowest rank's; median over all). Last, the host time to issue one ring (perf_counter, no
 synchronization inside: if it approached the ring's GPU time, the host would be the limit).
 """
@@ -23,7 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from collectives import nccl_memory, ops, timing
+from collectives import nccl_memory, timing
 from collectives.ring import pipelined_ring_all_reduce, ring_all_reduce
 
 
@@ -60,15 +59,7 @@ def main():
     pipelined_ring_all_reduce(y, pieces=args.pieces)
     exact_pipelined = bool(torch.equal(y, expected))
 
-    def batch_posted():                        # the same ring, each step through batch_isend_irecv
-        ops.DIRECT_NCCL_POSTING = False
-        try:
-            ring_all_reduce(x)
-        finally:
-            ops.DIRECT_NCCL_POSTING = True
-
     cases = {"nccl": lambda: dist.all_reduce(x), "ring": lambda: ring_all_reduce(x),
-             "ring_batch_posting": batch_posted,
              "pipelined": lambda: pipelined_ring_all_reduce(x, pieces=args.pieces)}
     times = {name: [] for name in cases}
     for _ in range(args.rounds):               # interleaved: a change of load falls on all alike
@@ -86,7 +77,7 @@ def main():
         torch.cuda.synchronize(device)
         return statistics.median(xs)
 
-    host, host_batch = host_time(cases["ring"]), host_time(batch_posted)
+    host = host_time(cases["ring"])
     t_nccl, t_ring = t["nccl"], t["ring"]
     if rank == 0:
         print(json.dumps(dict(p=p, bytes=nbytes, memory="plain" if args.plain else "registered",
@@ -95,8 +86,6 @@ def main():
                               ring_busbw=timing.busbw(nbytes, t_ring, p) / 1e9,
                               ratio=t_nccl / t_ring, ring_host_s=host,
                               rounds=args.rounds, iters_per_round=args.iters,
-                              batch_posting_ratio=t_nccl / t["ring_batch_posting"],
-                              batch_posting_host_s=host_batch,
                               pipelined_pieces=args.pieces, pipelined_exact=exact_pipelined,
                               pipelined_ratio=t_nccl / t["pipelined"],
                               env={k: v for k, v in os.environ.items() if k.startswith("NCCL_")})),
