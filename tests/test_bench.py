@@ -59,3 +59,33 @@ def test_a_tiny_fused_run_prints_every_case_and_writes_the_json_and_the_plot(tmp
     flat = next(r for r in saved["rows"] if r["case"] == "flat all_reduce")
     assert flat["vs_flat"] == 1.0 and saved["meta"]["backend"] == "gloo" and saved["meta"]["count"] == 40
     assert (tmp_path / "bench-fused.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_sparse_benchmark_model_adds_the_measured_processor_time_to_the_wire():
+    """bench-sparse's model on a recorded sweep (no world needed): selection as timed at the
+    swept densities (interpolated between them), zeroing and pair work at the measured
+    rates, the wire from α and the link's rate -- and the crossover it puts below the
+    wire's alone, where the model's best sparse time meets the dense ring's."""
+    import pytest
+
+    from collectives import cost
+    from collectives.course import sparse_bench as sb
+
+    n, p = 16 << 20, 4
+    result = dict(n=n, p=p, alpha=100e-6, compute=dict(scan=0.3e-9, pair=8e-9),
+                  sweep=[dict(density=0.01, select=0.07), dict(density=0.1, select=0.16),
+                         dict(density=0.5, select=0.86)])
+    link = sb.model_link(result, "1gbit")
+    assert link.beta == pytest.approx(1 / 125e6)
+    assert sb._select_seconds(result, 0.1) == pytest.approx(0.16)          # at a swept density
+    assert 0.07 < sb._select_seconds(result, 0.03) < 0.16                   # between two
+    wire = sb.model_seconds(result, link, 0.1, "allgather", with_compute=False)
+    assert wire == pytest.approx(cost.sparse_cost("allgather", n, n // 10, p).seconds(link))
+    k = sb.keep_count(n, 0.1)
+    processor = 0.3e-9 * n + 0.16 + 8e-9 * (k + p * k)                      # scan + selection + pairs
+    assert sb.model_seconds(result, link, 0.1, "allgather") == pytest.approx(wire + processor)
+    wire_only, with_cpu = sb.model_crossover(result, link), sb.model_crossover(result, link, True)
+    assert wire_only == pytest.approx(cost.sparse_crossover(n, p, link, variant="best"))
+    assert with_cpu is not None and 0.01 < with_cpu < wire_only
+    dense = cost.sparse_cost("dense", n, n, p).seconds(link)
+    assert sb.model_seconds(result, link, with_cpu) == pytest.approx(dense, rel=1e-6)

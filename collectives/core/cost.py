@@ -499,16 +499,18 @@ class SparseCompute:
     comparison pass; the result is zeroed before the sums land in it), then spends time per
     kept element (gathering the candidates' magnitudes, trimming them to k, copying the
     values out); every pair that travels is packed, unpacked and added. On a fast link this
-    is most of the time; on a slow one it still sets where sparse stops paying. The three
-    rates are measured, not derived: ``python -m collectives bench-sparse`` times each alone,
-    in the same world as the all-reduce it predicts.
+    is most of the time; on a slow one it still sets where sparse stops paying. The rates
+    are measured, not derived: ``python -m collectives bench-sparse`` times the pieces alone,
+    in the same world as the all-reduce it predicts (selection at each density it sweeps,
+    which it prices as ``pick``: its cost per kept element grows with the density).
     """
 
     scan: float = 0.0     # seconds per element of the tensor (the comparison pass, the zeroing)
     pick: float = 0.0     # seconds per element kept (selection's work beyond the pass)
     pair: float = 0.0     # seconds per pair packed, unpacked and added
 
-    def seconds(self, variant: str, n: float, k: float, p: int, union: float | None = None) -> float:
+    def seconds(self, variant: str, n: float, k: float, p: int, union: float | None = None,
+                value_bytes: int = 4) -> float:
         """Predicted processor time of ``variant`` for k kept of n on p ranks (one rank)."""
         if p == 1:
             return 0.0
@@ -517,7 +519,7 @@ class SparseCompute:
         elif variant == "split":
             u = expected_union(n, k, p) if union is None else union
             piece = math.ceil(n / p)
-            dense = u * (INDEX_BYTES + 4) >= piece * 4
+            dense = u * (INDEX_BYTES + value_bytes) >= piece * value_bytes
             moved = k + k + (0 if dense else u + p * u)   # ours packed; a piece's worth added; pieces
         elif variant == "dense":
             moved = 0.0
@@ -532,7 +534,7 @@ def sparse_seconds(variant: str, n: float, k: float, p: int, link: AlphaBeta,
     """Predicted seconds of ``variant``: the wire (:func:`sparse_cost` on ``link``) plus, when
     ``compute`` is given, the processor's part (:class:`SparseCompute`)."""
     wire = sparse_cost(variant, n, k, p, value_bytes, counts, union).seconds(link)
-    return wire + (compute.seconds(variant, n, k, p, union) if compute is not None else 0.0)
+    return wire + (compute.seconds(variant, n, k, p, union, value_bytes) if compute is not None else 0.0)
 
 
 def choose_sparse_variant(n: float, k: float, p: int, link: AlphaBeta, value_bytes: int = 4,
