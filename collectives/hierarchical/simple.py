@@ -15,8 +15,9 @@ Reduce-scatter, all-reduce on the rails, all-gather::
             on rail d  ->  inside: all-gather
 
 The bytes of Fairring's design (2(M − 1)/M·n/D per rank across), with every rail busy;
-what it lacks is the pipelining, and its rail all-reduce takes 2(M − 1) rounds where the
-collect and the diffuse take one each.
+what it lacks is the pipelining, and its rail all-reduce (lesson 4's ring) takes 2(M − 1)
+rounds where the collect and the diffuse take one each. Its inside stages are the
+hierarchy's own, so that the two differ in nothing else.
 """
 
 from __future__ import annotations
