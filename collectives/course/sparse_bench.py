@@ -28,7 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..core import cost, launch, netns, timing, trace
+from ..core import cost, launch, netns, ops, timing, trace
 from ..sparse import keep_count, pack_pairs, sparse_all_reduce, time_selection, topk_indices, unpack_pairs
 
 VARIANTS = ("allgather", "split", "dense")
@@ -51,11 +51,17 @@ def wire_bytes(t: trace.Trace, p: int) -> float:
 
 
 def _inputs(n: int, seed: int = 0) -> torch.Tensor:
+    """This rank's input, on its device (its GPU under NCCL)."""
     g = torch.Generator().manual_seed(seed + dist.get_rank())
-    return torch.randn(n, generator=g)
+    return torch.randn(n, generator=g).to(ops.rank_device())
 
 
-def _one(x: torch.Tensor, mode: dict, method: str, iters: int, selection: str = "sample") -> dict:
+def _timed(fn, warmup: int = 1, iters: int = 3, device=None) -> float:
+    """Median seconds of ``fn``, max over ranks (CUDA events on a GPU)."""
+    return timing.median(timing.measure(fn, warmup=warmup, iters=iters, device=device))
+
+
+def _one(x: torch.Tensor, mode: dict, method: str, iters: int, selection: str = "auto") -> dict:
     """Time ``method`` on ``x``: total, and the selection alone, median over ``iters``.
 
     ``selection="reuse"`` keeps its threshold between calls (its steady state: the same
@@ -71,7 +77,7 @@ def _one(x: torch.Tensor, mode: dict, method: str, iters: int, selection: str = 
         buf.copy_(x)
         sparse_all_reduce(buf, method=method, selection=selection, state=state, **mode)
 
-    total = timing.median(timing.measure(call, warmup=1, iters=iters))
+    total = _timed(call, iters=iters, device=x.device)
     k = keep_count(x.numel(), mode["density"]) if "density" in mode else info.kept
     select = statistics.median(s.seconds for s in time_selection(x, k, methods=(selection,), repeats=iters)) \
         if "density" in mode else statistics.median(
@@ -96,9 +102,9 @@ def measure_compute(x: torch.Tensor, iters: int = 3) -> dict:
     out = torch.empty_like(x)
 
     def timed(fn):
-        return timing.median(timing.measure(fn, warmup=1, iters=iters))
+        return _timed(fn, iters=iters, device=x.device)
 
-    idx = topk_indices(x, many, "sample")
+    idx = topk_indices(x, many, "auto")
     vals = x.index_select(0, idx)
 
     def pack_and_add():
@@ -109,31 +115,34 @@ def measure_compute(x: torch.Tensor, iters: int = 3) -> dict:
     return dict(scan=timed(out.zero_) / n, pair=timed(pack_and_add) / (many + p * many))
 
 
-def time_select(x: torch.Tensor, density: float, selection: str = "sample", iters: int = 3) -> float:
+def time_select(x: torch.Tensor, density: float, selection: str = "auto", iters: int = 3) -> float:
     """Seconds to choose what to send at ``density`` and copy the values out, alone, on
     every rank at once."""
     k = keep_count(x.numel(), density)
-    return timing.median(timing.measure(lambda: x.index_select(0, topk_indices(x, k, selection)),
-                                        warmup=1, iters=iters))
+    return _timed(lambda: x.index_select(0, topk_indices(x, k, selection)), iters=iters, device=x.device)
 
 
 def compare_in_world(n: int, density: float, iters: int = 5, sweep=(), variants=VARIANTS,
-                     sweep_selection: str = "sample", main: bool = True) -> dict:
+                     sweep_selection: str = "auto", main: bool = True) -> dict:
     """On every rank: the dense all-reduce, each variant at ``density`` (unless not ``main``),
-    and a sweep of densities (top-k with ``sweep_selection``)."""
+    and a sweep of densities (top-k with ``sweep_selection``). Top-k selects the way
+    ``sparse_all_reduce`` does by default (``auto``: the sampled filter on a CPU,
+    ``torch.topk`` on a GPU); the all-gather variant is also timed with the other two."""
     p = dist.get_world_size()
     x = _inputs(n)
+    usual = "topk" if x.is_cuda else "sample"           # what selection="auto" picks here
+    sweep_selection = usual if sweep_selection == "auto" else sweep_selection
     y = x.clone()
-    dense = timing.median(timing.measure(lambda: dist.all_reduce(y), warmup=1, iters=iters))
-    tiny = torch.zeros(1)
-    alpha = timing.median(timing.measure(lambda: dist.all_reduce(tiny), warmup=2, iters=10)) / (2 * max(p - 1, 1))
+    dense = _timed(lambda: dist.all_reduce(y), iters=iters, device=x.device)
+    tiny = torch.zeros(1, device=x.device)
+    alpha = _timed(lambda: dist.all_reduce(tiny), warmup=2, iters=10, device=x.device) / (2 * max(p - 1, 1))
     out = dict(p=p, n=n, density=density, dense=dense, dense_sent=2 * (p - 1) / p * n * 4, alpha=alpha,
                rows=[], sweep=[])
     for variant in variants if main else ():
-        out["rows"].append(dict(variant=variant, mode="top-k (sample)",
-                                **_one(x, {"density": density}, variant, iters)))
+        out["rows"].append(dict(variant=variant, mode=f"top-k ({usual})",
+                                **_one(x, {"density": density}, variant, iters, usual)))
     if main:
-        for selection in ("reuse", "topk"):
+        for selection in [s for s in ("sample", "reuse", "topk") if s != usual]:
             out["rows"].append(dict(variant="allgather", mode=f"top-k ({selection})",
                                     **_one(x, {"density": density}, "allgather", iters, selection)))
         thr = float(torch.quantile(x[: 1 << 20].abs(), 1 - density))
@@ -258,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", default="", help="densities to sweep, e.g. 0.001,0.003,0.01,0.03,0.1,0.2,0.3,0.5")
     parser.add_argument("--no-selection", action="store_true", help="skip the one-process selection table")
     parser.add_argument("--sweep-only", action="store_true", help="only the dense all-reduce and the sweep")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default=None,
+                        help="default: nccl when there is a GPU per rank (not with --cluster), else gloo")
     parser.add_argument("--json", default="", help="also write the results to this file")
     args = parser.parse_args(argv)
     n = timing.parse_size(args.size) // 4
@@ -273,12 +284,15 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             print(f"  {r.method:>9}: {timing.human_seconds(r.seconds)}")
         results["selection"] = [dict(method=r.method, seconds=r.seconds) for r in rows]
-    kwargs = dict(args=(n, args.density, args.iters, sweep, VARIANTS, "sample", not args.sweep_only), timeout=1800)
+    backend = args.backend or ("gloo" if args.cluster else launch.auto_backend(args.world))
+    kwargs = dict(args=(n, args.density, args.iters, sweep, VARIANTS, "auto", not args.sweep_only),
+                  timeout=1800, backend=backend)
     if args.cluster:
         kwargs.update(machines=2, link=args.link)
     t0 = time.time()
     result = launch.run(compare_in_world, args.world, **kwargs)[0]
-    where = f"cluster 2 machines, {args.link}" if args.cluster else "loopback"
+    where = (f"cluster 2 machines, {args.link}" if args.cluster
+             else "NVLink (NCCL)" if backend == "nccl" else "loopback")
     _print(result, where, args.link if args.cluster else None)
     results[where] = result
     if sweep:
