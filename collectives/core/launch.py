@@ -319,7 +319,8 @@ def _worker(rank, world_size, local_world_size, fn, args, kwargs, backend, port_
             # Stay up until the launcher has every result and ends the world. Exiting now
             # would close this rank's connections while a slower peer may still be
             # completing gloo's handshake with it (it fails with "Connection closed by
-            # peer"), and rank 0 hosts the store late ranks rendezvous through.
+            # peer"), and on a simulated cluster rank 0 hosts the store late ranks
+            # rendezvous through.
             while True:
                 time.sleep(3600)
     finally:
