@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from collectives import cost, launch, trace, verify
 from collectives.course.impl import resolve
+from collectives.course.sparse_bench import event_bytes
 
 from . import workers
 
@@ -642,7 +643,7 @@ def test_trace_bytes_match_the_cost_model(worlds, p):
                 # pieces come back by an all-gather (of pairs; of dense pieces once they fill,
                 # which a ring all-gather in place sends as p-1 chunks, one element shorter
                 # each where p does not divide n). Small count exchanges come on top.
-                sent = sum(_wire_bytes(x, p) for x in ev)
+                sent = sum(event_bytes(x["kind"], x["nbytes"], p) for x in ev)
                 least = sum(to_others) * pair + (p - 1) * (gather - (e if dense else 0))
                 most = sum(to_others) * pair + (p - 1) * gather + 2 * 8 * p + (8 * p if threshold else 0)
                 assert least <= sent <= most, f"{where}: {sent} bytes on the wire, expected {least}..{most}"
@@ -651,17 +652,6 @@ def test_trace_bytes_match_the_cost_model(worlds, p):
                 model = cost.sparse_cost("split", BYTES_N, width, p, e, union=union)
                 scatter = (p - 1) / p * width * pair
                 assert model.bytes_per_rank == pytest.approx(scatter + (p - 1) * gather + 2 * (p - 1) * 8), where
-
-
-def _wire_bytes(event: dict, p: int) -> float:
-    """Bytes one rank puts on the wire in a traced call: a message its size, an all-gather
-    its part p − 1 times, an all-to-all what it was handed, an all-reduce 2(p − 1)/p of it."""
-    kind, nbytes = event["kind"], event["nbytes"]
-    if kind in ("all_gather", "all_gather_into_tensor"):
-        return (p - 1) * nbytes
-    if kind == "all_reduce":
-        return 2 * (p - 1) / p * nbytes
-    return nbytes
 
 
 @pytest.mark.task(lesson=8, task=5, points=5, title="DDP communication hook")

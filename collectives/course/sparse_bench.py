@@ -34,20 +34,21 @@ from ..sparse import keep_count, pack_pairs, sparse_all_reduce, time_selection, 
 VARIANTS = ("allgather", "split", "dense")
 
 
+def event_bytes(kind: str, nbytes: int, p: int) -> float:
+    """Bytes one rank puts on the wire in one traced call, with ring all-gathers and a ring
+    all-reduce: a message its size, an all-gather's contribution p − 1 times, an all-reduce
+    2(p − 1)/p of it, an all-to-all what it was handed (its own slot is empty here)."""
+    if kind in ("all_gather", "all_gather_into_tensor"):
+        return (p - 1) * nbytes
+    if kind == "all_reduce":
+        return 2 * (p - 1) / p * nbytes
+    return float(nbytes)
+
+
 def wire_bytes(t: trace.Trace, p: int) -> float:
-    """Bytes this rank puts on the wire for the collectives in ``t``, with ring all-gathers
-    and a ring all-reduce: an all-gather's contribution goes out p−1 times."""
-    total = 0.0
-    for e in t.collectives():
-        if e.kind in ("all_gather", "all_gather_into_tensor"):
-            total += (p - 1) * e.nbytes
-        elif e.kind == "all_reduce":
-            total += 2 * (p - 1) / p * e.nbytes
-        elif e.kind in ("all_to_all_single", "all_to_all"):
-            total += e.nbytes
-        else:
-            total += e.nbytes
-    return total
+    """Bytes this rank puts on the wire in ``t``: its collectives and its messages (the split
+    variant sends its pairs, and gathers dense pieces, as messages)."""
+    return sum(event_bytes(e.kind, e.nbytes, p) for e in t.events if e.is_send or e.kind in trace.COLLECTIVES)
 
 
 def _inputs(n: int, seed: int = 0) -> torch.Tensor:
