@@ -273,12 +273,7 @@ def sendrecv(send_buf: torch.Tensor, dst: int, recv_buf: torch.Tensor, src: int,
     arrival while its own send is still going.
     """
     if recv_buf.is_cuda or send_buf.is_cuda:
-        p2p = []
-        if recv_buf.numel():
-            p2p.append(dist.P2POp(dist.irecv, recv_buf, src, group=group))
-        if send_buf.numel():
-            p2p.append(dist.P2POp(dist.isend, send_buf, dst, group=group))
-        return _Posted(dist.batch_isend_irecv(p2p) if p2p else ()), _Posted()
+        return _Posted(post_exchange([(recv_buf, src)], [(send_buf, dst)], group)), _Posted()
     recv = _Posted([dist.irecv(recv_buf, src, group=group)] if recv_buf.numel() or post_empty else [])
     send = _Posted([dist.isend(send_buf, dst, group=group)] if send_buf.numel() or post_empty else [])
     return recv, send
