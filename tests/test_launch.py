@@ -163,6 +163,17 @@ def test_check_mode_names_the_ranks_that_disagree_on_every_rank():
         assert values == [4.0] * 8
 
 
+def test_check_mode_compares_what_the_caller_names_and_names_a_rank_that_skipped_a_call():
+    results = launch.run(workers.checked_calls_that_disagree_or_skip, world_size=4, check=True)
+    assert {agree for agree, _ in results} == {
+        "layout_demo: the ranks disagree on its arguments: layout (4, 1) on rank 0 vs (2, 2) on ranks 1, 2, 3 "
+        "(checked because COLLECTIVES_CHECK=1)"}
+    skipped = [skip for _, skip in results]
+    assert skipped[2] == "no error"
+    for rank in (0, 1, 3):
+        assert skipped[rank].startswith("skipped_demo: rank 2 did not make checked call 1 on the world"), skipped
+
+
 def test_the_exercise_runner_reports_disagreeing_ranks_by_name(capfd):
     from collectives.course.runner import Task, run_tasks
 

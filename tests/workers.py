@@ -252,3 +252,24 @@ def run_named_checks(checks, impl: str, names: list[str]) -> dict:
             tb = traceback.format_exc(limit=-3)
             results[fn.__name__] = dict(error=f"{type(exc).__name__}: {exc}\n{tb}")
     return results
+
+
+def checked_calls_that_disagree_or_skip():
+    """Check mode beyond sizes: an ``agree=`` entry that differs, and a rank that skips a
+    checked call (the others wait and name it). Returns (agree message, skip message)."""
+    from collectives import ops
+    from collectives.core.checkmode import compare_across_ranks
+    rank = dist.get_rank()
+    x = torch.ones(4)
+    try:
+        ops.check_all_reduce_args(x, what="layout_demo", agree={"layout": (2, 2) if rank else (4, 1)})
+        agree = "no error"
+    except ops.ArgumentMismatch as exc:
+        agree = str(exc)
+    try:
+        if rank != 2:
+            compare_across_ranks("skipped_demo", x, timeout=1.0)
+        skip = "no error"
+    except ops.ArgumentMismatch as exc:
+        skip = str(exc)
+    return agree, skip

@@ -9,23 +9,21 @@ AVG is computed as SUM followed by one division by the group size -- the same or
 equivalence harness uses for the reference, so integer-valued inputs agree bit for bit.
 
 **Check mode.** With ``COLLECTIVES_CHECK=1`` in the environment (``launch.run(...,
-check=True)``; on in the exercise runner and under the grader), the argument check also
-compares the call across the ranks of the group -- algorithm, element count, dtype, op,
-group -- and raises :class:`ArgumentMismatch` on every rank, naming the ranks that differ.
-It is the course's counterpart of ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, which checks
-``torch.distributed``'s own collectives the same way. Without it, ranks that pass tensors
-of different sizes meet in the middle of the algorithm, where gloo aborts the process
-("Received data size doesn't match expected size").
+check=True)``; on in the exercise runner), the argument check also compares the call
+across the ranks of the group -- algorithm, element count, dtype, op, group, and what the
+caller names in ``agree=`` -- and raises :class:`ArgumentMismatch` on every rank, naming
+the ranks that differ (:mod:`collectives.core.checkmode`). It is the course's counterpart
+of ``TORCH_DISTRIBUTED_DEBUG=DETAIL``. Without it, ranks that pass tensors of different
+sizes meet in the middle of the algorithm, where gloo aborts the process ("Received data
+size doesn't match expected size").
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
-from . import nccl_memory, trace
+from . import checkmode, nccl_memory, trace
 
 ReduceOp = dist.ReduceOp
 
@@ -38,28 +36,9 @@ def op_name(op) -> str:
     return OP_NAMES.get(op, str(op))
 
 
-class ArgumentMismatch(ValueError):
-    """The ranks of a group called a collective with arguments that do not agree."""
-
-
-_check_mode: bool | None = None     # read once per process: every call of every algorithm asks
-
-
-def check_mode() -> bool:
-    """True when ``COLLECTIVES_CHECK`` asks for the cross-rank argument check. Read once per
-    process; a forked rank reads it again, after the launcher has set its environment."""
-    global _check_mode
-    if _check_mode is None:
-        _check_mode = os.environ.get("COLLECTIVES_CHECK", "0").lower() not in ("", "0", "false", "no")
-    return _check_mode
-
-
-def _forget_check_mode() -> None:
-    global _check_mode
-    _check_mode = None
-
-
-os.register_at_fork(after_in_child=_forget_check_mode)
+ArgumentMismatch = checkmode.ArgumentMismatch
+check_mode = checkmode.enabled
+compare_across_ranks = checkmode.compare_across_ranks
 
 
 def is_member(group=None) -> bool:
@@ -77,7 +56,7 @@ def is_member(group=None) -> bool:
 
 
 def check_all_reduce_args(tensor, op=ReduceOp.SUM, group=None, *, what: str = "all_reduce",
-                          compare: bool = True) -> bool:
+                          compare: bool = True, agree: dict | None = None) -> bool:
     """Raise a clear error for input an in-place all-reduce cannot honour; return whether
     this rank takes part.
 
@@ -89,9 +68,11 @@ def check_all_reduce_args(tensor, op=ReduceOp.SUM, group=None, *, what: str = "a
     * no two elements may share memory (an ``expand``-ed tensor): an in-place result
       cannot be written to both. gloo's own ``all_reduce`` crashes on such a tensor;
     * in check mode (:func:`check_mode`), every rank of the group passes the same
-      algorithm, element count, dtype, op and group (:func:`compare_across_ranks`).
-      The comparison is itself a collective: a call that not every rank makes (a check
-      inside a cache miss, say) passes ``compare=False``.
+      algorithm, element count, dtype, op and group, and the same value of every entry
+      of ``agree`` (``{"layout": (2, 2)}``; :mod:`collectives.core.checkmode`). The
+      comparison meets the other ranks (through the store, not the process group): a
+      call that not every rank makes (a check inside a cache miss, say) passes
+      ``compare=False``.
 
     Apart from check mode's comparison, everything here depends only on the arguments,
     never on what a peer holds, so every rank raises the same error before any message is
@@ -123,48 +104,8 @@ def check_all_reduce_args(tensor, op=ReduceOp.SUM, group=None, *, what: str = "a
                          "elements, e.g. tensor.contiguous()")
     trace.note_call(what)
     if compare and check_mode():
-        compare_across_ranks(what, tensor, op, group)
+        compare_across_ranks(what, tensor, op, group, agree)
     return True
-
-
-def _describe_call(what, tensor, op, group) -> dict[str, str]:
-    ranks = "the world" if group is None else "ranks " + _ranks_text(dist.get_process_group_ranks(group))
-    return {"algorithm": what, "elements": str(tensor.numel()),
-            "dtype": str(tensor.dtype).replace("torch.", ""), "op": op_name(op),
-            "group": ranks, "device": tensor.device.type}
-
-
-def _ranks_text(ranks) -> str:
-    return ", ".join(map(str, ranks))
-
-
-def compare_across_ranks(what: str, tensor: torch.Tensor, op=ReduceOp.SUM, group=None) -> None:
-    """Raise :class:`ArgumentMismatch` on every rank of ``group`` unless all of them call
-    ``what`` with the same element count, dtype, op, group and device.
-
-    One ``all_gather_object`` of a small description, made with the trace paused, so that
-    traces and the patterns tests assert on are the same with the check on or off.
-    """
-    if not dist.is_initialized() or dist.get_rank(group) < 0:
-        return
-    if tensor.is_cuda and torch.cuda.is_current_stream_capturing():
-        return                  # a CUDA graph being captured records no host-side exchange
-    mine = _describe_call(what, tensor, op, group)
-    everyone: list = [None] * dist.get_world_size(group)
-    with trace.paused():
-        dist.all_gather_object(everyone, mine, group=group)
-    ranks = [global_rank(group, i) for i in range(len(everyone))]
-    differences = []
-    for key in mine:
-        seen: dict[str, list[int]] = {}
-        for rank, call in zip(ranks, everyone):
-            seen.setdefault(call[key], []).append(rank)
-        if len(seen) > 1:
-            differences.append(f"{key} " + " vs ".join(
-                f"{value} on rank{'s' if len(rs) > 1 else ''} {_ranks_text(rs)}" for value, rs in seen.items()))
-    if differences:   # one line: it is what a RankError's summary and a FAIL line show
-        raise ArgumentMismatch(f"{what}: the ranks disagree on its arguments: " + "; ".join(differences)
-                               + " (checked because COLLECTIVES_CHECK=1)")
 
 
 def combine_(acc: torch.Tensor, incoming: torch.Tensor, op) -> torch.Tensor:
