@@ -78,10 +78,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from . import channels, trace
 from . import cluster as _cluster
-from . import trace
 
-__all__ = ["run", "RankError", "WorldTimeout", "auto_backend"]
+__all__ = ["run", "run_world", "World", "RankError", "WorldTimeout", "auto_backend"]
 
 _SLOT_BYTES = 200
 STDERR_TAIL_LINES = 20      # lines of a dead rank's stderr that its RankError shows
@@ -238,11 +238,13 @@ def _set_cpp_log_level(level: str) -> None:
 
 
 def _worker(rank, world_size, local_world_size, fn, args, kwargs, backend, port_box, conn,
-            board, pg_timeout, init_timeout, threads, env, machine, stderr_path, store_path):
+            board, pg_timeout, init_timeout, threads, env, machine, stderr_path, store_path,
+            secret_conn=None, stream_conn=None):
     _die_with_parent()
     status = board.slot(rank)
     try:
         _capture_stderr(stderr_path)
+        channels._install(secret_conn, stream_conn)
         store_addr = "127.0.0.1"
         if machine is not None:
             # A rank of a simulated cluster: move into its machine's network namespace
@@ -306,10 +308,10 @@ def _worker(rank, world_size, local_world_size, fn, args, kwargs, backend, port_
         result = fn(*args, **(kwargs or {}))
         board.done[rank] = 1
         status.set("finished")
-        payload = pickle.dumps(("ok", result, ""))
+        payload = pickle.dumps(("ok", result, "", channels.sent()))
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the caller
         summary = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
-        payload = pickle.dumps(("error", summary, traceback.format_exc()))
+        payload = pickle.dumps(("error", summary, traceback.format_exc(), channels.sent()))
     try:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -328,14 +330,35 @@ def _worker(rank, world_size, local_world_size, fn, args, kwargs, backend, port_
         os._exit(0)
 
 
+class World:
+    """What :func:`run_world` returns: each rank's result, secret and stream, rank 0 first."""
+
+    def __init__(self, results: list[Any], secrets: list[int] | None, streams: list[list[Any]] | None,
+                 complete: list[bool] | None):
+        self.results = results
+        self.secrets = secrets      # the number each rank read with channels.secret()
+        self.streams = streams      # what each rank sent with channels.send(), in order
+        self.complete = complete    # whether every object a rank counted as sent arrived
+
+
 def run(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwargs: dict | None = None,
-        *, backend: str | None = None, timeout: float = 120.0, start_method: str | None = None,
-        local_world_size: int | None = None, threads: int | None = 1,
-        env: dict[str, str] | None = None, init_timeout: float = 30.0,
-        check: bool | None = None, machines: int | None = None, link: str = "1gbit",
-        burst: str = "256kb", rails: bool = False,
-        cluster: "_cluster.Cluster | None" = None) -> list[Any]:
+        **options) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the results, rank 0 first.
+
+    The options are :func:`run_world`'s.
+    """
+    return run_world(fn, world_size, args, kwargs, **options).results
+
+
+def run_world(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwargs: dict | None = None,
+              *, backend: str | None = None, timeout: float = 120.0, start_method: str | None = None,
+              local_world_size: int | None = None, threads: int | None = 1,
+              env: dict[str, str] | None = None, init_timeout: float = 30.0,
+              check: bool | None = None, machines: int | None = None, link: str = "1gbit",
+              burst: str = "256kb", rails: bool = False,
+              cluster: "_cluster.Cluster | None" = None, secrets: bool = False,
+              stream: bool = False) -> World:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return a :class:`World`.
 
     Args:
         fn: a module-level function (with fork, a function defined in a notebook works too).
@@ -357,6 +380,10 @@ def run(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwargs: d
             local rank (see :class:`~collectives.core.cluster.Cluster`).
         cluster: a running cluster to place the ranks on instead (one cluster, many
             worlds); ``machines``, ``link``, ``burst`` and ``rails`` are then its own.
+        secrets: give each rank a random number of its own, drawn after every rank was
+            forked (:func:`collectives.core.channels.secret`); ``World.secrets`` holds them.
+        stream: let each rank send objects as it goes (:func:`collectives.core.channels.send`);
+            ``World.streams`` holds them, in order.
 
     Raises:
         RankError: a rank raised or died; the message names it and carries its traceback.
@@ -375,9 +402,10 @@ def run(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwargs: d
                              "(at least 2, each with the same number of ranks)")
         with _cluster.Cluster(machines, world_size // machines, link=link, burst=burst,
                               rails=rails) as made:
-            return run(fn, world_size, args, kwargs, backend=backend, timeout=timeout,
-                       start_method=start_method, local_world_size=local_world_size,
-                       threads=threads, env=env, init_timeout=init_timeout, check=check, cluster=made)
+            return run_world(fn, world_size, args, kwargs, backend=backend, timeout=timeout,
+                             start_method=start_method, local_world_size=local_world_size,
+                             threads=threads, env=env, init_timeout=init_timeout, check=check,
+                             cluster=made, secrets=secrets, stream=stream)
     placements = [None] * world_size
     if cluster is not None:
         if world_size % cluster.n_machines:
@@ -401,29 +429,47 @@ def run(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwargs: d
         env["COLLECTIVES_CHECK"] = "1" if check else "0"
     stderr_dir = tempfile.mkdtemp(prefix="collectives-world-")
     stderr_paths = [os.path.join(stderr_dir, f"rank{rank}.stderr") for rank in range(world_size)]
-    procs, conns = [], {}
+    procs, conns, secret_ends, streams = [], {}, [], {}
     try:
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe(duplex=False)
+            secret_in, secret_out = ctx.Pipe(duplex=False) if secrets else (None, None)
+            stream_in, stream_out = ctx.Pipe(duplex=False) if stream else (None, None)
             p = ctx.Process(target=_worker, name=f"rank{rank}", daemon=True,
                             args=(rank, world_size, local_world_size or world_size, fn, args,
                                   kwargs, backend, port_box, child_end, board, pg_timeout,
                                   min(init_timeout, timeout), threads, env, placements[rank],
-                                  stderr_paths[rank], os.path.join(stderr_dir, "store")))
+                                  stderr_paths[rank], os.path.join(stderr_dir, "store"),
+                                  secret_in, stream_out))
             p.start()
-            child_end.close()
+            for end in (child_end, secret_in, stream_out):
+                if end is not None:
+                    end.close()
             procs.append(p)
             conns[parent_end] = rank
-        results = _collect(procs, conns, board, timeout, stderr_paths)
+            secret_ends.append(secret_out)
+            if stream_in is not None:
+                streams[stream_in] = rank
+        drawn = None
+        if secrets:
+            # Drawn only now, after every rank was forked: no rank's memory ever held another's.
+            drawn = [channels.draw() for _ in range(world_size)]
+            for end, value in zip(secret_ends, drawn):
+                end.send_bytes(value)
+                end.close()
+        received: list[list[Any]] = [[] for _ in range(world_size)]
+        results, counts = _collect(procs, conns, board, timeout, stderr_paths, streams, received)
         _end(procs)
         for path in stderr_paths:    # a world that worked: its ranks' stderr, where it belongs
             text = _read_tail(path)
             if text:
                 sys.stderr.write(text)
-        return results
+        return World(results, [int.from_bytes(v, "little") for v in drawn] if drawn else None,
+                     received if stream else None,
+                     [len(got) == n for got, n in zip(received, counts)] if stream else None)
     finally:
         _end(procs)
-        for c in conns:
+        for c in list(conns) + list(streams) + [e for e in secret_ends if e is not None]:
             c.close()
         shutil.rmtree(stderr_dir, ignore_errors=True)
 
@@ -444,18 +490,31 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def _collect(procs, conns, board, timeout, stderr_paths):
+def _collect(procs, conns, board, timeout, stderr_paths, streams=None, received=None):
+    """Every rank's result (and the count of objects it sent on its stream), reading the
+    streams as they come; raises :class:`RankError` or :class:`WorldTimeout`."""
     world_size = len(procs)
     results: list[Any] = [None] * world_size
+    counts = [0] * world_size
     errors: dict[int, tuple[str, str, float]] = {}
     deadline = time.monotonic() + timeout
     pending = dict(conns)
+    open_streams = dict(streams or {})
+    by_rank = {rank: conn for conn, rank in open_streams.items()}
     while pending:
         left = deadline - time.monotonic()
         if errors:
             # Give the other ranks a moment to report their own failures, then stop them.
             left = min(left, 0.3)
-        ready = mp.connection.wait(list(pending), timeout=max(left, 0)) if left > 0 else []
+        waiting_on = list(pending) + list(open_streams)
+        ready = mp.connection.wait(waiting_on, timeout=max(left, 0)) if left > 0 else []
+        for conn in [c for c in ready if c in open_streams]:
+            # a rank's stream: read it as it comes (a full pipe would stop the rank)
+            if not channels.drain(conn, received[open_streams[conn]]):
+                del open_streams[conn]
+        ready = [c for c in ready if c in pending]
+        if not ready and not errors and time.monotonic() < deadline:
+            continue                          # only a stream had something
         if not ready:
             if errors:
                 break
@@ -477,7 +536,10 @@ def _collect(procs, conns, board, timeout, stderr_paths):
         for conn in ready:
             rank = pending.pop(conn)
             try:
-                status, value, tb = pickle.loads(conn.recv_bytes())
+                status, value, tb, counts[rank] = pickle.loads(conn.recv_bytes())
+                if rank in by_rank and by_rank[rank] in open_streams:
+                    # everything it sent before its result is in the pipe already
+                    channels.drain(by_rank[rank], received[rank])
             except (EOFError, OSError):
                 procs[rank].join(timeout=1)
                 code = procs[rank].exitcode
@@ -505,7 +567,7 @@ def _collect(procs, conns, board, timeout, stderr_paths):
                 errors[first] = (errors[first][0] + "; the ranks' messages did not match: "
                                  "compare the arguments with launch.run(..., check=True)",) + errors[first][1:]
         raise RankError(first, errors[first][0], errors[first][1] or "(no traceback)", others, tail)
-    return results
+    return results, counts
 
 
 STACK_FRAMES_SHOWN = 6      # innermost frames kept of each stack in a fatal-error dump
