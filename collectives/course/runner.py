@@ -79,8 +79,8 @@ def exercise_spec(number: int, impl: str) -> str:
         return lesson(number).module
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
-    if path and os.path.basename(path) == "exercise.py":
-        return os.path.abspath(path)
+    if path and path.endswith(".py") and getattr(main, "LESSON", None) == number:
+        return os.path.abspath(path)              # the exercise file being run, wherever it is
     return str(lesson(number).exercise)
 
 
