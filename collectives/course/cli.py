@@ -10,6 +10,7 @@
   bench-sparse lesson 8: selection, sparse variants against dist.all_reduce, density sweep (--cluster)
   bench-cluster  the two tiers of a simulated cluster fitted, the flat ring predicted and measured
   cluster      one torchrun per machine of a simulated cluster: cluster --machines 2 -- CMD...
+  helpers      an exercise's helper sheet, written from the code: helpers --lesson 4
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ COMMANDS = {
     "bench-sparse": "collectives.course.sparse_bench:main",
     "bench-cluster": "collectives.course.cluster_bench:main",
     "cluster": "collectives.course.cluster_cli:main",
+    "helpers": "collectives.course.helpers:main",
 }
 
 
