@@ -154,17 +154,30 @@ def run_tour(world_size: int = 4, nbytes: int = 4 << 20, backend: str | None = N
 WIDTH = 100     # the table fits a 100-column terminal
 
 
+def _short(nbytes: float) -> str:
+    """1536 -> "1.5K", 4194304 -> "4.0M" (binary units); NaN -> "-"."""
+    if nbytes != nbytes:
+        return "-"
+    for unit in ("", "K", "M", "G"):
+        if abs(nbytes) < 1024 or unit == "G":
+            return f"{nbytes:.0f}{unit}" if unit == "" else f"{nbytes:.1f}{unit}"
+        nbytes /= 1024
+    return f"{nbytes:.1f}G"
+
+
 def render(rows: list[TourRow], world_size: int, backend: str, console=None) -> None:
     """The table, at most :data:`WIDTH` columns: a row slower than its baseline says why."""
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
     sizes = sorted({r.nbytes for r in rows if r.nbytes})
     size = timing.human_bytes(sizes[0]) if len(sizes) == 1 else "several sizes"
-    table = Table(title=f"the tour: {world_size} ranks, {backend}, {size} per call", padding=(0, 1))
-    for col in ("#", "algorithm", "ok", "time", "busbw", "speed", "sent/rank", "theory", "why slower"):
-        table.add_column(col, justify="left" if col in ("algorithm", "ok", "why slower") else "right",
-                         no_wrap=col != "why slower", overflow="fold")
+    table = Table(title=f"the tour: {world_size} ranks, {backend}, {size} per call", box=box.SIMPLE_HEAD,
+                  padding=(0, 1), collapse_padding=True, pad_edge=False)
+    for col in ("#", "algorithm", "ok", "time", "busbw", "speed", "sent/theory"):
+        table.add_column(col, justify="left" if col in ("algorithm", "ok") else "right", no_wrap=True)
+    table.add_column("why slower", min_width=18)      # the one column that wraps
     reasons = {e.name: e.loses for e in TOUR}
     for r in rows:
         ok = "[green]yes[/]" if r.verified else "[red]NO[/]"
@@ -180,16 +193,15 @@ def render(rows: list[TourRow], world_size: int, backend: str, console=None) -> 
         table.add_row(str(r.lesson), r.algorithm, ok,
                       timing.human_seconds(r.seconds) if timed else "-",
                       f"{r.busbw / 1e9:.2f}" if timed else "-", speed,
-                      timing.human_bytes(r.bytes_sent) if r.bytes_sent == r.bytes_sent else "-",
-                      timing.human_bytes(r.bytes_theory) if r.bytes_theory == r.bytes_theory else "-", why)
+                      f"{_short(r.bytes_sent)}/{_short(r.bytes_theory)}", why)
     if console is None:
         console = Console()
         if not console.is_terminal:  # a log or a pipe: the width the table is made for
             console = Console(width=WIDTH)
     console.print(table)
     console.print("busbw in GB/s; speed = baseline time / algorithm time (above 1: faster than "
-                  "dist.all_reduce, or the baseline named); sent/rank measured from the trace, "
-                  "theory from the cost model.", width=WIDTH)
+                  "dist.all_reduce, or the baseline named); sent/theory: the bytes each rank sent, "
+                  "from the trace, against the cost model's.", width=WIDTH)
 
 
 def main(argv: list[str] | None = None) -> int:
