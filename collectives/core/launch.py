@@ -45,6 +45,9 @@ What it promises:
 * **no hangs** -- a watchdog ends a world that overruns ``timeout`` and raises
   :class:`WorldTimeout` saying where each rank was waiting ("rank 1 waiting in recv from
   rank 0"), read from the trace.
+* **a flight recorder** -- with ``flight_recorder=DIR`` every rank records its last calls
+  (:mod:`collectives.core.flight_recorder`) and, however the world ends, dumps them to
+  ``DIR`` before it is stopped: ``python -m collectives diagnose DIR`` names the culprit.
 * **nothing left behind** -- every child is killed and reaped on every way out, and a
   child dies with its parent.
 
@@ -79,6 +82,7 @@ import torch
 import torch.distributed as dist
 
 from . import cluster as _cluster
+from . import flight_recorder as _flight
 from . import trace
 
 __all__ = ["run", "RankError", "WorldTimeout", "auto_backend"]
@@ -257,8 +261,11 @@ def _worker(rank, world_size, local_world_size, fn, args, kwargs, backend, port_
                                or os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"))
             store_addr = cluster_env["MASTER_ADDR"]
         os.environ.update(env)
+        if "TORCH_DISTRIBUTED_DEBUG" in env:    # torch read it at import, in the parent
+            dist.set_debug_level_from_env()
         if threads:
             torch.set_num_threads(threads)
+        _flight.start_from_env(rank, world_size)     # before gloo's threads: see its serve()
         status.set("starting: joining the store")
         init = datetime.timedelta(seconds=init_timeout)
         if machine is None:
@@ -334,7 +341,7 @@ def run(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwargs: d
         env: dict[str, str] | None = None, init_timeout: float = 30.0,
         check: bool | None = None, machines: int | None = None, link: str = "1gbit",
         burst: str = "256kb", rails: bool = False,
-        cluster: "_cluster.Cluster | None" = None) -> list[Any]:
+        cluster: "_cluster.Cluster | None" = None, flight_recorder: str | os.PathLike | None = None) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the results, rank 0 first.
 
     Args:
@@ -357,6 +364,9 @@ def run(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwargs: d
             local rank (see :class:`~collectives.core.cluster.Cluster`).
         cluster: a running cluster to place the ranks on instead (one cluster, many
             worlds); ``machines``, ``link``, ``burst`` and ``rails`` are then its own.
+        flight_recorder: a directory: every rank records its calls there and dumps them
+            (``rank<r>.json``) as the world ends, however it ends, with ``world.json``
+            (default ``COLLECTIVES_FLIGHT_RECORDER``; see :mod:`collectives.core.flight_recorder`).
 
     Raises:
         RankError: a rank raised or died; the message names it and carries its traceback.
@@ -377,7 +387,8 @@ def run(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwargs: d
                               rails=rails) as made:
             return run(fn, world_size, args, kwargs, backend=backend, timeout=timeout,
                        start_method=start_method, local_world_size=local_world_size,
-                       threads=threads, env=env, init_timeout=init_timeout, check=check, cluster=made)
+                       threads=threads, env=env, init_timeout=init_timeout, check=check, cluster=made,
+                       flight_recorder=flight_recorder)
     placements = [None] * world_size
     if cluster is not None:
         if world_size % cluster.n_machines:
@@ -399,6 +410,9 @@ def run(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwargs: d
     env = dict(env or {})
     if check is not None:
         env["COLLECTIVES_CHECK"] = "1" if check else "0"
+    recorder_dir = flight_recorder or env.get(_flight.ENV_DIR) or os.environ.get(_flight.ENV_DIR)
+    if recorder_dir:
+        env[_flight.ENV_DIR] = str(_flight.prepare(recorder_dir).resolve())
     stderr_dir = tempfile.mkdtemp(prefix="collectives-world-")
     stderr_paths = [os.path.join(stderr_dir, f"rank{rank}.stderr") for rank in range(world_size)]
     procs, conns = [], {}
@@ -414,7 +428,14 @@ def run(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwargs: d
             child_end.close()
             procs.append(p)
             conns[parent_end] = rank
-        results = _collect(procs, conns, board, timeout, stderr_paths)
+        try:
+            results = _collect(procs, conns, board, timeout, stderr_paths)
+        except (WorldTimeout, RankError) as exc:
+            if recorder_dir:        # every live rank dumps its calls before it is stopped
+                _flight.dump_world(env[_flight.ENV_DIR], procs, lambda r: board.read(r)[0], exc)
+            raise
+        if recorder_dir:
+            _flight.dump_world(env[_flight.ENV_DIR], procs, lambda r: board.read(r)[0], None)
         _end(procs)
         for path in stderr_paths:    # a world that worked: its ranks' stderr, where it belongs
             text = _read_tail(path)
