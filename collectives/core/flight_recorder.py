@@ -80,6 +80,8 @@ _DTYPES = {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half
            torch.int8: "Char", torch.uint8: "Byte", torch.bool: "Bool"}
 _IN_PLACE = ("all_reduce", "broadcast", "reduce", "send", "recv", "isend", "irecv")
 _INSIDE = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+_P2P = frozenset(trace.POINT_TO_POINT)
+_Tensor = torch.Tensor
 
 
 class FlightRecorder:
@@ -103,7 +105,7 @@ class FlightRecorder:
         for slot in range(buffer_size):
             _ID.pack_into(self._ring, SLOT_BYTES * (slot + 1), -1)
         self.recorded = 0                    # calls seen; the next record_id
-        self._seq: dict[str, list[int]] = {}  # group name -> [collectives, point-to-point] so far
+        self._seq: dict = {}                 # group (and its name) -> [collectives, point-to-point] so far
         self._groups: dict = {}              # group object -> (name, description, ranks, backend)
         self._sites: dict = {}               # (op, group, peer, sizes, dtype, code, line) -> encoded text
         self._inside: dict = {}              # code object -> is it torch's or collectives.core's?
@@ -116,19 +118,17 @@ class FlightRecorder:
 
     # -- recording: the trace listener ---------------------------------------------------
     def __call__(self, kind, peer, tensors, group):
-        name, _desc, _ranks, _backend = self._group(group)
-        counts = self._seq.get(name)
+        counts = self._seq.get(group)
         if counts is None:
-            counts = self._seq[name] = [0, 0]
-        p2p = kind in trace.POINT_TO_POINT
-        counts[p2p] += 1
-        if isinstance(tensors, torch.Tensor):
+            counts = self._seq[group] = self._counts(group)
+        counts[kind in _P2P] += 1
+        if isinstance(tensors, _Tensor):
             shapes, dtype = (tensors.shape,), tensors.dtype
         else:
-            flat = [t for t in tensors if isinstance(t, torch.Tensor)]
+            flat = [t for t in tensors if isinstance(t, _Tensor)]
             shapes, dtype = tuple(t.shape for t in flat), (flat[0].dtype if flat else None)
         code, line = self._caller()
-        key = (kind, name, peer, shapes, dtype, code, line)
+        key = (kind, group, peer, shapes, dtype, code, line)
         text = self._sites.get(key)
         if text is None:
             text = self._describe(key, group)
@@ -156,6 +156,11 @@ class FlightRecorder:
                 self._fail(offset, record_id, error)
         return end
 
+    def _counts(self, group) -> list[int]:
+        """The group's [collectives, point-to-point] counters; one pair per group name."""
+        name = self._group(group)[0]
+        return self._seq.setdefault(name, [0, 0])
+
     def _group(self, group):
         info = self._groups.get(group)
         if info is None:
@@ -181,8 +186,8 @@ class FlightRecorder:
         return None, 0
 
     def _describe(self, key, group) -> bytes:
-        kind, name, peer, shapes, dtype, code, line = key
-        _, desc, ranks, backend = self._group(group)
+        kind, _, peer, shapes, dtype, code, line = key
+        name, desc, ranks, backend = self._group(group)
         profiling = f"{backend}:{kind}"
         if kind in trace.SENDS:
             profiling += f" {self.rank}->{peer}"
@@ -198,7 +203,7 @@ class FlightRecorder:
                            "output_dtypes": dtypes if kind in _IN_PLACE else None,
                            "frames": frames}, separators=(",", ":")).encode()
         if len(text) > SLOT_BYTES - _HEAD.size:     # a long list of tensors: keep the first sizes
-            return self._describe((kind, name, peer, shapes[:4], dtype, code, line), group)
+            return self._describe((kind, group, peer, shapes[:4], dtype, code, line), group)
         if len(self._sites) > 4096:
             self._sites.clear()
         self._sites[key] = text
@@ -224,9 +229,11 @@ class FlightRecorder:
         """The calls in the ring, oldest first, as torch's Flight Recorder names their fields."""
         return _entries(self._ring, self.buffer_size)
 
-    def dump(self, reason: str = "request") -> Path:
-        """Write ``rank<r>.json`` (atomically: a reader never sees half a file); its path."""
-        data = _dump_header(self.rank, self.world_size, os.getpid(), reason, self.buffer_size, self.recorded)
+    def dump(self, reason: str = "request", request_id: int | None = None) -> Path:
+        """Write ``rank<r>.json`` (atomically: a reader never sees half a file); its path.
+        ``request_id``: the launcher's request this dump answers."""
+        data = {"request_id": request_id}
+        data.update(_dump_header(self.rank, self.world_size, os.getpid(), reason, self.buffer_size, self.recorded))
         data["network"] = _network()
         data["entries"] = self.entries()
         data["pg_config"] = {e["process_group"][0]: {"name": e["process_group"][0], "desc": e["process_group"][1],
@@ -257,7 +264,7 @@ class FlightRecorder:
             if self._stopping:
                 return
             if got is not None:
-                self.dump(_requested_reason(self.directory))
+                self.dump(*_request(self.directory))
             elif self.dump_after:
                 limit = time.time_ns() - int(self.dump_after * 1e9)
                 overdue = {r for r, t in list(self._waiting.items()) if t < limit} - self._timed_out
@@ -328,7 +335,9 @@ def read_ring(path: str | os.PathLike, reason: str = "recovered") -> dict:
     if magic != _MAGIC or slot_bytes != SLOT_BYTES:
         raise ValueError(f"{path} is not a flight recorder ring")
     entries = _entries(ring, slots)
-    data = _dump_header(rank, world_size, pid, reason, slots, max((e["record_id"] for e in entries), default=-1) + 1)
+    data = {"request_id": None}
+    data.update(_dump_header(rank, world_size, pid, reason, slots,
+                             max((e["record_id"] for e in entries), default=-1) + 1))
     data.update(machine=None, hostname=None, network=None, entries=entries,
                 pg_config={e["process_group"][0]: {"name": e["process_group"][0], "desc": e["process_group"][1],
                                                    "ranks": e["pg_ranks"]} for e in entries})
@@ -351,11 +360,13 @@ def _network() -> dict | None:
     return {"interface": name, "up": bool(flags & 0x1), "running": bool(flags & 0x40)}
 
 
-def _requested_reason(directory: Path) -> str:
+def _request(directory: Path) -> tuple[str, int | None]:
+    """The reason and id of the launcher's request (a signal from anyone else: "signal")."""
     try:
-        return json.loads((directory / "request.json").read_text())["reason"]
+        request = json.loads((directory / "request.json").read_text())
+        return request["reason"], request["id"]
     except (OSError, ValueError, KeyError):
-        return "signal"
+        return "signal", None
 
 
 # -- this process's recorder ---------------------------------------------------------------
@@ -418,8 +429,8 @@ def prepare(directory: str | os.PathLike) -> Path:
 
 def request_dumps(directory: Path, pids: dict[int, int], reason: str, grace: float = 2.0) -> set[int]:
     """Signal every rank of ``pids`` to dump; wait up to ``grace`` seconds; the ranks that did."""
-    asked = time.time_ns()
-    (directory / "request.json").write_text(json.dumps({"reason": reason, "time_ns": asked}))
+    request_id = time.time_ns()
+    (directory / "request.json").write_text(json.dumps({"reason": reason, "id": request_id}))
     for pid in pids.values():
         try:
             os.kill(pid, DUMP_SIGNAL)
@@ -427,17 +438,20 @@ def request_dumps(directory: Path, pids: dict[int, int], reason: str, grace: flo
             pass
     deadline, done = time.monotonic() + grace, set()
     while True:
-        done = {r for r in pids if _dumped_since(directory / f"rank{r}.json", asked)}
+        done = {r for r in pids if _answered(directory / f"rank{r}.json", request_id)}
         if len(done) == len(pids) or time.monotonic() > deadline:
             return done
         time.sleep(0.005)
 
 
-def _dumped_since(path: Path, since_ns: int) -> bool:
+def _answered(path: Path, request_id: int) -> bool:
+    """Does the dump at ``path`` answer request ``request_id``? (Its first line says.)"""
     try:
-        return path.stat().st_mtime_ns >= since_ns - 10_000_000    # file times are coarser than ns
+        with open(path, "rb") as f:
+            head = f.read(64)
     except OSError:
         return False
+    return f'"request_id": {request_id},'.encode() in head
 
 
 def _exit_text(code: int | None) -> str | None:

@@ -82,6 +82,8 @@ TOUR = [
               runner="collectives.course.sparse_bench:tour_topk_split"),
     TourEntry(8, "sparse threshold 1% (all-gather)", target="collectives.sparse:sparse_all_reduce",
               runner="collectives.course.sparse_bench:tour_threshold_allgather"),
+    TourEntry(9, "ring with flight recorder", target="collectives.ring:ring_all_reduce",
+              runner="collectives.course.debugging_bench:tour_runner"),
 ]
 
 

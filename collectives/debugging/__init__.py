@@ -27,8 +27,8 @@ from .analyze import (MIN_COLLECTIVES, MIN_LAG, find_mismatch, find_missing, fin
 from .diagnose import Finding, diagnose, find_dead, find_link_down, report
 from .dumps import (Missing, Mismatch, Straggler, WaitCycle, blocking_call, by_rank, collective_entries, describe,
                     group_of, groups, is_dead, last_seq, majority, op_of, pending, where)
-from .faults import KINDS, LAB, Params, draw
-from .scenarios import Outcome, load_dumps, run_scenario
+from .faults import FINDING, HANGS, KINDS, LAB, Params, blame, draw, expected
+from .scenarios import Outcome, load_dumps, run_scenario, run_scenarios
 from .synth import dumps_for, scenario_dumps
 
 __all__ = ["find_missing", "find_mismatch", "wait_for_graph", "find_wait_cycle", "find_stragglers",
@@ -36,5 +36,6 @@ __all__ = ["find_missing", "find_mismatch", "wait_for_graph", "find_wait_cycle",
            "Missing", "Mismatch", "WaitCycle", "Straggler", "MIN_LAG", "MIN_COLLECTIVES",
            "group_of", "op_of", "collective_entries", "last_seq", "groups", "by_rank", "is_dead",
            "blocking_call", "pending", "where", "describe", "majority",
-           "KINDS", "LAB", "Params", "draw", "run_scenario", "Outcome", "load_dumps",
+           "KINDS", "HANGS", "LAB", "FINDING", "Params", "draw", "blame", "expected",
+           "run_scenario", "run_scenarios", "Outcome", "load_dumps",
            "scenario_dumps", "dumps_for", "FlightRecorder", "read_ring"]

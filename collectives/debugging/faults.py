@@ -139,7 +139,9 @@ def straggler(p: Params, group) -> None:
 
 def killed_rank(p: Params, group) -> None:
     """The culprit is killed (``kill -9``: the out-of-memory killer, a lost machine) just
-    after it posts the all-reduce of one step."""
+    after it posts the all-reduce of one step. (Whether the others finish that all-reduce
+    before they notice depends on how much of its part the culprit's gloo thread had sent:
+    with a small tensor, sometimes all of it.)"""
     grad = _gradient(p)
     for step in range(p.steps):
         if dist.get_rank() == p.culprit and step == p.step:
@@ -183,6 +185,34 @@ FINDING = {"skip": "missing", "order": "mismatch", "deadlock": "cycle", "size": 
            "straggler": "straggler", "killed": "dead", "link": "link"}
 
 
+def expected(p: Params) -> dict:
+    """What each of the analyzer's four checks must report for this scenario, worked out from
+    its parameters alone (not from any dump): ``missing`` and ``mismatch`` as lists of
+    tuples, ``cycle`` as a tuple of ranks or None, ``stragglers`` as a list of tuples::
+
+        missing:    (group, seq, missing ranks, waiting ranks)
+        mismatch:   (group, seq, field, ranks that differ)
+        cycle:      the ranks, from the smallest, each waiting for the next
+        stragglers: (group, rank)
+
+    A rank that skips one of ``steps`` calls leaves the others waiting in call #steps
+    (its k-th call meets their k-th, whichever step it skipped); swapping the two calls of
+    step k makes collective #2k+1 differ; a bad tensor at step k makes #k+1 differ."""
+    found = {"missing": [], "mismatch": [], "cycle": None, "stragglers": []}
+    others = tuple(r for r in p.group if r != p.culprit)
+    if p.kind == "skip":
+        found["missing"] = [(p.group, p.steps, (p.culprit,), others)]
+    elif p.kind == "order":
+        found["mismatch"] = [(p.group, 2 * p.step + 1, "operation", (p.culprit,))]
+    elif p.kind in ("size", "dtype"):
+        found["mismatch"] = [(p.group, p.step + 1, "sizes" if p.kind == "size" else "dtype", (p.culprit,))]
+    elif p.kind == "deadlock":
+        found["cycle"] = p.group
+    elif p.kind == "straggler":
+        found["stragglers"] = [(p.group, p.culprit)]
+    return found
+
+
 def blame(p: Params) -> tuple[int, ...]:
     """The ranks the fault was put into: the culprit; every rank of a deadlocked group; the
     ranks on the machine whose link went down."""
@@ -223,7 +253,7 @@ LAB = {
     "size": Params("size", 4, (0, 1, 2, 3), culprit=3, step=1, steps=3, numel=1000, wrong_numel=1024),
     "dtype": Params("dtype", 4, (0, 1, 2, 3), culprit=1, step=2, steps=4, numel=1000, wrong_dtype="int32"),
     "straggler": Params("straggler", 4, (0, 1, 2, 3), culprit=3, step=0, steps=5, numel=1000, delay=0.05),
-    "killed": Params("killed", 4, (0, 1, 2, 3), culprit=2, step=2, steps=4, numel=1 << 14),
+    "killed": Params("killed", 4, (0, 1, 2, 3), culprit=2, step=2, steps=4, numel=1 << 18),
     "link": Params("link", 4, (0, 1, 2, 3), culprit=2, step=1, steps=3, numel=2 << 20, machines=2, machine=1),
 }
 
