@@ -60,8 +60,7 @@ def detail_verdict(outcome: Outcome) -> DetailVerdict:
         named = tuple(sorted(r for r, n in pointed.items() if n == top)) if top > 1 or len(pointed) == 1 else ()
         first = mismatch[min(mismatch)]
         calls = _FINGERPRINT.findall(first)
-        said = "Detected mismatch between collectives: " + " vs ".join(
-            f"{op} {shape} {dtype} (seq {seq})" for seq, op, shape, dtype in calls[:2])
+        said = "mismatch: " + " vs ".join(f"{op} {shape} {dtype}" for _, op, shape, dtype in calls[:2])
         return DetailVerdict(True, named, said)
     if errors:
         return DetailVerdict(False, (), _short(errors[min(errors)]))
