@@ -174,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", choices=("gloo", "nccl"), default=None,
                         help="default: nccl when there is a GPU per rank, else gloo")
     parser.add_argument("--out", default="build/bench-recorder", help="directory for recorder.json")
+    parser.add_argument("--snippet", default="", help="also write the table as Markdown here, with its JSON beside "
+                        "it (the lesson page includes docs/snippets/bench-recorder.md)")
     args = parser.parse_args(argv)
     sizes = [timing.parse_size(s) for s in args.sizes.split(",") if s]
     backend = args.backend or launch.auto_backend(args.world)
@@ -196,9 +198,33 @@ def main(argv: list[str] | None = None) -> int:
                 python=platform.python_version(), backend=backend, world_size=args.world, iters=args.iters,
                 blocks=args.blocks, host=platform.node(), cpus=os.cpu_count(),
                 device=torch.cuda.get_device_name(0) if backend == "nccl" else _cpu_name())
+    record = {"meta": meta, "listener_seconds": result["listener"], "rows": result["rows"]}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "recorder.json").write_text(json.dumps({"meta": meta, "listener_seconds": result["listener"],
-                                                   "rows": result["rows"]}, indent=1))
+    (out / "recorder.json").write_text(json.dumps(record, indent=1))
     print(f"wrote {out / 'recorder.json'}")
+    if args.snippet:
+        snippet = Path(args.snippet)
+        snippet.parent.mkdir(parents=True, exist_ok=True)
+        snippet.write_text(markdown(record))
+        snippet.with_suffix(".json").write_text(json.dumps(record, indent=1))
+        print(f"wrote {snippet} and {snippet.with_suffix('.json')}")
     return 0
+
+
+def markdown(record: dict) -> str:
+    """The lesson page's table, from a run's record: what was measured, where, and how."""
+    m = record["meta"]
+    lines = [f"`{m['command']}` on {m['device']} ({m['cpus']} cores), {m['world_size']} ranks, {m['backend']}, "
+             f"torch {m['torch']}, Python {m['python']}, {m['date'][:10]}: µs per call, median of {m['blocks']} "
+             f"blocks of {m['iters']} calls, slowest rank.", "",
+             "| call | size | recorder off | recorder on | added | on ÷ off | under DETAIL |",
+             "|---|---|---|---|---|---|---|"]
+    for r in record["rows"]:
+        off, on = r["off"] * 1e6, r["on"] * 1e6
+        detail = f"{r['detail'] * 1e6:.1f}" if "detail" in r else "--"
+        lines.append(f"| `{r['call']}` | {timing.human_bytes(r['nbytes'])} | {off:.1f} | {on:.1f} | {on - off:+.1f} "
+                     f"| {on / off:.3f} | {detail} |")
+    lines += ["", f"The recorder's own work, timed alone: **{record['listener_seconds'] * 1e6:.2f} µs per call** "
+                  "(posted, started, completed).", ""]
+    return "\n".join(lines)
