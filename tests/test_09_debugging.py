@@ -56,10 +56,10 @@ from collectives.debugging import (
 )
 
 LESSON = 9
-LIMIT = 1.5               # seconds a local scenario that hangs may run (the watchdog stops it then)
+LIMIT = 2.5               # seconds a local scenario that hangs may run (the watchdog stops it then)
 ENDS_ITSELF = 5.0         # the limit of one that ends by itself (a death, an error, the loop's end)
-CLUSTER_LIMIT = 2.0
-SLACK = 3.0               # start-up, the dumps, and a loaded 2-core machine, on top of the limit
+CLUSTER_LIMIT = 3.0
+SLACK = 5.0               # the dumps after the limit, and a loaded 2-core machine's slowness
 TORCH_FIELDS = {"record_id", "pg_id", "process_group", "collective_seq_id", "p2p_seq_id", "op_id",
                 "profiling_name", "input_sizes", "input_dtypes", "output_sizes", "output_dtypes", "state",
                 "time_created_ns", "time_discovered_started_ns", "time_discovered_completed_ns", "duration_ms",
@@ -244,7 +244,7 @@ def test_every_fault_ends_within_its_limit_and_the_diagnosis_names_the_culprit(l
     assert findings, f"{kind}: nothing found"
     first = findings[0]
     assert (first.kind, first.ranks) == (FINDING[kind], blame(LAB[kind])), first.text
-    assert "faults.py:" in first.text or first.kind in ("straggler", "dead")   # it names the source line
+    assert "faults.py:" in first.text                                    # it names the source line
 
 
 @pytest.mark.parametrize("kind", ["killed", "size"])
@@ -352,7 +352,7 @@ def test_each_check_finds_exactly_what_the_scenario_put_there(checks, kind):
 
 
 def test_the_lab_and_the_grader_draw_different_scenarios():
-    assert all(draw(kind, s) != LAB[kind] for kind in KINDS for s in range(300))
+    assert all(draw(kind, s) != LAB[kind] for kind in KINDS for s in range(100))
     assert draw("skip", 11) == draw("skip", 11) and draw("skip", 11) != draw("skip", 12)
 
 

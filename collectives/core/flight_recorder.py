@@ -63,6 +63,7 @@ ENV_DUMP_AFTER = "COLLECTIVES_DUMP_ON_TIMEOUT"  # seconds a call may be in fligh
 DUMP_SIGNAL = signal.SIGUSR1
 VERSION = "collectives-fr-1"
 DEFAULT_BUFFER = 2000
+DUMP_GRACE = 5.0          # seconds the launcher waits for the ranks' dumps (they take milliseconds)
 
 SLOT_BYTES = 512
 # a slot: record_id, collective and p2p seq ids, created / started / completed (ns), state,
@@ -427,7 +428,7 @@ def prepare(directory: str | os.PathLike) -> Path:
     return path
 
 
-def request_dumps(directory: Path, pids: dict[int, int], reason: str, grace: float = 2.0) -> set[int]:
+def request_dumps(directory: Path, pids: dict[int, int], reason: str, grace: float | None = None) -> set[int]:
     """Signal every rank of ``pids`` to dump; wait up to ``grace`` seconds; the ranks that did."""
     request_id = time.time_ns()
     (directory / "request.json").write_text(json.dumps({"reason": reason, "id": request_id}))
@@ -436,7 +437,7 @@ def request_dumps(directory: Path, pids: dict[int, int], reason: str, grace: flo
             os.kill(pid, DUMP_SIGNAL)
         except ProcessLookupError:
             pass
-    deadline, done = time.monotonic() + grace, set()
+    deadline, done = time.monotonic() + (DUMP_GRACE if grace is None else grace), set()
     while True:
         done = {r for r in pids if _answered(directory / f"rank{r}.json", request_id)}
         if len(done) == len(pids) or time.monotonic() > deadline:
@@ -480,9 +481,10 @@ def dump_world(directory: str | os.PathLike, procs, where, failure: BaseExceptio
                        "where": where(rank), "dumped": rank in dumped}
         ring = directory / f"rank{rank}.ring"
         if rank not in dumped and ring.exists():
-            how = ranks[rank]["exit"] or "it did not answer the dump request"
-            data = read_ring(ring, reason=f"recovered from its ring: {how}")
-            (directory / f"rank{rank}.json").write_text(json.dumps(data, indent=1))
+            # dead: what its ring holds is all there is; alive but slow to answer: its ring is current
+            how = (f"recovered from its ring: {ranks[rank]['exit']}" if code is not None
+                   else f"{reason} (read from its ring: it did not answer within {DUMP_GRACE:g} s)")
+            (directory / f"rank{rank}.json").write_text(json.dumps(read_ring(ring, reason=how), indent=1))
     record = {"world_size": len(procs), "reason": reason, "ranks": ranks,
               "failure": str(failure).splitlines()[0] if failure else None,
               "failed_rank": getattr(failure, "rank", None),

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run", choices=KINDS, help="first run this fault with the flight recorder on")
     parser.add_argument("--seed", type=int, default=None, help="with --run: a scenario drawn from this seed "
                         "(default: the lab's own)")
-    parser.add_argument("--timeout", type=float, default=1.5, help="with --run: the world's time limit (default 1.5 s)")
+    parser.add_argument("--timeout", type=float, default=2.5, help="with --run: the world's time limit (default 2.5 s)")
     parser.add_argument("--json", action="store_true", help="print the findings as JSON")
     args = parser.parse_args(argv)
     if args.run:

@@ -64,7 +64,7 @@ def find_dead(dumps: list[dict], world: dict | None = None) -> list[Finding]:
         how = dump["reason"].split(": ", 1)[-1]
         call = next(iter(reversed(dump["entries"])), None)
         inside = (f" in {describe(call)} of {group_name(tuple(call['pg_ranks']), p)}"
-                  f" ({call['state']})") if call else ""
+                  f" ({call['state']}) at {where(call)}") if call else ""
         note = ""
         if world and world.get("failed_rank") == rank and "size doesn't match" in world.get("stderr_tail", ""):
             note = "; gloo: received data size doesn't match expected size"
@@ -96,7 +96,8 @@ def find_link_down(dumps: list[dict]) -> list[Finding]:
     stuck = [e for r in named for e in pending(ranks[r]) if not e["is_p2p"]]
     if stuck:
         first = min(stuck, key=lambda e: e["collective_seq_id"])
-        text += f"; they were in {describe(first)} of {group_name(tuple(first['pg_ranks']), _world_size(dumps, None))}"
+        text += (f"; they were in {describe(first)} of {group_name(tuple(first['pg_ranks']), _world_size(dumps, None))}"
+                 f" at {where(first)}")
     return [Finding("link", tuple(named), text + ".", tuple(sorted({where(e) for e in stuck}))[:3])]
 
 
@@ -163,10 +164,11 @@ def diagnose(dumps: list[dict], world: dict | None = None) -> list[Finding]:
     if not link:
         findings += find_stuck(dumps, explained)
     for s in find_stragglers(dumps):
+        late = collective_entries(ranks[s.rank], (_name(ranks[s.rank], s.group), s.group))[s.worst_seq]
         findings.append(Finding("straggler", (s.rank,), f"rank {s.rank} entered {s.late_in} of {s.of} collectives "
                                 f"of {group_name(s.group, p)} last, keeping the others waiting "
-                                f"{s.median_lag * 1e3:.0f} ms (median; longest at #{s.worst_seq}).",
-                                (), s.group, s.worst_seq))
+                                f"{s.median_lag * 1e3:.0f} ms (median; longest at #{s.worst_seq}, {where(late)}).",
+                                (where(late),), s.group, s.worst_seq))
     return findings
 
 
