@@ -390,12 +390,12 @@ def test_a_transfer_both_ends_are_in_is_no_wait_and_a_send_that_timed_out_still_
 
 
 def test_a_straggler_needs_enough_collectives_and_a_clear_lag(checks):
-    dumps = dumps_for(LAB["straggler"])                  # rank 3, 50 ms late at each of 5
-    assert [(s.rank, s.late_in, s.of) for s in checks["find_stragglers"](dumps)] == [(3, 5, 5)]
+    dumps = dumps_for(LAB["straggler"])                  # rank 3, 50 ms late at each of 5; #1 not counted
+    assert [(s.rank, s.late_in, s.of) for s in checks["find_stragglers"](dumps)] == [(3, 4, 4)]
     assert checks["find_stragglers"](dumps, min_lag=0.2) == []
     short = copy.deepcopy(dumps)
     for d in short:
-        d["entries"] = d["entries"][:2]
+        d["entries"] = d["entries"][:3]                   # #2 and #3: too few to call anyone slow
     assert checks["find_stragglers"](short) == []
 
 

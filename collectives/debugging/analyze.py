@@ -182,14 +182,15 @@ def find_wait_cycle(dumps: list[dict]) -> WaitCycle | None:
 
 def find_stragglers(dumps: list[dict], min_lag: float = MIN_LAG) -> list[Straggler]:
     """For each group: over the collectives every rank of it entered (at least
-    ``MIN_COLLECTIVES``), the rank that entered last in more than half of them, when the
-    others had already waited ``min_lag`` seconds or more for it (median over those)."""
+    ``MIN_COLLECTIVES``, not counting #1, which measures how the ranks started, not how they
+    run), the rank that entered last in more than half of them, when the others had already
+    waited ``min_lag`` seconds or more for it (median over those)."""
     ranks = by_rank(dumps)
     found = []
     for group in groups(dumps):
         members = [r for r in group[1] if r in ranks]
         calls = {r: collective_entries(ranks[r], group) for r in members}
-        common = sorted(set.intersection(*(set(c) for c in calls.values()))) if len(members) > 1 else []
+        common = sorted(set.intersection(*(set(c) for c in calls.values())) - {1}) if len(members) > 1 else []
         if len(common) < MIN_COLLECTIVES:
             continue
         lags: dict[int, list[tuple[float, int]]] = {r: [] for r in members}

@@ -291,7 +291,7 @@ def _draw(kind: str, rng: random.Random, max_world: int) -> Params:
     elif kind == "dtype":
         params = replace(params, wrong_dtype=SAME_SIZE_DTYPES[dtype])
     elif kind == "straggler":
-        params = replace(params, steps=max(steps, 3), step=0, delay=rng.choice((0.03, 0.05, 0.08)))
+        params = replace(params, steps=max(steps, 4), step=0, delay=rng.choice((0.03, 0.05, 0.08)))
     elif kind == "link":
         params = replace(params, machines=machines, machine=rng.randrange(1, machines),
                          numel=rng.choice((1 << 20, 2 << 20)), step=rng.randrange(min(steps, 2)))

@@ -145,7 +145,8 @@ def find_stragglers(dumps: list[dict], min_lag: float = MIN_LAG) -> list[Straggl
     """Lesson 9, task 4: per group, the rank that enters the collectives last, most of the time.
 
     TODO:     for each group with at least two members and MIN_COLLECTIVES seqs every member
-              has: at each such seq, the last to enter (largest ``time_created_ns``; a tie
+              has, #1 not counted (it measures how the ranks started, not how they run): at
+              each such seq, the last to enter (largest ``time_created_ns``; a tie
               goes to the lower rank) and its lag: its time minus the latest of the others',
               in seconds. The rank last most often (a tie: the lower rank) is a straggler when
               it was last in more than half of the seqs and the median of its lags is at least
@@ -153,7 +154,7 @@ def find_stragglers(dumps: list[dict], min_lag: float = MIN_LAG) -> list[Straggl
               of its largest lag)``.
     APPROACH: the lag is how long everyone else had already waited when it came.
     EXAMPLE:  rank 3 sleeps 50 ms before each of 5 all-reduces  ->
-              [Straggler((0, 1, 2, 3), 3, 5, 5, ~0.05, ...)].
+              [Straggler((0, 1, 2, 3), 3, 4, 4, ~0.05, ...)]  (#2 to #5).
     HINT:     the clocks of ranks on one host agree; across hosts they drift (see the page).
     """
     raise NotImplementedError("Lesson 9, task 4: find_stragglers")
