@@ -31,7 +31,11 @@ recorded without a change to their code)::
   (``COLLECTIVES_DUMP_ON_TIMEOUT``), and from the launcher: ``launch.run(...,
   flight_recorder=DIR)`` asks every live rank for a dump when the world ends -- overrun,
   failed or finished -- before it kills them, recovers the rings of the ranks that died,
-  and writes what it saw of each rank to ``DIR/world.json``.
+  and writes what it saw of each rank to ``DIR/world.json``
+  (:mod:`~collectives.core.flight_dumps`).
+
+On NCCL, the calls of one ``batch_isend_irecv`` are waited on through the batch's handles,
+not their own: they stay ``scheduled``.
 
 ``python -m collectives diagnose DIR`` reads them (:mod:`collectives.debugging`).
 """
@@ -55,7 +59,7 @@ import torch.distributed as dist
 from . import trace
 
 __all__ = ["FlightRecorder", "start", "start_from_env", "active", "dump", "stop", "read_ring",
-           "prepare", "dump_world", "ENV_DIR", "ENV_BUFFER", "ENV_DUMP_AFTER", "DUMP_SIGNAL"]
+           "ENV_DIR", "ENV_BUFFER", "ENV_DUMP_AFTER", "DUMP_SIGNAL"]
 
 ENV_DIR = "COLLECTIVES_FLIGHT_RECORDER"        # the dump directory; launch.run(flight_recorder=DIR) sets it
 ENV_BUFFER = "COLLECTIVES_TRACE_BUFFER_SIZE"   # after TORCH_NCCL_TRACE_BUFFER_SIZE
@@ -63,7 +67,6 @@ ENV_DUMP_AFTER = "COLLECTIVES_DUMP_ON_TIMEOUT"  # seconds a call may be in fligh
 DUMP_SIGNAL = signal.SIGUSR1
 VERSION = "collectives-fr-1"
 DEFAULT_BUFFER = 2000
-DUMP_GRACE = 5.0          # seconds the launcher waits for the ranks' dumps (they take milliseconds)
 
 SLOT_BYTES = 512
 # a slot: record_id, collective and p2p seq ids, created / started / completed (ns), state,
@@ -415,81 +418,3 @@ def dump(reason: str = "request") -> Path | None:
 def stop() -> None:
     if _active is not None:
         _active.close()
-
-
-# -- the launcher's side -------------------------------------------------------------------
-def prepare(directory: str | os.PathLike) -> Path:
-    """Make ``directory`` and remove a previous world's dumps from it."""
-    path = Path(directory)
-    path.mkdir(parents=True, exist_ok=True)
-    for old in [*path.glob("rank*.json"), *path.glob("rank*.ring"), *path.glob("rank*.tmp*"),
-                path / "world.json", path / "request.json"]:
-        old.unlink(missing_ok=True)
-    return path
-
-
-def request_dumps(directory: Path, pids: dict[int, int], reason: str, grace: float | None = None) -> set[int]:
-    """Signal every rank of ``pids`` to dump; wait up to ``grace`` seconds; the ranks that did."""
-    request_id = time.time_ns()
-    (directory / "request.json").write_text(json.dumps({"reason": reason, "id": request_id}))
-    for pid in pids.values():
-        try:
-            os.kill(pid, DUMP_SIGNAL)
-        except ProcessLookupError:
-            pass
-    deadline, done = time.monotonic() + (DUMP_GRACE if grace is None else grace), set()
-    while True:
-        done = {r for r in pids if _answered(directory / f"rank{r}.json", request_id)}
-        if len(done) == len(pids) or time.monotonic() > deadline:
-            return done
-        time.sleep(0.005)
-
-
-def _answered(path: Path, request_id: int) -> bool:
-    """Does the dump at ``path`` answer request ``request_id``? (Its first line says.)"""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(64)
-    except OSError:
-        return False
-    return f'"request_id": {request_id},'.encode() in head
-
-
-def _exit_text(code: int | None) -> str | None:
-    if code is None:
-        return None
-    if code >= 0:
-        return f"exit code {code}"
-    try:
-        return f"killed by {signal.Signals(-code).name}"
-    except ValueError:
-        return f"killed by signal {-code}"
-
-
-def dump_world(directory: str | os.PathLike, procs, where, failure: BaseException | None) -> None:
-    """What ``launch.run(..., flight_recorder=DIR)`` does as a world ends, before it kills the
-    ranks: every live rank dumps, the rings of the others are recovered, and ``world.json``
-    records how each rank ended. ``where(rank)`` is the launcher's "where is it waiting"."""
-    directory = Path(directory)
-    reason = ("timeout" if isinstance(failure, TimeoutError) else "failure" if failure else "exit")
-    alive = {rank: p.pid for rank, p in enumerate(procs) if p.exitcode is None}
-    dumped = request_dumps(directory, alive, reason)
-    ranks = {}
-    for rank, p in enumerate(procs):
-        code = p.exitcode
-        ranks[rank] = {"pid": p.pid, "alive": code is None, "exit": _exit_text(code),
-                       "where": where(rank), "dumped": rank in dumped}
-        ring = directory / f"rank{rank}.ring"
-        if rank not in dumped and ring.exists():
-            # dead: what its ring holds is all there is; alive but slow to answer: its ring is current
-            how = (f"recovered from its ring: {ranks[rank]['exit']}" if code is not None
-                   else f"{reason} (read from its ring: it did not answer within {DUMP_GRACE:g} s)")
-            (directory / f"rank{rank}.json").write_text(json.dumps(read_ring(ring, reason=how), indent=1))
-    record = {"world_size": len(procs), "reason": reason, "ranks": ranks,
-              "failure": str(failure).splitlines()[0] if failure else None,
-              "failed_rank": getattr(failure, "rank", None),
-              "stderr_tail": getattr(failure, "stderr_tail", "")}
-    (directory / "world.json").write_text(json.dumps(record, indent=1))
-    if failure is not None and failure.args:
-        failure.args = (f"{failure.args[0]}\nflight recorder dumps in {directory}: "
-                        f"python -m collectives diagnose {directory}",) + failure.args[1:]

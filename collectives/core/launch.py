@@ -82,8 +82,8 @@ import torch
 import torch.distributed as dist
 
 from . import cluster as _cluster
-from . import flight_recorder as _flight
-from . import trace
+from . import flight_dumps, trace
+from . import flight_recorder as _recorder
 
 __all__ = ["run", "RankError", "WorldTimeout", "auto_backend"]
 
@@ -265,7 +265,7 @@ def _worker(rank, world_size, local_world_size, fn, args, kwargs, backend, port_
             dist.set_debug_level_from_env()
         if threads:
             torch.set_num_threads(threads)
-        _flight.start_from_env(rank, world_size)     # before gloo's threads: see its serve()
+        _recorder.start_from_env(rank, world_size)     # before gloo's threads: see its serve()
         status.set("starting: joining the store")
         init = datetime.timedelta(seconds=init_timeout)
         if machine is None:
@@ -410,9 +410,9 @@ def run(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwargs: d
     env = dict(env or {})
     if check is not None:
         env["COLLECTIVES_CHECK"] = "1" if check else "0"
-    recorder_dir = flight_recorder or env.get(_flight.ENV_DIR) or os.environ.get(_flight.ENV_DIR)
+    recorder_dir = flight_recorder or env.get(_recorder.ENV_DIR) or os.environ.get(_recorder.ENV_DIR)
     if recorder_dir:
-        env[_flight.ENV_DIR] = str(_flight.prepare(recorder_dir).resolve())
+        env[_recorder.ENV_DIR] = recorder_dir = str(flight_dumps.prepare(recorder_dir).resolve())
     stderr_dir = tempfile.mkdtemp(prefix="collectives-world-")
     stderr_paths = [os.path.join(stderr_dir, f"rank{rank}.stderr") for rank in range(world_size)]
     procs, conns = [], {}
@@ -432,10 +432,10 @@ def run(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwargs: d
             results = _collect(procs, conns, board, timeout, stderr_paths)
         except (WorldTimeout, RankError) as exc:
             if recorder_dir:        # every live rank dumps its calls before it is stopped
-                _flight.dump_world(env[_flight.ENV_DIR], procs, lambda r: board.read(r)[0], exc)
+                flight_dumps.dump_world(recorder_dir, procs, lambda r: board.read(r)[0], exc)
             raise
         if recorder_dir:
-            _flight.dump_world(env[_flight.ENV_DIR], procs, lambda r: board.read(r)[0], None)
+            flight_dumps.dump_world(recorder_dir, procs, lambda r: board.read(r)[0], None)
         _end(procs)
         for path in stderr_paths:    # a world that worked: its ranks' stderr, where it belongs
             text = _read_tail(path)
