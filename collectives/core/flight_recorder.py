@@ -111,8 +111,8 @@ class FlightRecorder:
         self.recorded = 0                    # calls seen; the next record_id
         self._seq: dict = {}                 # group (and its name) -> [collectives, point-to-point] so far
         self._groups: dict = {}              # group object -> (name, description, ranks, backend)
-        self._sites: dict = {}               # (op, group, peer, sizes, dtype, code, line) -> encoded text
-        self._inside: dict = {}              # code object -> is it torch's or collectives.core's?
+        self._sites: dict = {}               # (op, group, peer, sizes, dtype, code id, line) -> (code, text)
+        self._inside: dict = {}              # code id -> (code, is it torch's or collectives.core's?)
         self._waiting: dict[int, int] = {}   # record_id -> started ns, of the calls a rank waits in
         self._timed_out: set[int] = set()
         self._remove = None
@@ -132,10 +132,10 @@ class FlightRecorder:
             flat = [t for t in tensors if isinstance(t, _Tensor)]
             shapes, dtype = tuple(t.shape for t in flat), (flat[0].dtype if flat else None)
         code, line = self._caller()
-        key = (kind, group, peer, shapes, dtype, code, line)
-        text = self._sites.get(key)
-        if text is None:
-            text = self._describe(key, group)
+        # code objects hash their whole contents, every time: they are keyed by id (and checked)
+        key = (kind, group, peer, shapes, dtype, id(code), line)
+        site = self._sites.get(key)
+        text = site[1] if site is not None and site[0] is code else self._describe(key, code, group)
         record_id = self.recorded
         self.recorded += 1
         offset = SLOT_BYTES * (record_id % self.buffer_size + 1)
@@ -181,16 +181,16 @@ class FlightRecorder:
         inside = self._inside
         while frame is not None:
             code = frame.f_code
-            flag = inside.get(code)
-            if flag is None:
-                flag = inside[code] = code.co_filename.startswith(_INSIDE)
-            if not flag:
+            known = inside.get(id(code))
+            if known is None or known[0] is not code:
+                known = inside[id(code)] = (code, code.co_filename.startswith(_INSIDE))
+            if not known[1]:
                 return code, frame.f_lineno
             frame = frame.f_back
         return None, 0
 
-    def _describe(self, key, group) -> bytes:
-        kind, _, peer, shapes, dtype, code, line = key
+    def _describe(self, key, code, group) -> bytes:
+        kind, _, peer, shapes, dtype, _, line = key
         name, desc, ranks, backend = self._group(group)
         profiling = f"{backend}:{kind}"
         if kind in trace.SENDS:
@@ -207,10 +207,10 @@ class FlightRecorder:
                            "output_dtypes": dtypes if kind in _IN_PLACE else None,
                            "frames": frames}, separators=(",", ":")).encode()
         if len(text) > SLOT_BYTES - _HEAD.size:     # a long list of tensors: keep the first sizes
-            return self._describe((kind, group, peer, shapes[:4], dtype, code, line), group)
+            return self._describe((kind, group, peer, shapes[:4], dtype, id(code), line), code, group)
         if len(self._sites) > 4096:
             self._sites.clear()
-        self._sites[key] = text
+        self._sites[key] = (code, text)
         return text
 
     def _fail(self, offset: int, record_id: int, error) -> None:

@@ -3,8 +3,9 @@
 Three measurements, printed as a table and written as JSON (with the device, versions,
 date and command) to ``--out``:
 
-* **the recorder alone** (one rank, no communication): the listener a traced call tells of
-  its call, then of its start and its completion -- what the recorder adds to any call;
+* **the recorder alone** (one rank, no communication, CPU time): the listener a traced call
+  tells of its call, then of its start and its completion -- what the recorder adds to any
+  call, whatever else shares the cores;
 * **per call in a world** (``--world`` ranks, gloo on CPU, NCCL with a GPU per rank): a loop
   of ``all_reduce`` at each of ``--sizes``, and of a ring exchange (``isend`` + ``irecv`` +
   two waits), timed with the recorder off and on in alternating blocks (the median of
@@ -51,19 +52,20 @@ def _cpu_name() -> str:
 
 
 def listener_seconds(calls: int = 20000) -> float:
-    """Seconds the recorder spends on one call (posted, started, completed), on this rank."""
+    """Seconds the recorder spends on one call (posted, started, completed), on this rank: CPU
+    time of this thread, so that other processes sharing the cores do not count."""
     directory = tempfile.mkdtemp(prefix="collectives-bench-recorder-")
     recorder = flight_recorder.FlightRecorder(directory, dist.get_rank(), dist.get_world_size())
     x = torch.ones(8)
     try:
         for _ in range(100):
             recorder("all_reduce", None, x, None)("completed")
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         for _ in range(calls):
             end = recorder("all_reduce", None, x, None)
             end("started")
             end("completed")
-        return (time.perf_counter() - t0) / calls
+        return (time.thread_time() - t0) / calls
     finally:
         recorder.close()
         shutil.rmtree(directory, ignore_errors=True)
@@ -192,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'call':>12} {'size':>8} {'off':>10} {'on':>10} {'added':>9} {'on/off':>7} {'DETAIL':>10}")
     for r in result["rows"]:
         print(_row_text(r))
-    print(f"the recorder alone: {result['listener'] * 1e6:.2f} µs per call (posted, started, completed)")
+    print(f"the recorder alone: {result['listener'] * 1e6:.2f} µs of CPU per call (posted, started, completed)")
     meta = dict(command="python -m collectives bench-recorder " + " ".join(sys.argv[2:] if argv is None else argv),
                 date=started.isoformat(timespec="seconds"), torch=torch.__version__,
                 python=platform.python_version(), backend=backend, world_size=args.world, iters=args.iters,
@@ -225,6 +227,6 @@ def markdown(record: dict) -> str:
         detail = f"{r['detail'] * 1e6:.1f}" if "detail" in r else "--"
         lines.append(f"| `{r['call']}` | {timing.human_bytes(r['nbytes'])} | {off:.1f} | {on:.1f} | {on - off:+.1f} "
                      f"| {on / off:.3f} | {detail} |")
-    lines += ["", f"The recorder's own work, timed alone: **{record['listener_seconds'] * 1e6:.2f} µs per call** "
-                  "(posted, started, completed).", ""]
+    lines += ["", f"The recorder's own work, timed alone (CPU time): **{record['listener_seconds'] * 1e6:.2f} µs per "
+                  "call** (posted, started, completed).", ""]
     return "\n".join(lines)
