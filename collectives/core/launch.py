@@ -45,6 +45,9 @@ What it promises:
 * **no hangs** -- a watchdog ends a world that overruns ``timeout`` and raises
   :class:`WorldTimeout` saying where each rank was waiting ("rank 1 waiting in recv from
   rank 0"), read from the trace.
+* **a flight recorder** -- with ``flight_recorder=DIR`` every rank records its last calls
+  (:mod:`collectives.core.flight_recorder`) and, however the world ends, dumps them to
+  ``DIR`` before it is stopped: ``python -m collectives diagnose DIR`` names the culprit.
 * **nothing left behind** -- every child is killed and reaped on every way out, and a
   child dies with its parent.
 
@@ -80,6 +83,8 @@ import torch.distributed as dist
 
 from . import channels, trace
 from . import cluster as _cluster
+from . import flight_dumps
+from . import flight_recorder as _recorder
 
 __all__ = ["run", "run_world", "World", "RankError", "WorldTimeout", "auto_backend"]
 
@@ -259,8 +264,11 @@ def _worker(rank, world_size, local_world_size, fn, args, kwargs, backend, port_
                                or os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"))
             store_addr = cluster_env["MASTER_ADDR"]
         os.environ.update(env)
+        if "TORCH_DISTRIBUTED_DEBUG" in env:    # torch read it at import, in the parent
+            dist.set_debug_level_from_env()
         if threads:
             torch.set_num_threads(threads)
+        _recorder.start_from_env(rank, world_size)     # before gloo's threads: see its serve()
         status.set("starting: joining the store")
         init = datetime.timedelta(seconds=init_timeout)
         if machine is None:
@@ -357,7 +365,7 @@ def run_world(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwa
               check: bool | None = None, machines: int | None = None, link: str = "1gbit",
               burst: str = "256kb", rails: bool = False,
               cluster: "_cluster.Cluster | None" = None, secrets: bool = False,
-              stream: bool = False) -> World:
+              stream: bool = False, flight_recorder: str | os.PathLike | None = None) -> World:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return a :class:`World`.
 
     Args:
@@ -384,6 +392,9 @@ def run_world(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwa
             forked (:func:`collectives.core.channels.secret`); ``World.secrets`` holds them.
         stream: let each rank send objects as it goes (:func:`collectives.core.channels.send`);
             ``World.streams`` holds them, in order.
+        flight_recorder: a directory: every rank records its calls there and dumps them
+            (``rank<r>.json``) as the world ends, however it ends, with ``world.json``
+            (default ``COLLECTIVES_FLIGHT_RECORDER``; see :mod:`collectives.core.flight_recorder`).
 
     Raises:
         RankError: a rank raised or died; the message names it and carries its traceback.
@@ -405,7 +416,8 @@ def run_world(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwa
             return run_world(fn, world_size, args, kwargs, backend=backend, timeout=timeout,
                              start_method=start_method, local_world_size=local_world_size,
                              threads=threads, env=env, init_timeout=init_timeout, check=check,
-                             cluster=made, secrets=secrets, stream=stream)
+                             cluster=made, secrets=secrets, stream=stream,
+                             flight_recorder=flight_recorder)
     placements = [None] * world_size
     if cluster is not None:
         if world_size % cluster.n_machines:
@@ -427,6 +439,9 @@ def run_world(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwa
     env = dict(env or {})
     if check is not None:
         env["COLLECTIVES_CHECK"] = "1" if check else "0"
+    recorder_dir = flight_recorder or env.get(_recorder.ENV_DIR) or os.environ.get(_recorder.ENV_DIR)
+    if recorder_dir:
+        env[_recorder.ENV_DIR] = recorder_dir = str(flight_dumps.prepare(recorder_dir).resolve())
     stderr_dir = tempfile.mkdtemp(prefix="collectives-world-")
     stderr_paths = [os.path.join(stderr_dir, f"rank{rank}.stderr") for rank in range(world_size)]
     procs, conns, secret_ends, streams = [], {}, [], {}
@@ -458,7 +473,14 @@ def run_world(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwa
                 end.send_bytes(value)
                 end.close()
         received: list[list[Any]] = [[] for _ in range(world_size)]
-        results, counts = _collect(procs, conns, board, timeout, stderr_paths, streams, received)
+        try:
+            results, counts = _collect(procs, conns, board, timeout, stderr_paths, streams, received)
+        except (WorldTimeout, RankError) as exc:
+            if recorder_dir:        # every live rank dumps its calls before it is stopped
+                flight_dumps.dump_world(recorder_dir, procs, lambda r: board.read(r)[0], exc)
+            raise
+        if recorder_dir:
+            flight_dumps.dump_world(recorder_dir, procs, lambda r: board.read(r)[0], None)
         _end(procs)
         for path in stderr_paths:    # a world that worked: its ranks' stderr, where it belongs
             text = _read_tail(path)

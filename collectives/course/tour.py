@@ -91,6 +91,8 @@ TOUR = [
     TourEntry(8, "sparse threshold 1% (all-gather)", target="collectives.sparse:sparse_all_reduce",
               runner="collectives.course.sparse_bench:tour_threshold_allgather",
               loses="selection reads all n; fast link"),
+    TourEntry(9, "ring with flight recorder", target="collectives.ring:ring_all_reduce",
+              runner="collectives.course.debugging_bench:tour_runner", loses="a record per message"),
 ]
 
 
