@@ -81,9 +81,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from . import channels, trace
+from . import channels, flight_dumps, trace
 from . import cluster as _cluster
-from . import flight_dumps
 from . import flight_recorder as _recorder
 
 __all__ = ["run", "run_world", "World", "RankError", "WorldTimeout", "auto_backend"]
