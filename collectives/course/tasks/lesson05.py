@@ -721,15 +721,37 @@ def _ordered_list(seed_of) -> list[torch.Tensor]:
 MODES = ("double", "single")
 ORDERED_CALLS = 3
 
+# What the reducer's ordering and timing are read with, as the course wrote it: taken here,
+# in the grading process, before any rank imports the student's code; put back in the
+# rank before each check, and looked at again after it.
+_WATCHED = [(streams, ("checking", "new_stream", "new_event", "current_stream", "use", "record_stream")),
+            (streams.Checker, ("report", "touch", "all_reduce", "new_stream", "using")),
+            (streams.CheckedStream, ("wait_event", "wait_stream", "join", "tick", "record_event")),
+            (streams.CheckedEvent, ("record", "wait")), (streams._CheckedWork, ("wait",)),
+            (streams._Watch, ("__torch_dispatch__",)), (trace.TracedWork, ("wait",)), (trace, ("recording",))]
+_PRISTINE = {(owner, name): vars(owner)[name] for owner, names in _WATCHED for name in names}
+
+
+def _restore_course() -> None:
+    for (owner, name), value in _PRISTINE.items():
+        if vars(owner).get(name) is not value:
+            setattr(owner, name, value)
+
+
+def _course_replaced(exempt=()) -> list[str]:
+    return [f"{getattr(owner, '__name__', owner)}.{name}" for (owner, name), value in _PRISTINE.items()
+            if vars(owner).get(name) is not value and (owner, name) not in exempt]
+
 
 def probe_reducer(probe: Probe) -> dict:
     import torch.distributed as dist
 
     group = dist.new_group(list(SUBGROUP)) if probe.size > len(SUBGROUP) else None
     Reducer = probe.student("FusedAllReducer")
-    out: dict = {}
+    out: dict = {"replaced": []}
     for mode in MODES:
         _run_lists(probe, mode, group, out, prefix=f"{mode}: ")
+        _restore_course()
         key = f"{mode}: six flushes, timed"
         tensors = _six(lambda k, key=key: probe.seed(f"{key} {k}"))
 
@@ -741,20 +763,34 @@ def probe_reducer(probe: Probe) -> dict:
             return [(e.t0, e.t1) for e in t.collectives() if e.kind == "all_reduce"]
         timed.__name__ = "FusedAllReducer"
         out[key] = (probe.call(key, timed, tensors, mode == "double"), _flat(tensors))
+        out["replaced"] += _course_replaced()
+        _restore_course()
 
         def ordered(double):
-            calls = []
-            with streams.checking(raise_errors=False) as checker:
-                reducer = Reducer(THRESHOLD, BUFFER, torch.device("cpu"), double_buffer=double)
-                for k in range(ORDERED_CALLS):
-                    tensors = _ordered_list(lambda i, k=k: probe.seed(f"{mode}: ordered {k} {i}"))
-                    reducer.all_reduce(tensors)
-                    reducer.wait()
-                    calls.append(_flat(tensors))
-            return list(checker.violations), calls
+            calls, seen = [], []
+            report = streams.Checker.report
+
+            def reported(checker, line):        # every violation also kept here, as it is found
+                seen.append(line)
+                report(checker, line)
+            streams.Checker.report = reported
+            try:
+                with streams.checking(raise_errors=False):
+                    reducer = Reducer(THRESHOLD, BUFFER, torch.device("cpu"), double_buffer=double)
+                    for k in range(ORDERED_CALLS):
+                        tensors = _ordered_list(lambda i, k=k: probe.seed(f"{mode}: ordered {k} {i}"))
+                        reducer.all_reduce(tensors)
+                        reducer.wait()
+                        calls.append(_flat(tensors))
+                if vars(streams.Checker).get("report") is not reported:
+                    out["replaced"].append("Checker.report")
+            finally:
+                streams.Checker.report = report
+            return list(dict.fromkeys(seen)), calls
         ordered.__name__ = "FusedAllReducer"
         key = f"{mode}: streams ordered"
         out[key] = (probe.call(key, ordered, mode == "double"),)
+        out["replaced"] += _course_replaced(exempt={(streams.Checker, "report")})
     module = sys.modules[Reducer.__module__]     # where the reducer looks plan_layout up
     planned = []
 
@@ -801,6 +837,11 @@ def _judge_reducer(grading: Grading) -> Verdict:
                 verdict.add(_ordered_problem(run, r, mode))
             if verdict.problems:
                 return verdict
+        for r in range(size):
+            replaced = sorted(set(run.results[r]["replaced"]))
+            if replaced:
+                verdict.add(f"{what}, world of {size}, rank {r}: replaced what the course reads the streams' order "
+                            f"and the flushes' times with ({', '.join(replaced)})")
         for r in range(size):
             where = f"{what}, world of {size}, rank {r}, case the layout planned once per list of shapes"
             outcome, = run.results[r]["plans"]
