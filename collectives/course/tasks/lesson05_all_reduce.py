@@ -221,6 +221,12 @@ def _judge_lists(run: Run, verdict: Verdict, what: str, prefix: str = "") -> Non
                 verdict.add(f"{where}: refused only after communicating: check every tensor before the first call")
 
 
+def harness_cases(p: int) -> list:
+    """The harness's cases, each name once (at p = 1 and 2, "one element" and "fewer than p"
+    are the same case)."""
+    return list({case.name: case for case in verify.default_cases(p)}.values())
+
+
 def _single_pattern(case, p, rank, calls):
     group = list(case.group) if case.group is not None else list(range(p))
     expected = [(case.numel, _dt(case.dtype))] if case.numel else []
@@ -238,7 +244,7 @@ def probe_fused(probe: Probe) -> dict:
     def single(tensor, op=ReduceOp.SUM, group=None):
         fused([tensor], op=op, group=group, threshold_bytes=64 << 10, buffer_bytes=64 << 10)
     single.__name__ = "fused_all_reduce"
-    out["harness"] = probe_cases(probe, "fused_all_reduce", verify.default_cases(probe.size), fn=single)
+    out["harness"] = probe_cases(probe, "fused_all_reduce", harness_cases(probe.size), fn=single)
     return out
 
 
@@ -253,7 +259,7 @@ def judge_fused(grading: Grading) -> Verdict:
         if not verdict.problems and not verdict.not_written:
             harness = Run(run.size, run.secrets, [r["harness"] for r in run.results], run.calls, run.loose,
                           run.complete, run.check_traffic)
-            judge_cases(harness, verify.default_cases(size), verdict,
+            judge_cases(harness, harness_cases(size), verdict,
                         what="fused_all_reduce of one tensor", pattern=_single_pattern)
         if verdict.not_written or verdict.problems:
             break
