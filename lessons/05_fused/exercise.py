@@ -263,8 +263,8 @@ class FusedAllReducer:
                   it once when the buffer is made, so the first wait has something to wait
                   on). Without "buffer free", on a GPU the next group overwrites the buffer
                   while the previous one is still being copied out of it. On CPU,
-                  ``with streams.checking():`` reports a missing wait; the graded tests
-                  run your reducer inside it.
+                  ``with streams.checking():`` reports a missing wait; the grader
+                  runs your reducer inside it.
         """
         raise NotImplementedError("Lesson 5, task 5: FusedAllReducer.all_reduce")
 
