@@ -33,7 +33,7 @@ from .lesson05_inputs import (
     _short,
     _values,
 )
-from .world import Grading, Probe, Verdict, one_thread, outcome_problem
+from .world import Grading, Probe, Verdict, outcome_problem
 
 HERE = __name__
 LAYOUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64,
@@ -86,7 +86,6 @@ def probe_plan(probe: Probe) -> dict:
             for name, specs, threshold, buffer in layout_cases(probe.seed("layouts"))}
 
 
-@one_thread
 def _judge_plan(grading: Grading) -> Verdict:
     verdict = Verdict()
     run = grading.world(f"{HERE}:probe_plan", 1)
@@ -181,7 +180,6 @@ def _filled(filled, buffer: torch.Tensor):
     return ("", filled.detach().clone())
 
 
-@one_thread
 def _judge_copies(grading: Grading) -> Verdict:
     verdict = Verdict()
     for size in grading.sizes(WORLD):
@@ -328,7 +326,6 @@ def _view_record(view, buffer: torch.Tensor):
     return (tuple(view.shape), shares, view.storage_offset() - buffer.storage_offset(), view.detach().clone())
 
 
-@one_thread
 def _judge_slots(grading: Grading) -> Verdict:
     verdict = Verdict()
     run = grading.world(f"{HERE}:probe_slots", 1)

@@ -38,7 +38,7 @@ from .lesson05_inputs import (
     _one_call_problem,
     _values,
 )
-from .world import Grading, Probe, Run, Verdict, one_thread, outcome_problem
+from .world import Grading, Probe, Run, Verdict, outcome_problem
 
 HERE = __name__
 OPS = (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.AVG)
@@ -248,7 +248,6 @@ def probe_fused(probe: Probe) -> dict:
     return out
 
 
-@one_thread
 def judge_fused(grading: Grading) -> Verdict:
     verdict = Verdict()
     for size in grading.sizes(WORLD):
@@ -382,7 +381,6 @@ def probe_reducer(probe: Probe) -> dict:
     return out
 
 
-@one_thread
 def judge_reducer(grading: Grading) -> Verdict:
     verdict = Verdict()
     what = "FusedAllReducer"

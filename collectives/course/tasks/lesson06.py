@@ -36,7 +36,7 @@ from .lesson06_simulation import (
     _trainable,
 )
 from .tap import Call
-from .world import Grading, Probe, Run, Verdict, one_thread, outcome_problem
+from .world import Grading, Probe, Run, Verdict, outcome_problem
 
 HERE = __name__
 WORLD = 3
@@ -118,7 +118,6 @@ def probe_assign(probe: Probe) -> dict:
     return out
 
 
-@one_thread
 def _judge_assign(grading: Grading) -> Verdict:
     verdict = Verdict()
     run = grading.world(f"{HERE}:probe_assign", 1)
@@ -293,7 +292,6 @@ WHAT = {2: "BucketedReducer._mark_ready", 3: "BucketedReducer._finalize", 4: "Bu
 
 
 def _judge_training(task: int):
-    @one_thread
     def judge(grading: Grading) -> Verdict:
         verdict = Verdict()
         for size in grading.sizes(WORLD):

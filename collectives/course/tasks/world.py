@@ -273,23 +273,6 @@ class Verdict:
         return self.problems[0] + more
 
 
-def one_thread(judge: Callable[["Grading"], Verdict]) -> Callable[["Grading"], Verdict]:
-    """``judge`` run with one intra-op thread in the grading process: its expected values
-    are small tensors, and on a loaded machine a second thread can make a reduction over a
-    few ranks' inputs a thousand times slower. (The ranks run with one thread already.)"""
-    import functools
-
-    @functools.wraps(judge)
-    def judged(grading):
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            return judge(grading)
-        finally:
-            torch.set_num_threads(threads)
-    return judged
-
-
 def outcome_problem(where: str, outcome: Outcome, verdict: Verdict) -> bool:
     """Record ``outcome``'s failure in ``verdict``; True when there was one."""
     if outcome.not_written:
