@@ -41,6 +41,7 @@ import torch.distributed as dist
 from ..core import trace
 from .catalog import DEFAULT_TIMEOUT, lesson, world_timeout
 from .tasks import GradedTask, Grading, InWorldGrading, Verdict, run_task, tasks_of
+from .tasks.world import link_bytes_sent
 
 
 @dataclass
@@ -79,8 +80,11 @@ def exercise_spec(number: int, impl: str) -> str:
         return lesson(number).module
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
-    if path and os.path.basename(path) == "exercise.py":
-        return os.path.abspath(path)
+    if path and path.endswith(".py") and getattr(main, "LESSON", None) == number:
+        return os.path.abspath(path)              # the exercise file being run, wherever it is
+    other = os.environ.get("COLLECTIVES_EXERCISE_DIR")     # an instructor's copy of lessons/
+    if other:
+        return os.path.join(other, lesson(number).exercise.parent.name, "exercise.py")
     return str(lesson(number).exercise)
 
 
@@ -137,29 +141,57 @@ def _init_from_torchrun(timeout: float | None = None) -> None:
     trace.install(dist.get_rank())
 
 
-def _in_world(number: int, grading: InWorldGrading, chosen: list[int]) -> list[tuple[GradedTask, Verdict]]:
-    """Every chosen task in this world; after a hang the world is broken and the rest are not run."""
+def _costs(grading: InWorldGrading, rounds: int) -> str:
+    """Every rank's time in the task's probes and the bytes each machine's links sent in them,
+    exchanged through the store: "  (0.41-0.43 s per rank; links: machine 0 sent 3.1 MB, ...)"."""
+    import pickle
+
+    iface = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    sent = grading.probe_link_bytes if link_bytes_sent() is not None else None
+    mine = (grading.probe_seconds, os.environ.get("GROUP_RANK", "0"), iface, sent)
+    store = dist.distributed_c10d._get_default_store()
+    keys = [f"collectives/costs/{rounds}/{r}" for r in range(dist.get_world_size())]
+    store.set(keys[dist.get_rank()], pickle.dumps(mine))
+    store.wait(keys)
+    every = [pickle.loads(v) for v in store.multi_get(keys)]
+    times = sorted(t for t, *_ in every)
+    text = f"{times[0]:.2f}-{times[-1]:.2f} s per rank" if len(times) > 1 else f"{times[0]:.2f} s"
+    per_machine: dict[str, dict[str, int]] = {}      # machine -> its interfaces' bytes sent
+    for _, machine, name, nbytes in every:
+        if nbytes is not None:
+            per_machine.setdefault(machine, {})[name] = nbytes
+    if per_machine:
+        text += "; links: " + ", ".join(f"machine {m} sent {sum(v.values()) / 1e6:.1f} MB"
+                                        for m, v in sorted(per_machine.items()))
+    return f"  ({text})"
+
+
+def _in_world(number: int, grading: InWorldGrading, chosen: list[int],
+              costs: bool = False) -> list[tuple[GradedTask, Verdict, str]]:
+    """Every chosen task in this world; after a hang the world is broken and the rest are not
+    run. ``costs``: each task's time per rank and the bytes its links sent (for the lines)."""
     out, hung = [], ""
-    for task in _pick(tasks_of(number), chosen):
+    for i, task in enumerate(_pick(tasks_of(number), chosen)):
         if hung:
-            out.append((task, Verdict([f"not run: the world hung earlier, in {hung}"])))
+            out.append((task, Verdict([f"not run: the world hung earlier, in {hung}"]), ""))
             continue
+        grading.reset_costs()
         try:
             verdict = run_task(task, grading)
         except Exception as exc:  # noqa: BLE001 - a gloo timeout: this world can do no more
             hung = trace.current_context() or f"lesson {number} task {task.number}"
             verdict = Verdict([f"the world hung in {hung}: {str(exc).splitlines()[0][:200]}"])
-        out.append((task, verdict))
+        out.append((task, verdict, _costs(grading, i) if costs and not hung else ""))
     return out
 
 
 def _under_torchrun(number: int, spec: str, chosen: list[int], timeout: float, verbose: bool) -> None:
     _init_from_torchrun(timeout)
-    results = _in_world(number, InWorldGrading(spec, timeout=timeout), chosen)
+    results = _in_world(number, InWorldGrading(spec, timeout=timeout), chosen, costs=True)
     if dist.get_rank() == 0:
-        for task, verdict in results:
-            _say(task_line(task, verdict, verbose))
-        passed = sum(v.ok for _, v in results)
+        for task, verdict, costs in results:
+            _say(task_line(task, verdict, verbose) + costs)
+        passed = sum(v.ok for _, v, _ in results)
         _say(f"lesson {number}: {passed} of {len(results)} tasks pass on torchrun's world of {dist.get_world_size()}")
     _exit_without_teardown(False)
 
@@ -191,18 +223,22 @@ def check_all_reduce_agrees() -> list[str]:
 
 
 def _run_all(numbers: list[int], impl: str, timeout: float) -> list[tuple[int, str, bool, str]]:
+    """Every lesson's tasks in this world. Every rank says whether ``dist.all_reduce`` agrees
+    across the world (and where it sits); rank 0 prints every task's verdict."""
     rank = dist.get_rank()
     problems = check_all_reduce_agrees()
     where = ", ".join(f"{k}={os.environ[k]}" for k in ("GROUP_RANK", "LOCAL_RANK") if k in os.environ)
-    lines = [(0, f"dist.all_reduce agrees across {dist.get_world_size()} ranks"
-              + (f" ({where})" if where else ""), not problems, "; ".join(problems))]
+    _say(f"[rank {rank}] dist.all_reduce agrees across {dist.get_world_size()} ranks"
+         f"{f' ({where})' if where else ''}: {'PASS' if not problems else 'FAIL'}"
+         + "".join(f"\n    {p}" for p in problems))
+    lines = [(0, "dist.all_reduce agrees", not problems, "; ".join(problems))]
     for number in numbers:
         spec = lesson(number).module if impl == "reference" else str(lesson(number).exercise)
-        for task, verdict in _in_world(number, InWorldGrading(spec, timeout=timeout), []):
+        for task, verdict, _ in _in_world(number, InWorldGrading(spec, timeout=timeout), []):
             lines.append((number, f"task {task.number} {task.title}", verdict.ok, verdict.first_line()))
-    if rank == 0:
-        for number, title, ok, detail in lines:
-            _say(f"[lesson {number}] {title}: {'PASS' if ok else 'FAIL: ' + detail}")
+            if rank == 0:
+                _say(f"[lesson {number}] task {task.number} {task.title}: "
+                     + ("PASS" if verdict.ok else "FAIL: " + verdict.first_line()))
     return lines
 
 

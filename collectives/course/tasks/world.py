@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import time
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -196,6 +197,11 @@ class InWorldGrading(Grading):
     def __init__(self, spec: str, **kwargs):
         super().__init__(spec, check=True, **kwargs)
         self._rounds = 0
+        self.probe_seconds = 0.0    # this rank's time in probes (the student's code), since reset
+        self.probe_link_bytes = 0   # bytes this rank's link to other machines sent in them
+
+    def reset_costs(self) -> None:
+        self.probe_seconds, self.probe_link_bytes = 0.0, 0
 
     def sizes(self, *preferred: int) -> list[int]:
         return [dist.get_world_size()]
@@ -205,7 +211,11 @@ class InWorldGrading(Grading):
         _tap.install(mine.append)
         secret = int.from_bytes(os.urandom(8), "little")
         probe = Probe(self.spec, secret, mine.append)
+        before, started = link_bytes_sent(), time.perf_counter()
         result = resolve(probe_target)(probe, *args)
+        after = link_bytes_sent()
+        self.probe_seconds += time.perf_counter() - started
+        self.probe_link_bytes += after - before if before is not None and after is not None else 0
         _tap.install(lambda item: None)       # the exchange below is the course's own
         store = dist.distributed_c10d._get_default_store()
         self._rounds += 1
@@ -218,6 +228,23 @@ class InWorldGrading(Grading):
         split = [_split(calls) for _, _, calls in gathered]
         return Run(size, [g[0] for g in gathered], [g[1] for g in gathered], [c for c, _ in split],
                    [lo for _, lo in split], [], check_traffic=True)
+
+
+def link_bytes_sent() -> int | None:
+    """Bytes this rank's link to other machines has sent (``GLOO_SOCKET_IFNAME``, read from
+    /proc/net/dev: this process's network namespace); None on one machine."""
+    iface = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    if not iface or iface == "lo":
+        return None
+    try:
+        with open("/proc/net/dev") as f:
+            for line in f:
+                name, _, fields = line.partition(":")
+                if name.strip() == iface:
+                    return int(fields.split()[8])
+    except OSError:
+        pass
+    return None
 
 
 # ---- verdicts ---------------------------------------------------------------------------
