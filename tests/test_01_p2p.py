@@ -1,7 +1,7 @@
 """Lesson 1, point-to-point: the demos of what goes wrong, and the helpers on GPUs.
 
 The graded tasks (pass_token, exchange, ping_pong, measure_alpha_beta) are judged by
-collectives/course/tasks/lesson01.py, outside the ranks, on the reference as on a
+collectives/course/tasks/lesson01.py (and lesson01_timing.py), outside the ranks, on the reference as on a
 student's exercise; what is left here is what the lesson shows rather than grades.
 """
 
@@ -85,7 +85,7 @@ def _round_trip_run(echo_host):
 
 
 def test_a_round_trip_lies_between_its_messages_and_the_calls_around_them():
-    from collectives.course.tasks.lesson01 import round_trips
+    from collectives.course.tasks.lesson01_timing import round_trips
 
     # trip 1: sent at 10.0, echoed at 10.3, so at least 0.3 s; after the probe's 9.9 and
     # before the next send at 10.5, so at most 0.6 s. Trip 2: from 10.5 to its receive at

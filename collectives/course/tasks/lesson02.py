@@ -19,7 +19,7 @@ from .. import verify
 from ..verify import ALL_DTYPES, SENTINEL, Case
 from . import GradedTask
 from .allreduce import expected_output, judge_cases, messages_only, probe_cases
-from .lesson01 import holds, refused
+from .lesson01_messages import holds, refused
 from .tap import Call
 from .world import Grading, Probe, Verdict, outcome_problem, same, seed_of
 

@@ -20,7 +20,7 @@ from .. import verify
 from ..verify import Case
 from . import GradedTask
 from .allreduce import judge_cases, messages_only, probe_cases
-from .lesson01 import fingerprint_of
+from .lesson01_messages import fingerprint_of
 from .lesson02 import judge_expanded
 from .world import Grading, Probe, Verdict
 
