@@ -24,6 +24,18 @@ the times your messages were recorded, in seconds.
 
 Peer ranks are *global* ranks, as in ``dist.send(tensor, dst, group=group)``; turn a
 rank inside a group into a global one with ``ops.global_rank(group, group_rank)``.
+
+Course functions you may call (the sheet is checked against the code):
+
+    ops.group_rank_and_size(group=None) -> tuple[int, int]
+        This rank's index in ``group`` and the group's size (the world when ``group`` is
+        None).
+    ops.global_rank(group, group_rank) -> int
+        The global rank of ``group_rank`` in ``group``: what ``send``/``recv`` take.
+    cost.fit_alpha_beta(sizes_bytes, seconds) -> AlphaBeta
+        Least-squares fit of ``seconds = α + β·bytes`` (one-way message times).
+    cost.AlphaBeta(alpha, beta, gamma=0.0)
+        Latency ``alpha`` (s) and inverse bandwidth ``beta`` (s/byte) of one link.
 """
 
 from __future__ import annotations
@@ -61,6 +73,7 @@ def pass_token(token: torch.Tensor, group=None) -> torch.Tensor:
               the bug shows up only when the message grows). Order by parity: even
               ranks send then receive, odd ranks receive then send. Send
               ``token.contiguous()``: gloo refuses a non-contiguous tensor.
+    CALLS:    none
     """
     raise NotImplementedError("Lesson 1, task 1: pass_token")
 
@@ -84,6 +97,7 @@ def exchange(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, send_to: int,
               it waits on either. Do not touch ``send_tensor`` or read ``recv_tensor``
               before the waits: that is undefined behaviour.
               ``torch._debug_has_internal_overlap(t) == 1`` detects an expanded tensor.
+    CALLS:    none
     """
     raise NotImplementedError("Lesson 1, task 2: exchange")
 
@@ -101,6 +115,7 @@ def ping_pong(nbytes: int, iters: int = 10, group=None) -> list[float]:
     EXAMPLE:  ping_pong(1024, iters=3) -> [3.1e-05, 2.9e-05, 3.0e-05] on rank 0, [] on the others.
     HINT:     ``ops.group_rank_and_size(group)``; ``ops.global_rank(group, 1)`` is whom
               group rank 0 talks to.
+    CALLS:    ops.group_rank_and_size, ops.global_rank
     """
     raise NotImplementedError("Lesson 1, task 3: ping_pong")
 
@@ -120,6 +135,7 @@ def measure_alpha_beta(sizes: list[int] | None = None, iters: int = 10,
               [{"nbytes": 8, ...}, {"nbytes": 1048576, ...}]) on every rank.
     HINT:     only group rank 0 measured anything: put its one-way times in a float64
               tensor and ``dist.broadcast`` it from group rank 0 (a global rank!).
+    CALLS:    cost.fit_alpha_beta, cost.AlphaBeta
     """
     raise NotImplementedError("Lesson 1, task 4: measure_alpha_beta")
 

@@ -26,6 +26,32 @@ each carried the data it should (the root's tensor, piece i for rank i, ...).
 | 5    | all_gather from p−1 exchanges                    | all_gather                        | 2      |
 | 6    | all-reduce = reduce + broadcast                  | all_reduce_via_reduce_broadcast   | 2      |
 | 7    | broadcast along a binomial tree                  | tree_broadcast                    | 2      |
+
+Course functions you may call (the sheet is checked against the code):
+
+    ops.check_all_reduce_args(tensor, op=ReduceOp.SUM, group=None, *, what='all_reduce',
+                              compare=True, agree=None) -> bool
+        Raise a clear error for input an in-place all-reduce cannot honour; return whether
+        this rank takes part.
+    ops.work_buffer(tensor) -> torch.Tensor
+        A flat, contiguous buffer holding ``tensor``'s elements: the tensor's own memory
+        when it is contiguous, else a copy (to be written back with :func:`write_back`).
+    ops.write_back(tensor, flat) -> None
+        Copy ``flat`` into ``tensor`` (its data, detached) unless it already is ``tensor``'s
+        memory.
+    ops.combine_(acc, incoming, op) -> torch.Tensor
+        ``acc <- acc (op) incoming``, in place. AVG accumulates as SUM (see
+        :func:`finish_`).
+    ops.finish_(tensor, op, group_size) -> torch.Tensor
+        Apply what remains after the combining: for AVG, one division by the group size.
+    ops.group_rank_and_size(group=None) -> tuple[int, int]
+        This rank's index in ``group`` and the group's size (the world when ``group`` is
+        None).
+    ops.global_rank(group, group_rank) -> int
+        The global rank of ``group_rank`` in ``group``: what ``send``/``recv`` take.
+    p2p.exchange(send_tensor, recv_tensor, send_to, recv_from, group=None) -> None
+        Send ``send_tensor`` to ``send_to`` while receiving ``recv_tensor`` from
+        ``recv_from``.
 """
 
 from __future__ import annotations
@@ -75,6 +101,8 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None) -> None:
               ``ops.work_buffer(tensor)`` and ``ops.write_back(tensor, buffer)`` after; send
               ``tensor.contiguous()``. isend to everyone, then wait on all, lets the
               messages overlap.
+    CALLS:    ops.check_all_reduce_args, ops.work_buffer, ops.write_back, ops.group_rank_and_size,
+              ops.global_rank
     """
     raise NotImplementedError("Lesson 2, task 1: broadcast")
 
@@ -92,6 +120,7 @@ def reduce(tensor: torch.Tensor, dst: int = 0, op=ReduceOp.SUM, group=None) -> N
     EXAMPLE:  4 ranks, tensor = [r + 1] on rank r, reduce(tensor, dst=0, op=MAX) -> [4] on rank 0.
     HINT:     receive in group-rank order with one scratch buffer: a blocking recv from
               rank 1, then rank 2, ... never deadlocks, whoever sends first.
+    CALLS:    ops.check_all_reduce_args, ops.work_buffer, ops.write_back, ops.combine_, ops.finish_
     """
     raise NotImplementedError("Lesson 2, task 2: reduce")
 
@@ -108,6 +137,7 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
               scatter(t, scatter_list, src=0) -> t = [10 * r] on rank r.
     HINT:     the pieces may have another shape than ``tensor`` (same number of
               elements): ``tensor.copy_(piece.reshape(tensor.shape))``.
+    CALLS:    none
     """
     raise NotImplementedError("Lesson 2, task 3: scatter")
 
@@ -123,6 +153,7 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
               [2], [3]] on rank 3.
     HINT:     ``gather_list`` entries may be views: receive through ``ops.work_buffer`` and
               ``ops.write_back``.
+    CALLS:    ops.work_buffer, ops.write_back
     """
     raise NotImplementedError("Lesson 2, task 4: gather")
 
@@ -137,6 +168,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None
     EXAMPLE:  4 ranks, tensor = [r] on rank r -> tensor_list = [[0], [1], [2], [3]] everywhere.
     HINT:     in each round every rank sends one message and receives one: a permutation,
               so no rank is flooded and nothing waits in a cycle.
+    CALLS:    p2p.exchange
     """
     raise NotImplementedError("Lesson 2, task 5: all_gather")
 
@@ -151,6 +183,7 @@ def all_reduce_via_reduce_broadcast(tensor: torch.Tensor, op=ReduceOp.SUM, group
     EXAMPLE:  4 ranks, tensor = [r + 1] on rank r, op=SUM -> [10] everywhere; op=AVG -> [2.5].
     HINT:     group rank 0 is global rank ``ops.global_rank(group, 0)``; AVG needs no
               special case here -- reduce already divided.
+    CALLS:    ops.check_all_reduce_args, ops.work_buffer, ops.write_back, ops.global_rank
     """
     raise NotImplementedError("Lesson 2, task 6: all_reduce_via_reduce_broadcast")
 
@@ -169,6 +202,7 @@ def tree_broadcast(tensor: torch.Tensor, src: int = 0, group=None) -> None:
               The root sends 3 messages instead of 7.
     HINT:     blocking send and recv are safe here: a parent sends only after it has
               received, and each child posts its only recv at once.
+    CALLS:    ops.global_rank
     """
     raise NotImplementedError("Lesson 2, task 7: tree_broadcast")
 

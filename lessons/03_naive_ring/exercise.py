@@ -15,6 +15,29 @@ Each task runs your function on worlds of 1 to 4 ranks, on inputs only the check
 and records every message it makes where your code cannot reach: p − 1 messages of the
 whole tensor to the right neighbour, each carrying a rank's input, unchanged.
 
+Course functions you may call (the sheet is checked against the code):
+
+    ops.check_all_reduce_args(tensor, op=ReduceOp.SUM, group=None, *, what='all_reduce',
+                              compare=True, agree=None) -> bool
+        Raise a clear error for input an in-place all-reduce cannot honour; return whether
+        this rank takes part.
+    ops.work_buffer(tensor) -> torch.Tensor
+        A flat, contiguous buffer holding ``tensor``'s elements: the tensor's own memory
+        when it is contiguous, else a copy (to be written back with :func:`write_back`).
+    ops.write_back(tensor, flat) -> None
+        Copy ``flat`` into ``tensor`` (its data, detached) unless it already is ``tensor``'s
+        memory.
+    ops.combine_(acc, incoming, op) -> torch.Tensor
+        ``acc <- acc (op) incoming``, in place. AVG accumulates as SUM (see
+        :func:`finish_`).
+    ops.finish_(tensor, op, group_size) -> torch.Tensor
+        Apply what remains after the combining: for AVG, one division by the group size.
+    ops.group_rank_and_size(group=None) -> tuple[int, int]
+        This rank's index in ``group`` and the group's size (the world when ``group`` is
+        None).
+    ops.global_rank(group, group_rank) -> int
+        The global rank of ``group_rank`` in ``group``: what ``send``/``recv`` take.
+
 The reference is ``collectives/naive_ring.py``; the lesson page is docs/lessons/03-naive-ring.md.
 """
 
@@ -53,6 +76,8 @@ def naive_ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None) -> 
               both, every step: if every rank did a blocking send first, the ring would
               deadlock -- on gloo at every message size, one element included. Each rank
               sends exactly p − 1 messages of n elements.
+    CALLS:    ops.check_all_reduce_args, ops.work_buffer, ops.write_back, ops.combine_, ops.finish_,
+              ops.group_rank_and_size, ops.global_rank
     """
     raise NotImplementedError("Lesson 3, tasks 1-3: naive_ring_all_reduce")
 
