@@ -92,7 +92,8 @@ def draw(sizes, ratios, title, path: Path, run: dict, library: str) -> None:
     ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.set_title(title, fontsize=11)
     names = {name: name for name in ratios} | {"library": library}
-    record = claims.Record(path.stem, names=names, aliases={"library": ["the library"]}, meta=dict(run),
+    aliases = {"library": ["the library", "dist.all_reduce", library.split("'")[0].lower()]}
+    record = claims.Record(path.stem, names=names, aliases=aliases, meta=dict(run),
                            title=title)
     # times relative to the library's: 1 / ratio (lower is faster), the library itself 1
     relative = {name: [1 / v if v else float("inf") for v in values] for name, values in ratios.items()}

@@ -541,7 +541,7 @@ def command_problems(markdown: str) -> list[str]:
             continue
         for line in body.splitlines():
             program = _command_program(line)
-            if program in VENV_PROGRAMS:
+            if program in VENV_PROGRAMS and not re.match(r"\s*python3? -m venv\b", line):   # making the venv
                 problems.append(f"command {line.strip()[:70]!r}: write .venv/bin/{program}")
     prose = re.sub(r"^\s*```.*?^\s*```", " ", markdown, flags=re.S | re.M)
     for span in re.findall(r"`([^`\n]+)`", prose):

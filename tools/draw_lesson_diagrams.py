@@ -8,6 +8,9 @@
 * **03-naive-ring-steps**: one call of the naive ring on 4 ranks, drawn from its trace.
 * **01-ping-pong** (``--measure``): one-way time against message size by lesson 1's
   ping-pong on 2 gloo ranks, with the α + n·β fit; the record holds the fit and the table.
+* **02-broadcast** (``--measure``, a record without an image): linear against binomial-tree
+  broadcast on 4 and 8 ranks at 4 KiB and 4 MiB, median of 7 interleaved runs, beside the
+  α–β model fitted by a ping-pong in the same world.
 
 Lesson 4's figures are drawn by ``tools/lesson04_figures.py``. Every image goes with a record
 (``NAME.json``, :mod:`collectives.course.claims`) that the page's caption comes from.
@@ -136,6 +139,55 @@ def draw_ping_pong(out: Path, iters: int = 20) -> None:
     print(plots.save(fig, out / "01-ping-pong", record))
 
 
+def _broadcasts(sizes: list[int], iters: int) -> dict:
+    """Runs on every rank: fit α, β (ranks 0 and 1), then time both broadcasts at each size."""
+    import torch
+
+    from collectives import basics, p2p
+
+    link, _ = p2p.measure_alpha_beta([8, 1 << 10, 64 << 10, 1 << 20, 4 << 20], 10)
+    out = {}
+    for nbytes in sizes:
+        x = torch.ones(nbytes // 4)
+        runs = {"linear": lambda: basics.broadcast(x, 0), "tree": lambda: basics.tree_broadcast(x, 0)}
+        times = {k: [] for k in runs}
+        for fn in runs.values():
+            fn()
+        for _ in range(iters):
+            for k, fn in runs.items():
+                times[k] += timing.measure(fn, warmup=0, iters=1)
+        out[nbytes] = {k: timing.median(v) for k, v in times.items()}
+    return {"alpha": link.alpha, "beta": link.beta, "times": out}
+
+
+def measure_broadcasts(out: Path, iters: int = 7) -> None:
+    from collectives import basics
+
+    sizes = [4 << 10, 4 << 20]
+    names = {"linear": "the linear broadcast", "tree": "the tree broadcast"}
+    record = claims.Record("02-broadcast", names=names, aliases={"tree": ["the tree", "binomial tree"],
+                                                                 "linear": ["the linear one"]},
+                           title="Linear against binomial-tree broadcast",
+                           meta=claims.environment(iters=iters))
+    rows = []
+    for p in (4, 8):
+        res = launch.run(_broadcasts, p, args=(sizes, iters), timeout=600)[0]
+        link = cost.AlphaBeta(res["alpha"], res["beta"])
+        for nbytes in sizes:
+            t = res["times"][nbytes]
+            model = {k: basics.broadcast_cost(nbytes, p, tree=(k == "tree")).seconds(link) for k in t}
+            record.times(f"p{p} {nbytes}", t, where=f"{p} ranks, {timing.human_bytes(nbytes)}")
+            rows.append([str(p), timing.human_bytes(nbytes), claims.human(t["linear"]), claims.human(t["tree"]),
+                         claims.human(model["linear"]), claims.human(model["tree"])])
+    record.table = {"head": ["ranks", "size", "linear", "tree", "model: linear", "model: tree"], "rows": rows}
+    wins = sum(1 for c in record.comparisons if c["order"][0] == "tree")
+    record.fact("tally", f"The tree broadcast was the faster in {wins} of {len(record.comparisons)} cases.",
+                tree_wins=wins)
+    record.caption = record.text("tally")
+    print(record.save(out / "02-broadcast"))
+    print(record.caption)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--measure", action="store_true", help="also measure lesson 1's ping-pong")
@@ -146,6 +198,7 @@ def main() -> None:
     draw_naive_ring(args.out)
     if args.measure:
         draw_ping_pong(args.out)
+        measure_broadcasts(args.out)
 
 
 if __name__ == "__main__":

@@ -203,6 +203,16 @@ def draw_sweep(out: Path, machines: int, link: str, sizes: list[int], iters: int
     strip.sweep("model", sizes, model, label="the model")
     print(plots.save(winners, out / "04-winners", strip))
     print(record.caption)
+    naive = claims.Record("03-naive-ring-measured", names=NAMES, aliases=ALIASES, meta=meta,
+                          title="The naive ring against the ring and gloo's all_reduce")
+    three = {a: measured[a] for a in ("naive_ring", "ring", "gloo")}
+    naive.sweep("measured", sizes, three, label=f"measured on {p} ranks over {link} links")
+    naive.table = {"head": ["size", "gloo's all_reduce", "naive ring", "ring", "naive ring ÷ gloo"],
+                   "rows": [[timing.human_bytes(s), claims.human(three["gloo"][i]),
+                             claims.human(three["naive_ring"][i]), claims.human(three["ring"][i]),
+                             f"{three['naive_ring'][i] / three['gloo'][i]:.2f}×"] for i, s in enumerate(sizes)]}
+    naive.caption = naive.text()
+    print(naive.save(out / "03-naive-ring-measured"))
 
 
 def _model_crossover(p: int, fit: cost.AlphaBeta, sizes: list[int]) -> float | None:

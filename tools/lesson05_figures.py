@@ -1,4 +1,5 @@
-"""Lesson 5's figure, with the record of what it shows: docs/img/05-double-buffering.svg/.json.
+"""Lesson 5's figure and measured table, with the records of what they show:
+docs/img/05-double-buffering.svg/.json and docs/img/05-fused-bench.json.
 
     .venv/bin/python tools/lesson05_figures.py                 # ~1 min on 16 cores
     .venv/bin/python tools/lesson05_figures.py --quick --out /tmp/fig
@@ -8,6 +9,9 @@ The plain reducer of the lesson (:class:`collectives.fused.FusedAllReducer`) all
 ranks, with one buffer (SINGA's order) and with two (double buffering). Drawn: rank 0's
 trace of one call of each, the flushes' all-reduces from issue to landing, on one time
 axis. Recorded: the median of interleaved timed calls of each, which the caption states.
+The table: ``python -m collectives bench-fused``'s cases (its defaults: 1000 tensors of 1000
+float32 on 4 ranks, 40 runs in 4 interleaved rounds), each against one flat all-reduce of
+the same bytes.
 """
 
 from __future__ import annotations
@@ -97,6 +101,37 @@ def draw(out: Path, count: int, numel: int, buffer_bytes: int, iters: int) -> No
     print(record.caption)
 
 
+BENCH_CASES = {"separate calls": "one all-reduce per tensor", "flat all_reduce": "one flat all-reduce",
+               "flat + 2 copies": "the copy floor", "fused": "the fused all-reducer",
+               "fused, bound": "the fused all-reducer after bind()"}
+
+
+def bench_table(out: Path, count: int, numel: int, iters: int) -> None:
+    from collectives.course import fused_bench
+
+    rows = launch.run(fused_bench.bench, 4, args=(count, numel, 1 << 20, iters, 2), timeout=900)[0]
+    by_case = {r["case"]: r for r in rows}
+    values = {case: by_case[case]["seconds"] for case in BENCH_CASES if case in by_case}
+    record = claims.Record("05-fused-bench", names=BENCH_CASES,
+                           aliases={"fused": ["fusion", "the fused call"], "fused, bound": ["bind()"]},
+                           title="The fused all-reducer against its alternatives",
+                           meta=claims.environment(ranks=4, count=count, numel=numel, iters=iters,
+                                                   command_equivalent=".venv/bin/python -m collectives bench-fused"))
+    where = f"{count} float32 tensors of {numel} elements on 4 gloo ranks, median of {iters} runs"
+    record.times("fusion", {k: values[k] for k in ("separate calls", "fused")}, where=where)
+    copies = record.times("copies", {k: values[k] for k in ("flat all_reduce", "flat + 2 copies", "fused",
+                                                             "fused, bound")}, baseline="flat all_reduce")
+    copies["text"] = ("As multiples of one flat all-reduce of the same bytes: " + ", ".join(
+        f"{BENCH_CASES[k]} {values[k] / values['flat all_reduce']:.2f}×"
+        for k in ("flat + 2 copies", "fused", "fused, bound")) + ".")
+    record.table = {"head": ["case", "time (median)", "× one flat all-reduce"],
+                    "rows": [[BENCH_CASES[c], claims.human(values[c]), f"{values[c] / values['flat all_reduce']:.2f}×"]
+                             for c in BENCH_CASES if c in values]}
+    record.caption = record.text()
+    print(record.save(out / "05-fused-bench"))
+    print(record.caption)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "img")
@@ -106,8 +141,10 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.quick:
         draw(args.out, 200, 1000, 256 << 10, 3)
+        bench_table(args.out, 200, 1000, 4)
     else:
         draw(args.out, 1000, 1000, 1 << 20, args.iters)
+        bench_table(args.out, 1000, 1000, 40)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""Lesson 6's figures from real runs, each with the record of what it shows:
-docs/img/06-timeline.svg/.json and docs/img/06-sweep.svg/.json.
+"""Lesson 6's figures and measured table from real runs, each with the record of what it
+shows: docs/img/06-timeline.svg/.json, docs/img/06-sweep.svg/.json, docs/img/06-ddp-bench.json.
 
     .venv/bin/python tools/lesson06_figures.py [--steps 24]          # ~3 min on 16 cores
     .venv/bin/python tools/lesson06_figures.py --only sweep --steps 4 --out /tmp/fig   # to try it
@@ -8,7 +8,9 @@ Both come from 2 local gloo ranks running the lab's transformer
 (``collectives.course.bucketing_bench.LAB_SIZES``): the timeline from ``reducer.stats`` of a
 typical step, the sweep from full training steps at each bucket cap, once with backward on
 the CPU alone and once with ``--device-ms`` of off-CPU time per layer. Panels that compare
-share their axes; the records hold the numbers the captions state.
+share their axes; the records hold the numbers the captions state. The table is
+``python -m collectives bench-ddp``'s comparison (its defaults: the transformer, 2 ranks,
+25 MiB buckets, 20 rounds of one step of each variant).
 """
 
 from __future__ import annotations
@@ -110,18 +112,54 @@ def sweep(out: Path, device_ms: float, steps: int) -> None:
     print(plots.save(fig, out / "06-sweep", record))
 
 
+def ddp_table(out: Path, steps: int) -> None:
+    import importlib
+
+    from collectives.course import bucketing_bench as bb
+
+    importlib.import_module("torch._dynamo")     # DDP imports it on first use: once, before forking
+    model = bb.MODELS["transformer"]
+    cfg = dict(world=2, backend="gloo", bucket_cap_mb=25.0, first_bucket_cap_mb=25.0, steps=steps, warmup=3,
+               model="transformer", sizes=model["sizes"], batch=model["batch"])
+    result = launch.run(bb.run_rank, 2, args=(cfg,), timeout=900)[0]
+    keys = {"bucketed reducer": "reducer", "torch DDP": "ddp", "per-gradient after backward": "per_gradient"}
+    names = {"reducer": "the bucketed reducer", "ddp": "torch DDP",
+             "per_gradient": "one all-reduce per gradient after backward"}
+    values = {keys[v]: timing.median(result["times"][v]) for v in bb.VARIANTS}
+    paired = bb.paired_ratios(result["times"])
+    record = claims.Record("06-ddp-bench", names=names, aliases={"reducer": ["buckets", "bucketing"],
+                                                                 "per_gradient": ["per-gradient"]},
+                           title="One training step three ways",
+                           meta=claims.environment(ranks=2, config=cfg,
+                                                   command_equivalent=".venv/bin/python -m collectives bench-ddp"))
+    where = (f"one training step of a transformer ({result['tensors']} tensors, "
+             f"{timing.human_bytes(result['grad_bytes'])} of gradients), 2 gloo ranks, median of {steps} rounds")
+    record.times("step", values, where=where)
+    record.fact("paired", f"Within a round: the reducer took {paired['reducer / torch DDP']:.3f}× torch DDP's "
+                f"time (median of the rounds), and one all-reduce per gradient "
+                f"{paired['per-gradient / reducer']:.2f}× the reducer's.", paired=paired,
+                max_param_diff=result["diff"])
+    record.table = {"head": ["variant", "median step", "× the reducer"],
+                    "rows": [[names[k], claims.human(v), f"{v / values['reducer']:.2f}×"] for k, v in values.items()]}
+    record.caption = record.text()
+    print(record.save(out / "06-ddp-bench"))
+    print(record.caption)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=24, help="timed steps per bucket cap")
     parser.add_argument("--device-ms", type=float, default=5.0)
-    parser.add_argument("--only", choices=["timeline", "sweep"], default=None, help="draw one figure")
+    parser.add_argument("--only", choices=["timeline", "sweep", "ddp"], default=None, help="make one of them")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "img")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.only != "sweep":
+    if args.only in (None, "timeline"):
         timeline(args.out, args.device_ms)
-    if args.only != "timeline":
+    if args.only in (None, "sweep"):
         sweep(args.out, args.device_ms, args.steps)
+    if args.only in (None, "ddp"):
+        ddp_table(args.out, 20 if args.steps >= 20 else args.steps)
 
 
 if __name__ == "__main__":

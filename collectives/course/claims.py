@@ -9,7 +9,7 @@ device, the versions, the date and the command that made it::
                                                     "pipelined_ring": "the pipelined ring"})
     record.times("one call", {"ring": 0.37, "pipelined_ring": 0.81}, baseline="ring",
                  where="4 Mi float32 on 4 ranks")
-    record.caption = record.text("one call")        # "... the ring was 2.19× as fast as ..."
+    record.caption = record.text("one call")        # "... the ring ran 2.19× as fast as ..."
     plots.save(fig, IMG / "04-pipelining", record)   # the image and the record, together
 
 A page never states a comparison ahead of the data. It places the figure with
@@ -206,7 +206,7 @@ def compare_line(values: dict[str, float], names: dict[str, str] | None = None, 
     """One sentence from one measurement of each series: the times, and the fastest's margin.
 
     >>> compare_line({"ring": 0.37, "pipelined_ring": 0.81}, where="at 16 MiB")
-    'At 16 MiB: ring 370 ms, pipelined ring 810 ms; ring was 2.19× as fast as pipelined ring.'
+    'At 16 MiB: ring 370 ms, pipelined ring 810 ms; ring ran 2.19× as fast as pipelined ring.'
     """
     names = names or {}
     call = lambda k: names.get(k, k.replace("_", " "))   # noqa: E731
@@ -217,7 +217,7 @@ def compare_line(values: dict[str, float], names: dict[str, str] | None = None, 
         return f"{head}{times}."
     best, other = order[0], (baseline if baseline and baseline != order[0] else order[1])
     ratio = values[other] / values[best] if values[best] > 0 else float("inf")
-    return f"{head}{times}; {call(best)} was {ratio:.2f}× as fast as {call(other)}."
+    return f"{head}{times}; {call(best)} ran {ratio:.2f}× as fast as {call(other)}."
 
 
 def winners_line(sizes: Sequence[int], winners: Sequence[str], names: dict[str, str] | None = None, *,
@@ -284,6 +284,8 @@ def expectation(name: str, img: Path | None = None) -> str:
     return f"{record['caption']}\n({_source_line(record).replace('`', '')})"
 
 
+# {{ if: NAME }} ... {{ end }}: shown only with the record; {{ unless: NAME }} ... {{ end }}: only without
+_CONDITION = re.compile(r"\{\{\s*(if|unless):\s*([\w.-]+)\s*\}\}(.*?)\{\{\s*end\s*\}\}", re.S)
 # {{ figure: NAME | COMMAND }}  {{ claim: NAME ID }}  {{ table: NAME }}
 _PLACEHOLDER = re.compile(r"\{\{\s*(figure|claim|table):\s*([\w.-]+)\s*(?:\|\s*(.*?)\s*|([\w.-]+)\s*)?\}\}")
 
@@ -294,7 +296,13 @@ def expand(markdown: str, img_url: str = "../img", img: Path | None = None) -> s
     ``{{ figure: NAME | COMMAND }}``: the image, its caption and where it was measured, from
     ``NAME.json``; without a record, one line saying that COMMAND draws it. ``{{ claim: NAME
     ID }}``: that comparison's sentence, or nothing. ``{{ table: NAME }}``: the record's
-    table, or nothing."""
+    table, or nothing. ``{{ if: NAME }} ... {{ end }}``: the text between, only when the
+    record exists (a section of takeaways from it); ``{{ unless: NAME }} ... {{ end }}``:
+    only when it does not."""
+    def condition(m: re.Match) -> str:
+        present = load(m.group(2), img) is not None
+        return m.group(3) if present == (m.group(1) == "if") else ""
+
     def replace(m: re.Match) -> str:
         kind, name = m.group(1), m.group(2)
         command, claim_id = m.group(3), m.group(4)
@@ -318,7 +326,7 @@ def expand(markdown: str, img_url: str = "../img", img: Path | None = None) -> s
         lines = ["| " + " | ".join(table["head"]) + " |", "|" + "---|" * len(table["head"])]
         lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in table["rows"]]
         return "\n".join(lines)
-    return _PLACEHOLDER.sub(replace, markdown)
+    return _PLACEHOLDER.sub(replace, _CONDITION.sub(condition, markdown))
 
 
 def placeholders(markdown: str) -> list[tuple[str, str, str | None]]:
@@ -338,9 +346,11 @@ def record_problems(record: dict) -> list[str]:
 
 # -- hand-written sentences, held against the records -------------------------------------
 
-_BETTER = (r"faster than|quicker than|beats?|beat|outperforms?|ahead of|less time than|wins?\b|won\b|"
-           r"helps?|pays off|pays for itself|buys|gains?|saves time|speeds? up|is fastest|the fastest")
-_WORSE = r"slower than|behind|loses?( to)?|lost to|more time than|hurts?|is slowest|the slowest"
+# "X is faster than Y": needs its Y; "X wins": measured against the winner or the record's baseline
+_BETTER_THAN = r"faster than|quicker than|beats?|outperforms?|ahead of|less time than"
+_WORSE_THAN = r"slower than|behind|loses to|lost to|more time than"
+_BETTER = r"wins?|won|helps?|pays off|pays for itself|buys|gains?|saves time|speeds? up|is fastest|the fastest"
+_WORSE = r"loses|lose|hurts?|is slowest|the slowest"
 _NEGATION = re.compile(r"\b(not|never|no|n't|neither|nor|without)\b")
 _EVERY = re.compile(r"\b(every size|all sizes|everywhere|always|at every|throughout)\b")
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|KB|MB|GB)\b")
@@ -348,7 +358,7 @@ _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|KB|MB|GB)\b")
 
 def _strip_markdown(text: str) -> str:
     text = re.sub(r"```.*?```", " ", text, flags=re.S)            # code blocks
-    text = _PLACEHOLDER.sub(" ", text)                             # generated text is right by construction
+    text = _PLACEHOLDER.sub(" ", _CONDITION.sub(lambda m: m.group(3), text))   # generated: right by construction
     text = re.sub(r"`[^`]*`", " ", text)                           # code spans: names you type
     text = re.sub(r"\$\$.*?\$\$|\$[^$]*\$", " ", text, flags=re.S)  # math
     text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", text)        # links, images: their text
@@ -449,29 +459,31 @@ def contradictions(text: str, records: Iterable[dict]) -> list[str]:
             mentions = _mentions(sentence, record)
             if not mentions:
                 continue
-            cue = re.search(rf"\b({_BETTER})|\b({_WORSE})", low)
+            cue = re.search(rf"\b(?:({_BETTER_THAN})|({_WORSE_THAN})|({_BETTER})|({_WORSE}))\b", low)
             if not cue:
                 continue
-            positive = cue.group(1) is not None
-            before = [k for pos, k in mentions if pos < cue.start()]
-            after = [k for pos, k in mentions if pos > cue.start()]
-            clause = low[:cue.start()].rsplit(",", 1)[-1]
-            if _NEGATION.search(clause) or re.match(r"\s*nothing\b", low[cue.end():]):
+            positive = cue.group(1) is not None or cue.group(3) is not None
+            transitive = cue.group(1) is not None or cue.group(2) is not None
+            clause_start = max(low.rfind(",", 0, cue.start()), low.rfind(";", 0, cue.start())) + 1
+            subjects = [k for pos, k in mentions if clause_start <= pos < cue.start()]
+            objects = [k for pos, k in mentions if pos > cue.start()]
+            if _NEGATION.search(low[clause_start:cue.start()]) or re.match(r"\s*nothing\b", low[cue.end():]):
                 positive = not positive       # "does not help", "never beats", "buys nothing"
-            subject = before[-1] if before else None
-            other = after[0] if after else None
-            if subject is None:
-                continue
-            if other == subject:
-                other = None
-            better, worse = (subject, other) if positive else (other, subject)
-            if better is None:           # "X is slower" / "X loses": X behind the baseline
-                ok = _holds(record, worse, None, _size_in(sentence), False)
-                ok = None if ok is None else not ok
-            else:
-                ok = _holds(record, better, worse, _size_in(sentence), bool(_EVERY.search(low)))
-            if ok is False:
-                problems.append(f"{sentence!r}: record {record['figure']} says "
-                                + " ".join(c["text"] for c in record.get("comparisons", [])
-                                           if better in (c.get("values") or {}) or worse in (c.get("values") or {})))
+            if not subjects or (transitive and not objects):
+                continue                      # compared with something the record does not name
+            other = objects[0] if transitive else None
+            for subject in dict.fromkeys(subjects):
+                if subject == other:
+                    continue
+                better, worse = (subject, other) if positive else (other, subject)
+                if better is None:            # "X loses", "X is slowest": X behind the rest
+                    ok = _holds(record, worse, None, _size_in(sentence), False)
+                    ok = None if ok is None else not ok
+                else:
+                    ok = _holds(record, better, worse, _size_in(sentence), bool(_EVERY.search(low)))
+                if ok is False:
+                    said = " ".join(c["text"] for c in record.get("comparisons", [])
+                                    if better in (c.get("values") or {}) or worse in (c.get("values") or {}))
+                    problems.append(f"{sentence!r}: record {record['figure']} says {said}")
+                    break
     return problems
