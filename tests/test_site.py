@@ -190,6 +190,8 @@ def test_a_figure_needs_a_complete_record_and_its_placeholder(tmp_path):
     assert any("meta has no 'device'" in p for p in problems) and any("'torch'" in p for p in problems)
     problems = _planted_site(tmp_path / "b", "", placed=False)
     assert any("place it with {{ figure: 04-pipelining" in p for p in problems), problems
+    problems = _planted_site(tmp_path / "c", "{{ claim: 04-pipelining one call }}")   # a space in the id
+    assert any("not a placeholder the build understands" in p for p in problems), problems
 
 
 def test_a_placeholder_becomes_the_records_figure_or_says_what_draws_it(tmp_path):
@@ -201,7 +203,7 @@ def test_a_placeholder_becomes_the_records_figure_or_says_what_draws_it(tmp_path
     shown = claims.expand(page + "\n\n{{ claim: 04-pipelining timed }}", img=tmp_path / "docs" / "img")
     assert shown.startswith("![") and "(../img/04-pipelining.svg)" in shown
     assert "the ring ran 2.19× as fast as the pipelined ring" in shown
-    assert "Measured on a 16-core host, torch 2.13.0, 2026-11-24: `tools/lesson04_figures.py`." in shown
+    assert "Recorded on a 16-core host, torch 2.13.0, 2026-11-24: `tools/lesson04_figures.py`." in shown
 
 
 # --------------------------------------------------------------------------- one sitting

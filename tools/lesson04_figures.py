@@ -177,17 +177,17 @@ def draw_sweep(out: Path, machines: int, link: str, sizes: list[int], iters: int
                                  f"to {timing.human_bytes(sizes[-1])}, {p} ranks over {link} links")
     record.sweep("measured", sizes, {a: measured[a] for a in ALGOS}, label="measured")
     record.sweep("model", sizes, model, label="the α–β–γ model")
-    record.crossover("model crossover", sizes, "recursive_doubling", "ring", model, label="the model",
+    record.crossover("model-crossover", sizes, "recursive_doubling", "ring", model, label="the model",
                      at=_model_crossover(p, fit, sizes))
-    record.crossover("measured crossover", sizes, "recursive_doubling", "ring",
+    record.crossover("measured-crossover", sizes, "recursive_doubling", "ring",
                      {"recursive_doubling": measured["recursive_doubling"], "ring": measured["ring"]},
                      label="measured")
     ratio_alpha_beta = fit.alpha / fit.beta
-    record.fact("alpha/beta", f"The fit on this link: α = {claims.human(fit.alpha)}, 1/β = "
+    record.fact("alpha-over-beta", f"The fit on this link: α = {claims.human(fit.alpha)}, 1/β = "
                 f"{fit.bandwidth / 1e6:.0f} MB/s, so α/β = {timing.human_bytes(ratio_alpha_beta)}; "
                 f"1/γ = {1 / fit.gamma / 1e9:.1f} GB/s.", alpha_over_beta=ratio_alpha_beta)
     record.caption = (f"{where}. Solid: measured; dashed: the model. "
-                      + record.text("alpha/beta", "measured", "model", "model crossover", "measured crossover"))
+                      + record.text("alpha-over-beta", "measured", "model", "model-crossover", "measured-crossover"))
     head = ["size"] + [NAMES[a].removeprefix("the ") for a in ALGOS] + ["gloo"]
     record.table = {"head": head, "rows": [
         [timing.human_bytes(s)] + [f"{claims.human(measured[a][i])} ({claims.human(model[a][i])})" for a in ALGOS]

@@ -270,7 +270,7 @@ def _source_line(record: dict) -> str:
     meta = record.get("meta", {})
     date = str(meta.get("date", ""))[:10]
     versions = f"torch {meta.get('torch', '?')}" + (f", NCCL {meta['nccl']}" if meta.get("nccl") else "")
-    return (f"Measured on a {meta.get('device', 'machine not recorded')}, {versions}, {date}: "
+    return (f"Recorded on a {meta.get('device', 'machine not recorded')}, {versions}, {date}: "
             f"`{meta.get('command', '')}`.")
 
 
@@ -330,7 +330,8 @@ def expand(markdown: str, img_url: str = "../img", img: Path | None = None) -> s
 
 
 def placeholders(markdown: str) -> list[tuple[str, str, str | None]]:
-    """Every ``{{ kind: NAME ... }}`` in ``markdown``: (kind, name, claim id or None)."""
+    """Every ``{{ kind: NAME ... }}`` in ``markdown``: (kind, name, claim id or None). Names
+    and claim ids are letters, digits, ``_``, ``.`` and ``-``."""
     return [(m.group(1), m.group(2), m.group(4)) for m in _PLACEHOLDER.finditer(markdown)]
 
 
