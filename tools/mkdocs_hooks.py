@@ -138,9 +138,24 @@ def _url(page, target_src: str, files) -> str | None:
     return posixpath.relpath(target.url or ".", posixpath.dirname(page.url.rstrip("/") + "/x"))
 
 
+_CODE = re.compile(r"^( *)(```|~~~).*?^\1\2[ \t]*$|`[^`\n]+`", re.S | re.M)
+
+
+def expand_records(markdown: str, img_url: str) -> str:
+    """:func:`collectives.course.claims.expand` on the page's prose; code blocks and code
+    spans are left as written (a page about placeholders shows them, it does not fill them)."""
+    kept: list[str] = []
+
+    def hide(m: re.Match) -> str:
+        kept.append(m.group(0))
+        return f"\x00{len(kept) - 1}\x00"
+    prose = claims.expand(_CODE.sub(hide, markdown), img_url=img_url)
+    return re.sub(r"\x00(\d+)\x00", lambda m: kept[int(m.group(1))], prose)
+
+
 def on_page_markdown(markdown: str, page, config, files) -> str:
     img_url = posixpath.relpath("img", posixpath.dirname(page.file.src_uri) or ".")
-    markdown = claims.expand(markdown, img_url=img_url)
+    markdown = expand_records(markdown, img_url)
     lessons, _ = _by_src()
     item = lessons.get(page.file.src_uri)
     if item is None or not item.notebook.exists():
