@@ -223,18 +223,22 @@ def check_all_reduce_agrees() -> list[str]:
 
 
 def _run_all(numbers: list[int], impl: str, timeout: float) -> list[tuple[int, str, bool, str]]:
+    """Every lesson's tasks in this world. Every rank says whether ``dist.all_reduce`` agrees
+    across the world (and where it sits); rank 0 prints every task's verdict."""
     rank = dist.get_rank()
     problems = check_all_reduce_agrees()
     where = ", ".join(f"{k}={os.environ[k]}" for k in ("GROUP_RANK", "LOCAL_RANK") if k in os.environ)
-    lines = [(0, f"dist.all_reduce agrees across {dist.get_world_size()} ranks"
-              + (f" ({where})" if where else ""), not problems, "; ".join(problems))]
+    _say(f"[rank {rank}] dist.all_reduce agrees across {dist.get_world_size()} ranks"
+         f"{f' ({where})' if where else ''}: {'PASS' if not problems else 'FAIL'}"
+         + "".join(f"\n    {p}" for p in problems))
+    lines = [(0, "dist.all_reduce agrees", not problems, "; ".join(problems))]
     for number in numbers:
         spec = lesson(number).module if impl == "reference" else str(lesson(number).exercise)
         for task, verdict, _ in _in_world(number, InWorldGrading(spec, timeout=timeout), []):
             lines.append((number, f"task {task.number} {task.title}", verdict.ok, verdict.first_line()))
-    if rank == 0:
-        for number, title, ok, detail in lines:
-            _say(f"[lesson {number}] {title}: {'PASS' if ok else 'FAIL: ' + detail}")
+            if rank == 0:
+                _say(f"[lesson {number}] task {task.number} {task.title}: "
+                     + ("PASS" if verdict.ok else "FAIL: " + verdict.first_line()))
     return lines
 
 

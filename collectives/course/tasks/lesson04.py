@@ -162,14 +162,39 @@ def _p_minus_1_chunks(calls, n: int, p: int, right: int) -> str | None:
 
 # ---- tasks 3 to 7: the all-reduces ------------------------------------------------------
 
+def few_cases(p: int) -> list[Case]:
+    """A handful: an uneven size in SUM, MAX and AVG, fewer elements than ranks, nothing, a
+    strided view and the first p − 1 ranks as a subgroup."""
+    cases = [Case(1001, torch.float32, ReduceOp.SUM), Case(1001, torch.int64, ReduceOp.MAX),
+             Case(1001, torch.float64, ReduceOp.AVG), Case(max(p - 1, 1)), Case(0),
+             Case(1001, torch.int32, ReduceOp.PRODUCT, layout="strided")]
+    if p >= 3:
+        cases.append(Case(1001, torch.int64, ReduceOp.SUM, group=tuple(range(p - 1))))
+    return cases
+
+
+def _covering(p: int, depth: str) -> list[Case]:
+    if depth == "full":
+        return verify.default_cases(p, large=p == 4)
+    if depth == "quick":
+        return verify.default_cases(p, quick=True, large=False)
+    return few_cases(p)
+
+
+# How much of the harness each world size gets: the whole covering set where it matters
+# most -- 3 ranks (uneven chunks, not a power of two) and 4 (the 1 Mi-element case) -- the
+# quick set or a handful elsewhere, so that every task is judged in seconds.
+RING_DEPTH = {1: "quick", 2: "quick", 3: "full", 4: "full", 5: "few", 6: "few"}
+PIPELINED_DEPTH = {1: "quick", 2: "few", 3: "quick", 4: "quick", 5: "few", 6: "few"}
+RIVAL_DEPTH = {1: "few", 2: "quick", 3: "full", 4: "quick"}
+
+
 def ring_cases(p: int, pipelined: bool = False) -> list[Case]:
-    """The ring's cases: the covering set on 2-4 ranks (1 Mi elements on 4), the quick one on
-    1, 5 and 6 ranks and for the pipelined ring (its pieces make many more messages); sizes
-    every group size divides; the counted call."""
-    cases = verify.default_cases(p, large=(p == 4 and not pipelined), quick=pipelined or p not in (2, 3, 4))
+    """The ring's cases at ``p`` ranks (:data:`RING_DEPTH`), sizes every group size divides,
+    and the counted call."""
+    cases = _covering(p, (PIPELINED_DEPTH if pipelined else RING_DEPTH)[p])
     cases += [Case(60 * p, torch.float32, ReduceOp.SUM), Case(60 * p, torch.int64, ReduceOp.MAX),
-              Case(60 * p, torch.float64, ReduceOp.AVG), Case(60 * p, torch.float32, ReduceOp.SUM, values="random"),
-              Case(60 * p, torch.int32, ReduceOp.PRODUCT, layout="strided")]
+              Case(60 * p, torch.float64, ReduceOp.AVG), Case(60 * p, torch.float32, ReduceOp.SUM, values="random")]
     for case in list(cases):
         if case.group is not None and len(case.group) > 1 and case.numel == 1001:
             cases.append(Case(60 * len(case.group), torch.int64, ReduceOp.SUM, group=case.group))
@@ -178,7 +203,7 @@ def ring_cases(p: int, pipelined: bool = False) -> list[Case]:
 
 
 def rival_cases(p: int) -> list[Case]:
-    return verify.default_cases(p, large=p == 4, quick=p != 4) + [Case(POW2_N), Case(RING_N)]
+    return _covering(p, RIVAL_DEPTH[p]) + [Case(POW2_N), Case(RING_N)]
 
 
 def probe_all_reduce(probe: Probe, name: str, cases: list[Case], kwargs: dict | None,
