@@ -3,6 +3,8 @@ a task still a stub says which task, in one line, instead of a traceback or the 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -35,7 +37,7 @@ def test_unwritten_task_names_itself_before_a_world_starts():
     lab = Lab(4, "exercise")
     with pytest.raises(TaskNotWritten) as caught:
         lab.target("tree_all_reduce")
-    assert str(caught.value) == ("task 7 of lesson 4 is not written yet (tree_all_reduce): "
+    assert str(caught.value) == ("tree_all_reduce is not written yet (Lesson 4, task 7): "
                                  "write it or set IMPL = 'reference'")
     # a notebook shows the one line, not a traceback
     assert caught.value._render_traceback_() == [f"TaskNotWritten: {caught.value}"]
@@ -46,13 +48,13 @@ def test_unwritten_task_names_itself_before_a_world_starts():
 
 def test_calling_an_unwritten_task_says_which_task():
     lab = Lab(4, "exercise")
-    with pytest.raises(TaskNotWritten, match=r"^task 3 of lesson 4 is not written yet \(ring_all_reduce\)"):
+    with pytest.raises(TaskNotWritten, match=r"^ring_all_reduce is not written yet \(Lesson 4, task 3\)"):
         lab.ring_all_reduce(torch.ones(4))
 
 
 def test_a_rank_running_into_a_stub_stops_the_cell_with_the_task():
     lab = Lab(4, "exercise")
-    with pytest.raises(TaskNotWritten, match=r"^task 1 of lesson 4 is not written yet \(ring_reduce_scatter\)"):
+    with pytest.raises(TaskNotWritten, match=r"^ring_reduce_scatter is not written yet \(Lesson 4, task 1\)"):
         lab.run(_reduce_scatter_in_a_rank, 2, timeout=60)
 
 
@@ -70,5 +72,62 @@ def test_written_tasks_run_the_students_code(monkeypatch, tmp_path):
     x = torch.ones(3)
     lab.ring_all_reduce(x)
     assert x.tolist() == [2.0, 2.0, 2.0]
-    with pytest.raises(TaskNotWritten, match="task 7 of lesson 4"):
+    with pytest.raises(TaskNotWritten, match=r"\(Lesson 4, task 7\)"):
         lab.target("tree_all_reduce")
+
+
+# --------------------------------------------------------------------------- the labs use the switch
+
+SWITCHED_LABS = (1, 2, 3, 4, 5, 6, 9)   # lessons 7 and 8 follow on their own pages
+
+
+@pytest.mark.parametrize("number", SWITCHED_LABS)
+def test_every_world_a_lab_starts_goes_through_its_switch(number):
+    import inspect
+    import json
+
+    from collectives.course.catalog import lesson
+
+    item = lesson(number)
+    cells = ["".join(c["source"]) for c in json.loads(item.notebook.read_text())["cells"] if c["cell_type"] == "code"]
+    setup = re.search(r"^(\w+) = Lab\(" + str(number) + r", IMPL\)", cells[0], re.M)
+    assert setup and re.search(r'^IMPL = "reference"', cells[0], re.M), f"lab {number}: no switch in its first cell"
+    name = setup.group(1)
+    exercise = impl.load_module(str(item.exercise.relative_to(impl.ROOT)))
+    written = [k for k, v in vars(exercise).items() if not k.startswith("_")
+               and (inspect.isfunction(v) or inspect.isclass(v)) and v.__module__ == exercise.__name__]
+    for i, code in enumerate(cells):
+        assert "launch.run(" not in code, f"lab {number}, code cell {i}: start worlds with {name}.run"
+        for fn in written:
+            # the lesson's own functions only through the switch: never imported, never named by module
+            assert not re.search(rf"import[^\n]*\b{fn}\b|{re.escape(item.module)}[.:]{fn}\b", code), \
+                f"lab {number}, code cell {i} takes {fn} from the reference, not from {name}"
+
+
+def test_the_whole_diagnosis_runs_the_students_checks():
+    from collectives.debugging import diagnose, synth
+
+    dumps = synth.scenario_dumps("skip", seed=3)
+    assert diagnose(dumps, checks=Lab(9, "reference")) == diagnose(dumps)
+    with pytest.raises(TaskNotWritten, match=r"^find_mismatch is not written yet \(Lesson 9, task 2\)"):
+        diagnose(dumps, checks=Lab(9, "exercise"))
+
+
+def test_a_lab_run_on_the_stubs_stops_at_the_first_task_with_its_name():
+    import nbformat
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
+
+    from collectives.course import labs
+
+    nb = nbformat.read(labs.NOTEBOOK_DIR / "01_p2p.ipynb", as_version=4)
+    nb.cells[1].source = nb.cells[1].source.replace('IMPL = "reference"', 'IMPL = "exercise"')
+    client = NotebookClient(nb, timeout=120, kernel_name="python3",
+                            resources={"metadata": {"path": str(labs.NOTEBOOK_DIR)}})
+    with pytest.raises(CellExecutionError) as caught:
+        client.execute()
+    failed = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
+    assert len(failed) == 1 and failed[0].ename == "TaskNotWritten", failed
+    assert failed[0].evalue == "pass_token is not written yet (Lesson 1, task 1): write it or set IMPL = 'reference'"
+    assert failed[0].traceback == [f"TaskNotWritten: {failed[0].evalue}"], "one line, not a traceback"
+    assert "pass_token" in caught.value.ename + str(caught.value)

@@ -73,19 +73,20 @@ def spec_for(number: int, kind: str = "reference") -> str:
 
 _STUB = re.compile(r"Lesson (\d+), task (\d+): (\w+)")
 _RAISED = re.compile(r"NotImplementedError\W*" + _STUB.pattern)   # the stub's own message, not its docstring
+_TOLD = re.compile(r"(\w+) is not written yet \(Lesson (\d+), task (\d+)\)")   # a TaskNotWritten's, from a rank
 
 
 class TaskNotWritten(NotImplementedError):
     """A lab cell needs a task of the exercise that is still a stub.
 
-    Shown in a notebook as its one-line message, not as a traceback: ``task 5 of lesson 4
-    is not written yet (recursive_doubling_all_reduce): write it or set IMPL =
-    'reference'``."""
+    Shown in a notebook as its one-line message, not as a traceback, in the stub's own words:
+    ``recursive_doubling_all_reduce is not written yet (Lesson 4, task 5): write it or set
+    IMPL = 'reference'``."""
 
     def __init__(self, lesson: int | str, task: int | str | None, name: str):
         self.lesson, self.task, self.name = lesson, task, name
-        which = f"task {task} of lesson {lesson}" if task is not None else f"{name} of lesson {lesson}"
-        super().__init__(f"{which} is not written yet ({name}): write it or set IMPL = 'reference'")
+        where = f"Lesson {lesson}, task {task}" if task is not None else f"Lesson {lesson}"
+        super().__init__(f"{name} is not written yet ({where}): write it or set IMPL = 'reference'")
 
     def _render_traceback_(self) -> list[str]:     # IPython shows these lines instead of a traceback
         return [f"{type(self).__name__}: {self}"]
@@ -94,6 +95,9 @@ class TaskNotWritten(NotImplementedError):
     def from_text(cls, text: str, lesson: int, name: str = "") -> "TaskNotWritten":
         """From a stub's message ("Lesson 4, task 5: recursive_doubling_all_reduce") found in
         ``text``; without one, naming ``name``."""
+        told = _TOLD.search(text)
+        if told:
+            return cls(told.group(2), told.group(3), told.group(1))
         m = _RAISED.search(text) or _STUB.search(text)
         return cls(m.group(1), m.group(2), m.group(3)) if m else cls(lesson, None, name or "a function")
 
