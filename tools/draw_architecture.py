@@ -21,14 +21,14 @@ from collectives.course.catalog import LESSONS  # noqa: E402
 
 OUT = ROOT / "docs" / "img" / "architecture-layers.svg"
 # Lessons being written, shown before the map has them: number -> (folder, what it teaches).
-LESSONS_COMING = {9: ("debugging/", "when collectives go wrong")}
+LESSONS_COMING: dict[int, tuple[str, str]] = {}
 COURSE = [("catalog", "lesson map"), ("impl", "reference or yours"), ("verify", "harness"),
-          ("runner", "exercises"), ("grading", "make grade"), ("tour", "make tour"),
+          ("runner", "exercises"), ("tasks/", "graded tasks"), ("tour", "make tour"),
           ("*_bench", "benchmarks"), ("plots", "figures"), ("claims", "figure records"), ("cli", "commands")]
 CORE = [("launch", "worlds"), ("ops", "checks"), ("trace", "who sent what"), ("streams", "CPU stand-ins"),
         ("timing", "fair timing"), ("cost", "α–β model"), ("nccl_memory", "registered"),
-        ("cluster", "machines")]
-OUTSIDE = [("lessons/NN/exercise.py", "stubs; run_tasks(...)"), ("tests/test_NN_*.py", "--impl reference | exercise"),
+        ("cluster", "machines"), ("flight_recorder", "last calls")]
+OUTSIDE = [("lessons/NN/exercise.py", "stubs; run_tasks(...)"), ("tests/test_NN_*.py", "the reference's checks"),
            ("notebooks/NN_*.ipynb", "labs, run by the suite"), ("docs/, mkdocs.yml", "lesson pages, API"),
            ("tools/", "figures, site check")]
 W = 1000
