@@ -276,15 +276,12 @@ def test_lab_titles_and_links_read_like_the_nav():
             continue
         assert lesson.startswith(f"Lesson {item.number}: ") and lab.startswith(f"Lab {item.number}: ")
         assert lesson.split(": ", 1)[1] == lab.split(": ", 1)[1], f"lesson {item.number} and its lab are named apart"
-        if item.number in check_site.LESSONS_PENDING_REWRITE or item.number in LAB_TITLES_PENDING:
+        if item.number in check_site.LESSONS_PENDING_REWRITE:
             continue
         cells = json.loads(item.notebook.read_text(encoding="utf-8"))["cells"]
         h1 = "".join(cells[0]["source"]).splitlines()[0]
         assert h1 == f"# {lab}", f"{item.notebook.name} opens with {h1!r}, the nav calls it {lab!r}"
 
-
-# Lab 6's notebook gets a profiler cell now, from another change; its title follows with it.
-LAB_TITLES_PENDING = {6}
 
 
 def test_lesson_pages_point_at_lab_sections_that_exist():
