@@ -138,3 +138,16 @@ def test_a_lab_run_on_the_stubs_stops_at_the_first_task_with_its_name(monkeypatc
     assert "pass_token" in nb.cells[[k for k, c in enumerate(nb.cells) if c.cell_type == "code"][cell]].source
     assert str(exc) == "pass_token is not written yet (Lesson 1, task 1): write it or set IMPL = 'reference'"
     assert namespace["IMPL"] == "exercise" and namespace["p2p"].impl == "exercise"
+
+
+def test_lab_6s_timelines_and_sweeps_run_the_switchs_reducer():
+    from collectives.course import bucketing_bench
+
+    lab = Lab(6, "exercise")
+    tiny = dict(vocab=16, d_model=8, nhead=2, ff=16, layers=1, seq=4)
+    with pytest.raises(TaskNotWritten, match=r"is not written yet \(Lesson 6, task \d\)"):
+        lab.run(bucketing_bench.sweep_rank, 2, args=([1.0],),
+                kwargs=dict(sizes=tiny, steps=1, reducer=lab.target("BucketedReducer")), timeout=60)
+    # with "reference" the same cells run the course's reducer (lab 6 runs so in the suite)
+    assert bucketing_bench._reducer_class(Lab(6, "reference").target("BucketedReducer")) is \
+        bucketing_bench.BucketedReducer
