@@ -259,6 +259,16 @@ def test_every_command_on_every_page_is_written_one_way():
                           + "\n".join(problems))
 
 
+def test_every_table_on_every_page_is_one_table():
+    pages = sorted(p for p in (ROOT / "docs").rglob("*.md") if not p.is_relative_to(REFERENCE))
+    problems = [f"{p.relative_to(ROOT)}: {problem}" for p in pages
+                for problem in check_site.table_problems(p.read_text(encoding="utf-8"))]
+    assert not problems, "\n".join(problems)
+    # the benchmarks page's GPU ring table, as it was: header at the margin, rows in a note's indent
+    assert check_site.table_problems("| p | ratio |\n    |---|---|\n    | 4 | 0.77 |\n") == [
+        "line 2: a table row indented unlike the row above ('|---|---|')"]
+
+
 def test_the_command_check_catches_the_other_ways():
     text = ("```bash\npython -m collectives bench\nsudo PYTHONPATH=. torchrun --nproc-per-node 2 x.py\n"
             "make test\n.venv/bin/python -m pytest\n# python in a comment\n```\n"

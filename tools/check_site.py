@@ -538,6 +538,18 @@ def _command_program(line: str) -> str | None:
     return words[0]
 
 
+def table_problems(markdown: str) -> list[str]:
+    """Table rows indented unlike the row above: Markdown then reads them as one paragraph
+    of pipes (a header left at the margin over rows moved into a note, or the other way)."""
+    problems = []
+    lines = markdown.splitlines()
+    for number, (above, line) in enumerate(zip(lines, lines[1:]), start=2):
+        if above.lstrip().startswith("|") and line.lstrip().startswith("|"):
+            if len(above) - len(above.lstrip()) != len(line) - len(line.lstrip()):
+                problems.append(f"line {number}: a table row indented unlike the row above ({line.strip()[:40]!r})")
+    return problems
+
+
 def command_problems(markdown: str) -> list[str]:
     """Commands written another way than ``.venv/bin/python ...``, ``.venv/bin/torchrun
     ...`` or ``make ...``: in shell code blocks and in inline code."""
