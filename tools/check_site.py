@@ -11,6 +11,12 @@ Chromium, with no network beyond that server. A page fails on:
   must read offline;
 * clipping at 1400 px: a code block (or a notebook cell) that scrolls sideways, a table
   wider than its column; math left untypeset;
+* claims that are not data: a figure placed without its record, a record without the
+  device, versions, date and command, a hand-written sentence that compares what a
+  record compares the other way round (:func:`claim_problems`, which runs without a
+  browser and is also a test of its own);
+* illegible figures: a code name in a table heading broken over two lines, a figure
+  that does not enlarge when tapped, a PNG drawn at less than twice its shown size;
 * missing content: a lesson page without the sections every lesson promises
   (objectives, a diagram, the cost, the exercise tasks as a table with difficulty and
   minutes, how to run it with torchrun and ``make grade``, credits, a link to its
@@ -46,7 +52,7 @@ from urllib.parse import urljoin, urlparse
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from collectives.course import labs  # noqa: E402
+from collectives.course import claims, labs  # noqa: E402
 from collectives.course.catalog import LESSONS  # noqa: E402
 
 CHROMIUM_CANDIDATES = ("/usr/bin/chromium", "chromium", "chromium-browser", "google-chrome")
@@ -343,6 +349,226 @@ def check_notebook_page(item, seen: dict, fetch) -> list[str]:
     return problems
 
 
+# --------------------------------------------------------------------------- legibility
+
+# Runs in the page once it has loaded: what a reader on a phone or a wide screen cannot read.
+_INSPECT_LEGIBILITY = r"""
+() => {
+  const article = document.querySelector("article.md-content__inner") || document.body;
+  return {
+    // a code name in a table heading that the browser broke over two lines
+    wrappedHeadCode: [...article.querySelectorAll("th code")]
+        .filter(c => c.getClientRects().length > 1).map(c => c.textContent.trim()),
+    // every figure can be tapped to see it large (docs/javascripts/lightbox.js marks them)
+    images: [...article.querySelectorAll("img")].filter(i => i.offsetParent !== null).map(i => ({
+        src: i.currentSrc || i.src, zoom: i.dataset.zoom === "1", shown: i.clientWidth,
+        natural: i.naturalWidth, png: /\.png($|\?)/.test(i.currentSrc || i.src),
+        inCell: !!i.closest(".jp-OutputArea-output")})),
+  };
+}
+"""
+
+
+def check_legibility(seen: dict) -> list[str]:
+    """Problems a reader would have with what :data:`_INSPECT_LEGIBILITY` saw."""
+    problems = [f"table heading breaks the name {name!r} over two lines (th code must not wrap)"
+                for name in seen["wrappedHeadCode"]]
+    for img in seen["images"]:
+        name = img["src"].rsplit("/", 1)[-1]
+        if not img["zoom"]:
+            problems.append(f"figure {name} does not enlarge when tapped (lightbox.js)")
+        if img["png"] and not img["inCell"] and img["shown"] and img["natural"] < 1.5 * img["shown"]:
+            problems.append(f"figure {name} is a PNG of {img['natural']} px shown at {img['shown']} px: "
+                            "draw it as SVG (plots.save) or at twice its size")
+    return problems
+
+
+# --------------------------------------------------------------------------- a claim is data
+
+# Lessons whose pages, labs and figures are being rewritten now: the word budget, the rule
+# that every figure on a lesson page has a record and the one way to write commands hold
+# them once they leave this set. One edit brings a lesson in.
+LESSONS_PENDING_REWRITE = (7, 8)
+# The words a student reads on a lesson page with every collapsed block closed (the
+# teaching core: objectives, picture, algorithm, cost, exercise, takeaways).
+WORD_BUDGET = {"default": 2500}
+DOCS = ROOT / "docs"
+
+
+def _collapsed_and_code_removed(markdown: str) -> str:
+    """``markdown`` without fenced code, HTML comments, placeholders, and the bodies of
+    collapsed blocks (``??? note``: closed until the reader opens them)."""
+    text = re.sub(r"<!--.*?-->", " ", markdown, flags=re.S)
+    out, skip_indent, fence = [], None, None
+    for line in text.splitlines():
+        stripped = line.lstrip()
+        indent = len(line) - len(stripped)
+        if fence is not None:
+            if stripped.startswith(fence):
+                fence = None
+            continue
+        if skip_indent is not None:
+            if not stripped or indent > skip_indent:
+                continue
+            skip_indent = None
+        if stripped.startswith(("```", "~~~")):
+            fence = stripped[:3]
+            continue
+        if re.match(r"\?\?\?\+?\s", stripped) and not stripped.startswith("???+"):
+            skip_indent = indent
+            continue
+        out.append(line)
+    return claims._PLACEHOLDER.sub(" ", "\n".join(out))
+
+
+def teaching_words(markdown: str) -> int:
+    """Words a student reads on a page with every collapsed block closed: prose, tables,
+    open notes and headings; not code blocks, link targets, or what is collapsed."""
+    text = _collapsed_and_code_removed(markdown)
+    text = re.sub(r"\]\([^)]*\)", "]", text)                 # link targets
+    text = re.sub(r"\{[^}]*\}", " ", text)                    # attribute lists
+    return sum(1 for token in text.split() if re.search(r"[A-Za-z0-9]", token))
+
+
+def _lesson_number(path: Path) -> int | None:
+    m = re.match(r"(\d\d)[-_]", path.name)
+    return int(m.group(1)) if m else None
+
+
+def _records(img: Path) -> dict[str, dict]:
+    out = {}
+    for path in sorted(img.glob("*.json")):
+        try:
+            out[path.stem] = json.loads(path.read_text(encoding="utf-8"))
+        except ValueError as exc:
+            out[path.stem] = {"figure": path.stem, "broken": str(exc)}
+    return out
+
+
+def _sections(markdown: str) -> list[str]:
+    return re.split(r"\n(?=#{1,3} )", markdown)
+
+
+def claim_problems(docs: Path = DOCS, notebooks: Path | None = None) -> list[str]:
+    """A claim is data: every figure with its record, every record complete, and no
+    hand-written sentence comparing what a record compares the other way round.
+
+    * a record (``docs/img/NAME.json``) names its device, versions, date and command, and
+      its image exists;
+    * a page places a recorded figure with ``{{ figure: NAME | COMMAND }}`` (the caption
+      comes from the record), names records that exist or say which command draws them,
+      and asks only for comparisons its records have;
+    * every figure on a lesson page has a record (lessons in :data:`LESSONS_PENDING_REWRITE`
+      excepted);
+    * the sentences of a page's sections that show a record, and every markdown cell of a
+      lab, agree with the records they show or their lesson's records
+      (:func:`collectives.course.claims.contradictions`).
+    """
+    img = docs / "img"
+    notebooks = notebooks or ROOT / "notebooks"
+    records = _records(img)
+    problems = []
+    for name, record in records.items():
+        if "broken" in record:
+            problems.append(f"img/{name}.json is not JSON: {record['broken']}")
+            continue
+        problems += [f"img/{name}.json: {p}" for p in claims.record_problems(record)]
+        if record.get("image") and not (img / record["image"]).exists():
+            problems.append(f"img/{name}.json: its image {record['image']} is missing")
+    for page in sorted(docs.rglob("*.md")):
+        rel = page.relative_to(docs).as_posix()
+        if rel.startswith(("snippets/", "reference/")):
+            continue
+        markdown = re.sub(r"^( *)(```|~~~).*?^\1\2[ \t]*$|`[^`\n]+`", " ", page.read_text(encoding="utf-8"),
+                          flags=re.S | re.M)              # code shows placeholders, it does not use them
+        lesson = _lesson_number(page) if rel.startswith("lessons/") else None
+        understood = claims._PLACEHOLDER.sub("", re.sub(r"\{\{\s*(if|unless):\s*[\w.-]+\s*\}\}|\{\{\s*end\s*\}\}",
+                                                       "", markdown))
+        for stray in re.findall(r"\{\{[^}]*\}\}", understood):
+            problems.append(f"{rel}: {stray} is not a placeholder the build understands "
+                            "(figure:, claim:, table:, if:, unless:, end; names and ids are [\\w.-]+)")
+        for kind, name, claim_id in claims.placeholders(markdown):
+            record = records.get(name)
+            if kind == "figure" and not re.search(r"\{\{\s*figure:\s*" + re.escape(name) + r"\s*\|", markdown):
+                problems.append(f"{rel}: {{{{ figure: {name} }}}} does not name the command that draws it "
+                                f"({{{{ figure: {name} | COMMAND }}}})")
+            if record is None:
+                continue
+            if kind == "claim" and not any(c.get("id") == claim_id for c in record.get("comparisons", [])):
+                problems.append(f"{rel}: record {name} has no comparison {claim_id!r}")
+        for m in re.finditer(r"!\[[^\]]*\]\((?:\.\./)?img/([\w.-]+)\.(svg|png)\)", markdown):
+            stem = m.group(1)
+            if stem in records:
+                problems.append(f"{rel}: img/{stem} has a record; place it with "
+                                f"{{{{ figure: {stem} | COMMAND }}}} so its caption comes from the record")
+            elif lesson is not None and lesson not in LESSONS_PENDING_REWRITE:
+                problems.append(f"{rel}: img/{m.group(1)}.{m.group(2)} has no record: draw it with a script "
+                                "that writes one (plots.save(fig, path, record))")
+        for section in _sections(markdown):
+            shown = [records[n] for _, n, _ in claims.placeholders(section) if n in records]
+            shown += [records[s] for s in re.findall(r"img/([\w.-]+)\.(?:svg|png)", section) if s in records]
+            problems += [f"{rel}: {p}" for p in claims.contradictions(section, shown)]
+    for notebook in sorted(notebooks.glob("*.ipynb")):
+        number = _lesson_number(notebook)
+        mine = [r for n, r in records.items() if number is not None and _lesson_number(Path(n + ".json")) == number
+                and "broken" not in r]
+        if not mine:
+            continue
+        cells = json.loads(notebook.read_text(encoding="utf-8"))["cells"]
+        for i, cell in enumerate(cells):
+            if cell["cell_type"] == "markdown":
+                problems += [f"notebooks/{notebook.name}, cell {i + 1}: {p}"
+                             for p in claims.contradictions("".join(cell["source"]), mine)]
+    return problems
+
+
+# Programs that run in the course's virtual environment: a page writes them as
+# .venv/bin/NAME so that one copied line works in a fresh checkout (or make TARGET).
+VENV_PROGRAMS = ("python", "python3", "torchrun", "pytest", "mkdocs", "jupyter", "pip", "ruff")
+SHELL_LANGUAGES = {"", "bash", "sh", "shell", "console", "text"}
+
+
+def _command_program(line: str) -> str | None:
+    """The program a shell line runs, past ``sudo`` and ``VAR=value`` (None for a comment)."""
+    words = line.strip().lstrip("$ ").split()
+    while words and (words[0] == "sudo" or re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0])):
+        words = words[1:]
+    if not words or words[0].startswith("#"):
+        return None
+    return words[0]
+
+
+def table_problems(markdown: str) -> list[str]:
+    """Table rows indented unlike the row above: Markdown then reads them as one paragraph
+    of pipes (a header left at the margin over rows moved into a note, or the other way)."""
+    problems = []
+    lines = markdown.splitlines()
+    for number, (above, line) in enumerate(zip(lines, lines[1:]), start=2):
+        if above.lstrip().startswith("|") and line.lstrip().startswith("|"):
+            if len(above) - len(above.lstrip()) != len(line) - len(line.lstrip()):
+                problems.append(f"line {number}: a table row indented unlike the row above ({line.strip()[:40]!r})")
+    return problems
+
+
+def command_problems(markdown: str) -> list[str]:
+    """Commands written another way than ``.venv/bin/python ...``, ``.venv/bin/torchrun
+    ...`` or ``make ...``: in shell code blocks and in inline code."""
+    problems = []
+    for lang, body in re.findall(r"^\s*```(\w*)[^\n]*\n(.*?)^\s*```", markdown, flags=re.S | re.M):
+        if lang.lower() not in SHELL_LANGUAGES:
+            continue
+        for line in body.splitlines():
+            program = _command_program(line)
+            if program in VENV_PROGRAMS and not re.match(r"\s*python3? -m venv\b", line):   # making the venv
+                problems.append(f"command {line.strip()[:70]!r}: write .venv/bin/{program}")
+    prose = re.sub(r"^\s*```.*?^\s*```", " ", markdown, flags=re.S | re.M)
+    for span in re.findall(r"`([^`\n]+)`", prose):
+        program = _command_program(span)
+        if program in VENV_PROGRAMS and len(span.split()) > 1:
+            problems.append(f"command `{span[:70]}`: write .venv/bin/{program}")
+    return problems
+
+
 # --------------------------------------------------------------------------- browse
 
 class _Tab:
@@ -397,6 +623,7 @@ class _Tab:
             result.seconds = time.perf_counter() - start
             return result
         result.problems += await _check_content(self.page.context, self.base, path, seen)
+        result.problems += check_legibility(await self.page.evaluate(_INSPECT_LEGIBILITY))
         result.seconds = time.perf_counter() - start
         return result
 
@@ -482,6 +709,7 @@ def check(site: Path | None = None, chromium: str | None = None, jobs: int = 4) 
             build_seconds = build(site)
         start = time.perf_counter()
         pages = browse(Path(site), exe, jobs=jobs)
+        pages.append(PageResult("(claims and records)", problems=claim_problems()))
         return SiteResult(pages, build_seconds, time.perf_counter() - start)
 
 

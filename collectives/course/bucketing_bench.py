@@ -196,14 +196,24 @@ def main(argv: list[str] | None = None) -> int:
 LAB_SIZES = dict(vocab=1024, d_model=256, nhead=4, ff=1024, layers=4, seq=16)
 
 
+def _reducer_class(reducer: str | None):
+    """The reducer a lab times: ``None`` for the course's, or a target such as
+    ``Lab(6, "exercise").target("BucketedReducer")`` (a string, so it crosses into the ranks)."""
+    if reducer is None:
+        return BucketedReducer
+    from .impl import resolve
+    return resolve(reducer)
+
+
 def timeline_rank(sizes: dict = LAB_SIZES, batch: int = 1, bucket_cap_mb: float = 4.0,
-                  first_bucket_cap_mb: float = 1.0, steps: int = 7) -> dict:
+                  first_bucket_cap_mb: float = 1.0, steps: int = 7, reducer: str | None = None) -> dict:
     """Train ``steps`` steps; return the names, the layout before and after the rebuild, and
     for a typical step -- the median by time to gradients written, among the steps after the
-    rebuild -- its ``stats.relative()`` and traced collectives."""
+    rebuild -- its ``stats.relative()`` and traced collectives. ``reducer``: whose
+    ``BucketedReducer`` (:func:`_reducer_class`)."""
     torch.manual_seed(0)
     model = make_model("transformer", **sizes)
-    reducer = BucketedReducer(model, bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb)
+    reducer = _reducer_class(reducer)(model, bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb)
     opt = torch.optim.SGD(reducer.parameters(), lr=1e-2)
     x, y = model.batch(batch, seed=dist.get_rank())
     layouts, losses, seen = [reducer.bucket_indices], [], []
@@ -226,9 +236,12 @@ def timeline_rank(sizes: dict = LAB_SIZES, batch: int = 1, bucket_cap_mb: float 
                 layouts=layouts, stats=stats, events=events, losses=losses)
 
 
-def sweep_rank(caps: list[float], sizes: dict = LAB_SIZES, batch: int = 1, steps: int = 6) -> dict:
+def sweep_rank(caps: list[float], sizes: dict = LAB_SIZES, batch: int = 1, steps: int = 6,
+               reducer: str | None = None) -> dict:
     """Step time for each bucket cap (first bucket = cap), sampled round-robin; plus the time
-    of backward alone and of one all-reduce of every gradient, for scale."""
+    of backward alone and of one all-reduce of every gradient, for scale. ``reducer``: whose
+    ``BucketedReducer`` (:func:`_reducer_class`)."""
+    reducer_class = _reducer_class(reducer)
     trace.uninstall()
     torch.manual_seed(0)
     base = make_model("transformer", **sizes)
@@ -236,7 +249,7 @@ def sweep_rank(caps: list[float], sizes: dict = LAB_SIZES, batch: int = 1, steps
     runs = {}
     for cap in caps:
         model = copy.deepcopy(base)
-        reducer = BucketedReducer(model, bucket_cap_mb=cap, first_bucket_cap_mb=cap)
+        reducer = reducer_class(model, bucket_cap_mb=cap, first_bucket_cap_mb=cap)
         step = _make_step("bucketed reducer", reducer, model, (x, y))
         for _ in range(2):   # the second step rebuilds the buckets
             step()
