@@ -11,6 +11,11 @@ Chromium, with no network beyond that server. A page fails on:
   must read offline;
 * clipping at 1400 px: a code block (or a notebook cell) that scrolls sideways, a table
   wider than its column; math left untypeset;
+* a trace player (``<div class="trace-player">``, docs/javascripts/trace-player.js) that
+  does not load, whose first step does not show the recorded inputs, that does not change
+  when stepped with the keyboard or played, whose last step is not the all-reduce's
+  result recorded with the run, or that is wider than its column at 1400 px or at 400 px
+  (each player page is read again at 400 px, and stepped there);
 * missing content: a lesson page without the sections every lesson promises
   (objectives, a diagram, the cost, the exercise tasks as a table with difficulty and
   minutes, how to run it with torchrun and ``make grade``, credits, a link to its
@@ -218,6 +223,7 @@ async () => {
     cellOutput: outermost(".jp-CodeCell").map(c =>
         [...c.querySelectorAll(".jp-OutputArea-output")].some(o => o.innerText.trim() || o.querySelector("img, svg"))),
     errorOutputs: article.querySelectorAll(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr'] .ansi-red-fg, .jp-OutputArea-output .traceback").length,
+    players: article.querySelectorAll(".trace-player").length,
     // math: every formula typeset by MathJax, none left as \( ... \) text
     math: article.querySelectorAll(".arithmatex").length,
     mathUntypeset: [...article.querySelectorAll(".arithmatex")].filter(m => !m.querySelector("mjx-container")).length,
@@ -397,8 +403,126 @@ class _Tab:
             result.seconds = time.perf_counter() - start
             return result
         result.problems += await _check_content(self.page.context, self.base, path, seen)
+        if seen["players"]:
+            try:
+                result.problems += await check_players(self.page)
+            except PlaywrightError as exc:
+                result.problems.append(f"trace player: {str(exc).splitlines()[0]}")
+            finally:
+                await self.page.set_viewport_size(VIEWPORT)
         result.seconds = time.perf_counter() - start
         return result
+
+
+# --------------------------------------------------------------------------- trace players
+
+NARROW = {"width": 400, "height": 900}
+
+# What player i shows: its state, step, every rank's cells (their data-bits), the step's
+# messages as text, and whether it is wider than its column.
+_PLAYER_SHOWS = r"""
+(i) => {
+  const root = document.querySelectorAll(".trace-player")[i];
+  const article = document.querySelector("article.md-content__inner") || document.body;
+  const box = root.getBoundingClientRect();
+  return {
+    state: root.dataset.state || "", current: root.dataset.current || "", base: root.dataset.base || "",
+    names: (root.dataset.trace || "").split(/\s+/).filter(Boolean), step: Number(root.dataset.step),
+    playing: root.dataset.playing === "true",
+    rows: [...root.querySelectorAll(".tp-cells[data-rank]")].map(row =>
+        [...row.querySelectorAll(".tp-cell")].map(c => Number(c.dataset.bits))),
+    messages: (root.querySelector(".tp-messages") || {}).innerText || "",
+    wide: root.scrollWidth > root.clientWidth + 1
+        || box.right > Math.min(window.innerWidth, article.getBoundingClientRect().right) + 1,
+  };
+}
+"""
+_ALL_LOADED = """() => [...document.querySelectorAll(".trace-player")]
+    .every(p => p.dataset.state === "ready" || p.dataset.state === "error")"""
+
+
+async def _player_run(page, i: int, name: str, shows: dict) -> list[str]:
+    """Step the player through the recorded run ``name``: its start, a step with the arrow
+    key, the end (the all-reduce's result), back home."""
+    where = f"trace player {i + 1} ({name})"
+    root = page.locator(".trace-player").nth(i)
+    doc = await page.evaluate("async (url) => (await fetch(url)).json()", shows["base"] + name + ".player.json")
+    problems = []
+    if shows["rows"] != doc["start"]:
+        problems.append(f"{where}: the first step does not show the recorded inputs")
+    await root.press("ArrowRight")
+    after = await page.evaluate(_PLAYER_SHOWS, i)
+    if after["step"] != 1 or (after["rows"] == shows["rows"] and after["messages"] == shows["messages"]):
+        problems.append(f"{where}: the → key did not move it one step on (step {after['step']})")
+    await root.press("End")
+    end = await page.evaluate(_PLAYER_SHOWS, i)
+    if end["step"] != len(doc["steps"]):
+        problems.append(f"{where}: End went to step {end['step']}, not {len(doc['steps'])}")
+    if end["rows"] != doc["expected"]:
+        problems.append(f"{where}: the last step is not the all-reduce's result recorded with the run")
+    await root.press("Home")
+    if (await page.evaluate(_PLAYER_SHOWS, i))["step"] != 0:
+        problems.append(f"{where}: Home did not go back to the start")
+    return problems
+
+
+async def _player_plays(page, root) -> list[str]:
+    button = root.locator(".tp-play")
+    is_playing = "() => document.querySelector('.trace-player').dataset.playing === 'true'"
+    await root.evaluate("p => { p.dataset.interval = '10000'; }")
+    await button.click()
+    problems = []
+    if not await page.evaluate(is_playing):
+        problems.append("trace player 1: the play button does not start it")
+    await button.click()
+    if await page.evaluate(is_playing):
+        problems.append("trace player 1: the button does not pause it")
+    await root.evaluate("p => { p.dataset.interval = '30'; }")
+    await button.click()
+    try:
+        await page.wait_for_function(
+            "() => { const p = document.querySelector('.trace-player');"
+            " return p.dataset.playing === 'false' && p.querySelector('.tp-slider').value === p.querySelector('.tp-slider').max; }",
+            timeout=5_000)
+    except Exception:   # noqa: BLE001 - a timeout is the finding
+        problems.append("trace player 1: playing does not run to the last step and stop there")
+    await root.press("Home")
+    return problems
+
+
+async def check_players(page) -> list[str]:
+    """Every trace player on the page, at 1400 px and again at 400 px."""
+    await page.wait_for_function(_ALL_LOADED, timeout=10_000)
+    count = await page.locator(".trace-player").count()
+    problems = []
+    for i in range(count):
+        shows = await page.evaluate(_PLAYER_SHOWS, i)
+        if shows["state"] != "ready":
+            problems.append(f"trace player {i + 1} ({' '.join(shows['names'])}): did not load")
+            continue
+        if shows["wide"]:
+            problems.append(f"trace player {i + 1}: wider than its column at {VIEWPORT['width']} px")
+        root = page.locator(".trace-player").nth(i)
+        for j, name in enumerate(shows["names"]):
+            if j:                                   # the menu's other runs
+                await root.locator("select").select_option(name)
+                await page.wait_for_function(
+                    "([i, n]) => { const p = document.querySelectorAll('.trace-player')[i];"
+                    " return p.dataset.current === n && p.dataset.state === 'ready'; }", arg=[i, name])
+                shows = await page.evaluate(_PLAYER_SHOWS, i)
+            problems += await _player_run(page, i, name, shows)
+        if i == 0:                                   # play pauses, and plays to the end by itself
+            problems += await _player_plays(page, root)
+    await page.set_viewport_size(NARROW)             # a phone: nothing sticks out, the keys still step
+    await page.wait_for_timeout(50)
+    for i in range(count):
+        shows = await page.evaluate(_PLAYER_SHOWS, i)
+        if shows["wide"]:
+            problems.append(f"trace player {i + 1}: wider than its column at {NARROW['width']} px")
+        await page.locator(".trace-player").nth(i).press("ArrowRight")
+        if (await page.evaluate(_PLAYER_SHOWS, i))["step"] != shows["step"] + 1:
+            problems.append(f"trace player {i + 1}: the → key does not step it at {NARROW['width']} px")
+    return problems
 
 
 async def _check_content(context, base: str, path: str, seen: dict) -> list[str]:

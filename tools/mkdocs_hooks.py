@@ -12,15 +12,26 @@
 * **MathJax from the package, not a CDN.** ``$...$`` is typeset by MathJax 3, copied into
   the built site from the ``django-static-mathjax`` wheel (a plain copy of MathJax's
   files, no Django needed): the site reads offline.
+* **Trace players from real runs.** Before the pages are built, every player of
+  ``collectives.course.trace_player`` is recorded (``python -m collectives trace
+  --players``: small worlds, a few seconds; kept under ``build/trace-players/``, keyed on the
+  code, so a rebuild of unchanged code reuses them) and copied to ``traces/`` in the site. A
+  page shows one with ``<div class="trace-player" data-trace="ring"></div>`` (several
+  names: a menu); the build fails on a name that was not recorded, gives the div the path
+  to ``traces/``, and links the player's script and stylesheet on that page only.
 """
 
 from __future__ import annotations
 
+import hashlib
 import html
+import importlib.metadata
 import importlib.util
+import os
 import posixpath
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -78,6 +89,65 @@ def on_config(config):
     return config
 
 
+# ---- trace players --------------------------------------------------------------------
+
+PLAYERS_CACHE = ROOT / "build" / "trace-players"
+PLAYERS_SITE_DIR = "traces"
+PLAYER_TAG = re.compile(r'<div\b[^>]*\bclass="trace-player"[^>]*>')
+_players: dict = {"dir": None, "names": set()}
+
+
+def _players_key() -> str:
+    """What the recordings depend on: the package's code and torch's version."""
+    digest = hashlib.sha256(importlib.metadata.version("torch").encode())
+    for path in sorted((ROOT / "collectives").rglob("*.py")):
+        digest.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def record_players() -> Path:
+    """The folder of recorded players for this code: made now (one subprocess, small worlds)
+    unless an earlier build of the same code made it."""
+    folder = PLAYERS_CACHE / _players_key()
+    if (folder / "done").exists():
+        return folder
+    shutil.rmtree(PLAYERS_CACHE, ignore_errors=True)          # older code's recordings
+    partial = PLAYERS_CACHE / (folder.name + ".partial")
+    proc = subprocess.run([sys.executable, "-m", "collectives", "trace", "--players", str(partial)],
+                          cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    if proc.returncode != 0:
+        raise PluginError("recording the trace players failed:\n" + (proc.stdout + proc.stderr)[-3000:])
+    (partial / "done").write_text(proc.stdout)
+    partial.rename(folder)
+    return folder
+
+
+def on_pre_build(config):
+    folder = record_players()
+    _players["dir"] = folder
+    _players["names"] = {p.name[: -len(".player.json")] for p in folder.glob("*.player.json")}
+
+
+def _relative(page, target: str) -> str:
+    """``target`` (a site path) relative to ``page``'s folder."""
+    here = posixpath.dirname(page.url.rstrip("/") + "/x") or "."
+    return posixpath.relpath(target, here)
+
+
+def _players_on(content: str, page) -> str:
+    """Check each player's names against the recordings; tell it where they are."""
+    def fix(match):
+        tag = match.group(0)
+        names = re.search(r'data-trace="([^"]*)"', tag)
+        wanted = names.group(1).split() if names else []
+        missing = [n for n in wanted if n not in _players["names"]] or ([] if wanted else ["(none given)"])
+        if missing:
+            raise PluginError(f"{page.file.src_uri}: no recorded trace player {', '.join(missing)}; "
+                              f"recorded: {', '.join(sorted(_players['names']))}")
+        return tag[:-1] + f' data-base="{_relative(page, PLAYERS_SITE_DIR)}/">'
+    return PLAYER_TAG.sub(fix, content)
+
+
 def _by_src():
     lessons = {_lesson_src(item): item for item in LESSONS}
     notebooks = {_lab_src(item): item for item in LESSONS}
@@ -126,6 +196,8 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
 
 
 def on_page_content(content: str, page, config, files) -> str:
+    if 'class="trace-player"' in content:
+        content = _players_on(content, page)
     _, notebooks = _by_src()
     item = notebooks.get(page.file.src_uri)
     if item is None:
@@ -152,6 +224,12 @@ def on_page_content(content: str, page, config, files) -> str:
 
 
 def on_post_page(output: str, page, config) -> str:
+    if 'class="trace-player"' in output:     # the player's script and style, on its pages only
+        root = _relative(page, ".")
+        output = output.replace("</head>", f'<link rel="stylesheet" href="{root}/stylesheets/trace-player.css">\n'
+                                "</head>", 1)
+        output = output.replace("</body>", f'<script src="{root}/javascripts/trace-player.js" defer></script>\n'
+                                "</body>", 1)
     # MathJax (2 MB) only where there is math to typeset: most API pages have none.
     if 'class="arithmatex"' in output:
         return output
@@ -176,3 +254,7 @@ def on_post_build(config):
     target = Path(config["site_dir"]) / MATHJAX_TARGET
     target.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(source, target)
+    if _players["dir"] is not None:
+        traces = Path(config["site_dir"]) / PLAYERS_SITE_DIR
+        shutil.rmtree(traces, ignore_errors=True)
+        shutil.copytree(_players["dir"], traces, ignore=shutil.ignore_patterns("done"))
