@@ -40,7 +40,7 @@ def _traced_runs(names: list[str]) -> dict:
         x = torch.randn(2003, generator=torch.Generator().manual_seed(dist.get_rank()))
         if "transport" in kw:
             transport = kw.pop("transport")
-            call = lambda buf: trace_cli.sparse_call(fn, buf, None, transport, **kw)  # noqa: E731
+            call = lambda buf: trace_player.sparse_call(fn, buf, None, transport, **kw)  # noqa: E731
         else:
             call = lambda buf: fn(buf, **kw)  # noqa: E731
         with trace.paused():
@@ -269,3 +269,14 @@ def test_labels_and_calls_are_ranges_in_a_torch_profiler_trace():
     assert {"bucket 0", "bucket 1", "bucket 2"} <= set(names)                 # the reducer's labels
     assert {"reduce-scatter 0: c1", "all-gather 0: c0"} <= set(names)         # the ring's, rank 0
     assert {"all_reduce", "wait: all_reduce", "isend to rank 1", "irecv from rank 1"} <= set(names)
+
+
+def test_the_sparse_transport_is_passed_under_the_name_the_function_takes():
+    def new(tensor, residual, *, transport="auto", density=None):
+        return ("transport", transport, density)
+
+    def old(tensor, residual, *, method="auto", density=None):
+        return ("method", method, density)
+
+    assert trace_player.sparse_call(new, None, None, "split", density=0.5) == ("transport", "split", 0.5)
+    assert trace_player.sparse_call(old, None, None, "split", density=0.5) == ("method", "split", 0.5)

@@ -12,13 +12,13 @@
 * **MathJax from the package, not a CDN.** ``$...$`` is typeset by MathJax 3, copied into
   the built site from the ``django-static-mathjax`` wheel (a plain copy of MathJax's
   files, no Django needed): the site reads offline.
-* **Trace players from real runs.** Before the pages are built, every player of
-  ``collectives.course.trace_player`` is recorded (``python -m collectives trace
-  --players``: small worlds, a few seconds; kept under ``build/trace-players/``, keyed on the
-  code, so a rebuild of unchanged code reuses them) and copied to ``traces/`` in the site. A
-  page shows one with ``<div class="trace-player" data-trace="ring"></div>`` (several
-  names: a menu); the build fails on a name that was not recorded, gives the div the path
-  to ``traces/``, and links the player's script and stylesheet on that page only.
+* **Trace players from real runs.** While the pages are built, every player of
+  ``collectives.course.trace_player`` is recorded in a subprocess (``python -m collectives
+  trace --players``: small worlds, a few seconds; kept under ``build/trace-players/``, keyed
+  on the code, so a rebuild of unchanged code reuses them) and copied to ``traces/`` in the
+  site. A page shows one with ``<div class="trace-player" data-trace="ring"></div>``
+  (several names: a menu); the build fails on a name that was not recorded, gives the div
+  the path to ``traces/``, and links the player's script and stylesheet on that page only.
 """
 
 from __future__ import annotations
@@ -86,6 +86,7 @@ def on_config(config):
     if problems:
         raise PluginError("nav: lesson N is followed by lab N (see docs/writing-pages.md):\n  "
                           + "\n  ".join(problems))
+    start_recording_players()
     return config
 
 
@@ -94,7 +95,7 @@ def on_config(config):
 PLAYERS_CACHE = ROOT / "build" / "trace-players"
 PLAYERS_SITE_DIR = "traces"
 PLAYER_TAG = re.compile(r'<div\b[^>]*\bclass="trace-player"[^>]*>')
-_players: dict = {"dir": None, "names": set()}
+_players: dict = {"folder": None, "recording": None, "wanted": {}}
 
 
 def _players_key() -> str:
@@ -105,27 +106,32 @@ def _players_key() -> str:
     return digest.hexdigest()[:16]
 
 
-def record_players() -> Path:
-    """The folder of recorded players for this code: made now (one subprocess, small worlds)
-    unless an earlier build of the same code made it."""
+def start_recording_players() -> None:
+    """Record the players for this code in a subprocess that runs while the pages are built
+    (small worlds; a few seconds), unless an earlier build of the same code did."""
     folder = PLAYERS_CACHE / _players_key()
+    _players.update(folder=folder, recording=None, wanted={})
     if (folder / "done").exists():
-        return folder
+        return
     shutil.rmtree(PLAYERS_CACHE, ignore_errors=True)          # older code's recordings
     partial = PLAYERS_CACHE / (folder.name + ".partial")
-    proc = subprocess.run([sys.executable, "-m", "collectives", "trace", "--players", str(partial)],
-                          cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    if proc.returncode != 0:
-        raise PluginError("recording the trace players failed:\n" + (proc.stdout + proc.stderr)[-3000:])
-    (partial / "done").write_text(proc.stdout)
-    partial.rename(folder)
+    _players["recording"] = subprocess.Popen(
+        [sys.executable, "-m", "collectives", "trace", "--players", str(partial)], cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+
+
+def finish_recording_players() -> Path:
+    """Wait for the recording; the folder of players."""
+    folder, proc = _players["folder"], _players["recording"]
+    if proc is not None:
+        output, _ = proc.communicate()
+        _players["recording"] = None
+        if proc.returncode != 0:
+            raise PluginError("recording the trace players failed:\n" + output[-3000:])
+        partial = folder.with_name(folder.name + ".partial")
+        (partial / "done").write_text(output)
+        partial.rename(folder)
     return folder
-
-
-def on_pre_build(config):
-    folder = record_players()
-    _players["dir"] = folder
-    _players["names"] = {p.name[: -len(".player.json")] for p in folder.glob("*.player.json")}
 
 
 def _relative(page, target: str) -> str:
@@ -135,17 +141,27 @@ def _relative(page, target: str) -> str:
 
 
 def _players_on(content: str, page) -> str:
-    """Check each player's names against the recordings; tell it where they are."""
+    """Note the runs each player names (checked once they are recorded); tell it where they are."""
     def fix(match):
         tag = match.group(0)
         names = re.search(r'data-trace="([^"]*)"', tag)
-        wanted = names.group(1).split() if names else []
-        missing = [n for n in wanted if n not in _players["names"]] or ([] if wanted else ["(none given)"])
-        if missing:
-            raise PluginError(f"{page.file.src_uri}: no recorded trace player {', '.join(missing)}; "
-                              f"recorded: {', '.join(sorted(_players['names']))}")
+        for name in (names.group(1).split() if names else []) or ["(none given)"]:
+            _players["wanted"].setdefault(name, []).append(page.file.src_uri)
         return tag[:-1] + f' data-base="{_relative(page, PLAYERS_SITE_DIR)}/">'
     return PLAYER_TAG.sub(fix, content)
+
+
+def _copy_players(site_dir: str) -> None:
+    folder = finish_recording_players()
+    recorded = {p.name[: -len(".player.json")] for p in folder.glob("*.player.json")}
+    missing = {name: pages for name, pages in _players["wanted"].items() if name not in recorded}
+    if missing:
+        raise PluginError("no recorded trace player " + "; ".join(
+            f"{name} (on {', '.join(pages)})" for name, pages in missing.items())
+            + f"; recorded: {', '.join(sorted(recorded))}")
+    traces = Path(site_dir) / PLAYERS_SITE_DIR
+    shutil.rmtree(traces, ignore_errors=True)
+    shutil.copytree(folder, traces, ignore=shutil.ignore_patterns("done"))
 
 
 def _by_src():
@@ -254,7 +270,5 @@ def on_post_build(config):
     target = Path(config["site_dir"]) / MATHJAX_TARGET
     target.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(source, target)
-    if _players["dir"] is not None:
-        traces = Path(config["site_dir"]) / PLAYERS_SITE_DIR
-        shutil.rmtree(traces, ignore_errors=True)
-        shutil.copytree(_players["dir"], traces, ignore=shutil.ignore_patterns("done"))
+    if _players["folder"] is not None:
+        _copy_players(config["site_dir"])

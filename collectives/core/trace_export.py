@@ -322,23 +322,21 @@ class Capture:
 
 def buffer_after(capture: dict, events: dict[int, Event], rank: int, levels: dict, step: int) -> list:
     """This rank's buffer once step ``step`` is over: as it was at its first call belonging to a
-    later step -- the posting of a send or collective, or the completion of a receive (the
-    data of a receive that lands in the buffer itself is taken back out) -- or at the end."""
+    later step -- the posting of a send or collective, or the completion of a receive -- or at
+    the end. Receives of later steps posted into the buffer itself before that moment may
+    have landed already: their elements are taken as they were when each was posted."""
     log, snaps = capture["log"], capture["snapshots"]
-    for i, (phase, seq) in enumerate(log):
-        e = events[seq]
-        if levels.get((rank, seq), 0) <= step:
-            continue
-        if phase == "post" and not e.is_recv:
-            return snaps[i]
-        if phase == "done" and not e.is_send:
-            state = list(snaps[i])
-            if seq in capture["landing"]:
-                lo, hi = capture["landing"][seq]
-                posted = log.index(("post", seq))
-                state[lo:hi] = snaps[posted][lo:hi]
-            return state
-    return capture["end"]
+    later = lambda seq: levels.get((rank, seq), 0) > step      # noqa: E731
+    at = next((i for i, (phase, seq) in enumerate(log) if later(seq) and (
+        (phase == "post" and not events[seq].is_recv) or (phase == "done" and not events[seq].is_send))), None)
+    state = list(capture["end"] if at is None else snaps[at])
+    if at is None:
+        return state
+    for j, (phase, seq) in enumerate(log[:at + 1]):
+        if phase == "post" and seq in capture["landing"] and later(seq):
+            lo, hi = capture["landing"][seq]
+            state[lo:hi] = snaps[j][lo:hi]
+    return state
 
 
 def step_levels(traces: list[Trace], logs: list[list[tuple[str, int]]]) -> dict[tuple[int, int], int]:

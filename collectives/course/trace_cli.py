@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import inspect
 import os
 import platform
 import re
@@ -37,6 +36,7 @@ import torch.distributed as dist
 from ..core import launch, timing, trace, trace_export
 from .impl import resolve, spec_for
 from .tour import TOUR, TourEntry
+from .trace_player import record_all, sparse_call
 
 
 def slug(name: str) -> str:
@@ -71,14 +71,6 @@ def target_for(entry: TourEntry, impl: str) -> str:
     if impl != "exercise":
         raise SystemExit(f"trace: --impl must be 'reference' or 'exercise', got {impl!r}")
     return f"{spec_for(entry.lesson, 'exercise')}:{entry.target.rsplit(':', 1)[1]}"
-
-
-def sparse_call(fn, tensor, residual, transport: str, **mode):
-    """``sparse_all_reduce`` with its transport ("allgather", "split", "dense") passed under
-    the name the function takes: ``transport=`` or, in earlier versions, ``method=``."""
-    params = inspect.signature(fn).parameters
-    key = "transport" if "transport" in params else "method"
-    return fn(tensor, residual, **{key: transport}, **mode)
 
 
 def _sparse_mode(entry: TourEntry, x: torch.Tensor) -> tuple[str, dict]:
@@ -182,7 +174,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{key:34s} lesson {entry.lesson}: {entry.target}")
         return 0
     if args.players:
-        from .trace_player import record_all
         names = record_all(Path(args.players))
         print(f"recorded {len(names)} players into {args.players}: {', '.join(names)}")
         return 0

@@ -22,6 +22,7 @@ player; the site build calls it (``tools/mkdocs_hooks.py``).
 from __future__ import annotations
 
 import datetime
+import inspect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,10 +109,17 @@ def _describe(p: int, sparse: bool):
     return describe
 
 
+def sparse_call(fn, tensor, residual, transport: str, **mode):
+    """``sparse_all_reduce`` with its transport ("allgather", "split", "dense") passed under
+    the name the function takes: ``transport=`` or, in earlier versions, ``method=``."""
+    params = inspect.signature(fn).parameters
+    key = "transport" if "transport" in params else "method"
+    return fn(tensor, residual, **{key: transport}, **mode)
+
+
 def _call(pl: Player, fn, x: torch.Tensor, residual):
     options = dict(pl.options)
     if pl.sparse:
-        from .trace_cli import sparse_call
         return sparse_call(fn, x, residual, options.pop("transport"), **options)
     return fn(x, **options)
 
