@@ -9,6 +9,7 @@ send with its receive, and carry the trace's bytes.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from collectives import launch, trace
 from collectives.core import trace_export
 from collectives.course import trace_cli, trace_player
+from collectives.course.catalog import ROOT
 from collectives.course.impl import resolve
 
 RUNS = {   # name -> (target, world, keyword arguments)
@@ -186,9 +188,15 @@ def test_causal_steps_number_the_rounds_as_the_algorithms_draw_them(exported):
 
 
 @pytest.fixture(scope="module")
-def players(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("players")
-    names = trace_player.record_all(folder)
+def players():
+    """The recordings the site shows: the site build's, when it made them for this code
+    (build/trace-players/, tools/mkdocs_hooks.py), else made now the same way."""
+    spec = importlib.util.spec_from_file_location("mkdocs_hooks", ROOT / "tools" / "mkdocs_hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    hooks.start_recording_players()
+    folder = hooks.finish_recording_players()
+    names = [p.name[: -len(".player.json")] for p in folder.glob("*.player.json")]
     return folder, {n: json.loads((folder / f"{n}.player.json").read_text()) for n in names}
 
 
@@ -280,3 +288,22 @@ def test_the_sparse_transport_is_passed_under_the_name_the_function_takes():
 
     assert trace_player.sparse_call(new, None, None, "split", density=0.5) == ("transport", "split", 0.5)
     assert trace_player.sparse_call(old, None, None, "split", density=0.5) == ("method", "split", 0.5)
+
+
+def _profiled_ring_on_nccl() -> list[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    from collectives.ring import ring_all_reduce
+
+    x = torch.ones(1 << 16, device="cuda")
+    ring_all_reduce(x)                                    # the communicator, made once
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        ring_all_reduce(x)
+        torch.cuda.synchronize()
+    return sorted({e.name for e in prof.events()})
+
+
+@pytest.mark.gpu
+def test_labels_are_ranges_in_a_profile_of_an_nccl_run():
+    names = set(launch.run(_profiled_ring_on_nccl, 2, backend="nccl", timeout=150)[0])
+    assert {"reduce-scatter 0: c1", "all-gather 0: c0"} <= names

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..core import launch, timing, trace, trace_export
+from ..core.ops import rank_device
 from .impl import resolve, spec_for
 from .tour import TOUR, TourEntry
 from .trace_player import record_all, sparse_call
@@ -84,8 +85,8 @@ def _sparse_mode(entry: TourEntry, x: torch.Tensor) -> tuple[str, dict]:
 
 def _runner(entry: TourEntry, fn, numel: int, layout) -> tuple:
     """A closure running the entry once on this rank's data, and the tensor it reduces."""
-    rank = dist.get_rank()
-    x = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+    rank, device = dist.get_rank(), rank_device()
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(rank)).to(device)
     name = entry.target.rsplit(":", 1)[1]
     if name == "fused_all_reduce":             # many tensors, one call: 64 slices of x
         return (lambda: fn(list(x.chunk(64)))), x
@@ -99,9 +100,9 @@ def _runner(entry: TourEntry, fn, numel: int, layout) -> tuple:
         from collectives.bucketing.models import make_model
         width = max(8, int((numel / 4) ** 0.5))
         torch.manual_seed(0)
-        model = make_model("mlp", width=width, depth=4)
+        model = make_model("mlp", width=width, depth=4).to(device)
         wrapped = fn(model, bucket_cap_mb=1.0, first_bucket_cap_mb=1.0)
-        batch = model.batch(16, seed=1000 + rank)
+        batch = model.batch(16, seed=1000 + rank, device=device)
 
         def step():
             model.zero_grad(set_to_none=True)
@@ -128,7 +129,7 @@ def _trace_rank(entry: TourEntry, target: str, numel: int, layout) -> dict:
 
 
 def record(name: str, world: int = 4, nbytes: int = 1 << 20, *, impl: str = "reference",
-           machines: int | None = None, link: str = "1gbit", command: str = "") -> dict:
+           machines: int | None = None, link: str = "1gbit", backend: str = "gloo", command: str = "") -> dict:
     """Run the all-reduce ``name`` once, traced, on ``world`` ranks; its Chrome trace document."""
     entry = find(name)
     target = target_for(entry, impl)
@@ -138,7 +139,8 @@ def record(name: str, world: int = 4, nbytes: int = 1 << 20, *, impl: str = "ref
         layout = (world // 2, 2) if world % 2 == 0 else (world, 1)
     numel = max(nbytes // 4, 1)
     kwargs = dict(machines=machines, link=link) if machines else {}
-    results = launch.run(_trace_rank, world, args=(entry, target, numel, layout), timeout=300, **kwargs)
+    results = launch.run(_trace_rank, world, args=(entry, target, numel, layout), timeout=300,
+                         backend=backend, **kwargs)
     first = results[0]
     if "not_written" in first:
         raise SystemExit(f"trace: {target} is not written yet ({first['not_written']})")
@@ -148,8 +150,9 @@ def record(name: str, world: int = 4, nbytes: int = 1 << 20, *, impl: str = "ref
     meta = dict(algorithm=entry.name, target=target, world_size=world, bytes=numel * 4, dtype="float32",
                 layout=f"{layout[0]} x {layout[1]}" if "hierarchical" in entry.target else "",
                 machines=machines or "", link=link if machines else "", torch=torch.__version__,
-                device=platform.processor() or platform.machine() or "cpu", host=platform.node(),
-                cpus=os.cpu_count(), backend="gloo",
+                device=torch.cuda.get_device_name(0) if backend == "nccl" else platform.processor() or "cpu",
+                host=platform.node(), cpus=os.cpu_count(), backend=backend,
+                nccl=".".join(map(str, torch.cuda.nccl.version())) if backend == "nccl" else "",
                 date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                 command=command or f"python -m collectives trace {slug(entry.name)} --world {world}")
     return trace_export.chrome_trace(traces, metadata=meta)
@@ -163,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--machines", type=int, default=None,
                         help="simulated machines joined by a shaped link (needs root); default: one host")
     parser.add_argument("--link", default="1gbit", help="the link's rate with --machines (tc syntax, default 1gbit)")
+    parser.add_argument("--backend", choices=["gloo", "nccl"], default=None,
+                        help="default: nccl when there is a GPU per rank, else gloo")
     parser.add_argument("--impl", choices=("reference", "exercise"), default="reference",
                         help="the course's function (default) or your lessons/NN_*/exercise.py's")
     parser.add_argument("--out", default="trace.json", help="the Chrome trace to write (default trace.json)")
@@ -182,8 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.world < 1 or (args.machines and args.world % args.machines):
         parser.error(f"--world {args.world} does not split over --machines {args.machines}")
     command = "python -m collectives trace " + " ".join(sys.argv[2:] if argv is None else argv)
-    doc = record(args.algo, args.world, timing.parse_size(args.size), impl=args.impl,
-                 machines=args.machines, link=args.link, command=command)
+    doc = record(args.algo, args.world, timing.parse_size(args.size), impl=args.impl, machines=args.machines,
+                 link=args.link, backend=args.backend or launch.auto_backend(args.world), command=command)
     problems = trace_export.validate(doc)
     if problems:       # a bug here, not in the run: say so rather than write a file Perfetto rejects
         raise SystemExit("trace: the document does not validate:\n  " + "\n  ".join(problems[:10]))
