@@ -418,72 +418,101 @@ class _Tab:
 
 NARROW = {"width": 400, "height": 900}
 
-# What player i shows: its state, step, every rank's cells (their data-bits), the step's
-# messages as text, and whether it is wider than its column.
-_PLAYER_SHOWS = r"""
-(i) => {
-  const root = document.querySelectorAll(".trace-player")[i];
+# In the page, for every trace player and every run of its menu: the recorded file, and what
+# the player shows at the start, after the → key, after End and after Home (each rank's
+# cells, as data-bits). One call for the whole page: a round trip to the browser is the cost.
+_PLAYERS_WALK = r"""
+async () => {
   const article = document.querySelector("article.md-content__inner") || document.body;
-  const box = root.getBoundingClientRect();
-  return {
-    state: root.dataset.state || "", current: root.dataset.current || "", base: root.dataset.base || "",
-    names: (root.dataset.trace || "").split(/\s+/).filter(Boolean), step: Number(root.dataset.step),
-    playing: root.dataset.playing === "true",
-    rows: [...root.querySelectorAll(".tp-cells[data-rank]")].map(row =>
-        [...row.querySelectorAll(".tp-cell")].map(c => Number(c.dataset.bits))),
-    messages: (root.querySelector(".tp-messages") || {}).innerText || "",
-    wide: root.scrollWidth > root.clientWidth + 1
-        || box.right > Math.min(window.innerWidth, article.getBoundingClientRect().right) + 1,
+  const shows = (root) => {
+    const box = root.getBoundingClientRect();
+    return {
+      state: root.dataset.state || "", step: Number(root.dataset.step),
+      rows: [...root.querySelectorAll(".tp-cells[data-rank]")].map(row =>
+          [...row.querySelectorAll(".tp-cell")].map(c => Number(c.dataset.bits))),
+      messages: (root.querySelector(".tp-messages") || {}).innerText || "",
+      wide: root.scrollWidth > root.clientWidth + 1
+          || box.right > Math.min(window.innerWidth, article.getBoundingClientRect().right) + 1,
+    };
   };
+  const key = (root, k) => root.dispatchEvent(new KeyboardEvent("keydown", {key: k, bubbles: true}));
+  const ready = (root, name) => new Promise((resolve, reject) => {
+    const until = Date.now() + 10000;
+    const poll = () => (root.dataset.current === name && root.dataset.state === "ready") ? resolve()
+        : Date.now() > until ? reject(new Error("the menu did not load " + name)) : setTimeout(poll, 20);
+    poll();
+  });
+  const out = [];
+  for (const [i, root] of [...document.querySelectorAll(".trace-player")].entries()) {
+    const names = (root.dataset.trace || "").split(/\s+/).filter(Boolean);
+    if (root.dataset.state !== "ready") { out.push({i, names, loaded: false}); continue; }
+    for (const [j, name] of names.entries()) {
+      if (j > 0) {
+        const menu = root.querySelector("select");
+        menu.value = name;
+        menu.dispatchEvent(new Event("change"));
+        await ready(root, name);
+      }
+      const doc = await (await fetch(root.dataset.base + name + ".player.json")).json();
+      const start = shows(root);
+      key(root, "ArrowRight");
+      const one = shows(root);
+      key(root, "End");
+      const end = shows(root);
+      key(root, "Home");
+      out.push({i, name, loaded: true, start, one, end, home: shows(root),
+                doc: {start: doc.start, expected: doc.expected, steps: doc.steps.length}});
+    }
+  }
+  return out;
 }
 """
 _ALL_LOADED = """() => [...document.querySelectorAll(".trace-player")]
     .every(p => p.dataset.state === "ready" || p.dataset.state === "error")"""
+_FIRST = "() => { const p = document.querySelector('.trace-player'); " \
+         "return {step: Number(p.dataset.step), playing: p.dataset.playing === 'true'}; }"
 
 
-async def _player_run(page, i: int, name: str, shows: dict) -> list[str]:
-    """Step the player through the recorded run ``name``: its start, a step with the arrow
-    key, the end (the all-reduce's result), back home."""
-    where = f"trace player {i + 1} ({name})"
-    root = page.locator(".trace-player").nth(i)
-    doc = await page.evaluate("async (url) => (await fetch(url)).json()", shows["base"] + name + ".player.json")
-    problems = []
-    if shows["rows"] != doc["start"]:
+def _player_findings(run: dict) -> list[str]:
+    """What is wrong with one recorded run as its player showed it."""
+    where = f"trace player {run['i'] + 1} ({run['name']})"
+    doc, problems = run["doc"], []
+    if run["start"]["rows"] != doc["start"]:
         problems.append(f"{where}: the first step does not show the recorded inputs")
-    await root.press("ArrowRight")
-    after = await page.evaluate(_PLAYER_SHOWS, i)
-    if after["step"] != 1 or (after["rows"] == shows["rows"] and after["messages"] == shows["messages"]):
-        problems.append(f"{where}: the → key did not move it one step on (step {after['step']})")
-    await root.press("End")
-    end = await page.evaluate(_PLAYER_SHOWS, i)
-    if end["step"] != len(doc["steps"]):
-        problems.append(f"{where}: End went to step {end['step']}, not {len(doc['steps'])}")
-    if end["rows"] != doc["expected"]:
+    one = run["one"]
+    if one["step"] != 1 or (one["rows"] == run["start"]["rows"] and one["messages"] == run["start"]["messages"]):
+        problems.append(f"{where}: the → key did not move it one step on (step {one['step']})")
+    if run["end"]["step"] != doc["steps"]:
+        problems.append(f"{where}: End went to step {run['end']['step']}, not {doc['steps']}")
+    if run["end"]["rows"] != doc["expected"]:
         problems.append(f"{where}: the last step is not the all-reduce's result recorded with the run")
-    await root.press("Home")
-    if (await page.evaluate(_PLAYER_SHOWS, i))["step"] != 0:
+    if run["home"]["step"] != 0:
         problems.append(f"{where}: Home did not go back to the start")
+    if run["start"]["wide"]:
+        problems.append(f"{where}: wider than its column at {VIEWPORT['width']} px")
     return problems
 
 
 async def _player_plays(page, root) -> list[str]:
+    """The first player, as a reader drives it: a real key press, the play and pause button."""
+    problems = []
+    await root.press("ArrowRight")
+    if (await page.evaluate(_FIRST))["step"] != 1:
+        problems.append("trace player 1: a key press (→) does not step it")
     button = root.locator(".tp-play")
-    is_playing = "() => document.querySelector('.trace-player').dataset.playing === 'true'"
     await root.evaluate("p => { p.dataset.interval = '10000'; }")
     await button.click()
-    problems = []
-    if not await page.evaluate(is_playing):
+    if not (await page.evaluate(_FIRST))["playing"]:
         problems.append("trace player 1: the play button does not start it")
     await button.click()
-    if await page.evaluate(is_playing):
+    if (await page.evaluate(_FIRST))["playing"]:
         problems.append("trace player 1: the button does not pause it")
     await root.evaluate("p => { p.dataset.interval = '30'; }")
     await button.click()
     try:
         await page.wait_for_function(
-            "() => { const p = document.querySelector('.trace-player');"
-            " return p.dataset.playing === 'false' && p.querySelector('.tp-slider').value === p.querySelector('.tp-slider').max; }",
-            timeout=5_000)
+            "() => { const p = document.querySelector('.trace-player'), s = p.querySelector('.tp-slider');"
+            " return p.dataset.playing === 'false' && s.value === s.max; }", timeout=5_000)
     except Exception:   # noqa: BLE001 - a timeout is the finding
         problems.append("trace player 1: playing does not run to the last step and stop there")
     await root.press("Home")
@@ -491,38 +520,28 @@ async def _player_plays(page, root) -> list[str]:
 
 
 async def check_players(page) -> list[str]:
-    """Every trace player on the page, at 1400 px and again at 400 px."""
+    """Every trace player on the page, every run of its menu; then again at 400 px."""
     await page.wait_for_function(_ALL_LOADED, timeout=10_000)
-    count = await page.locator(".trace-player").count()
     problems = []
-    for i in range(count):
-        shows = await page.evaluate(_PLAYER_SHOWS, i)
-        if shows["state"] != "ready":
-            problems.append(f"trace player {i + 1} ({' '.join(shows['names'])}): did not load")
-            continue
-        if shows["wide"]:
-            problems.append(f"trace player {i + 1}: wider than its column at {VIEWPORT['width']} px")
-        root = page.locator(".trace-player").nth(i)
-        for j, name in enumerate(shows["names"]):
-            if j:                                   # the menu's other runs
-                await root.locator("select").select_option(name)
-                await page.wait_for_function(
-                    "([i, n]) => { const p = document.querySelectorAll('.trace-player')[i];"
-                    " return p.dataset.current === n && p.dataset.state === 'ready'; }", arg=[i, name])
-                shows = await page.evaluate(_PLAYER_SHOWS, i)
-            problems += await _player_run(page, i, name, shows)
-        if i == 0:                                   # play pauses, and plays to the end by itself
-            problems += await _player_plays(page, root)
+    for run in await page.evaluate(_PLAYERS_WALK):
+        if not run["loaded"]:
+            problems.append(f"trace player {run['i'] + 1} ({' '.join(run['names'])}): did not load")
+        else:
+            problems += _player_findings(run)
+    first = page.locator(".trace-player").first
+    problems += await _player_plays(page, first)
     await page.set_viewport_size(NARROW)             # a phone: nothing sticks out, the keys still step
-    await page.wait_for_timeout(50)
-    for i in range(count):
-        shows = await page.evaluate(_PLAYER_SHOWS, i)
-        if shows["wide"]:
-            problems.append(f"trace player {i + 1}: wider than its column at {NARROW['width']} px")
-        await page.locator(".trace-player").nth(i).press("ArrowRight")
-        if (await page.evaluate(_PLAYER_SHOWS, i))["step"] != shows["step"] + 1:
-            problems.append(f"trace player {i + 1}: the → key does not step it at {NARROW['width']} px")
-    return problems
+    for run in await page.evaluate(_PLAYERS_WALK):
+        if run["loaded"] and run["start"]["wide"]:
+            problems.append(f"trace player {run['i'] + 1} ({run['name']}): wider than its column "
+                            f"at {NARROW['width']} px")
+        elif run["loaded"] and run["one"]["step"] != 1:
+            problems.append(f"trace player {run['i'] + 1} ({run['name']}): → does not step it at "
+                            f"{NARROW['width']} px")
+    await first.press("ArrowRight")
+    if (await page.evaluate(_FIRST))["step"] != 1:
+        problems.append(f"trace player 1: a key press (→) does not step it at {NARROW['width']} px")
+    return list(dict.fromkeys(problems))
 
 
 async def _check_content(context, base: str, path: str, seen: dict) -> list[str]:
