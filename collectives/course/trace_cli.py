@@ -196,8 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     xs = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     flows = sum(1 for e in doc["traceEvents"] if e["ph"] == "s")
     sent = sum(e["args"]["bytes"] for e in xs if e["args"]["Collective name"] == "send")
-    print(f"wrote {args.out}: {len(xs)} calls on {args.world} ranks, {flows} messages "
-          f"({timing.human_bytes(sent)} sent); open it in ui.perfetto.dev or chrome://tracing")
+    collectives = sum(1 for e in xs if e["cat"] == "collective")
+    print(f"wrote {args.out}: {len(xs)} calls on {args.world} ranks -- {flows} messages "
+          f"({timing.human_bytes(sent)}), {collectives} collective calls; "
+          "open it in ui.perfetto.dev or chrome://tracing")
     return 0
 
 

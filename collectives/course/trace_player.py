@@ -24,6 +24,7 @@ from __future__ import annotations
 import datetime
 import inspect
 import json
+import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -211,7 +212,8 @@ def build(pl: Player, per_rank: list[dict]) -> tuple[dict, dict]:
                groups=_groups(pl), trace=f"{pl.name}.trace.json",
                start=[_bits(c["start"], p) for c in caps], steps=steps,
                final=[_bits(c["end"], p) for c in caps], expected=[d["expected"] for d in per_rank])
-    meta = dict(player=pl.name, target=pl.target, world_size=p, numel=pl.numel, torch=torch.__version__,
+    meta = dict(player=pl.name, target=pl.target, world_size=p, numel=pl.numel, backend="gloo",
+                device=platform.processor() or platform.machine() or "cpu", torch=torch.__version__,
                 date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                 command="python -m collectives trace --players DIR")
     doc["meta"] = meta
