@@ -49,7 +49,7 @@ def _traced_runs(names: list[str]) -> dict:
             call(x.clone())
         dist.barrier()
         buf = x.clone()
-        with trace.recording() as t, trace_export.Capture(buf) as cap:
+        with trace.recording() as t, trace_export.Capture(buf, t) as cap:
             call(buf)
         out[name] = (t.to_dicts(), cap.log)
     return out

@@ -261,19 +261,26 @@ def validate(doc) -> list[str]:
 class Capture:
     """On one rank: the payload of every recorded call, and a snapshot of ``watch`` at each.
 
-    Listens to the trace while active (``with Capture(buffer) as cap:`` inside a
-    :func:`~collectives.core.trace.recording`). ``log`` holds ``(phase, seq)`` in the order
-    the calls were made and completed ("post", "done"); ``snapshots[i]`` is ``watch`` as it
-    was when ``log[i]`` happened, ``start`` and ``end`` before and after the block. A send's
-    payload is taken when it is posted, a receive's when it completes, a collective's
-    contribution when it is posted. Small tensors only: everything is copied.
+    A listener of the trace (:func:`~collectives.core.trace.add_listener`) while the block
+    runs, inside the :func:`~collectives.core.trace.recording` it is given::
+
+        with trace.recording() as t, Capture(buffer, t) as cap:
+            ring_all_reduce(buffer)
+
+    ``log`` holds ``(phase, seq)`` -- ``seq`` the event's in ``t`` -- in the order the calls
+    were made ("post") and completed ("done"); ``snapshots[i]`` is ``watch`` as it was when
+    ``log[i]`` happened, ``start`` and ``end`` before and after the block. A send's payload
+    is taken when it is posted, a receive's when it completes, a collective's contribution
+    when it is posted. Small tensors only: everything is copied.
     """
 
-    def __init__(self, watch: torch.Tensor, max_numel: int = 4096):
+    def __init__(self, watch: torch.Tensor, recording: Trace, max_numel: int = 4096):
         if watch.numel() > max_numel:
             raise ValueError(f"Capture copies the buffer at every call: {watch.numel()} elements is more "
                              f"than {max_numel}; record a smaller run")
-        self.watch = watch
+        self.watch, self.recording = watch, recording
+        self._remove = None
+        self._last = -1                     # the seq of the last call noted
         self.log: list[tuple[str, int]] = []
         self.snapshots: list[list] = []
         self.payloads: dict[int, Any] = {}
@@ -296,7 +303,7 @@ class Capture:
         lo = t.storage_offset() - w.storage_offset()
         return (lo, lo + t.numel()) if 0 <= lo and lo + t.numel() <= w.numel() else None
 
-    def __call__(self, phase: str, event: Event, tensors) -> None:
+    def _note(self, phase: str, event: Event, tensors) -> None:
         if phase == "post" and event.is_recv and (where := self._inside_watch(tensors)) is not None:
             self.landing[event.seq] = where
         self.log.append((phase, event.seq))
@@ -304,13 +311,27 @@ class Capture:
         if (phase == "post" and not event.is_recv) or (phase == "done" and event.is_recv):
             self.payloads[event.seq] = self._values(tensors)
 
+    def _listen(self, kind, peer, tensors, group):
+        """A call is being made: the trace has just recorded it (the listeners hear after)."""
+        events = self.recording.events
+        if not _trace.active() or not events or events[-1].seq <= self._last:
+            return None                     # not recorded (paused): not part of the run
+        event = events[-1]
+        self._last = event.seq
+        self._note("post", event, tensors)
+
+        def end(stage, error=None):
+            if stage == "completed":
+                self._note("done", event, tensors)
+        return end
+
     def __enter__(self) -> "Capture":
         self.start = self.watch.detach().reshape(-1).cpu().tolist()
-        _trace.add_listener(self)
+        self._remove = _trace.add_listener(self._listen)
         return self
 
     def __exit__(self, *exc) -> None:
-        _trace.remove_listener(self)
+        self._remove()
         self.end = self.watch.detach().reshape(-1).cpu().tolist()
 
     def to_dict(self, describe=None) -> dict:

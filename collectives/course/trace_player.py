@@ -135,7 +135,7 @@ def _record_rank(players: list[Player]) -> list[dict]:
             _call(pl, fn, symbolic_input(pl, rank), torch.zeros(pl.numel))   # groups, buffers: made once
             dist.barrier()
         x, residual = symbolic_input(pl, rank), torch.zeros(pl.numel)
-        with trace.recording() as t, trace_export.Capture(x) as cap:
+        with trace.recording() as t, trace_export.Capture(x, t) as cap:
             _call(pl, fn, x, residual)
         sent = symbolic_input(pl, rank) - residual if pl.sparse else symbolic_input(pl, rank)
         with trace.paused():
