@@ -2,10 +2,10 @@
 
 ::
 
-    python -m collectives trace ring --world 4 --size 1M --out run.json
-    python -m collectives trace hierarchical --world 4 --machines 2 --link 1gbit --out hier.json
-    python -m collectives trace ring --impl exercise --out mine.json    # your lessons/04_ring/exercise.py
-    python -m collectives trace --list                                   # every name
+    .venv/bin/python -m collectives trace ring --world 4 --size 1M --out run.json
+    .venv/bin/python -m collectives trace ring --impl exercise --out mine.json   # your lessons/04_ring/exercise.py
+    .venv/bin/python -m collectives trace --list                                  # every name
+    sudo .venv/bin/python -m collectives trace hierarchical --machines 2 --link 1gbit --out hier.json
 
 Every all-reduce of the course's tour (:data:`collectives.course.tour.TOUR`) is here, named
 by its tour name in lower case with dashes ("naive-ring", "pipelined-ring",

@@ -14,7 +14,7 @@ Sparse all-reduce selects by magnitude, so its inputs carry a rank-dependent wei
 the bits: element i of rank r is 2^r + 2^p·((i + r) mod n), and rank r keeps its k
 largest. The bits of a sum (its value mod 2^p) still name its contributors.
 
-``python -m collectives trace --players DIR`` writes ``NAME.player.json`` (what the widget
+``.venv/bin/python -m collectives trace --players DIR`` writes ``NAME.player.json`` (what the widget
 plays) and ``NAME.trace.json`` (the same run as a Chrome trace, for Perfetto) for every
 player; the site build calls it (``tools/mkdocs_hooks.py``).
 """
