@@ -307,3 +307,23 @@ def _profiled_ring_on_nccl() -> list[str]:
 def test_labels_are_ranges_in_a_profile_of_an_nccl_run():
     names = set(launch.run(_profiled_ring_on_nccl, 2, backend="nccl", timeout=150)[0])
     assert {"reduce-scatter 0: c1", "all-gather 0: c0"} <= names
+
+
+def test_the_labs_profiler_cell_shows_the_ranges_and_no_log_lines():
+    """Lab 6's last cell, as the site shows it (the copy tests/test_notebooks.py or the site
+    build executed for this code): the reducer's ranges, and no stderr (Kineto's log lines)."""
+    from collectives.course import labs
+
+    notebook = ROOT / "notebooks" / "06_bucketing.ipynb"
+    nb = labs._cached(notebook, labs.source_key(notebook))
+    if nb is None:
+        pytest.skip("no executed copy of lab 6 for this code: tests/test_notebooks.py makes one")
+    cell = [c for c in nb.cells if c.cell_type == "code"][-1]
+    assert "torch.autograd.profiler.profile()" in cell.source
+    text = {}
+    for out in cell.outputs:
+        text[out.get("name", out.output_type)] = text.get(out.get("name", out.output_type), "") + out.get("text", "")
+    assert "stderr" not in text, text.get("stderr")
+    ranges = [line.split()[0:2] for line in text["stdout"].splitlines()[1:] if line[:1].isalpha()]
+    assert ["bucket", "0"] in ranges and ["bucket", "2"] in ranges
+    assert ["wait:", "all_reduce"] in ranges
