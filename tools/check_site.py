@@ -358,8 +358,9 @@ class _Tab:
     per page, which is most of the cost on a small machine.
     """
 
-    def __init__(self, page, base: str):
+    def __init__(self, page, base: str, driven: dict | None = None):
         self.page, self.base = page, base
+        self.driven = {"done": False} if driven is None else driven   # shared by the tabs: see check_players
         self.result = PageResult("")
         page.on("console", self._on_console)
         page.on("pageerror", lambda exc: self.result.problems.append(f"uncaught exception: {exc}"))
@@ -404,8 +405,9 @@ class _Tab:
             return result
         result.problems += await _check_content(self.page.context, self.base, path, seen)
         if seen["players"]:
+            drive, self.driven["done"] = not self.driven["done"], True
             try:
-                result.problems += await check_players(self.page)
+                result.problems += await check_players(self.page, drive=drive)
             except PlaywrightError as exc:
                 result.problems.append(f"trace player: {str(exc).splitlines()[0]}")
             finally:
@@ -519,8 +521,10 @@ async def _player_plays(page, root) -> list[str]:
     return problems
 
 
-async def check_players(page) -> list[str]:
-    """Every trace player on the page, every run of its menu; then again at 400 px."""
+async def check_players(page, drive: bool = True) -> list[str]:
+    """Every trace player on the page, every run of its menu; then again at 400 px. With
+    ``drive``, the first player is also driven as a reader drives it (real key presses, the
+    play button): the same script runs every player, so the site check drives one page's."""
     await page.wait_for_function(_ALL_LOADED, timeout=10_000)
     problems = []
     for run in await page.evaluate(_PLAYERS_WALK):
@@ -529,7 +533,8 @@ async def check_players(page) -> list[str]:
         else:
             problems += _player_findings(run)
     first = page.locator(".trace-player").first
-    problems += await _player_plays(page, first)
+    if drive:
+        problems += await _player_plays(page, first)
     await page.set_viewport_size(NARROW)             # a phone: nothing sticks out, the keys still step
     for run in await page.evaluate(_PLAYERS_WALK):
         if run["loaded"] and run["start"]["wide"]:
@@ -538,9 +543,10 @@ async def check_players(page) -> list[str]:
         elif run["loaded"] and run["one"]["step"] != 1:
             problems.append(f"trace player {run['i'] + 1} ({run['name']}): → does not step it at "
                             f"{NARROW['width']} px")
-    await first.press("ArrowRight")
-    if (await page.evaluate(_FIRST))["step"] != 1:
-        problems.append(f"trace player 1: a key press (→) does not step it at {NARROW['width']} px")
+    if drive:
+        await first.press("ArrowRight")
+        if (await page.evaluate(_FIRST))["step"] != 1:
+            problems.append(f"trace player 1: a key press (→) does not step it at {NARROW['width']} px")
     return list(dict.fromkeys(problems))
 
 
@@ -591,8 +597,10 @@ async def _browse(base: str, paths: list[str], chromium: str, jobs: int, settle_
             try:
                 await context.route("**/*", only_local)
 
+                driven = {"done": False}      # one page's first trace player is driven by real input
+
                 async def worker(page):
-                    tab = _Tab(page, base)
+                    tab = _Tab(page, base, driven)
                     while todo:
                         path = todo.pop(0)
                         results[path] = await tab.check(path, settle_ms)
