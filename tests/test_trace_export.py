@@ -290,7 +290,7 @@ def test_the_sparse_transport_is_passed_under_the_name_the_function_takes():
     assert trace_player.sparse_call(old, None, None, "split", density=0.5) == ("method", "split", 0.5)
 
 
-def _profiled_ring_on_nccl() -> list[str]:
+def _profiled_ring_on_nccl() -> tuple[list[str], bool, float]:
     from torch.profiler import ProfilerActivity, profile
 
     from collectives.ring import ring_all_reduce
@@ -300,13 +300,19 @@ def _profiled_ring_on_nccl() -> list[str]:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         ring_all_reduce(x)
         torch.cuda.synchronize()
-    return sorted({e.name for e in prof.events()})
+    with torch.autograd.profiler.emit_nvtx():             # what nsys records: the labels as NVTX ranges
+        nvtx = trace.label("step") is not trace._NO_LABEL
+        ring_all_reduce(x)
+        torch.cuda.synchronize()
+    return sorted({e.name for e in prof.events()}), nvtx, x[0].item()
 
 
 @pytest.mark.gpu
 def test_labels_are_ranges_in_a_profile_of_an_nccl_run():
-    names = set(launch.run(_profiled_ring_on_nccl, 2, backend="nccl", timeout=150)[0])
-    assert {"reduce-scatter 0: c1", "all-gather 0: c0"} <= names
+    names, nvtx, first = launch.run(_profiled_ring_on_nccl, 2, backend="nccl", timeout=150)[0]
+    assert {"reduce-scatter 0: c1", "all-gather 0: c0"} <= set(names)
+    assert nvtx                                           # under emit_nvtx a label is a range
+    assert first == 2.0 ** 3                              # three all-reduces of ones on 2 ranks
 
 
 def test_the_labs_profiler_cell_shows_the_ranges_and_no_log_lines():
