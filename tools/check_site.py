@@ -15,7 +15,8 @@ Chromium, with no network beyond that server. A page fails on:
   does not load, whose first step does not show the recorded inputs, that does not change
   when stepped with the keyboard or played, whose last step is not the all-reduce's
   result recorded with the run, or that is wider than its column at 1400 px or at 400 px
-  (each player page is read again at 400 px, and stepped there);
+  (each player page is read again at 400 px, and stepped there; one page's first player
+  is also driven by real key presses and its play button);
 * missing content: a lesson page without the sections every lesson promises
   (objectives, a diagram, the cost, the exercise tasks as a table with difficulty and
   minutes, how to run it with torchrun and ``make grade``, credits, a link to its
