@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import sys
 
 import pytest
@@ -138,9 +139,39 @@ def test_every_page_works_in_a_browser(request):
             pytest.fail(f"CI must install chromium: {message}", pytrace=False)
         pytest.skip(message)
     site, _ = request.getfixturevalue("built_site")  # built once, shared with the build test
-    result = check_site.check(site, chromium)
+    planted = _plant_a_wrong_player(site)
+    try:
+        result = check_site.check(site, chromium)
+    finally:
+        shutil.rmtree(planted)
+        (site / "traces" / "wrong_ring.player.json").unlink()
     assert result.pages, "no pages were checked"
-    assert result.ok, f"{len(result.problems)} problems:\n" + "\n".join(result.problems)
+    problems = [p for p in result.problems if not p.startswith(f"{planted.name}/")]
+    assert not problems, f"{len(problems)} problems:\n" + "\n".join(problems)
+    # the check can fail: a player whose last step differs from the run's result is caught
+    caught = [p for p in result.problems if p.startswith(f"{planted.name}/")]
+    assert caught == [f"{planted.name}/: trace player 1 (wrong_ring): the last step is not the "
+                      "all-reduce's result recorded with the run"]
+
+
+def _plant_a_wrong_player(site):
+    """A page beside the site's own, with a player of the ring whose last step shows one cell
+    wrong (rank 0 missing from an element): the browser check must report it, and only it."""
+    traces = site / "traces"
+    doc = json.loads((traces / "ring.player.json").read_text())
+    doc["steps"][-1]["state"][1][0] ^= 1
+    doc["trace"] = "ring.trace.json"
+    (traces / "wrong_ring.player.json").write_text(json.dumps(doc))
+    page = site / "wrong-player"
+    page.mkdir()
+    (page / "index.html").write_text(
+        '<!doctype html><html><head><meta charset="utf-8"><title>A wrong player</title>'
+        '<link rel="stylesheet" href="../stylesheets/trace-player.css"></head><body>'
+        '<article class="md-content__inner"><h1>A wrong player</h1><p>This page checks the check: its '
+        'player shows a last step that is not the recorded result.</p>'
+        '<div class="trace-player" data-trace="wrong_ring" data-base="../traces/"></div></article>'
+        '<script src="../javascripts/trace-player.js" defer></script></body></html>')
+    return page
 
 
 # --------------------------------------------------------------------------- a claim is data

@@ -17,6 +17,12 @@ Chromium, with no network beyond that server. A page fails on:
   browser and is also a test of its own);
 * illegible figures: a code name in a table heading broken over two lines, a figure
   that does not enlarge when tapped, a PNG drawn at less than twice its shown size;
+* a trace player (``<div class="trace-player">``, docs/javascripts/trace-player.js) that
+  does not load, whose first step does not show the recorded inputs, that does not change
+  when stepped with the keyboard or played, whose last step is not the all-reduce's
+  result recorded with the run, or that is wider than its column at 1400 px or at 400 px
+  (each player page is read again at 400 px, and stepped there; one page's first player
+  is also driven by real key presses and its play button);
 * missing content: a lesson page without the sections every lesson promises
   (objectives, a diagram, the cost, the exercise tasks as a table with difficulty and
   minutes, how to run it with torchrun and ``make grade``, credits, a link to its
@@ -224,6 +230,7 @@ async () => {
     cellOutput: outermost(".jp-CodeCell").map(c =>
         [...c.querySelectorAll(".jp-OutputArea-output")].some(o => o.innerText.trim() || o.querySelector("img, svg"))),
     errorOutputs: article.querySelectorAll(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr'] .ansi-red-fg, .jp-OutputArea-output .traceback").length,
+    players: article.querySelectorAll(".trace-player").length,
     // math: every formula typeset by MathJax, none left as \( ... \) text
     math: article.querySelectorAll(".arithmatex").length,
     mathUntypeset: [...article.querySelectorAll(".arithmatex")].filter(m => !m.querySelector("mjx-container")).length,
@@ -578,8 +585,9 @@ class _Tab:
     per page, which is most of the cost on a small machine.
     """
 
-    def __init__(self, page, base: str):
+    def __init__(self, page, base: str, driven: dict | None = None):
         self.page, self.base = page, base
+        self.driven = {"done": False} if driven is None else driven   # shared by the tabs: see check_players
         self.result = PageResult("")
         page.on("console", self._on_console)
         page.on("pageerror", lambda exc: self.result.problems.append(f"uncaught exception: {exc}"))
@@ -624,8 +632,150 @@ class _Tab:
             return result
         result.problems += await _check_content(self.page.context, self.base, path, seen)
         result.problems += check_legibility(await self.page.evaluate(_INSPECT_LEGIBILITY))
+        if seen["players"]:
+            drive, self.driven["done"] = not self.driven["done"], True
+            try:
+                result.problems += await check_players(self.page, drive=drive)
+            except PlaywrightError as exc:
+                result.problems.append(f"trace player: {str(exc).splitlines()[0]}")
+            finally:
+                await self.page.set_viewport_size(VIEWPORT)
         result.seconds = time.perf_counter() - start
         return result
+
+
+# --------------------------------------------------------------------------- trace players
+
+NARROW = {"width": 400, "height": 900}
+
+# In the page, for every trace player and every run of its menu: the recorded file, and what
+# the player shows at the start, after the → key, after End and after Home (each rank's
+# cells, as data-bits). One call for the whole page: a round trip to the browser is the cost.
+_PLAYERS_WALK = r"""
+async () => {
+  const article = document.querySelector("article.md-content__inner") || document.body;
+  const shows = (root) => {
+    const box = root.getBoundingClientRect();
+    return {
+      state: root.dataset.state || "", step: Number(root.dataset.step),
+      rows: [...root.querySelectorAll(".tp-cells[data-rank]")].map(row =>
+          [...row.querySelectorAll(".tp-cell")].map(c => Number(c.dataset.bits))),
+      messages: (root.querySelector(".tp-messages") || {}).innerText || "",
+      wide: root.scrollWidth > root.clientWidth + 1
+          || box.right > Math.min(window.innerWidth, article.getBoundingClientRect().right) + 1,
+    };
+  };
+  const key = (root, k) => root.dispatchEvent(new KeyboardEvent("keydown", {key: k, bubbles: true}));
+  const ready = (root, name) => new Promise((resolve, reject) => {
+    const until = Date.now() + 10000;
+    const poll = () => (root.dataset.current === name && root.dataset.state === "ready") ? resolve()
+        : Date.now() > until ? reject(new Error("the menu did not load " + name)) : setTimeout(poll, 20);
+    poll();
+  });
+  const out = [];
+  for (const [i, root] of [...document.querySelectorAll(".trace-player")].entries()) {
+    const names = (root.dataset.trace || "").split(/\s+/).filter(Boolean);
+    if (root.dataset.state !== "ready") { out.push({i, names, loaded: false}); continue; }
+    for (const [j, name] of names.entries()) {
+      if (j > 0) {
+        const menu = root.querySelector("select");
+        menu.value = name;
+        menu.dispatchEvent(new Event("change"));
+        await ready(root, name);
+      }
+      const doc = await (await fetch(root.dataset.base + name + ".player.json")).json();
+      const start = shows(root);
+      key(root, "ArrowRight");
+      const one = shows(root);
+      key(root, "End");
+      const end = shows(root);
+      key(root, "Home");
+      out.push({i, name, loaded: true, start, one, end, home: shows(root),
+                doc: {start: doc.start, expected: doc.expected, steps: doc.steps.length}});
+    }
+  }
+  return out;
+}
+"""
+_ALL_LOADED = """() => [...document.querySelectorAll(".trace-player")]
+    .every(p => p.dataset.state === "ready" || p.dataset.state === "error")"""
+_FIRST = "() => { const p = document.querySelector('.trace-player'); " \
+         "return {step: Number(p.dataset.step), playing: p.dataset.playing === 'true'}; }"
+
+
+def _player_findings(run: dict) -> list[str]:
+    """What is wrong with one recorded run as its player showed it."""
+    where = f"trace player {run['i'] + 1} ({run['name']})"
+    doc, problems = run["doc"], []
+    if run["start"]["rows"] != doc["start"]:
+        problems.append(f"{where}: the first step does not show the recorded inputs")
+    one = run["one"]
+    if one["step"] != 1 or (one["rows"] == run["start"]["rows"] and one["messages"] == run["start"]["messages"]):
+        problems.append(f"{where}: the → key did not move it one step on (step {one['step']})")
+    if run["end"]["step"] != doc["steps"]:
+        problems.append(f"{where}: End went to step {run['end']['step']}, not {doc['steps']}")
+    if run["end"]["rows"] != doc["expected"]:
+        problems.append(f"{where}: the last step is not the all-reduce's result recorded with the run")
+    if run["home"]["step"] != 0:
+        problems.append(f"{where}: Home did not go back to the start")
+    if run["start"]["wide"]:
+        problems.append(f"{where}: wider than its column at {VIEWPORT['width']} px")
+    return problems
+
+
+async def _player_plays(page, root) -> list[str]:
+    """The first player, as a reader drives it: a real key press, the play and pause button."""
+    problems = []
+    await root.press("ArrowRight")
+    if (await page.evaluate(_FIRST))["step"] != 1:
+        problems.append("trace player 1: a key press (→) does not step it")
+    button = root.locator(".tp-play")
+    await root.evaluate("p => { p.dataset.interval = '10000'; }")
+    await button.click()
+    if not (await page.evaluate(_FIRST))["playing"]:
+        problems.append("trace player 1: the play button does not start it")
+    await button.click()
+    if (await page.evaluate(_FIRST))["playing"]:
+        problems.append("trace player 1: the button does not pause it")
+    await root.evaluate("p => { p.dataset.interval = '30'; }")
+    await button.click()
+    try:
+        await page.wait_for_function(
+            "() => { const p = document.querySelector('.trace-player'), s = p.querySelector('.tp-slider');"
+            " return p.dataset.playing === 'false' && s.value === s.max; }", timeout=5_000)
+    except Exception:   # noqa: BLE001 - a timeout is the finding
+        problems.append("trace player 1: playing does not run to the last step and stop there")
+    await root.press("Home")
+    return problems
+
+
+async def check_players(page, drive: bool = True) -> list[str]:
+    """Every trace player on the page, every run of its menu; then again at 400 px. With
+    ``drive``, the first player is also driven as a reader drives it (real key presses, the
+    play button): the same script runs every player, so the site check drives one page's."""
+    await page.wait_for_function(_ALL_LOADED, timeout=10_000)
+    problems = []
+    for run in await page.evaluate(_PLAYERS_WALK):
+        if not run["loaded"]:
+            problems.append(f"trace player {run['i'] + 1} ({' '.join(run['names'])}): did not load")
+        else:
+            problems += _player_findings(run)
+    first = page.locator(".trace-player").first
+    if drive:
+        problems += await _player_plays(page, first)
+    await page.set_viewport_size(NARROW)             # a phone: nothing sticks out, the keys still step
+    for run in await page.evaluate(_PLAYERS_WALK):
+        if run["loaded"] and run["start"]["wide"]:
+            problems.append(f"trace player {run['i'] + 1} ({run['name']}): wider than its column "
+                            f"at {NARROW['width']} px")
+        elif run["loaded"] and run["one"]["step"] != 1:
+            problems.append(f"trace player {run['i'] + 1} ({run['name']}): → does not step it at "
+                            f"{NARROW['width']} px")
+    if drive:
+        await first.press("ArrowRight")
+        if (await page.evaluate(_FIRST))["step"] != 1:
+            problems.append(f"trace player 1: a key press (→) does not step it at {NARROW['width']} px")
+    return list(dict.fromkeys(problems))
 
 
 async def _check_content(context, base: str, path: str, seen: dict) -> list[str]:
@@ -675,8 +825,10 @@ async def _browse(base: str, paths: list[str], chromium: str, jobs: int, settle_
             try:
                 await context.route("**/*", only_local)
 
+                driven = {"done": False}      # one page's first trace player is driven by real input
+
                 async def worker(page):
-                    tab = _Tab(page, base)
+                    tab = _Tab(page, base, driven)
                     while todo:
                         path = todo.pop(0)
                         results[path] = await tab.check(path, settle_ms)

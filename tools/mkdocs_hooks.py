@@ -19,15 +19,26 @@
 * **Lab headings in the sidebar as they are on the page**: a notebook's table of contents
   is rebuilt from the rendered headings, so a heading with code keeps it and links to the
   anchor the page really has.
+* **Trace players from real runs.** While the pages are built, every player of
+  ``collectives.course.trace_player`` is recorded in a subprocess (``python -m collectives
+  trace --players``: small worlds, a few seconds; kept under ``build/trace-players/``, keyed
+  on the code, so a rebuild of unchanged code reuses them) and copied to ``traces/`` in the
+  site. A page shows one with ``<div class="trace-player" data-trace="ring"></div>``
+  (several names: a menu); the build fails on a name that was not recorded, gives the div
+  the path to ``traces/``, and links the player's script and stylesheet on that page only.
 """
 
 from __future__ import annotations
 
+import hashlib
 import html
+import importlib.metadata
 import importlib.util
+import os
 import posixpath
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -102,12 +113,87 @@ def on_config(config):
                           + "\n  ".join(problems))
     _TITLES.clear()
     _TITLES.update(nav_titles(config.get("nav") or []))
+    start_recording_players()
     return config
 
 
 def link_title(src: str, fallback: str) -> str:
     """What a link to ``src`` says: its title in the nav, so links and nav read alike."""
     return _TITLES.get(src, fallback)
+
+
+# ---- trace players --------------------------------------------------------------------
+
+PLAYERS_CACHE = ROOT / "build" / "trace-players"
+PLAYERS_SITE_DIR = "traces"
+PLAYER_TAG = re.compile(r'<div\b[^>]*\bclass="trace-player"[^>]*>')
+_players: dict = {"folder": None, "recording": None, "wanted": {}}
+
+
+def _players_key() -> str:
+    """What the recordings depend on: the package's code and torch's version."""
+    digest = hashlib.sha256(importlib.metadata.version("torch").encode())
+    for path in sorted((ROOT / "collectives").rglob("*.py")):
+        digest.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def start_recording_players() -> None:
+    """Record the players for this code in a subprocess that runs while the pages are built
+    (small worlds; a few seconds), unless an earlier build of the same code did."""
+    folder = PLAYERS_CACHE / _players_key()
+    _players.update(folder=folder, recording=None, wanted={})
+    if (folder / "done").exists():
+        return
+    shutil.rmtree(PLAYERS_CACHE, ignore_errors=True)          # older code's recordings
+    partial = PLAYERS_CACHE / (folder.name + ".partial")
+    _players["recording"] = subprocess.Popen(
+        [sys.executable, "-m", "collectives", "trace", "--players", str(partial)], cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+
+
+def finish_recording_players() -> Path:
+    """Wait for the recording; the folder of players."""
+    folder, proc = _players["folder"], _players["recording"]
+    if proc is not None:
+        output, _ = proc.communicate()
+        _players["recording"] = None
+        if proc.returncode != 0:
+            raise PluginError("recording the trace players failed:\n" + output[-3000:])
+        partial = folder.with_name(folder.name + ".partial")
+        (partial / "done").write_text(output)
+        partial.rename(folder)
+    return folder
+
+
+def _relative(page, target: str) -> str:
+    """``target`` (a site path) relative to ``page``'s folder."""
+    here = posixpath.dirname(page.url.rstrip("/") + "/x") or "."
+    return posixpath.relpath(target, here)
+
+
+def _players_on(content: str, page) -> str:
+    """Note the runs each player names (checked once they are recorded); tell it where they are."""
+    def fix(match):
+        tag = match.group(0)
+        names = re.search(r'data-trace="([^"]*)"', tag)
+        for name in (names.group(1).split() if names else []) or ["(none given)"]:
+            _players["wanted"].setdefault(name, []).append(page.file.src_uri)
+        return tag[:-1] + f' data-base="{_relative(page, PLAYERS_SITE_DIR)}/">'
+    return PLAYER_TAG.sub(fix, content)
+
+
+def _copy_players(site_dir: str) -> None:
+    folder = finish_recording_players()
+    recorded = {p.name[: -len(".player.json")] for p in folder.glob("*.player.json")}
+    missing = {name: pages for name, pages in _players["wanted"].items() if name not in recorded}
+    if missing:
+        raise PluginError("no recorded trace player " + "; ".join(
+            f"{name} (on {', '.join(pages)})" for name, pages in missing.items())
+            + f"; recorded: {', '.join(sorted(recorded))}")
+    traces = Path(site_dir) / PLAYERS_SITE_DIR
+    shutil.rmtree(traces, ignore_errors=True)
+    shutil.copytree(folder, traces, ignore=shutil.ignore_patterns("done"))
 
 
 def _by_src():
@@ -176,6 +262,8 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
 
 
 def on_page_content(content: str, page, config, files) -> str:
+    if 'class="trace-player"' in content:
+        content = _players_on(content, page)
     _, notebooks = _by_src()
     item = notebooks.get(page.file.src_uri)
     if item is None:
@@ -237,6 +325,12 @@ def _toc_from_headings(page, content: str) -> None:
 
 
 def on_post_page(output: str, page, config) -> str:
+    if 'class="trace-player"' in output:     # the player's script and style, on its pages only
+        root = _relative(page, ".")
+        output = output.replace("</head>", f'<link rel="stylesheet" href="{root}/stylesheets/trace-player.css">\n'
+                                "</head>", 1)
+        output = output.replace("</body>", f'<script src="{root}/javascripts/trace-player.js" defer></script>\n'
+                                "</body>", 1)
     # MathJax (2 MB) only where there is math to typeset: most API pages have none.
     if 'class="arithmatex"' in output:
         return output
@@ -261,3 +355,5 @@ def on_post_build(config):
     target = Path(config["site_dir"]) / MATHJAX_TARGET
     target.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(source, target)
+    if _players["folder"] is not None:
+        _copy_players(config["site_dir"])
