@@ -8,6 +8,7 @@
   bench-ddp    the bucketed reducer against torch DDP
   bench-hier   hierarchical all-reduce against the flat ring on the simulated cluster
   bench-sparse lesson 8: selection, sparse variants against dist.all_reduce, density sweep (--cluster)
+  bench-sparse-train  lesson 8 in training: time to accuracy on the simulated cluster, against bf16 and PowerSGD
   bench-cluster  the two tiers of a simulated cluster fitted, the flat ring predicted and measured
   cluster      one torchrun per machine of a simulated cluster: cluster --machines 2 -- CMD...
 """
@@ -26,6 +27,7 @@ COMMANDS = {
     "bench-ddp": "collectives.course.bucketing_bench:main",
     "bench-hier": "collectives.course.hierarchical_bench:main",
     "bench-sparse": "collectives.course.sparse_bench:main",
+    "bench-sparse-train": "collectives.course.sparse_train_bench:main",
     "bench-cluster": "collectives.course.cluster_bench:main",
     "cluster": "collectives.course.cluster_cli:main",
 }
