@@ -33,6 +33,7 @@ import argparse
 import datetime
 import json
 import math
+import re
 import statistics
 import sys
 import time
@@ -376,7 +377,14 @@ def main(argv: list[str] | None = None) -> int:
                             not args.sweep_only, kind, IMPLS[args.impl]), timeout=1800, backend=backend)
         if args.cluster:
             kwargs.update(machines=2, link=args.link)
-        result = launch.run(compare_in_world, args.world, **kwargs)[0]
+        try:
+            result = launch.run(compare_in_world, args.world, **kwargs)[0]
+        except launch.RankError as exc:
+            stub = re.search(r"Lesson 8, task \d+: \w+", str(exc))
+            if args.impl == "exercise" and stub:
+                print(f"{IMPLS['exercise']}: {stub.group(0)} is not written yet", file=sys.stderr)
+                return 1
+            raise
         _print(result, f"{where}, {kind} gradients", args.link if args.cluster else None)
         results[where if i == 0 else f"{where}, {kind} gradients"] = result
     result = results[where]

@@ -34,7 +34,7 @@ from .dgc import DGCState, dgc_hook
 from .hooks import (ParameterMemory, SparseBucketedReducer, SparseHookState, register_sparse_hook, sparse_hook,
                     sparse_hook_async)
 from .profile import measure_profile, profile_for, set_profile
-from .select import (INDEX_DTYPE, MAX_NUMEL, SELECTIONS, check_selection, keep_count, magnitude, sample_threshold,
+from .select import (INDEX_DTYPE, MAX_NUMEL, SELECTIONS, keep_count, magnitude, sample_threshold,
                      threshold_in, threshold_indices, time_selection, topk_indices, topk_per_segment,
                      truncated_magnitude_topk)
 from .split import SplitInfo, piece_bounds, split_sum_
@@ -42,7 +42,7 @@ from .split import SplitInfo, piece_bounds, split_sum_
 __all__ = ["sparse_all_reduce", "sparse_all_reduce_async", "SparseInfo", "SparseWork", "select_to_send",
            "allgather_sum_", "allgather_sum_async", "add_gathered_", "split_sum_", "exchange_counts",
            "pack_pairs", "unpack_pairs", "keep_count", "magnitude", "threshold_in", "sample_threshold",
-           "check_selection", "threshold_indices", "topk_indices", "topk_per_segment",
+           "threshold_indices", "topk_indices", "topk_per_segment",
            "truncated_magnitude_topk", "time_selection", "piece_bounds", "SplitInfo",
            "SparseHookState", "ParameterMemory", "sparse_hook", "sparse_hook_async", "register_sparse_hook",
            "SparseBucketedReducer", "DGCState", "dgc_hook",

@@ -26,11 +26,11 @@ from .profile import profile_for
 from .select import (
     MAX_NUMEL,
     SELECTIONS,
-    check_selection,
     keep_count,
     threshold_indices,
     topk_indices,
     topk_per_segment,
+    validate_selection,
 )
 from .split import SplitInfo, split_sum_
 
@@ -78,7 +78,7 @@ def _check(tensor, residual, density, threshold, transport, selection, op, group
         raise ValueError(f"{what}: transport must be one of {', '.join(TRANSPORT_CHOICES)}, got {transport!r}")
     if state is not None and not isinstance(state, dict):
         raise TypeError(f"{what}: state must be a dict kept per tensor, got {type(state).__name__}")
-    check_selection(selection, state if density is not None else {})   # threshold mode selects no top-k
+    validate_selection(selection, state if density is not None else {})   # threshold mode selects no top-k
     if segments is not None:
         if density is None:
             raise ValueError(f"{what}: segments= chooses top-k per segment; threshold mode has no k")

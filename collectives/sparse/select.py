@@ -147,7 +147,7 @@ def _sort_desc(mag: torch.Tensor) -> torch.Tensor:
     return torch.sort(mag, descending=True, stable=True).indices
 
 
-def check_selection(selection: str, state: dict | None) -> None:
+def validate_selection(selection: str, state: dict | None) -> None:
     """Refuse an unknown ``selection``, and ``"reuse"`` without the ``state`` it keeps its
     threshold in (it would silently be a plain top-k every call)."""
     if selection != "auto" and selection not in SELECTIONS:
@@ -167,7 +167,7 @@ def topk_indices(x: torch.Tensor, k: int, selection: str = "auto", state: dict |
     carries ``reuse``'s threshold from one call to the next (a dict the caller keeps, one
     per tensor; ``reuse`` refuses to run without it); the other selections ignore it.
     """
-    check_selection(selection, state)
+    validate_selection(selection, state)
     n = x.numel()
     if not 0 <= k <= n:
         raise ValueError(f"k must be between 0 and {n}, got {k}")
