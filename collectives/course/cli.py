@@ -10,7 +10,10 @@
   bench-sparse lesson 8: selection, sparse variants against dist.all_reduce, density sweep (--cluster)
   bench-sparse-train  lesson 8 in training: time to accuracy on the simulated cluster, against bf16 and PowerSGD
   bench-cluster  the two tiers of a simulated cluster fitted, the flat ring predicted and measured
+  bench-recorder lesson 9: what the flight recorder costs per call, off and on (and torch's DETAIL)
+  diagnose     lesson 9: read every rank's flight recorder dump and name the culprit: diagnose DIR
   cluster      one torchrun per machine of a simulated cluster: cluster --machines 2 -- CMD...
+  helpers      an exercise's helper sheet, written from the code: helpers --lesson 4
 """
 
 from __future__ import annotations
@@ -29,7 +32,10 @@ COMMANDS = {
     "bench-sparse": "collectives.course.sparse_bench:main",
     "bench-sparse-train": "collectives.course.sparse_train_bench:main",
     "bench-cluster": "collectives.course.cluster_bench:main",
+    "bench-recorder": "collectives.course.debugging_bench:main",
+    "diagnose": "collectives.course.diagnose_cli:main",
     "cluster": "collectives.course.cluster_cli:main",
+    "helpers": "collectives.course.helpers:main",
 }
 
 
