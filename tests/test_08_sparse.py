@@ -236,6 +236,38 @@ def _fixed_profile(impl, link=None, compute=None):
 
 
 @check
+def split_with_balanced_pieces(impl, group):
+    """Ok-Topk's balanced partition: with every rank's pairs crowded into the first tenth of
+    the range, equal ranges hand rank 0 nearly all of them; the balanced cuts share them
+    out, and the sum is the same (dense pieces of unequal lengths gathered too)."""
+    from collectives import ops
+    from collectives.sparse.split import balanced_bounds, split_sum_
+    rank, p = dist.get_rank(), dist.get_world_size()
+    n = 3000
+    problems = []
+    for kept, span in ((40, n // 10), (2500, n)):     # crowded pairs; then nearly every index, pieces fill
+        g = torch.Generator().manual_seed(rank)
+        idx = torch.randperm(span, generator=g)[:kept].sort().values
+        vals = torch.randint(-50, 50, (kept,), generator=g).double()
+        bounds = balanced_bounds(idx, n, group=group, bins=300)
+        every = [torch.empty_like(idx) for _ in range(p)]
+        with trace.paused():
+            dist.all_gather(every, idx, group=group)
+        landing = [sum(int(((e >= a) & (e < b)).sum()) for e in every) for a, b in bounds]
+        if max(landing) > 1.5 * sum(landing) / p:
+            problems.append(f"{kept} pairs: balanced pieces still uneven: {landing}")
+        out = torch.empty(n, dtype=torch.float64)
+        info = split_sum_(out, idx, vals, group=group, bounds=bounds)
+        sent = torch.zeros(n, dtype=torch.float64).index_add_(0, idx, vals)
+        bad = verify.compare(verify.reference_all_reduce(sent, group=group), out)
+        if bad:
+            problems.append(f"{kept} pairs (densified {info.densified}): {bad}")
+        if info.densified != (kept == 2500) or (kept == 2500 and bounds == ops.chunk_bounds(n, p)):
+            problems.append(f"{kept} pairs: densified {info.densified} with pieces {bounds}")
+    return problems
+
+
+@check
 def contract_in_a_subgroup(impl, group):
     p = dist.get_world_size()
     members = list(range(0, p, 2)) if p >= 3 else [0]
@@ -726,7 +758,7 @@ PLAN = {
         "outside_the_group_is_a_no_op", "split_with_sizes_that_differ_raises", "int_min_is_the_largest_magnitude",
         "async_returns_while_the_pairs_travel", "hook_reduces_over_the_state_group", "dgc_corrections"],
     3: ["contract_allgather", "contract_dense", "contract_split_and_auto", "contract_in_a_subgroup",
-        "everything_kept_is_all_reduce", "bytes_on_the_wire"],
+        "everything_kept_is_all_reduce", "bytes_on_the_wire", "split_with_balanced_pieces"],
     4: ["allgather_direct", "contract_allgather", "contract_dense", "contract_split_and_auto",
         "contract_in_a_subgroup", "everything_kept_is_all_reduce", "counts_ties_and_nonfinite",
         "split_counts_ties_and_nonfinite", "bytes_on_the_wire", "average", "split_average"],
@@ -942,6 +974,11 @@ def test_split_and_dense_variants_are_all_reduce_of_what_each_rank_sent(worlds, 
             assert problems == [None], f"rank {rank}: {problems}"
 
 
+def test_split_with_ok_topk_balanced_pieces_is_the_same_sum(worlds):
+    for rank, problems in enumerate(_ok(worlds(3), "split_with_balanced_pieces")):
+        assert not problems, f"rank {rank}: {problems}"
+
+
 def test_split_refuses_ranks_whose_sizes_differ_on_every_rank(worlds):
     for rank, message in enumerate(_ok(worlds(2), "split_with_sizes_that_differ_raises")):
         assert "different sizes" in message and "241" in message and "242" in message, f"rank {rank}: {message}"
@@ -1153,12 +1190,14 @@ def test_processor_time_moves_the_crossover_down_by_what_it_costs():
 
 # ---- convergence: what error feedback buys, on real data ------------------------------------
 
-# Measured with these settings (4 ranks, seeds fixed, 25 epochs of plain SGD, lr 0.5, 64
-# examples per rank per step -- dense has converged): mean test accuracy of the last three
-# epochs, dense 0.960, top-k 1 % with error feedback 0.958, without 0.857. The assertions
-# keep the measured gaps with margins: within 1 point with feedback, at least 5 points
-# worse without.
-CONVERGENCE = dict(epochs=25, lr=0.5, batch=64, seed=0)
+# Measured with these settings (4 ranks, seed 0, the lab's MLP, 12 epochs of plain SGD at lr
+# 0.5, 64 examples per rank per step, an evaluation after every step): the mean test accuracy
+# of the last epoch's evaluations, dense 0.918, top-k 1 % with error feedback 0.917, without
+# it 0.665. The assertions keep the measured gaps with margins: within 1.5 points with
+# feedback, at least 10 points worse without. (Five seeds, both models and every run of the
+# lab are bench-sparse-train's, not a test's.)
+CONVERGENCE = dict(model="mlp", optimizer="sgd", momentum=0.0, lr=0.5, batch=64, epochs=12, evals_per_epoch=5,
+                   seed=0)
 
 
 def test_top_k_with_error_feedback_converges_like_dense_and_without_it_does_not():
@@ -1166,11 +1205,11 @@ def test_top_k_with_error_feedback_converges_like_dense_and_without_it_does_not(
     from collectives.sparse import lab
     res = lab.compare(runs=("dense", "topk_ef", "topk_no_ef"), **CONVERGENCE)
     dense, ef, no_ef = (res[r]["final"] for r in ("dense", "topk_ef", "topk_no_ef"))
-    assert dense >= 0.94, f"dense should converge on load_digits: {dense:.3f}"
-    assert ef >= dense - 0.01, f"top-k 1% with error feedback {ef:.3f} vs dense {dense:.3f}"
-    assert no_ef <= dense - 0.05, f"top-k 1% without error feedback {no_ef:.3f} vs dense {dense:.3f}"
-    # bytes the hook hands to collectives per step: one all-gather of k = 49 pairs of 8 bytes
-    assert res["topk_ef"]["bytes_per_step"] == 49 * 8 and res["dense"]["params"] == 4810
+    assert dense >= 0.9, f"dense should learn load_digits: {dense:.3f}"
+    assert ef >= dense - 0.015, f"top-k 1% with error feedback {ef:.3f} vs dense {dense:.3f}"
+    assert no_ef <= dense - 0.10, f"top-k 1% without error feedback {no_ef:.3f} vs dense {dense:.3f}"
+    # bytes on the wire per step and rank: its k = 49 pairs of 8 bytes, passed on 3 times by a ring all-gather
+    assert res["topk_ef"]["bytes_per_step"] == 3 * 49 * 8 and res["dense"]["params"] == 4810
 
 
 # ---- GPUs (NCCL): the same contract on device tensors -----------------------------------------
@@ -1205,3 +1244,42 @@ def _gpu_rank(impl):
                 if not torch.equal(sent.to(device) + r, x.to(device)):
                     problems.append(f"{variant} {_mode_name(mode)} {dtype}: residual identity")
     return problems
+
+
+# ---- bench-sparse-train's arithmetic (no world: a record made up here) -----------------------------
+
+def test_time_to_accuracy_targets_and_the_winner_from_a_record():
+    """The target is dense's final accuracy (mean of seeds) less one point; time to accuracy is
+    the training time at the first evaluation that reaches it, averaged over the seeds that
+    do; the winner is the fastest run every seed of which reaches it."""
+    from collectives.course import sparse_train_bench as stb
+
+    def run(name, seed, curve, steps=30):
+        return dict(run=name, model="wide", optimizer="sgd", seed=seed, curve=curve, steps=steps,
+                    seconds=curve[-1][1], final=curve[-1][2], bytes_per_step=1000.0, complete=True)
+    runs = [run("dense", 0, [(10, 1.0, 0.80), (20, 2.0, 0.95), (30, 3.0, 0.97)]),
+            run("dense", 1, [(10, 1.2, 0.85), (20, 2.4, 0.96), (30, 3.6, 0.95)]),
+            run("bf16", 0, [(10, 0.6, 0.80), (20, 1.2, 0.955), (30, 1.8, 0.97)]),
+            run("bf16", 1, [(10, 0.6, 0.96), (20, 1.2, 0.96), (30, 1.8, 0.96)]),
+            run("dgc", 0, [(10, 0.2, 0.70), (20, 0.4, 0.90), (30, 0.6, 0.951)]),
+            run("dgc", 1, [(10, 0.2, 0.70), (20, 0.4, 0.96), (30, 0.6, 0.96)]),
+            run("topk_ef", 0, [(10, 0.1, 0.96), (20, 0.2, 0.97), (30, 0.3, 0.97)]),
+            run("topk_ef", 1, [(10, 0.1, 0.70), (20, 0.2, 0.80), (30, 0.3, 0.90)])]
+    targets = stb.targets_from(runs)
+    assert targets["wide/sgd"] == pytest.approx((0.97 + 0.95) / 2 - 0.01)          # 0.95
+    assert stb.time_to(runs[0]["curve"], 0.95) == 2.0 and stb.time_to(runs[7]["curve"], 0.95) is None
+    rows = stb.summarize(runs, targets)["wide/sgd"]["runs"]
+    assert rows["dense"]["time_mean"] == pytest.approx(2.2) and rows["dense"]["vs_dense"] == pytest.approx(1.0)
+    assert rows["bf16"]["time_mean"] == pytest.approx(0.9) and rows["dgc"]["time_mean"] == pytest.approx(0.5)
+    assert rows["topk_ef"]["reached"] == 1 and "vs_dense" not in rows["topk_ef"]      # one seed never gets there
+    assert rows["dgc"]["final_mean"] == pytest.approx(0.9555)
+    w = stb.winner(stb.summarize(runs, targets))
+    assert w["fastest"] == "dgc" and w["best_sparse"] == "dgc"
+    assert w["best_sparse_vs_dense"] == pytest.approx(0.5 / 2.2)
+    assert w["best_sparse_vs_bf16"] == pytest.approx(0.5 / 0.9)
+    record = dict(command="python -m collectives bench-sparse-train", device="a CPU", torch="2.x", date="today",
+                  settings=dict(stb.SETTINGS, seeds=2), links={"1gbit": dict(runs=runs)}, targets=targets,
+                  summary={"1gbit": stb.summarize(runs, targets)}, winner={"1gbit": w})
+    text = stb.snippet(record)
+    assert "Fastest to the target at 1gbit (wide, sgd): **dgc**" in text and "0.23× dense's time" in text
+    assert "| topk_ef | 0.10 ± 0.00 s | 1 of 2 | -- |" in text

@@ -48,8 +48,10 @@ PUBLISHED = dict(json=ROOT / "docs" / "data" / "08-sparse-train.json",
                  snippet=ROOT / "docs" / "snippets" / "sparse-train.md")
 SETTINGS = dict(epochs=12, batch=32, density=0.01, warmup_epochs=1.0, evals_per_epoch=4, bucket_cap_mb=1.0)
 LR = {"sgd": 0.05, "adam": 1e-3}
-# (model, optimizer, runs): what is trained on every link; the first is the one timed to a winner
-PLAN = (("wide", "sgd", lab.RUNS), ("mlp", "sgd", lab.RUNS), ("wide", "adam", ("dense", "topk_ef", "dgc")))
+# (model, optimizer, runs, the link it trains to the end on): on that link every run goes the
+# whole way (its final accuracy, the target from dense's); on a later link it stops at the
+# target. The first is the one the winner is named for.
+PLAN = (("wide", "sgd", lab.RUNS, 0), ("mlp", "sgd", lab.RUNS, 0), ("wide", "adam", ("dense", "topk_ef", "dgc"), 1))
 HEADLINE = ("wide", "sgd")
 
 
@@ -88,7 +90,7 @@ def _step_seconds(ddp, opt, x, y, steps: int) -> float:
     return statistics.median(times[2:])
 
 
-def measure_overlap(steps: int = 10, batch: int = 32, seed: int = 0) -> dict:
+def measure_overlap(steps: int = 8, batch: int = 32, seed: int = 0) -> dict:
     """On every rank: the wide model's step with the plain and the asynchronous hook, at
     density 1 % and with everything kept (all communication, no selection), and the step
     without any communication (``no_sync``). ``hidden``: the share of the plain hook's
@@ -138,7 +140,7 @@ def _mean_std(xs: list[float]) -> tuple[float, float]:
 def targets_from(runs: list[dict]) -> dict[str, float]:
     """``"model/optimizer"`` -> dense's final accuracy, mean over seeds, less one point."""
     out = {}
-    for model, optimizer, _ in PLAN:
+    for model, optimizer, _, _ in PLAN:
         finals = [r["final"] for r in runs if (r["model"], r["optimizer"], r["run"]) == (model, optimizer, "dense")]
         if finals:
             out[f"{model}/{optimizer}"] = statistics.fmean(finals) - 0.01
@@ -236,9 +238,9 @@ def plot_time_to_accuracy(record: dict, key: str = "/".join(HEADLINE)):
 
 def plot_convergence(record: dict):
     """Test accuracy against steps, mean ± one standard deviation over the seeds, per model
-    and optimizer (the first link's full runs)."""
+    and optimizer (the runs trained to the end)."""
     from .plots import _figure
-    first = next(iter(record["links"].values()))["runs"]
+    first = [r for link in record["links"].values() for r in link["runs"] if r.get("complete", True)]
     keys = list(dict.fromkeys(f"{r['model']}/{r['optimizer']}" for r in first))
     fig = _figure(4.6 * len(keys), 3.8)
     axes = fig.subplots(1, len(keys), sharey=True, squeeze=False)[0]
@@ -267,40 +269,40 @@ def snippet(record: dict, figures: dict[str, str] | None = None) -> str:
     lines = [f"`{record['command']}` on {record['device']}, torch {record['torch']}, {record['date']}: "
              f"2 simulated machines × 2 ranks, {s['seeds']} seeds, {s['epochs']} epochs of {s['batch']} "
              "examples per rank per step, density 1 %.", ""]
-    first = next(iter(record["summary"]))
+    finals = {}                              # model/optimizer -> run -> row with the final accuracy
+    for summary in record["summary"].values():
+        for key, v in summary.items():
+            for run, row in v["runs"].items():
+                if "final_mean" in row:
+                    finals.setdefault(key, {})[run] = row
     lines += ["**Final test accuracy** (mean ± std over the seeds; the last epoch's evaluations):", "",
-              "| run | " + " | ".join(k.replace("/", ", ") for k in record["summary"][first]) + " |",
-              "|---|" + "---|" * len(record["summary"][first])]
-    runs = list(dict.fromkeys(run for v in record["summary"][first].values() for run in v["runs"]))
-    for run in runs:
-        cells = []
-        for v in record["summary"][first].values():
-            row = v["runs"].get(run)
-            cells.append(f"{row['final_mean']:.3f} ± {row['final_std']:.3f}" if row and "final_mean" in row else "--")
+              "| run | " + " | ".join(k.replace("/", ", ") for k in finals) + " |", "|---|" + "---|" * len(finals)]
+    for run in dict.fromkeys(run for rows in finals.values() for run in rows):
+        cells = [f"{rows[run]['final_mean']:.3f} ± {rows[run]['final_std']:.3f}" if run in rows else "--"
+                 for rows in finals.values()]
         lines.append(f"| {run} | " + " | ".join(cells) + " |")
-    key = "/".join(HEADLINE)
     for link, summary in record["summary"].items():
-        v = summary.get(key)
-        if v is None:
-            continue
-        lines += ["", f"**Time to {v['target']:.3f} test accuracy at {link}** ({key.replace('/', ', ')}; "
-                  "training seconds, mean ± std of the seeds that reach it):", "",
-                  "| run | time to accuracy | reached | × dense | seconds per step | bytes per step per rank |",
-                  "|---|---|---|---|---|---|"]
-        for run, row in v["runs"].items():
-            t = _seconds(row["time_mean"], row["time_std"]) if "time_mean" in row else "never"
-            ratio = f"{row['vs_dense']:.2f}" if "vs_dense" in row else "--"
-            lines.append(f"| {run} | {t} | {row['reached']} of {row['seeds']} | {ratio} | "
-                         f"{row['seconds_per_step'] * 1e3:.1f} ms | {row['bytes_per_step'] / 1e3:,.1f} kB |")
-        w = record["winner"][link]
-        if w.get("fastest"):
-            text = f"Fastest to the target at {link}: **{w['fastest']}**"
-            if w.get("best_sparse"):
-                text += (f"; the best sparse run, {w['best_sparse']}, takes "
-                         f"{w['best_sparse_vs_dense']:.2f}× dense's time")
-                if w.get("best_sparse_vs_bf16") is not None:
-                    text += f" and {w['best_sparse_vs_bf16']:.2f}× bf16's"
-            lines += ["", text + "."]
+        for key, v in summary.items():
+            if v["target"] is None or not (key == "/".join(HEADLINE) or key.endswith("/adam")):
+                continue
+            lines += ["", f"**Time to {v['target']:.3f} test accuracy at {link}** ({key.replace('/', ', ')}; "
+                      "training seconds, mean ± std of the seeds that reach it):", "",
+                      "| run | time to accuracy | reached | × dense | seconds per step | bytes per step per rank |",
+                      "|---|---|---|---|---|---|"]
+            for run, row in v["runs"].items():
+                t = _seconds(row["time_mean"], row["time_std"]) if "time_mean" in row else "never"
+                ratio = f"{row['vs_dense']:.2f}" if "vs_dense" in row else "--"
+                lines.append(f"| {run} | {t} | {row['reached']} of {row['seeds']} | {ratio} | "
+                             f"{row['seconds_per_step'] * 1e3:.1f} ms | {row['bytes_per_step'] / 1e3:,.1f} kB |")
+            w = winner(summary, key)
+            if w.get("fastest"):
+                text = f"Fastest to the target at {link} ({key.replace('/', ', ')}): **{w['fastest']}**"
+                if w.get("best_sparse"):
+                    text += (f"; the best sparse run, {w['best_sparse']}, takes "
+                             f"{w['best_sparse_vs_dense']:.2f}× dense's time")
+                    if w.get("best_sparse_vs_bf16") is not None:
+                        text += f" and {w['best_sparse_vs_bf16']:.2f}× bf16's"
+                lines += ["", text + "."]
     if record.get("overlap"):
         lines += ["", "**Overlap** (wide model, 1 step, median; the asynchronous hook against the plain one):", "",
                   "| | plain hook | asynchronous hook | no communication | communication hidden |",
@@ -317,9 +319,9 @@ def snippet(record: dict, figures: dict[str, str] | None = None) -> str:
 # ---- the command ------------------------------------------------------------------------------------
 
 def _configs(quick: bool, seeds: int) -> list[dict]:
-    plan = PLAN[:2] if quick else PLAN
-    return [dict(model=model, optimizer=opt, run=run, seed=seed, lr=LR[opt])
-            for model, opt, runs in plan for run in runs for seed in range(seeds)]
+    plan = PLAN[:1] if quick else PLAN
+    return [dict(model=model, optimizer=opt, run=run, seed=seed, lr=LR[opt], full_on=full_on)
+            for model, opt, runs, full_on in plan for run in runs for seed in range(seeds)]
 
 
 def _world(configs: list[dict], common: dict, overlap: bool) -> dict:
@@ -341,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--links", default="1gbit,10gbit", help="the cluster's link rates, first one full runs")
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--epochs", type=int, default=SETTINGS["epochs"])
-    parser.add_argument("--quick", action="store_true", help="one seed, two epochs, no Adam: to see it run")
+    parser.add_argument("--quick", action="store_true",
+                        help="the wide model with SGD only, one seed, two epochs: to see it run")
     parser.add_argument("--loopback", action="store_true", help="no cluster (no root needed): one link, loopback")
     parser.add_argument("--json", default="build/bench/sparse-train.json")
     parser.add_argument("--figure", default="build/bench/08-time-to-accuracy.png")
@@ -375,21 +378,28 @@ def main(argv: list[str] | None = None) -> int:
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
                   settings=settings, links={}, summary={}, winner={})
     t0 = time.time()
-    targets = None
+    targets: dict[str, float] = {}
     for i, link in enumerate(links):
         name = link or "loopback"
         start = time.time()
-        # the first link trains every run to the end; later links stop each run at the target
-        plan = configs if targets is None else [dict(c, target=targets.get(f"{c['model']}/{c['optimizer']}"))
-                                                 for c in configs]
+        # trained to the end on the link named in the plan (or the last one there is); on a
+        # later link a run stops at its target; before it, it waits
+        last = len(links) - 1
+        plan = []
+        for c in configs:
+            full_on = min(c["full_on"], last)
+            key = f"{c['model']}/{c['optimizer']}"
+            if full_on == i:
+                plan.append({k: v for k, v in c.items() if k != "full_on"})
+            elif full_on < i and key in targets:
+                plan.append(dict({k: v for k, v in c.items() if k != "full_on"}, target=targets[key]))
         result = run_link(link, plan, common, overlap=i == 0, timeout=1800)
-        for r in result["runs"]:
-            r["complete"] = targets is None
+        for r, c in zip(result["runs"], plan):
+            r["complete"] = "target" not in c
         record["links"][name] = dict(runs=result["runs"], seconds=time.time() - start)
         if result["overlap"]:
             record["overlap"] = result["overlap"]
-        if targets is None:
-            targets = targets_from(result["runs"])
+        targets.update(targets_from([r for r in result["runs"] if r["complete"]]))
         record["summary"][name] = summarize(result["runs"], targets)
         record["winner"][name] = winner(record["summary"][name])
         print(f"{name}: {len(plan)} runs in {time.time() - start:.0f} s; winner {record['winner'][name]}", flush=True)
