@@ -947,7 +947,6 @@ def test_average_and_bad_input(worlds, p):
         assert "reuse" in res["reuse without its state"][0] and "state" in res["reuse without its state"][0]
 
 
-@pytest.mark.task(lesson=8, task=3, points=5, title="sparse_all_reduce: the contract")
 def test_a_rank_outside_the_group_touches_nothing(worlds):
     for rank, problems in enumerate(_ok(worlds(2), "outside_the_group_is_a_no_op")):
         assert not problems, f"rank {rank}: {problems}"

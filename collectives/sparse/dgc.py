@@ -70,7 +70,7 @@ class DGCState(SparseHookState):
             velocity = self.velocities.flat(params, flat)
             velocity.mul_(self.momentum).add_(flat)          # u <- m u + g
             flat.copy_(velocity)                             # the residual accumulates u
-        work = super().start_(params, flat)                  # v <- v + u; top-k of v; v[sent] <- 0
+        work = SparseHookState.start_(self, params, flat)    # v <- v + u; top-k of v; v[sent] <- 0
         if velocity is not None and self.factor_masking:
             mask_sent_(velocity, work.info)                  # u[sent] <- 0
         return work
