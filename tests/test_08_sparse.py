@@ -1282,3 +1282,30 @@ def test_time_to_accuracy_targets_and_the_winner_from_a_record():
     text = stb.snippet(record)
     assert "Fastest to the target at 1gbit (wide, sgd): **dgc**" in text and "0.23× dense's time" in text
     assert "| topk_ef | 0.10 ± 0.00 s | 1 of 2 | -- |" in text
+
+
+def test_the_exercise_names_its_arguments_and_defaults_as_the_reference_does():
+    """``transport`` and ``selection`` mean one thing each, with the same defaults, in the
+    stubs and in the reference (and so on the page and in the lab, which call them)."""
+    import dataclasses
+    import inspect
+
+    from collectives.course.impl import load_module
+    reference = load_module("collectives.sparse")
+    exercise = load_module("lessons/08_sparse/exercise.py")
+    for name in ("threshold_indices", "topk_indices", "pack_pairs", "allgather_sum_", "sparse_all_reduce",
+                 "sparse_all_reduce_async", "split_sum_", "sparse_hook", "sparse_hook_async",
+                 "register_sparse_hook", "topk_per_segment", "dgc_hook", "keep_count", "unpack_pairs"):
+        ours, theirs = inspect.signature(getattr(exercise, name)), inspect.signature(getattr(reference, name))
+        def default(value):             # a function default (the hook) compared by its name
+            return getattr(value, "__name__", value) if callable(value) else value
+        mine = {k: default(p.default) for k, p in ours.parameters.items()}
+        ref = {k: default(p.default) for k, p in theirs.parameters.items()}
+        extra = {k for k in ref if k not in mine}
+        assert extra <= {"bounds"}, f"{name}: the exercise lacks {extra}"
+        assert {k: v for k, v in ref.items() if k in mine} == {k: v for k, v in mine.items() if k in ref}, name
+    for cls in ("SparseHookState", "DGCState"):
+        fields = [(f.name, f.default) for f in dataclasses.fields(getattr(exercise, cls))]
+        assert fields == [(f.name, f.default) for f in dataclasses.fields(getattr(reference, cls))], cls
+    assert inspect.signature(reference.sparse_all_reduce).parameters["transport"].default == "allgather"
+    assert inspect.signature(reference.sparse_all_reduce).parameters["selection"].default == "auto"

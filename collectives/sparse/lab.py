@@ -168,16 +168,21 @@ def _wire_bytes(t: trace.Trace, p: int) -> float:
 def train(run: str = "dense", model: str = "mlp", optimizer: str = "sgd", epochs: int = 12, batch: int = 32,
           lr: float = 0.05, momentum: float = 0.9, density: float = 0.01, warmup_epochs: float = 1.0,
           seed: int = 0, data=None, evals_per_epoch: int = 4, target: float | None = None,
-          bucket_cap_mb: float = 1.0) -> dict:
+          stop_at_target: bool = False, max_epochs: int | None = None, bucket_cap_mb: float = 1.0) -> dict:
     """On every rank of a world: train ``model`` with ``run``'s hook; return the curve and bytes.
 
     Each rank takes every p-th training example; a step uses ``batch`` examples per rank
     (a global batch of p·batch). The test accuracy is taken ``evals_per_epoch`` times an
     epoch; ``curve`` lists ``(step, training seconds so far, accuracy)``, the seconds this
     rank spent in steps (forward, backward with its communication, the optimizer), the
-    evaluations left out (they end in an all-reduce, so the next step starts together). ``final`` is the mean accuracy of the last
-    epoch's evaluations. ``target``: stop at the first evaluation that reaches it (a
-    time-to-accuracy run). ``data``: :func:`load_digits_split`'s four tensors, if loaded.
+    evaluations left out (they end in an all-reduce, so the next step starts together).
+    ``final`` is the mean accuracy of the evaluations of epoch ``epochs`` (None if the run
+    stopped before it).
+
+    ``target``: a time-to-accuracy run. A run that has not reached it after ``epochs`` goes
+    on, up to ``max_epochs``, until it does -- the time to an accuracy is not bounded by
+    another run's schedule; with ``stop_at_target`` it stops at the first evaluation that
+    reaches it. ``data``: :func:`load_digits_split`'s four tensors, if already loaded.
     """
     from torch.nn.parallel import DistributedDataParallel
 
@@ -201,11 +206,11 @@ def train(run: str = "dense", model: str = "mlp", optimizer: str = "sgd", epochs
         ddp.register_comm_hook(state, hook)
     opt = _optimizer(optimizer, ddp.parameters(), lr, opt_momentum)
     every = max(1, steps_per_epoch // evals_per_epoch)
-    curve, seconds, step, wire = [], 0.0, 0, None
+    curve, seconds, step, wire, final = [], 0.0, 0, None, None
     count_at = 4 + int(warmup_epochs * steps_per_epoch) * (run == "dgc")
     shuffle = torch.Generator().manual_seed(seed + 1)
     reached = False
-    for _ in range(epochs):
+    for epoch in range(max(epochs, max_epochs or epochs)):
         order = torch.randperm(len(y_mine), generator=shuffle)
         for s in range(steps_per_epoch):
             rows = order[s * batch:(s + 1) * batch]
@@ -222,17 +227,18 @@ def train(run: str = "dense", model: str = "mlp", optimizer: str = "sgd", epochs
             step += 1
             if step % every == 0:                # (the evaluation's all-reduce lines the ranks up again)
                 curve.append((step, seconds, _accuracy(net, x_test, y_test)))
-                if target is not None and curve[-1][2] >= target:
-                    reached = True
+                reached = reached or (target is not None and curve[-1][2] >= target)
+                if reached and stop_at_target:
                     break
-        if reached:
+        if epoch + 1 == epochs:
+            this_epoch = [acc for s, _, acc in curve if s > step - steps_per_epoch] or [curve[-1][2]]
+            final = sum(this_epoch) / len(this_epoch)
+        if (reached and stop_at_target) or (epoch + 1 >= epochs and (target is None or reached)):
             break
     params = sum(q.numel() for q in net.parameters())
     dense_wire = 2 * (p - 1) / p * params * 4
-    last_epoch = [acc for s, _, acc in curve if s > step - steps_per_epoch] or [curve[-1][2]]
     return dict(run=run, model=model, optimizer=optimizer, seed=seed, curve=curve, steps=step,
-                seconds=seconds, final=sum(last_epoch) / len(last_epoch), params=params,
-                steps_per_epoch=steps_per_epoch,
+                seconds=seconds, final=final, params=params, steps_per_epoch=steps_per_epoch,
                 bytes_per_step=dense_wire if run == "dense" or wire is None else wire, dense_bytes=dense_wire)
 
 
