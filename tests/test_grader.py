@@ -145,25 +145,33 @@ def test_the_grade_command_prints_the_table_and_fails_below_full_marks(tmp_path)
 CHEATS = ROOT / "tests" / "cheats"
 # fixture -> (lesson, tasks it must score 0 on)
 CHEAT_TARGETS = {
-    "paused_all_reduce_and_small_worlds": (4, (3, 4)),
-    "divisible_sizes_and_fixed_seed": (4, (3, 4)),
-    "replaced_verdict_and_a_hang": (4, (3, 4)),
+    # fixture: (lesson, tasks it must score 0 on, a task of the reference's it must still score)
+    "paused_all_reduce_and_small_worlds": (4, (3, 4), 1),
+    "divisible_sizes_and_fixed_seed": (4, (3, 4), 1),
+    "replaced_verdict_and_a_hang": (4, (3, 4), 1),
+    "lesson05_paused_per_tensor_with_decoys": (5, (4, 5), 1),
+    "lesson05_replaced_verdict": (5, (4, 5), 2),
+    "lesson05_known_inputs": (5, (1, 3), 2),
+    "lesson05_silenced_stream_checker": (5, (5,), 1),
+    "lesson06_paused_flat_with_decoys": (6, (2, 3), 1),
+    "lesson06_replaced_test_helpers": (6, (3, 4), 1),
+    "lesson06_lazy_launches_forged_times": (6, (2, 3), 1),
 }
 
 
 def test_every_cheat_scores_zero_on_its_tasks_and_a_hang_costs_only_its_task(tmp_path):
     seen = {}
-    for name, (number, targets) in CHEAT_TARGETS.items():
+    for name, (number, targets, control) in CHEAT_TARGETS.items():
         student = tmp_path / name
         shutil.copytree(ROOT / "lessons", student)
         shutil.copy(CHEATS / f"{name}.py", student / LESSONS[number - 1].exercise.parent.name / "exercise.py")
         os.environ["COLLECTIVES_TIMEOUT"] = "10"
         try:
-            verdicts = _grader(number, exercises=student, tasks=list(targets) + [1])
+            verdicts = _grader(number, exercises=student, tasks=sorted({*targets, control}))
         finally:
             os.environ.pop("COLLECTIVES_TIMEOUT")
         for task in targets:
             assert not verdicts[task][0], f"{name}: task {task} scored: {verdicts[task][1]}"
-        assert verdicts[1][0], f"{name}: task 1 (the reference's) must still score: {verdicts[1][1]}"
+        assert verdicts[control][0], f"{name}: task {control} (the reference's) still scores: {verdicts[control][1]}"
         seen[name] = verdicts
     assert "hung in pipelined_ring_all_reduce" in seen["replaced_verdict_and_a_hang"][4][1]

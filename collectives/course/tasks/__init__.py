@@ -23,6 +23,8 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from ...core import launch
 from .world import Grading, InWorldGrading, Run, Verdict
 
@@ -46,7 +48,13 @@ def tasks_of(lesson: int) -> list[GradedTask]:
 
 
 def run_task(task: GradedTask, grading: Grading) -> Verdict:
-    """The task's verdict; a world that hangs or dies fails this task only, saying where."""
+    """The task's verdict; a world that hangs or dies fails this task only, saying where.
+
+    The judge runs with one intra-op thread: its expected values are small tensors, and on
+    a loaded machine a second thread made a reduction over a few ranks' inputs a thousand
+    times slower (the ranks run with one thread already)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         return task.judge(grading)
     except launch.WorldTimeout as exc:
@@ -58,3 +66,5 @@ def run_task(task: GradedTask, grading: Grading) -> Verdict:
         return Verdict([line])
     except launch.RankError as exc:
         return Verdict([f"rank {exc.rank} died: {exc.summary}"])
+    finally:
+        torch.set_num_threads(threads)
