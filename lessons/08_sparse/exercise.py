@@ -13,27 +13,55 @@ Six tasks, in order; each needs only itself and the tasks before it:
 
 Check your work:
 
-    .venv/bin/torchrun --nproc-per-node 4 lessons/08_sparse/exercise.py   # PASS/FAIL per task, per rank
-    .venv/bin/python lessons/08_sparse/exercise.py --world 3              # the same, on a local world of 3
-    make grade LESSON=08                                                  # the graded tests
+    .venv/bin/python lessons/08_sparse/exercise.py                          # PASS/FAIL per task
+    .venv/bin/torchrun --nproc-per-node 4 lessons/08_sparse/exercise.py     # the same, under torchrun
+    make check LESSON=08                                                    # the same, from make
+    make grade LESSON=08                                                    # the points
+
+Each task is judged outside your process, on inputs you cannot know in advance, and on every
+message your ranks make: the all-gather moves packed pairs in one all-gather (never a dense
+all-reduce of the masked tensor), split sends each owner its pairs, and the hook's training
+is held to DDP simulated step by step. Task 6 (DGC) is checked by the tests, not graded.
 
 Given: ``keep_count``, ``magnitude``, ``threshold_in``, ``sample_threshold``, ``unpack_pairs``,
 ``exchange_counts``, ``SparseInfo``, ``SparseWork``, ``SparseHookState`` (residuals kept per
 parameter), ``sparse_hook``, ``register_sparse_hook``, ``DGCState`` (but its ``start_``),
-``dgc_hook``. Course functions you may call (signature, and what it does):
+``dgc_hook``. Course functions you may call (the sheet is checked against the code):
 
-    ops.check_all_reduce_args(tensor, op, group, *, what, agree=None) -> bool
-        refuse bad input; False when this rank is not in ``group``; in check mode compare the
-        call (and every entry of ``agree``) across the ranks
-    ops.work_buffer(tensor) -> flat        the tensor's memory as 1-D (a copy if not contiguous)
-    ops.write_back(tensor, flat)           copy ``flat`` back when it was a copy
-    ops.finish_(flat, op, p)               AVG: divide by p once at the end
-    ops.chunk_bounds(n, p) -> [(lo, hi)]   rank j's piece of n elements
-    ops.group_rank_and_size(group) -> (rank, p);  ops.global_rank(group, j) -> global rank
-    ops.post_exchange(recvs=[(buf, src)], sends=[(buf, dst)], group) -> works with .wait()
-    trace.label(text)                      a context manager naming the messages inside it
-    choose_transport(n, k, p, link, value_bytes, counts=False, compute=None) -> str
-    profile_for(group, device) -> SparseProfile(link, compute)   the group's, measured once
+    ops.check_all_reduce_args(tensor, op=ReduceOp.SUM, group=None, *, what='all_reduce',
+                              compare=True, agree=None) -> bool
+        Raise a clear error for input an in-place all-reduce cannot honour; return whether
+        this rank takes part.
+    ops.work_buffer(tensor) -> torch.Tensor
+        A flat, contiguous buffer holding ``tensor``'s elements: the tensor's own memory
+        when it is contiguous, else a copy (to be written back with :func:`write_back`).
+    ops.write_back(tensor, flat) -> None
+        Copy ``flat`` into ``tensor`` (its data, detached) unless it already is ``tensor``'s
+        memory.
+    ops.finish_(tensor, op, group_size) -> torch.Tensor
+        Apply what remains after the combining: for AVG, one division by the group size.
+    ops.chunk_bounds(numel, parts) -> list[tuple[int, int]]
+        Split ``numel`` elements into ``parts`` contiguous chunks whose sizes differ by at
+        most one.
+    ops.group_rank_and_size(group=None) -> tuple[int, int]
+        This rank's index in ``group`` and the group's size (the world when ``group`` is
+        None).
+    ops.global_rank(group, group_rank) -> int
+        The global rank of ``group_rank`` in ``group``: what ``send``/``recv`` take.
+    ops.post_exchange(recvs, sends, group=None) -> list
+        Post every receive ``(buffer, src)``, then every send ``(buffer, dst)`` (global
+        ranks); return the handles, each with ``wait()``. Empty buffers are not posted.
+    trace.label(text)
+        Tag the events made inside the block (e.g. "reduce-scatter step 2").
+    collectives.ring.ring_all_gather(output, input, group=None) -> None
+        ``output`` ← every rank's ``input``, concatenated in rank order.
+    collectives.sparse.cost.choose_transport(n, k, p, link, value_bytes=4, counts=False,
+                                             transports=('allgather', 'split', 'dense'),
+                                             compute=None) -> str
+        The transport the model predicts fastest (ties go to the earlier name in
+        ``transports``).
+    collectives.sparse.profile.profile_for(group=None, device=None) -> SparseProfile
+        ``group``'s profile: the one given by :func:`set_profile`, or measured on first use.
 
 The reference is ``collectives/sparse/``; the lesson page is docs/lessons/08-sparse.md.
 """
@@ -46,9 +74,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from collectives import ops, trace, verify  # noqa: F401 - the tasks use ops and trace
+from collectives import ops, trace  # noqa: F401 - the tasks use ops and trace
 from collectives.core.ops import ReduceOp
-from collectives.course.runner import Task, run_tasks
+from collectives.course.runner import run_tasks
 from collectives.ring import ring_all_gather  # noqa: F401 - task 4 may use it
 from collectives.sparse.cost import SparseProfile, choose_transport  # noqa: F401 - task 4 uses them
 from collectives.sparse.hooks import ParameterMemory
@@ -122,6 +150,7 @@ def threshold_indices(x: torch.Tensor, threshold: float) -> torch.Tensor:
     EXAMPLE:  x = [0.5, -2, 2, 1.999, nan, -inf, 0], threshold 2  ->  [1, 2, 4, 5].
               x = bfloat16 [200.], threshold 200.3  ->  [] (200 < 200.3).
     HINT:     torch.nonzero(mask).view(-1).
+    CALLS:    none
     """
     raise NotImplementedError("Lesson 8, task 1: threshold_indices")
 
@@ -148,6 +177,7 @@ def topk_indices(x: torch.Tensor, k: int, selection: str = "auto", state: dict |
               x = [0.1, nan, -5, inf, 0.3], k = 2  ->  {1, 3}.
     HINT:     k = 0 -> an empty int64 tensor; k = n -> arange(n). SINGA ranks int(|g|): every
               gradient below 1 ties at 0 -- compare magnitudes as floats.
+    CALLS:    none
     """
     raise NotImplementedError("Lesson 8, task 1: topk_indices")
 
@@ -163,6 +193,7 @@ def pack_pairs(indices: torch.Tensor, values: torch.Tensor, width: int) -> torch
     EXAMPLE:  indices [3, 9], float32 values [1.5, -2], width 3  ->  24 bytes:
               int32 [3, 9, 0] as 12 bytes, then float32 [1.5, -2, 0] as 12 bytes.
     HINT:     the result must be what ``unpack_pairs(buffer, width, values.dtype)`` reads back.
+    CALLS:    none
     """
     raise NotImplementedError("Lesson 8, task 2: pack_pairs")
 
@@ -199,6 +230,7 @@ def allgather_sum_(out: torch.Tensor, indices: torch.Tensor, values: torch.Tenso
     HINT:     dist.all_gather(list(gathered.chunk(p)), send, group=group); out.index_add_.
               All counts zero: no all-gather at all, out is zeros. Keep the adding loop in a
               helper of its own: task 5 calls it from a future's callback.
+    CALLS:    none
     """
     raise NotImplementedError("Lesson 8, task 2: allgather_sum_")
 
@@ -247,6 +279,7 @@ def sparse_all_reduce(tensor: torch.Tensor, residual: torch.Tensor | None = None
     EXAMPLE:  p = 2, density 0.5, rank 0 x = [4, 1], rank 1 x = [1, -3] with zero residuals
               ->  tensor = [4, -3] on both; residuals [0, 1] and [1, 0].
     HINT:     every rank must pick the same transport: decide from values all ranks share.
+    CALLS:    ops.check_all_reduce_args, ops.work_buffer, ops.finish_, ops.write_back
     """
     raise NotImplementedError("Lesson 8, task 3: sparse_all_reduce")
 
@@ -286,6 +319,9 @@ def split_sum_(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, *
     EXAMPLE:  n = 8, p = 2: rank 0 owns 0..3, rank 1 owns 4..7. Rank 0's pair (6, a) goes to
               rank 1, which adds it to its own (6, c) and sends back (6, a + c).
     HINT:     return SplitInfo(sent, received, union, densified) -- the tests read it.
+    CALLS:    ops.chunk_bounds, ops.group_rank_and_size, ops.global_rank, ops.post_exchange, trace.label,
+              collectives.ring.ring_all_gather, collectives.sparse.cost.choose_transport,
+              collectives.sparse.profile.profile_for
     """
     raise NotImplementedError("Lesson 8, task 4: split_sum_")
 
@@ -324,6 +360,7 @@ def sparse_all_reduce_async(tensor: torch.Tensor, residual: torch.Tensor | None 
     EXAMPLE:  work = sparse_all_reduce_async(t, r, density=0.01); ...; work.wait()  -> t summed,
               bit for bit what sparse_all_reduce(t, r, density=0.01) gives.
     HINT:     factor task 3 into "select" and "move" helpers and call them from both.
+    CALLS:    ops.check_all_reduce_args, ops.work_buffer, ops.finish_, ops.write_back
     """
     raise NotImplementedError("Lesson 8, task 5: sparse_all_reduce_async")
 
@@ -390,6 +427,7 @@ def sparse_hook_async(state: SparseHookState, bucket: dist.GradBucket) -> torch.
               for bit DDP's default all-reduce.
     EXAMPLE:  register_sparse_hook(ddp, SparseHookState(density=0.01), sparse_hook_async)
     HINT:     the group's size: dist.get_world_size(state.group).
+    CALLS:    none
     """
     raise NotImplementedError("Lesson 8, task 5: sparse_hook_async")
 
@@ -417,6 +455,7 @@ def topk_per_segment(x: torch.Tensor, segments, density: float, selection: str =
     EXAMPLE:  x = [9, 1, 2, | 3, -8], segments [3, 2], density 0.5  ->  {0, 2} and {4}: [0, 2, 4].
     HINT:     give each segment its own dict in ``state`` (state.setdefault(("segment", i), {}))
               so that "reuse" keeps one threshold per segment.
+    CALLS:    none
     """
     raise NotImplementedError("Lesson 8, task 6: topk_per_segment")
 
@@ -450,6 +489,7 @@ class DGCState(SparseHookState):
                   arrives with the momentum its delayed pieces would have had.
         EXAMPLE:  density 1, no masking: trains as DDP with SGD(momentum=m), to rounding.
         HINT:     without momentum (Adam), start_ is just super().start_.
+        CALLS:    none
         """
         raise NotImplementedError("Lesson 8, task 6: DGCState.start_")
 
@@ -473,125 +513,5 @@ for _hook, _state in ((sparse_hook, SparseHookState), (sparse_hook_async, Sparse
     _hook.__annotations__ = {"state": _state, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
 
 
-# ---- the checks torchrun runs ------------------------------------------------------------------
-
-def _report(name: str, problems: list[str]) -> verify.Report:
-    rank = dist.get_rank()
-    return verify.Report([verify.CaseResult(name, rank, False, p) for p in problems]
-                         or [verify.CaseResult(name, rank, True)])
-
-
-def check_selection() -> verify.Report:
-    x = torch.rand(1000, generator=torch.Generator().manual_seed(3)) * 2 - 1
-    truth = sorted(torch.topk(x.abs(), 10).indices.tolist())
-    problems = [f"{m}: not the 10 largest |x|" for m in SELECTIONS + ("auto",)
-                if sorted(topk_indices(x, 10, m, {}).tolist()) != truth]
-    y = torch.tensor([0.5, -2.0, 2.0, 1.999, float("nan"), -float("inf"), 0.0])
-    if threshold_indices(y, 2.0).tolist() != [1, 2, 4, 5]:
-        problems.append("threshold: |x| >= 2 keeps -2, 2, NaN and -inf")
-    if threshold_indices(torch.tensor([200.0], dtype=torch.bfloat16), 200.3).numel():
-        problems.append("threshold: bfloat16 200 is below 200.3 (compare without rounding the threshold)")
-    ints = torch.tensor([3, -2**31, -7], dtype=torch.int32)
-    if topk_indices(ints, 1, "topk").tolist() != [1]:
-        problems.append("top-k: int32 -2^31 is the largest magnitude")
-    return _report("selection", problems)
-
-
-def _contract(transport: str) -> verify.Report:
-    rank = dist.get_rank()
-    problems = []
-    for mode in ({"density": 0.1}, {"threshold": 1.5}):
-        x = torch.randn(1001, generator=torch.Generator().manual_seed(rank))
-        t, r = x.clone(), torch.zeros_like(x)
-        sparse_all_reduce(t, r, transport=transport, **mode)
-        sent = x - r
-        expected = verify.reference_all_reduce(sent)
-        if not torch.allclose(t, expected, atol=1e-6):
-            problems.append(f"{transport} {mode}: not dist.all_reduce of what each rank sent")
-        if not torch.equal(sent + r, x):
-            problems.append(f"{transport} {mode}: residual identity broken")
-    return _report(f"contract {transport}", problems)
-
-
-def check_allgather() -> verify.Report:
-    rank = dist.get_rank()
-    x = torch.arange(1, 101, dtype=torch.float32) * (rank + 1)
-    idx = torch.arange(rank, 100, 7)
-    out = torch.empty(100)
-    allgather_sum_(out, idx, x[idx], counts=exchange_counts(idx.numel()))
-    sent = torch.zeros(100)
-    sent[idx] = x[idx]
-    ok = torch.equal(out, verify.reference_all_reduce(sent))
-    return _report("allgather_sum_", [] if ok else ["not the sum of every rank's pairs"])
-
-
-def check_contract() -> verify.Report:
-    report = _contract("allgather").merge(_contract("dense"))
-    t, r = torch.ones(8), torch.zeros(8)
-    try:
-        sparse_all_reduce(t, r, density=0.5, selection="bogus")
-        report = report.merge(_report("refusal", ["selection='bogus' was accepted"]))
-    except ValueError:
-        if not (torch.equal(t, torch.ones(8)) and torch.equal(r, torch.zeros(8))):
-            report = report.merge(_report("refusal", ["a refused call changed the tensor or the residual"]))
-    return report.merge(verify.check_all_reduce(lambda t, op=ReduceOp.SUM, group=None:
-                                                sparse_all_reduce(t, density=1.0, op=op, group=group),
-                                                [c for c in verify.default_cases(dist.get_world_size(), quick=True)
-                                                 if c.op in (ReduceOp.SUM, ReduceOp.AVG)]))
-
-
-def check_split() -> verify.Report:
-    return _contract("split")
-
-
-def _train_twice(hook, state, momentum: float = 0.0) -> bool:
-    """Train two copies of a small model 3 steps, plain DDP with SGD(momentum) and DDP with
-    ``hook`` (the DGC hook holds the momentum itself: its optimizer has none); the same?"""
-    import copy
-
-    import torch.nn.functional as F
-    from torch.nn.parallel import DistributedDataParallel
-
-    torch.manual_seed(0)
-    base = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).double()
-    a, b = copy.deepcopy(base), copy.deepcopy(base)
-    da, db = DistributedDataParallel(a), DistributedDataParallel(b)
-    register_sparse_hook(db, state, hook)
-    g = torch.Generator()
-    for model, m in ((da, momentum), (db, 0.0 if hook is dgc_hook else momentum)):
-        g.manual_seed(dist.get_rank())
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=m)
-        for _ in range(3):
-            x = torch.randn(4, 8, generator=g, dtype=torch.float64)
-            y = torch.randn(4, 4, generator=g, dtype=torch.float64)
-            opt.zero_grad()
-            F.mse_loss(model(x), y).backward()
-            opt.step()
-    if hook is dgc_hook:       # the same sums in another order: equal to rounding
-        return all(torch.allclose(p, q, rtol=0, atol=1e-12) for p, q in zip(a.parameters(), b.parameters()))
-    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
-
-
-def check_hook() -> verify.Report:
-    same = _train_twice(sparse_hook_async, SparseHookState(density=1.0))
-    return _report("sparse_hook_async", [] if same else ["at density 1 the hook must train exactly like DDP"])
-
-
-def check_dgc() -> verify.Report:
-    x = torch.tensor([9.0, 1.0, 2.0, 3.0, -8.0])
-    problems = []
-    if sorted(topk_per_segment(x, [3, 2], 0.5).tolist()) != [0, 2, 4]:
-        problems.append("topk_per_segment: [9, 1, 2 | 3, -8] at 0.5 keeps 9, 2 and -8")
-    if not _train_twice(dgc_hook, DGCState(density=1.0, momentum=0.9, factor_masking=False), momentum=0.9):
-        problems.append("DGC at density 1 without masking must train as SGD with momentum 0.9")
-    return _report("DGC", problems)
-
-
 if __name__ == "__main__":
-    run_tasks(LESSON, [
-        Task(1, "selection", check_selection),
-        Task(2, "all-gather of pairs", check_allgather),
-        Task(3, "sparse_all_reduce contract", check_contract),
-        Task(4, "split", check_split),
-        Task(5, "DDP hook", check_hook),
-    ])
+    run_tasks(LESSON)

@@ -1,0 +1,158 @@
+"""Lesson 8, task 5's second half: the asynchronous DDP hook, judged against DDP simulated
+rank by rank in the grading process.
+
+In a world of 2, each rank trains a copy of a small float64 model (drawn from rank 0's
+secret; DDP broadcasts rank 0's) for three SGD steps on batches drawn from its own secret,
+with the student's ``sparse_hook_async`` registered (with the exercise's given
+``SparseHookState`` and ``register_sparse_hook``): at density 1 (bit for bit DDP's average) and at density 0.05
+(top-k of each bucket's ``gradient / p + residual``, the residual keeping the rest). The
+judge runs the same steps itself: per-rank gradients with plain autograd, halves added in
+float64 (two terms: the order cannot matter), the same selection. Rank 1 joins the first
+backward late, so rank 0's first future must still be pending when the hook returns; and
+every step's messages are held to the transport: one all-gather of ``p·k`` packed pairs at
+density 0.05 (never a dense all-reduce of the masked bucket), one all-reduce at density 1.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from .world import Grading, Outcome, Probe, Verdict
+
+HERE = __name__
+STEPS = 3
+LR = 0.1
+DENSITIES = (1.0, 0.05)
+
+
+def make_model(seed: int) -> torch.nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).double()
+    with torch.no_grad():
+        for q in model.parameters():
+            q.copy_(torch.randn(q.shape, generator=g, dtype=torch.float64) * 0.5)
+    return model
+
+
+def batches(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(4, 8, generator=g, dtype=torch.float64), torch.randn(4, 4, generator=g, dtype=torch.float64))
+            for _ in range(STEPS)]
+
+
+def probe_hook(probe: Probe) -> dict:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    hook = probe.student("sparse_hook_async")
+    state_cls = probe.student("SparseHookState")
+    register = probe.student("register_sparse_hook")
+    out = {}
+    for density in DENSITIES:
+        key = f"density {density}"
+        model = make_model(probe.seed("model"))
+        ddp = DistributedDataParallel(model)
+        seen = {"pending": [], "stub": ""}
+
+        def recording(state, bucket, seen=seen):
+            try:
+                fut = hook(state, bucket)
+            except NotImplementedError as exc:
+                seen["stub"] = str(exc) or "sparse_hook_async"
+                raise
+            seen["pending"].append(not fut.done())
+            return fut
+        recording.__annotations__ = {"state": state_cls, "bucket": dist.GradBucket,
+                                     "return": torch.futures.Future[torch.Tensor]}
+        register(ddp, state_cls(density=density), recording)
+        opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+
+        def train(ddp=ddp, opt=opt, first=density == DENSITIES[0]):
+            for step, (x, y) in enumerate(batches(probe.seed("data"))):
+                opt.zero_grad()
+                loss = F.mse_loss(ddp(x), y)
+                if first and step == 0 and probe.rank == 1:
+                    time.sleep(0.3)          # rank 0's first bucket cannot arrive before this
+                loss.backward()
+                opt.step()
+            return [q.detach().clone() for q in model.parameters()]
+        outcome = probe.call(key, train)
+        if seen["stub"]:
+            outcome = Outcome(None, "", seen["stub"])
+        out[key] = (outcome, seen["pending"])
+    return out
+
+
+def simulate(secrets_seed, p: int, density: float) -> list[torch.Tensor]:
+    """DDP with the sparse hook, the p ranks run one after another in this process."""
+    models = [make_model(secrets_seed(0, "model")) for _ in range(p)]
+    data = [batches(secrets_seed(r, "data")) for r in range(p)]
+    residuals = [torch.zeros(sum(q.numel() for q in models[0].parameters()), dtype=torch.float64)
+                 for _ in range(p)]
+    for step in range(STEPS):
+        flats = []
+        for r, model in enumerate(models):
+            model.zero_grad()
+            x, y = data[r][step]
+            F.mse_loss(model(x), y).backward()
+            flats.append(torch.cat([q.grad.reshape(-1) for q in model.parameters()]) / p)
+        total = torch.zeros_like(flats[0])
+        for r in range(p):
+            x = flats[r] + residuals[r]
+            if density >= 1.0:
+                sent = x
+            else:
+                k = max(1, math.ceil(density * x.numel()))
+                keep = torch.zeros(x.numel(), dtype=torch.bool)
+                keep[torch.topk(x.abs(), k).indices] = True
+                sent = torch.where(keep, x, torch.zeros_like(x))
+            residuals[r] = x - sent
+            total += sent
+        for model in models:
+            start = 0
+            with torch.no_grad():
+                for q in model.parameters():
+                    q.add_(total[start:start + q.numel()].view_as(q), alpha=-LR)
+                    start += q.numel()
+    return [q.detach() for q in models[0].parameters()]
+
+
+def judge_hook(grading: Grading, verdict: Verdict) -> None:
+    run = grading.world(f"{HERE}:probe_hook", 2)
+    for problem in run.problems():
+        verdict.add(problem)
+    for density in DENSITIES:
+        key = f"density {density}"
+        expected = simulate(run.seed, 2, density)
+        n = sum(q.numel() for q in expected)
+        k = max(1, math.ceil(density * n))
+        for r in range(2):
+            where = f"sparse_hook_async, world of 2, rank {r}, case {key}"
+            outcome, pending = run.results[r][key]
+            if outcome.not_written:
+                verdict.not_written = verdict.not_written or outcome.not_written
+                continue
+            if outcome.error:
+                verdict.add(f"{where}: {outcome.error}")
+                continue
+            if len(outcome.value) != len(expected) or not all(
+                    torch.equal(a, b) for a, b in zip(expected, outcome.value)):
+                gap = max(float((a - b).abs().max()) for a, b in zip(expected, outcome.value))
+                verdict.add(f"{where}: after {STEPS} steps the parameters differ from DDP with this hook "
+                            f"simulated step by step (largest gap {gap:.3g})")
+                continue
+            calls = [(c.kind, c.numel) for c in run.of(r, key) if not c.kind.startswith("store.")
+                     and c.kind != "broadcast"]
+            want = [("allreduce", n)] if density >= 1.0 else [("allgather", 2 * k * 12)]
+            if calls != want * STEPS:
+                verdict.add(f"{where}: made {calls[:4]}{' ...' if len(calls) > 4 else ''}; expected per step "
+                            + ("one all-reduce of the bucket" if density >= 1.0 else
+                               f"one all-gather of p·k = 2·{k} packed pairs ({2 * k * 12} bytes), "
+                               "not a dense all-reduce of the masked bucket"))
+            elif r == 0 and density == DENSITIES[0] and pending[:1] != [True]:
+                verdict.add(f"{where}: the hook's future was complete when it returned, though rank 1 had "
+                            "not joined yet: return the future of the collective in flight")
