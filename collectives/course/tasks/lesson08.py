@@ -15,83 +15,16 @@ simulated rank by rank in the grading process (:mod:`.lesson08_hook`).
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 
 from ...core.ops import ReduceOp
 from . import GradedTask
-from .lesson08_hook import judge_hook
+from .lesson08_hook import judge_async
+from .lesson08_inputs import compare_sum, draw, pairs_pattern, pg_calls, sent_of, split_sends
 from .world import Grading, Probe, Run, Verdict, outcome_problem, same
 
 HERE = __name__
-ROUGH = (torch.float16, torch.bfloat16)
-
-
-# ---- inputs: drawn in the rank, redrawn in the judge ---------------------------------------
-
-def draw(seed: int, n: int, dtype, low: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(tensor_in, residual_in)``: their sum has distinct magnitudes in 1..2n (n of them;
-    ``low``: all of 1..n), random signs; the residual is in [-3, 3]. Exact in every dtype
-    for 2n + 3 <= 256."""
-    g = torch.Generator().manual_seed(seed)
-    mags = (torch.randperm(n, generator=g) if low else torch.randperm(2 * n, generator=g)[:n]) + 1
-    signs = torch.randint(0, 2, (n,), generator=g) * 2 - 1
-    r = torch.randint(-3, 4, (n,), generator=g)
-    return (mags * signs - r).to(dtype), r.to(dtype)
-
-
-def sent_of(x: torch.Tensor, mode: dict) -> torch.Tensor:
-    """What the contract sends from ``x`` (the judge's own arithmetic, in float64)."""
-    mag = x.double().abs()
-    if "threshold" in mode:
-        keep = ~(mag < mode["threshold"])
-    else:
-        k = 0 if x.numel() == 0 else min(x.numel(), max(1, math.ceil(mode["density"] * x.numel())))
-        keep = torch.zeros(x.numel(), dtype=torch.bool)
-        keep[torch.sort(mag, descending=True, stable=True).indices[:k]] = True
-    return torch.where(keep, x, torch.zeros_like(x))
-
-
-def compare_sum(expected64: torch.Tensor, got, dtype, p: int, avg: bool) -> str | None:
-    expected = (expected64 / p if avg else expected64).to(dtype)
-    if dtype in ROUGH or avg:
-        from .. import verify
-        rtol, atol = verify.tolerance(dtype, p) if dtype in ROUGH else (1e-6, 1e-6)
-        return same(expected, got, exact=False, rtol=rtol, atol=atol)
-    return same(expected, got)
-
-
-def pg_calls(calls) -> list:
-    return [c for c in calls if not c.kind.startswith("store.")]
-
-
-def pairs_pattern(calls, p: int, n: int, width: int, e: int, transport: str, threshold: bool,
-                  everything: bool, dtype: str) -> str | None:
-    """The messages of one call of a transport (the course's own check-mode traffic aside)."""
-    calls = pg_calls(calls)
-    kinds = [(c.kind, c.numel) for c in calls]
-    counts = [("allgather", p)]
-    if everything:
-        expected = [("allreduce", n)]
-    elif transport == "dense":
-        expected = [("allreduce", n)]
-    else:
-        expected = [("allgather", p * width * (4 + e))] if width and p > 1 else []
-    if threshold and not everything:
-        allowed = [counts + expected, expected]
-    else:
-        allowed = [expected]
-    if p == 1:
-        allowed += [[], counts]
-    if kinds in allowed:
-        return None
-    if transport == "allgather" and any(k == "allreduce" for k, _ in kinds):
-        return ("called all_reduce: the all-gather transport moves (index, value) pairs in one "
-                "all-gather, not the masked tensor in a dense all-reduce")
-    shown = ", ".join(f"{k} of {m}" for k, m in kinds) or "no collective"
-    want = " then ".join(f"{k} of {m}" for k, m in allowed[0]) or "no collective"
-    return f"made {shown}; expected {want} (elements; pairs travel packed as bytes)"
 
 
 # ---- task 1: selection -------------------------------------------------------------------
@@ -398,24 +331,6 @@ def _judge_case(run: Run, name: str, case: tuple, verdict: Verdict) -> None:
         verdict.add(problem and f"{where}: {problem}")
 
 
-def split_sends(calls, sent: torch.Tensor, members: list[int], rank: int, e: int) -> str | None:
-    """Split sends each owner exactly the pairs in its piece, in one message (no all-reduce)."""
-    from ...core.ops import chunk_bounds
-    calls = pg_calls(calls)
-    if any(c.kind == "allreduce" for c in calls):
-        return "called all_reduce: split moves pairs to their owners and gathers the reduced pieces"
-    idx = torch.nonzero(sent).view(-1)
-    for j, (lo, hi) in enumerate(chunk_bounds(sent.numel(), len(members))):
-        if members[j] == rank:
-            continue
-        pairs = int(((idx >= lo) & (idx < hi)).sum())
-        if pairs and not any(c.kind == "send" and c.peer == members[j] and c.numel == pairs * (4 + e)
-                             for c in calls):
-            return (f"no message of {pairs} pairs ({pairs * (4 + e)} bytes) to rank {members[j]}, "
-                    "the owner of those indices")
-    return None
-
-
 def _judge_contract3(grading: Grading) -> Verdict:
     return judge_contract(grading, "sparse_all_reduce", ("allgather", "dense"), (1, 2, 3))
 
@@ -484,68 +399,10 @@ def _judge_split(grading: Grading) -> Verdict:
     return verdict
 
 
-# ---- task 5: the asynchronous all-reduce, in flight -----------------------------------------------
-
-ASYNC_CASES = (("allgather density", {"density": 0.1}, "allgather", torch.float32),
-               ("allgather threshold", {"threshold": 150.0}, "allgather", torch.float64),
-               ("dense", {"density": 0.1}, "dense", torch.float32),
-               ("everything kept", {"density": 1.0}, "allgather", torch.float32))
-
-
-def probe_async(probe: Probe) -> dict:
-    fn = probe.student("sparse_all_reduce_async")
-    out = {}
-    for i, (key, mode, transport, dtype) in enumerate(ASYNC_CASES):
-        t, r = draw(probe.seed(key), 241, dtype)
-        if probe.rank == 1 and i == 0:
-            time.sleep(0.3)                 # rank 0's collective cannot complete before rank 1 joins
-        started = probe.call(key, fn, t, r, transport=transport, **mode)
-        done = None
-        if started.value is not None:
-            try:
-                done = bool(started.value.get_future().done())
-                started.value.wait()
-                started.value = None        # the work object stays here: only the tensors go back
-            except Exception as exc:  # noqa: BLE001 - judged as this case's failure
-                started.error = f"its work failed: {type(exc).__name__}: {str(exc).splitlines()[0]}"
-        out[key] = (started, t, r, done)
-    return out
-
-
-def _judge_async(grading: Grading) -> Verdict:
-    verdict = Verdict()
-    run = grading.world(f"{HERE}:probe_async", 2)
-    for problem in run.problems():
-        verdict.add(problem)
-    for i, (key, mode, transport, dtype) in enumerate(ASYNC_CASES):
-        xs = [sum(a.double() for a in draw(run.seed(r, key), 241, dtype)) for r in range(2)]
-        sents = [sent_of(x, mode) for x in xs]
-        counts = [int(s.count_nonzero()) for s in sents]
-        e = torch.empty((), dtype=dtype).element_size()
-        for r in range(2):
-            where = f"sparse_all_reduce_async, world of 2, rank {r}, case {key}"
-            outcome, t_out, r_out, done = run.results[r][key]
-            if outcome_problem(where, outcome, verdict):
-                continue
-            problem = compare_sum(sents[0] + sents[1], t_out, dtype, 2, False)
-            if problem is None and not torch.equal((xs[r] - sents[r]).to(dtype), r_out):
-                problem = "the residual is not tensor_in + residual_in - what was sent (exactly)"
-            if problem is None:
-                problem = pairs_pattern(run.of(r, key), 2, 241, max(counts), e, transport, "threshold" in mode,
-                                        mode.get("density") == 1.0, str(dtype)[6:])
-            if problem is None and i == 0 and r == 0 and done:
-                problem = ("its future was complete when it returned, though rank 1 had not joined yet: "
-                           "return while the collective is in flight (async_op=True, then .then)")
-            verdict.add(problem and f"{where}: {problem}")
-    if verdict.ok:
-        judge_hook(grading, verdict)
-    return verdict
-
-
 TASKS = [
     GradedTask(8, 1, "selection: threshold and top-k", 4, _judge_selection, ("threshold_indices", "topk_indices")),
     GradedTask(8, 2, "all-gather of (index, value) pairs", 5, _judge_allgather, ("pack_pairs", "allgather_sum_")),
     GradedTask(8, 3, "sparse_all_reduce: the contract", 5, _judge_contract3, ("sparse_all_reduce",)),
     GradedTask(8, 4, "split: sparse reduce-scatter, densify", 6, _judge_split, ("split_sum_",)),
-    GradedTask(8, 5, "DDP communication hook", 5, _judge_async, ("sparse_all_reduce_async", "sparse_hook_async")),
+    GradedTask(8, 5, "DDP communication hook", 5, judge_async, ("sparse_all_reduce_async", "sparse_hook_async")),
 ]
