@@ -26,7 +26,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .lesson08_inputs import compare_sum, draw, pairs_pattern, sent_of
+from .lesson08_inputs import compare_sum, draw, pairs_pattern, residual_problem, sent_of
 from .world import Grading, Outcome, Probe, Verdict, outcome_problem
 
 HERE = __name__
@@ -80,8 +80,8 @@ def judge_async(grading: Grading) -> Verdict:
             if outcome_problem(where, outcome, verdict):
                 continue
             problem = compare_sum(sum(sents), t_out, dtype, size, False)
-            if problem is None and not torch.equal((xs[r] - sents[r]).to(dtype), r_out):
-                problem = "the residual is not tensor_in + residual_in - what was sent (exactly)"
+            if problem is None:
+                problem = residual_problem(xs[r], mode, dtype, r_out)
             if problem is None:
                 problem = pairs_pattern(run.of(r, key), size, 241, max(counts), e, transport, "threshold" in mode,
                                         mode.get("density") == 1.0, str(dtype)[6:])

@@ -26,16 +26,28 @@ def draw(seed: int, n: int, dtype, low: bool = False) -> tuple[torch.Tensor, tor
     return (mags * signs - r).to(dtype), r.to(dtype)
 
 
-def sent_of(x: torch.Tensor, mode: dict) -> torch.Tensor:
-    """What the contract sends from ``x`` (the judge's own arithmetic, in float64)."""
+def keep_of(x: torch.Tensor, mode: dict) -> torch.Tensor:
+    """Which elements of ``x`` the contract sends (the judge's own arithmetic, in float64)."""
     mag = x.double().abs()
     if "threshold" in mode:
-        keep = ~(mag < mode["threshold"])
-    else:
-        k = 0 if x.numel() == 0 else min(x.numel(), max(1, math.ceil(mode["density"] * x.numel())))
-        keep = torch.zeros(x.numel(), dtype=torch.bool)
-        keep[torch.sort(mag, descending=True, stable=True).indices[:k]] = True
-    return torch.where(keep, x, torch.zeros_like(x))
+        return ~(mag < mode["threshold"])
+    k = 0 if x.numel() == 0 else min(x.numel(), max(1, math.ceil(mode["density"] * x.numel())))
+    keep = torch.zeros(x.numel(), dtype=torch.bool)
+    keep[torch.sort(mag, descending=True, stable=True).indices[:k]] = True      # NaN sorts first
+    return keep
+
+
+def sent_of(x: torch.Tensor, mode: dict) -> torch.Tensor:
+    """What the contract sends from ``x``; zeros elsewhere."""
+    return torch.where(keep_of(x, mode), x, torch.zeros_like(x))
+
+
+def residual_problem(x: torch.Tensor, mode: dict, dtype, got) -> str | None:
+    """The residual left: ``x`` where nothing was sent, zero where it was (exactly)."""
+    expected = torch.where(keep_of(x, mode), torch.zeros_like(x), x).to(dtype)
+    if same(expected, got) is not None:
+        return "the residual is not tensor_in + residual_in with the sent places zeroed (exactly)"
+    return None
 
 
 def compare_sum(expected64: torch.Tensor, got, dtype, p: int, avg: bool) -> str | None:
