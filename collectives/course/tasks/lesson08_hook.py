@@ -189,6 +189,9 @@ def simulate(secrets_seed, p: int, density: float) -> list[torch.Tensor]:
 
 
 def judge_hook(grading: Grading, verdict: Verdict, size: int = 2) -> None:
+    # DDP imports torch._dynamo on first use (seconds): once here, before the ranks fork
+    import torch._dynamo  # noqa: F401
+    from torch.nn.parallel import DistributedDataParallel  # noqa: F401
     run = grading.world(f"{HERE}:probe_hook", size)
     for problem in run.problems():
         verdict.add(problem)
