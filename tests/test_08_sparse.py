@@ -915,3 +915,27 @@ def test_the_exercise_names_its_arguments_and_defaults_as_the_reference_does():
         assert fields == [(f.name, f.default) for f in dataclasses.fields(getattr(reference, cls))], cls
     assert inspect.signature(reference.sparse_all_reduce).parameters["transport"].default == "allgather"
     assert inspect.signature(reference.sparse_all_reduce).parameters["selection"].default == "auto"
+
+
+def test_the_labs_switch_runs_the_exercises_hooks_and_names_an_unwritten_task(capsys):
+    """With IMPL = "exercise" the lab trains with the exercise's hooks (``hooks=``), and a cell
+    that needs a stub says which task it is instead of running the reference in its place."""
+    from types import SimpleNamespace
+
+    from collectives.course.impl import Lab
+    from collectives.sparse import lab
+
+    class Mine:
+        def __init__(self, **kwargs):
+            self.kwargs = kwargs
+
+    def my_hook(state, bucket):
+        raise AssertionError("not called here")
+    state, hook, _ = lab.hook_for("topk_ef", hooks=SimpleNamespace(SparseHookState=Mine, sparse_hook_async=my_hook))
+    assert isinstance(state, Mine) and hook is my_hook and state.kwargs["error_feedback"]
+    exercise = Lab(8, "exercise")                      # the pristine stubs
+    assert not exercise.written("keep_count", "sparse_all_reduce")
+    assert "Lesson 8, task 3: sparse_all_reduce is not written yet" in capsys.readouterr().out
+    assert exercise.written("keep_count", "unpack_pairs") and Lab(8, "reference").written("sparse_all_reduce")
+    assert not exercise.written("DGCState.start_")
+    assert "Lesson 8, task 6: DGCState.start_" in capsys.readouterr().out

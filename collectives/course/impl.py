@@ -93,9 +93,49 @@ class Lab:
             raise AttributeError(name)
         return getattr(self._module if self._own(name) else self._reference, name)
 
+    def written(self, *names: str) -> bool:
+        """True when every one of ``names`` (``"DGCState.start_"`` for a method) is written;
+        with the switch on "exercise", a stub's name is printed instead ("Lesson 8, task 3:
+        sparse_all_reduce is not written yet"), so that a cell can skip what needs it
+        rather than run the reference in its place."""
+        if self.impl != "exercise":
+            return True
+        for name in names:
+            message = stub_message(self._module, name)
+            if message:
+                print(f"{message} is not written yet: this cell runs your {self.spec} once it is "
+                      "(or set IMPL = \"reference\")")
+                return False
+        return True
+
     def target(self, name: str) -> str:
         """``"spec:name"``, for :func:`resolve` in the ranks of a world."""
         return f"{self.spec if self._own(name) else self.reference_spec}:{name}"
 
     def __repr__(self) -> str:
         return f"<lab {self.impl}: {self.spec}>"
+
+
+def stub_message(module, name: str) -> str | None:
+    """The ``NotImplementedError`` message of ``module``'s ``name`` when its body is only that
+    (a stub: ``raise NotImplementedError("Lesson 8, task 3: sparse_all_reduce")``), else None."""
+    import ast
+    import inspect
+    import textwrap
+
+    obj = module
+    for part in name.split("."):
+        obj = getattr(obj, part, None)
+    if obj is None or getattr(obj, "__module__", None) != module.__name__:
+        return None
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(obj)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    body = [node for node in tree.body[0].body
+            if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))]
+    if len(body) == 1 and isinstance(body[0], ast.Raise) and isinstance(body[0].exc, ast.Call) \
+            and getattr(body[0].exc.func, "id", "") == "NotImplementedError":
+        args = body[0].exc.args
+        return args[0].value if args and isinstance(args[0], ast.Constant) else name
+    return None

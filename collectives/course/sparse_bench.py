@@ -371,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     where = (f"cluster 2 machines, {args.link}" if args.cluster
              else "NVLink (NCCL)" if backend == "nccl" else "loopback")
     results["device"] = _device(backend)
+    results.update(command="python -m collectives bench-sparse " + " ".join(argv if argv is not None else sys.argv[1:]),
+                   torch=torch.__version__, python=sys.version.split()[0],
+                   date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
     t0 = time.time()
     for i, kind in enumerate(k for k in args.gradients.split(",") if k):
         kwargs = dict(args=(n, args.density, args.iters, sweep if i == 0 else (), VARIANTS, "auto",
