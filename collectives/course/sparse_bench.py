@@ -421,7 +421,7 @@ def _device(backend: str) -> str:
     return machine()
 
 
-def _tour(nbytes: int, mode_name: str, method: str) -> dict:
+def _tour(nbytes: int, mode_name: str, transport: str) -> dict:
     """A tour row: verify the contract on this input, count bytes, time against dist.all_reduce."""
     p = dist.get_world_size()
     n = max(nbytes // 4, 1)
@@ -429,20 +429,20 @@ def _tour(nbytes: int, mode_name: str, method: str) -> dict:
     mode = {"density": 0.01} if mode_name == "top-k" else \
         {"threshold": float(torch.quantile(x[: 1 << 20].abs(), 0.99))}
     t, r = x.clone(), torch.zeros_like(x)
-    sparse_all_reduce(t, r, transport=method, **mode)
+    sparse_all_reduce(t, r, transport=transport, **mode)
     sent = x - r
     expected = sent.clone()
     with trace.paused():
         dist.all_reduce(expected)
     ok = bool(torch.equal(sent + r, x)) and bool(torch.allclose(t, expected, atol=1e-5))
     with trace.recording() as tr:
-        info = sparse_all_reduce(x.clone(), transport=method, **mode)
+        info = sparse_all_reduce(x.clone(), transport=transport, **mode)
     counts = info.counts or [info.kept] * p
     y = x.clone()
     with trace.paused():
-        ours = timing.measure(lambda: sparse_all_reduce(x.clone(), transport=method, **mode))
+        ours = timing.measure(lambda: sparse_all_reduce(x.clone(), transport=transport, **mode))
         ref = timing.measure(lambda: dist.all_reduce(y))
-    theory = cost.sparse_cost(method, n, max(counts), p, 4, counts="threshold" in mode).bytes_per_rank
+    theory = cost.sparse_cost(transport, n, max(counts), p, 4, counts="threshold" in mode).bytes_per_rank
     ring = core_cost.ring(n * 4, p).bytes_per_rank
     return dict(verified=ok, detail="" if ok else "not dist.all_reduce of what was sent",
                 seconds=timing.median(ours), ref_seconds=timing.median(ref), nbytes=n * 4,
