@@ -20,8 +20,8 @@ Check your work:
 
 Each task is judged outside your process, on inputs you cannot know in advance, and on every
 message your ranks make: the all-gather moves packed pairs in one all-gather (never a dense
-all-reduce of the masked tensor), split sends each owner its pairs, and the hook's training
-is held to DDP simulated step by step. Task 6 (DGC) is checked by the tests, not graded.
+all-reduce of the masked tensor), split sends each owner its pairs, and the training of the
+hook (task 5) and of DGC (task 6) is held to DDP simulated step by step.
 
 Given: ``keep_count``, ``magnitude``, ``threshold_in``, ``sample_threshold``, ``unpack_pairs``,
 ``exchange_counts``, ``SparseInfo``, ``SparseWork``, ``SparseHookState`` (residuals kept per

@@ -20,6 +20,7 @@ import torch
 
 from ...core.ops import ReduceOp
 from . import GradedTask
+from .lesson08_dgc import judge_dgc
 from .lesson08_hook import judge_async
 from .lesson08_inputs import compare_sum, draw, pairs_pattern, pg_calls, residual_problem, sent_of, split_sends
 from .world import Grading, Probe, Run, Verdict, outcome_problem, same
@@ -454,4 +455,5 @@ TASKS = [
     GradedTask(8, 3, "sparse_all_reduce: the contract", 5, _judge_contract3, ("sparse_all_reduce",)),
     GradedTask(8, 4, "split: sparse reduce-scatter, densify", 6, _judge_split, ("split_sum_",)),
     GradedTask(8, 5, "DDP communication hook", 5, judge_async, ("sparse_all_reduce_async", "sparse_hook_async")),
+    GradedTask(8, 6, "DGC's corrections", 4, judge_dgc, ("topk_per_segment", "DGCState.start_")),
 ]
