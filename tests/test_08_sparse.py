@@ -939,3 +939,23 @@ def test_the_labs_switch_runs_the_exercises_hooks_and_names_an_unwritten_task(ca
     assert exercise.written("keep_count", "unpack_pairs") and Lab(8, "reference").written("sparse_all_reduce")
     assert not exercise.written("DGCState.start_")
     assert "Lesson 8, task 6: DGCState.start_" in capsys.readouterr().out
+
+
+def _train_to_targets():
+    from collectives.sparse import lab
+    data = lab.load_digits_split(0)
+    common = dict(run="dense", model="mlp", epochs=1, batch=64, evals_per_epoch=2, data=data)
+    return dict(unreached=lab.train(target=2.0, max_epochs=2, **common),
+                stopped=lab.train(target=0.0, stop_at_target=True, max_epochs=2, **common),
+                plain=lab.train(**common))
+
+
+def test_a_time_to_accuracy_run_trains_past_its_epochs_and_stops_at_its_target():
+    """bench-sparse-train's runs: one that has not reached its target when its epochs are over
+    trains on, up to ``max_epochs`` (its final accuracy still epoch ``epochs``'s); with
+    ``stop_at_target`` it stops at the first evaluation that reaches it (no final accuracy)."""
+    pytest.importorskip("sklearn", reason="the lab extra: pip install -e '.[lab]' (make test installs it)")
+    res = launch.run(_train_to_targets, 1, timeout=120)[0]
+    plain, unreached, stopped = res["plain"], res["unreached"], res["stopped"]
+    assert unreached["steps"] == 2 * plain["steps"] and unreached["final"] == plain["final"] is not None
+    assert stopped["steps"] == plain["steps_per_epoch"] // 2 and stopped["final"] is None

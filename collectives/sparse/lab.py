@@ -237,7 +237,7 @@ def train(run: str = "dense", model: str = "mlp", optimizer: str = "sgd", epochs
                 reached = reached or (target is not None and curve[-1][2] >= target)
                 if reached and stop_at_target:
                     break
-        if epoch + 1 == epochs:
+        if epoch + 1 == epochs and step == epochs * steps_per_epoch:     # epoch ``epochs`` ran to its end
             this_epoch = [acc for s, _, acc in curve if s > step - steps_per_epoch] or [curve[-1][2]]
             final = sum(this_epoch) / len(this_epoch)
         if (reached and stop_at_target) or (epoch + 1 >= epochs and (target is None or reached)):
