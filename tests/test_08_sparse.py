@@ -917,12 +917,12 @@ def test_the_exercise_names_its_arguments_and_defaults_as_the_reference_does():
     assert inspect.signature(reference.sparse_all_reduce).parameters["selection"].default == "auto"
 
 
-def test_the_labs_switch_runs_the_exercises_hooks_and_names_an_unwritten_task(capsys):
+def test_the_labs_switch_runs_the_exercises_hooks_and_names_an_unwritten_task():
     """With IMPL = "exercise" the lab trains with the exercise's hooks (``hooks=``), and a cell
-    that needs a stub says which task it is instead of running the reference in its place."""
+    that needs a stub stops naming its task (``Lab.target``) instead of running the reference."""
     from types import SimpleNamespace
 
-    from collectives.course.impl import Lab
+    from collectives.course.impl import Lab, TaskNotWritten
     from collectives.sparse import lab
 
     class Mine:
@@ -933,12 +933,13 @@ def test_the_labs_switch_runs_the_exercises_hooks_and_names_an_unwritten_task(ca
         raise AssertionError("not called here")
     state, hook, _ = lab.hook_for("topk_ef", hooks=SimpleNamespace(SparseHookState=Mine, sparse_hook_async=my_hook))
     assert isinstance(state, Mine) and hook is my_hook and state.kwargs["error_feedback"]
+    state, hook, momentum = lab.hook_for("dgc", hooks=SimpleNamespace(DGCState=Mine, dgc_hook=my_hook))
+    assert isinstance(state, Mine) and hook is my_hook and momentum == 0.0
     exercise = Lab(8, "exercise")                      # the pristine stubs
-    assert not exercise.written("keep_count", "sparse_all_reduce")
-    assert "Lesson 8, task 3: sparse_all_reduce is not written yet" in capsys.readouterr().out
-    assert exercise.written("keep_count", "unpack_pairs") and Lab(8, "reference").written("sparse_all_reduce")
-    assert not exercise.written("DGCState.start_")
-    assert "Lesson 8, task 6: DGCState.start_" in capsys.readouterr().out
+    for name, task in (("sparse_hook_async", 5), ("split_sum_", 4)):
+        with pytest.raises(TaskNotWritten, match=f"{name} is not written yet .Lesson 8, task {task}"):
+            exercise.target(name)
+    assert exercise.target("unpack_pairs").endswith(":unpack_pairs")      # given: the reference's
 
 
 def _train_to_targets():

@@ -52,7 +52,8 @@ parameter), ``sparse_hook``, ``register_sparse_hook``, ``DGCState`` (but its ``s
         Post every receive ``(buffer, src)``, then every send ``(buffer, dst)`` (global
         ranks); return the handles, each with ``wait()``. Empty buffers are not posted.
     trace.label(text)
-        Tag the events made inside the block (e.g. "reduce-scatter step 2").
+        Tag the events made inside the block (e.g. "reduce-scatter step 2"); under a running
+        ``torch.profiler``, the block is also a range of that name in its trace.
     collectives.ring.ring_all_gather(output, input, group=None) -> None
         ``output`` ← every rank's ``input``, concatenated in rank order.
     collectives.sparse.cost.choose_transport(n, k, p, link, value_bytes=4, counts=False,
