@@ -1,23 +1,22 @@
-"""Lesson 8: a sparse all-reduce is dist.all_reduce of what each rank sent; nothing is lost.
+"""Lesson 8: what the task table does not judge.
 
-Every check runs inside one world per world size (1-4 gloo ranks) and returns plain data;
-the tests assert on it. What is checked, for every transport (all-gather, split, dense) and
-both modes (top-k, threshold):
+The graded contract -- selection, the all-gather of pairs, every transport's sums and
+residuals, refusals, the asynchronous all-reduce and hook -- is judged outside the
+student's process by collectives/course/tasks/lesson08*.py (run by tests/test_grader.py on
+the reference, the stubs and every partial solution). Here, in one world per world size:
 
-* **exact when everything is kept** -- threshold 0 / density 1 is ``dist.all_reduce``, bit
-  for bit, on every case of the equivalence harness with SUM or AVG (every dtype, sizes,
-  views, subgroups);
-* **equal to dist.all_reduce of what each rank sent**, with the sent elements rebuilt here
-  from the inputs (inputs have distinct magnitudes, so the k largest are unambiguous), and
-  to gloo's own sparse all-reduce of a ``torch.sparse_coo_tensor`` of them;
-* **the residual identity** ``tensor_in + residual_in == sent + residual_out``, exactly;
-* counts that differ across ranks, zero on some, zero on all; ties at the threshold;
-  NaN and inf; a subgroup; int32 indices (2^31 elements refused);
-* **the bytes** the trace sees equal what ``collectives.cost`` says each variant sends.
+* **the bytes** the trace sees equal what ``collectives.sparse.cost`` says each transport sends;
+* a rank outside the group is a no-op; ranks that disagree are named (check mode); split
+  with sizes that differ raises without it; Ok-Topk's balanced pieces give the same sum;
+  |INT_MIN| ranked largest; thresholds compared exactly in the tensor's dtype;
+* **in training**: residuals follow their parameters through DDP's bucket rebuild; the hook
+  reduces over the group the state carries; lesson 6's reducer with sparse buckets at density
+  1 is DDP; the asynchronous all-reduce returns in flight; DGC's corrections do what they say;
+* the cost model's crossovers, ``auto``'s profile, convergence with and without error
+  feedback, bench-sparse-train's arithmetic, and the exercise's names and defaults.
 
 Inputs are integer-valued (magnitudes a permutation of 1..n, n = 241: exact in every dtype,
-bfloat16 included), so float32/64 and integer results must match bit for bit; float16 and
-bfloat16 sums of several such values round, and are compared within the harness's tolerance.
+bfloat16 included), so float32/64 and integer results must match bit for bit.
 """
 
 from __future__ import annotations
@@ -32,9 +31,10 @@ import torch._dynamo  # noqa: F401 - DDP imports it on first use (seconds): once
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from collectives import cost, launch, trace, verify
+from collectives import launch, trace, verify
 from collectives.course.impl import resolve
 from collectives.course.sparse_bench import event_bytes
+from collectives.sparse import cost
 
 from . import workers
 
@@ -44,7 +44,7 @@ BYTES_N = 2003                # for the byte counts: a prime, and magnitudes bel
 DENSITY = 0.1                 # k = 25 of 241
 THRESHOLD = 200.0             # keeps about 1/6 of magnitudes 1..241
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
-VARIANTS = ("allgather", "split", "dense")
+TRANSPORTS = ("allgather", "split", "dense")
 CHECKS = []
 
 
@@ -98,233 +98,99 @@ def _mode_name(mode: dict) -> str:
 MODES = ({"density": DENSITY}, {"threshold": THRESHOLD})
 
 
-# ---- task 1: selection ---------------------------------------------------------------------
+# ---- the transports: what the graded tasks (collectives/course/tasks/lesson08*.py) do not cover --
+
+def _fixed_profile(impl, link=None, compute=None):
+    """Give the world a profile for transport="auto" instead of measuring one: the same on
+    every rank, and no time spent (the exercise's "auto" reads the course's profiles too)."""
+    from collectives.sparse.profile import set_profile
+    set_profile(cost.SparseProfile(link or cost.GIGABIT, compute or cost.SparseCompute()))
+
 
 @check
-def selection(impl, group):
-    topk_indices = resolve(impl + ":topk_indices")
-    threshold_indices = resolve(impl + ":threshold_indices")
-    out = {}
-    g = torch.Generator().manual_seed(3)
-    small = torch.rand(1000, generator=g) * 2 - 1                # every |g| < 1, as gradients are
-    truth = set(torch.topk(small.abs(), 10).indices.tolist())
-    for method in ("topk", "sort", "kthvalue", "reuse"):
-        state = {}
-        picks = []
-        for step in range(3):                                    # "reuse" filters from step 2 on
-            x = small * (1 + 0.01 * step)
-            picks.append(sorted(topk_indices(x, 10, method, state).tolist()))
-        ties = torch.tensor([3.0, -1.0, 2.0, -2.0, 2.0, 0.5])
-        nan = torch.tensor([0.1, float("nan"), -5.0, float("inf"), 0.3])
-        out[method] = dict(picks=picks, ties=sorted(topk_indices(ties, 3, method, {}).tolist()),
-                           nan=sorted(topk_indices(nan, 2, method, {}).tolist()),
-                           k0=topk_indices(small, 0, method, {}).numel(),
-                           kn=sorted(topk_indices(small[:7], 7, method, {}).tolist()))
-    out["truth"] = sorted(truth)
-    out["singa"] = sorted(resolve("collectives.sparse:truncated_magnitude_topk")(small, 10).tolist())
-    x = torch.tensor([0.5, -2.0, 2.0, 1.999, float("nan"), -float("inf"), 0.0])
-    out["threshold"] = threshold_indices(x, 2.0).tolist()
-    out["threshold_zero"] = threshold_indices(x, 0.0).tolist()
-    return out
-
-
-# ---- task 2: SINGA's transport -------------------------------------------------------------
-
-@check
-def allgather_direct(impl, group):
-    """allgather_sum_ on given pairs: equal counts (top-k), differing, zero on some, zero on all."""
-    allgather_sum_ = resolve(impl + ":allgather_sum_")
-    exchange_counts = resolve(impl + ":exchange_counts")
+def split_with_balanced_pieces(impl, group):
+    """Ok-Topk's balanced partition: with every rank's pairs crowded into the first tenth of
+    the range, equal ranges hand rank 0 nearly all of them; the balanced cuts share them
+    out, and the sum is the same (dense pieces of unequal lengths gathered too)."""
+    from collectives import ops
+    from collectives.sparse.split import balanced_bounds, split_sum_
     rank, p = dist.get_rank(), dist.get_world_size()
+    n = 3000
     problems = []
-    for dtype in DTYPES:
-        x = _input(rank, dtype)
-        for case, count in (("equal", 20), ("differ, zero on rank 0", 7 * rank), ("zero on all", 0)):
-            g = torch.Generator().manual_seed(rank)
-            idx = torch.randperm(N, generator=g)[:count]
-            out = torch.full((N,), 99, dtype=dtype)              # must be overwritten, not added to
-            counts = None if case == "equal" else exchange_counts(count, group)
-            with trace.recording() as t:
-                allgather_sum_(out, idx, x[idx], counts=counts, group=group)
-            sent = torch.zeros_like(x)
-            sent[idx] = x[idx]
-            bad = _close(verify.reference_all_reduce(sent), out, p)
-            if bad:
-                problems.append(f"{dtype} {case}: {bad}")
-            gathers = t.of_kind("all_gather", "all_gather_into_tensor")
-            width = count if counts is None else max(counts)
-            pair = 4 + x.element_size()
-            if width and [ev.nbytes for ev in gathers] != [width * pair]:
-                problems.append(f"{dtype} {case}: expected one all-gather of {width} pairs "
-                                f"({width * pair} bytes: indices and values in one buffer), got "
-                                f"{[ev.nbytes for ev in gathers]}")
-    return problems
-
-
-# ---- task 3 (and 4): the contract, every transport, every mode, every dtype ------------------
-
-def _contract(impl, group, variants=VARIANTS, dtypes=DTYPES, modes=MODES):
-    """For each configuration: the result against dist.all_reduce of the rebuilt sent
-    tensor, gloo's sparse all-reduce of it, and the residual identity."""
-    sparse_all_reduce = resolve(impl + ":sparse_all_reduce")
-    rank = dist.get_rank(group)
-    p = dist.get_world_size(group)
-    problems = []
-    for variant in variants:
-        for mode in modes:
-            for dtype in dtypes:
-                for with_residual in (False, True):
-                    name = f"{variant} {_mode_name(mode)} {str(dtype)[6:]} residual={with_residual}"
-                    if with_residual:
-                        x_in, r_in = _with_residual(rank, dtype)
-                    else:
-                        x_in, r_in = _input(rank, dtype), None
-                    t, r = x_in.clone(), (r_in.clone() if with_residual else None)
-                    try:
-                        sparse_all_reduce(t, r, method=variant, group=group, **mode)
-                    except NotImplementedError as exc:
-                        problems.append(f"{name}: not implemented ({exc})")
-                        continue
-                    x = x_in + r_in if with_residual else x_in
-                    sent = _expected_sent(x, mode)
-                    expected = verify.reference_all_reduce(sent, group=group)
-                    bad = _close(expected, t, p)
-                    if bad:
-                        problems.append(f"{name}: vs dist.all_reduce of what was sent: {bad}")
-                    if with_residual:
-                        if not torch.equal(sent + r, x):
-                            problems.append(f"{name}: tensor_in + residual_in != sent + residual_out")
-                    if dtype != torch.float16:                  # gloo has no sparse add for float16
-                        idx = torch.nonzero(sent).view(1, -1)
-                        coo = torch.sparse_coo_tensor(idx, sent[idx[0]], (N,), check_invariants=True)
-                        with trace.paused():
-                            dist.all_reduce(coo, group=group)
-                        bad = _close(coo.to_dense(), t, p)
-                        if bad:
-                            problems.append(f"{name}: vs gloo's sparse all-reduce: {bad}")
+    for kept, span in ((40, n // 10), (2500, n)):     # crowded pairs; then nearly every index, pieces fill
+        g = torch.Generator().manual_seed(rank)
+        idx = torch.randperm(span, generator=g)[:kept].sort().values
+        vals = torch.randint(-50, 50, (kept,), generator=g).double()
+        bounds = balanced_bounds(idx, n, group=group, bins=300)
+        every = [torch.empty_like(idx) for _ in range(p)]
+        with trace.paused():
+            dist.all_gather(every, idx, group=group)
+        landing = [sum(int(((e >= a) & (e < b)).sum()) for e in every) for a, b in bounds]
+        if max(landing) > 1.5 * sum(landing) / p:
+            problems.append(f"{kept} pairs: balanced pieces still uneven: {landing}")
+        out = torch.empty(n, dtype=torch.float64)
+        info = split_sum_(out, idx, vals, group=group, bounds=bounds)
+        sent = torch.zeros(n, dtype=torch.float64).index_add_(0, idx, vals)
+        bad = verify.compare(verify.reference_all_reduce(sent, group=group), out)
+        if bad:
+            problems.append(f"{kept} pairs (densified {info.densified}): {bad}")
+        if info.densified != (kept == 2500) or (kept == 2500 and bounds == ops.chunk_bounds(n, p)):
+            problems.append(f"{kept} pairs: densified {info.densified} with pieces {bounds}")
     return problems
 
 
 @check
-def contract_allgather(impl, group):
-    return _contract(impl, group, variants=("allgather",))
-
-
-@check
-def contract_every_variant(impl, group):
-    return _contract(impl, group, variants=("split", "dense", "auto"))
-
-
-@check
-def contract_in_a_subgroup(impl, group):
-    p = dist.get_world_size()
-    members = list(range(0, p, 2)) if p >= 3 else [0]
-    sub = dist.new_group(members, timeout=datetime.timedelta(seconds=30))
-    if dist.get_rank() not in members:
-        return []
-    return _contract(impl, sub, dtypes=(torch.float32, torch.int64))
-
-
-@check
-def everything_kept_is_all_reduce(impl, group):
-    """threshold 0 and density 1 through the harness: every case with SUM or AVG, bit for bit."""
+def outside_the_group_is_a_no_op(impl, group):
+    """A rank outside ``group`` returns at once and touches nothing, as dist.all_reduce does
+    (before: it changed its residual and crashed, or at density 1 with AVG negated the tensor)."""
     sparse_all_reduce = resolve(impl + ":sparse_all_reduce")
-    p = dist.get_world_size()
-    cases = [c for c in verify.default_cases(p, large=False)
-             if c.op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG)]
-    out = {}
-    for name, mode in (("threshold=0", dict(threshold=0.0)), ("density=1", dict(density=1.0))):
-        report = verify.check_all_reduce(lambda t, op=dist.ReduceOp.SUM, group=None:
-                                         sparse_all_reduce(t, op=op, group=group, **mode), cases)
-        out[name] = [f"[{r.case}] {r.detail}" for r in report.failures]
-        # random floats too must match bit for bit: keeping everything is the dense all-reduce
-        for dtype in DTYPES:
-            g = torch.Generator().manual_seed(dist.get_rank())
-            x = (torch.rand(N, generator=g, dtype=torch.float64) * 200 - 100).to(dtype)
-            res = (torch.rand(N, generator=g, dtype=torch.float64) - 0.5).to(dtype)
-            expected = verify.reference_all_reduce(x + res)
-            t, r = x.clone(), res.clone()
-            sparse_all_reduce(t, r, **mode)
-            if not torch.equal(t, expected) or bool(r.any()):
-                out[name].append(f"{dtype} random with residual: not bit for bit dist.all_reduce "
-                                 "of tensor + residual, or the residual is not zero")
-    return out
+    rank = dist.get_rank()
+    sub = dist.new_group([0], timeout=datetime.timedelta(seconds=30))
+    problems = []
+    for kwargs in (dict(density=1.0, op=dist.ReduceOp.AVG), dict(density=0.5), dict(threshold=2.0),
+                   dict(density=0.5, transport="split")):
+        t, r = torch.arange(1.0, 9.0), torch.full((8,), 0.25)
+        t_in, r_in = t.clone(), r.clone()
+        sparse_all_reduce(t, r, group=sub, **kwargs)
+        if rank != 0 and not (torch.equal(t, t_in) and torch.equal(r, r_in)):
+            problems.append(f"{kwargs}: rank {rank} is not in the group, and its tensor or residual changed")
+    return problems
 
 
 @check
-def counts_ties_and_nonfinite(impl, group):
+def split_with_sizes_that_differ_raises(impl, group):
+    """Ranks that pass different sizes to the split transport get an error on every rank,
+    check mode off (before: garbage without an error, or one rank raising and the others
+    waiting)."""
     sparse_all_reduce = resolve(impl + ":sparse_all_reduce")
-    rank, p = dist.get_rank(), dist.get_world_size()
-    out = {}
-    for variant in VARIANTS:
-        # counts differ: rank r keeps exactly r elements (rank 0 none) -- and nobody keeps any
-        x = torch.zeros(N)
-        x[: rank] = 10.0 + torch.arange(rank, dtype=torch.float32)
-        x[rank: rank + 5] = 0.5
-        t, r = x.clone(), torch.zeros(N)
-        sparse_all_reduce(t, r, threshold=10.0, method=variant)
-        sent = torch.where(x >= 10.0, x, torch.zeros_like(x))
-        out[f"{variant} counts 0..p-1"] = (verify.compare(verify.reference_all_reduce(sent), t),
-                                           torch.equal(sent + r, x))
-        t, r = x.clone(), torch.zeros(N)
-        sparse_all_reduce(t, r, threshold=1e6, method=variant)
-        out[f"{variant} zero on all"] = (None if not t.any() else "not all zeros", torch.equal(r, x))
-        # ties at the threshold: |x| == threshold is sent, on both signs
-        x = torch.tensor([2.0, -2.0, 1.9999, 2.0001, -1.0, 0.0, 2.0] * 5)
+    rank = dist.get_rank()
+    x = _input(rank, torch.float32, n=N + rank)
+    try:
+        sparse_all_reduce(x, density=DENSITY, transport="split", group=group)
+        return "no error"
+    except ValueError as exc:
+        return str(exc)
+
+
+@check
+def int_min_is_the_largest_magnitude(impl, group):
+    """|INT_MIN| does not fit its dtype; it is still the largest magnitude: sent, not left in
+    the residual while a small value goes."""
+    sparse_all_reduce = resolve(impl + ":sparse_all_reduce")
+    rank = dist.get_rank()
+    problems = []
+    for dtype in (torch.int8, torch.int32, torch.int64):
+        low = torch.iinfo(dtype).min
+        x = torch.tensor([low, -7, 3], dtype=dtype) if rank == 0 else torch.tensor([2, -1, 1], dtype=dtype)
         t, r = x.clone(), torch.zeros_like(x)
-        sparse_all_reduce(t, r, threshold=2.0, method=variant)
-        sent = torch.where(x.abs() >= 2.0, x, torch.zeros_like(x))
-        out[f"{variant} ties"] = (verify.compare(verify.reference_all_reduce(sent), t), torch.equal(sent + r, x))
-        # NaN and inf on some ranks propagate as in dist.all_reduce (NaN: the largest magnitude)
-        x = _input(rank, torch.float32)
-        if rank == p - 1:
-            x[5], x[7] = float("nan"), float("inf")
-        if rank == 0:
-            x[7] = -float("inf") if p > 1 else x[7]
-            x[9] = float("inf")
-        for mode in MODES:
-            t = x.clone()
-            sparse_all_reduce(t, method=variant, **mode)
-            expected = verify.reference_all_reduce(_expected_sent(x, mode))
-            out[f"{variant} non-finite {_mode_name(mode)}"] = (verify.compare(expected, t), True)
-    return out
+        sparse_all_reduce(t, r, density=0.3, group=group)          # k = 1 of 3
+        sent = torch.where(torch.arange(3) == 0, x, torch.zeros_like(x))
+        if not torch.equal(r, x - sent):
+            problems.append(f"{dtype}: residual {r.tolist()}, expected {(x - sent).tolist()}")
+        if not torch.equal(t, verify.reference_all_reduce(sent, group=group)):
+            problems.append(f"{dtype}: result {t.tolist()}")
+    return problems
 
-
-@check
-def refuses_bad_input(impl, group):
-    sparse_all_reduce = resolve(impl + ":sparse_all_reduce")
-    out = {}
-    huge = torch.zeros(1, dtype=torch.int8).expand(2**31)      # 2^31 elements, no memory
-    for name, call in (
-            ("2^31 elements", lambda: sparse_all_reduce(huge, density=0.01)),
-            ("MAX", lambda: sparse_all_reduce(torch.ones(4), density=0.5, op=dist.ReduceOp.MAX)),
-            ("both modes", lambda: sparse_all_reduce(torch.ones(4), density=0.5, threshold=1.0)),
-            ("residual shape", lambda: sparse_all_reduce(torch.ones(4), torch.zeros(3), density=0.5))):
-        try:
-            call()
-            out[name] = "accepted"
-        except ValueError as exc:
-            out[name] = "ValueError: " + str(exc)
-        except Exception as exc:  # noqa: BLE001
-            out[name] = f"{type(exc).__name__}: {exc}"
-    return out
-
-
-@check
-def average(impl, group):
-    sparse_all_reduce = resolve(impl + ":sparse_all_reduce")
-    rank, p = dist.get_rank(), dist.get_world_size()
-    out = []
-    for variant in VARIANTS:
-        x = _input(rank, torch.float64)
-        t = x.clone()
-        sparse_all_reduce(t, density=DENSITY, method=variant, op=dist.ReduceOp.AVG)
-        expected = verify.reference_all_reduce(_expected_sent(x, {"density": DENSITY})) / p
-        out.append(verify.compare(expected, t))
-    return out
-
-
-# ---- the bytes on the wire -----------------------------------------------------------------
 
 @check
 def bytes_on_the_wire(impl, group):
@@ -333,11 +199,11 @@ def bytes_on_the_wire(impl, group):
     out = {}
     for dtype in (torch.float32, torch.float16):
         e = torch.empty((), dtype=dtype).element_size()
-        for variant in VARIANTS:
+        for variant in TRANSPORTS:
             for mode in MODES:
                 x = _input(rank, dtype, n=BYTES_N)
                 with trace.recording() as t:
-                    sparse_all_reduce(x.clone(), method=variant, **mode)
+                    sparse_all_reduce(x.clone(), transport=variant, **mode)
                 events = [dict(kind=ev.kind, nbytes=ev.nbytes, label=ev.label) for ev in t.events
                           if ev.is_send or ev.kind in trace.COLLECTIVES]
                 kept = int(_expected_sent(x, mode).count_nonzero())
@@ -372,40 +238,147 @@ def _ddp(model, **kwargs):
     return DistributedDataParallel(model, **kwargs)
 
 
-@check
-def ddp_hook(impl, group):
-    from collectives.bucketing import SmallMLP
-    state_cls = resolve(impl + ":SparseHookState")
-    hook = resolve(impl + ":sparse_hook")
-    torch.manual_seed(0)
-    base = SmallMLP().double()
-    dense, full, sparse = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
-    cap = 2720 / (1 << 20)                                       # two buckets
-    d_dense = _ddp(dense, bucket_cap_mb=cap)
-    d_full = _ddp(full, bucket_cap_mb=cap)
-    d_full.register_comm_hook(state_cls(density=1.0), hook)
-    sparse_state = state_cls(density=0.05)
-    d_sparse = _ddp(sparse, bucket_cap_mb=cap)
-    d_sparse.register_comm_hook(sparse_state, hook)
+def _steps(models, steps=4, lr=0.1, momentum=0.0):
+    """Train each of ``models`` (DDP-wrapped SmallMLPs) on the same rank-dependent batches."""
     g = torch.Generator().manual_seed(dist.get_rank())
-    models = (d_dense, d_full, d_sparse)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
-    for step in range(4):
+    opts = [torch.optim.SGD(m.parameters(), lr=lr, momentum=momentum) for m in models]
+    for _ in range(steps):
         x = torch.randn(4, 8, generator=g, dtype=torch.float64)
         y = torch.randn(4, 4, generator=g, dtype=torch.float64)
         for m, opt in zip(models, opts):
             opt.zero_grad()
             F.mse_loss(m(x), y).backward()
             opt.step()
-    flat = torch.cat([q.detach().reshape(-1) for q in sparse.parameters()])
-    same = flat.clone()
-    with trace.paused():
-        dist.broadcast(same, 0)
-    return dict(vs_dense=max((a - b).abs().max().item() for a, b in zip(dense.parameters(), full.parameters())),
-                sparse_moved=max((a - b).abs().max().item() for a, b in zip(base.parameters(), sparse.parameters())),
-                sparse_same_on_every_rank=torch.equal(flat, same),
-                residual_sizes=sorted(r.numel() for r in sparse_state.residuals.values()),
-                params=sum(q.numel() for q in base.parameters()))
+
+
+def _largest_gap(a, b) -> float:
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+@check
+def async_returns_while_the_pairs_travel(impl, group):
+    """sparse_all_reduce_async returns before a late peer has sent anything: its future is not
+    done; once it is, the result is the plain call's."""
+    import time
+    start_async = resolve(impl + ":sparse_all_reduce_async")
+    rank = dist.get_rank()
+    if rank == 1:
+        time.sleep(0.3)                       # rank 0's all-gather cannot complete before this
+    x = _input(rank, torch.float32)
+    t, r = x.clone(), torch.zeros_like(x)
+    work = start_async(t, r, density=DENSITY, group=group)
+    in_flight = not work.get_future().done()
+    work.wait()
+    sent = _expected_sent(x, {"density": DENSITY})
+    expected = verify.reference_all_reduce(sent, group=group)
+    return dict(in_flight=in_flight, result=verify.compare(expected, t), residual=torch.equal(x - r, sent))
+
+
+class _RegisteredBackwards(torch.nn.Module):
+    """DigitsMLP with its output layer registered first. Lesson 6's reducer starts from the
+    reversed registration order -- DDP's usual guess -- which this model's backward then
+    contradicts, so its rebuild moves every parameter (DigitsMLP itself already agrees)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc2 = torch.nn.Linear(64, 10)
+        self.fc1 = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _gradient_sums(impl, make_reducer, steps=3, model=None):
+    """Each parameter's raw gradients summed over ``steps`` against what the reducer delivered
+    plus the residual it holds for that parameter (one rank: delivered = sent). Parameters
+    stay fixed (no optimizer), so a plain copy of the model gives the raw gradients."""
+    from collectives.sparse.lab import DigitsMLP
+    torch.manual_seed(0)
+    net = (model or DigitsMLP)().double()
+    plain = copy.deepcopy(net)
+    reducer, state, layouts = make_reducer(net)
+    names = {id(q): n for n, q in net.named_parameters()}
+    raw = [torch.zeros_like(q) for q in net.parameters()]
+    delivered = [torch.zeros_like(q) for q in net.parameters()]
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.rand(16, 64, generator=g, dtype=torch.float64)
+        y = torch.randint(0, 10, (16,), generator=g)
+        for model, into in ((plain, raw), (reducer, delivered)):
+            for q in model.parameters():
+                q.grad = None
+            F.cross_entropy(model(x), y).backward()
+            for acc, q in zip(into, net.parameters() if model is reducer else plain.parameters()):
+                acc += q.grad
+    gaps = {names[id(q)]: (a - (d + state.residuals.of(q))).abs().max().item()
+            for q, a, d in zip(net.parameters(), raw, delivered)}
+    return dict(gaps=gaps, layouts=[[names[i] for i in layout] for layout in layouts])
+
+
+def _ddp_with_hook(impl, hook_name):
+    def make(net):
+        state = resolve(impl + ":SparseHookState")(density=0.05)
+        hook = resolve(impl + ":" + hook_name)
+        layouts = []
+
+        def recording(st, bucket):
+            layouts.append([id(q) for q in bucket.parameters()])
+            return hook(st, bucket)
+        recording.__annotations__ = hook.__annotations__
+        ddp = _ddp(net)
+        resolve(impl + ":register_sparse_hook")(ddp, state, recording)
+        return ddp, state, layouts
+    return make
+
+
+@check
+def residuals_follow_their_parameters(impl, group):
+    """DDP rebuilds its buckets after the first step; DigitsMLP's one bucket goes from
+    [fc1.w, fc1.b, fc2.w, fc2.b] to [fc2.b, fc2.w, fc1.b, fc1.w], same size. Each parameter's
+    residual must stay its own: sum of raw gradients == delivered + residual, per parameter."""
+    from collectives.sparse.hooks import SparseBucketedReducer
+
+    def lesson6(net):
+        reducer = SparseBucketedReducer(net, density=0.05)
+        layouts = []
+        launch_one = reducer._launch
+
+        def recording(b):
+            layouts.append([id(reducer.params[i]) for i in reducer.buckets[b].params])
+            launch_one(b)
+        reducer._launch = recording
+        return reducer, reducer.sparse, layouts
+    return {"sparse_hook": _gradient_sums(impl, _ddp_with_hook(impl, "sparse_hook")),
+            "sparse_hook_async": _gradient_sums(impl, _ddp_with_hook(impl, "sparse_hook_async")),
+            "SparseBucketedReducer": _gradient_sums(impl, lesson6, model=_RegisteredBackwards)}
+
+
+@check
+def hook_reduces_over_the_state_group(impl, group):
+    """DDP on a subgroup does not tell the hook its group: the state carries it. Each rank is
+    a group of its own here; at density 1 the hook must then train exactly like DDP on that
+    group (before: it reduced over the whole world)."""
+    from collectives.bucketing import SmallMLP
+    state_cls = resolve(impl + ":SparseHookState")
+    register = resolve(impl + ":register_sparse_hook")
+    rank, p = dist.get_rank(), dist.get_world_size()
+    mine = [dist.new_group([r], timeout=datetime.timedelta(seconds=30)) for r in range(p)][rank]
+    torch.manual_seed(rank)
+    base = SmallMLP().double()
+    dense, hooked = copy.deepcopy(base), copy.deepcopy(base)
+    d_dense, d_hooked = _ddp(dense, process_group=mine), _ddp(hooked, process_group=mine)
+    register(d_hooked, state_cls(density=1.0), resolve(impl + ":sparse_hook_async"))
+    _steps((d_dense, d_hooked))
+    try:
+        register(_ddp(copy.deepcopy(base), process_group=mine), state_cls(density=1.0, group=group))
+        refused = "accepted"
+    except ValueError as exc:
+        refused = str(exc)
+    return dict(same=_same(dense, hooked), refused=refused)
 
 
 @check
@@ -415,19 +388,64 @@ def sparse_reducer(impl, group):
     torch.manual_seed(0)
     base = SmallMLP().double()
     dense, full = copy.deepcopy(base), copy.deepcopy(base)
-    d_dense = _ddp(dense, bucket_cap_mb=544 / (1 << 20))
-    ours = SparseBucketedReducer(full, density=1.0, bucket_cap_mb=544 / (1 << 20),
-                                 first_bucket_cap_mb=544 / (1 << 20))
-    g = torch.Generator().manual_seed(dist.get_rank())
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (d_dense, ours)]
-    for step in range(3):
-        x = torch.randn(4, 8, generator=g, dtype=torch.float64)
-        y = torch.randn(4, 4, generator=g, dtype=torch.float64)
-        for m, opt in zip((d_dense, ours), opts):
+    cap = 544 / (1 << 20)
+    ours = SparseBucketedReducer(full, density=1.0, bucket_cap_mb=cap, first_bucket_cap_mb=cap)
+    _steps((_ddp(dense, bucket_cap_mb=cap), ours), steps=3)
+    return dict(vs_dense=_largest_gap(dense, full))
+
+
+# ---- task 6: DGC's corrections ------------------------------------------------------------------
+
+@check
+def dgc_corrections(impl, group):
+    """Per-parameter selection sends ⌈d·size⌉ of each parameter; momentum correction without
+    masking at density 1 is momentum SGD; with masking, a sent entry's velocity restarts."""
+    from collectives.bucketing import SmallMLP
+    dgc_state, dgc_hook = resolve(impl + ":DGCState"), resolve(impl + ":dgc_hook")
+    register = resolve(impl + ":register_sparse_hook")
+    sparse_all_reduce = resolve(impl + ":sparse_all_reduce")
+    rank = dist.get_rank()
+    out = {}
+    # per parameter: sizes 5, 100, 136 at density 0.1 -> 1 + 10 + 14 sent, the largest of each
+    x = _input(rank, torch.float32)
+    sizes = [5, 100, 136]
+    r = torch.zeros_like(x)
+    info = sparse_all_reduce(x.clone(), r, density=0.1, segments=sizes, group=group)
+    sent = x - r
+    per_piece, expected, start = [], [], 0
+    for size in sizes:
+        piece = x[start:start + size]
+        per_piece.append(int(sent[start:start + size].count_nonzero()))
+        expected.append(sorted(torch.topk(piece.abs(), math.ceil(0.1 * size)).indices.add(start).tolist()))
+        start += size
+    out["per_parameter"] = dict(counts=per_piece, kept=info.kept,
+                                largest=sorted(torch.nonzero(sent).view(-1).tolist()) == sorted(sum(expected, [])))
+    # momentum correction, no masking, density 1: momentum SGD (to rounding: sums in another order)
+    torch.manual_seed(0)
+    base = SmallMLP().double()
+    reference, corrected, masked = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+    cap = 2720 / (1 << 20)
+    d_ref, d_cor, d_mask = (_ddp(m, bucket_cap_mb=cap) for m in (reference, corrected, masked))
+    register(d_cor, dgc_state(density=1.0, momentum=0.9, factor_masking=False), dgc_hook)
+    mask_state = dgc_state(density=0.2, momentum=0.9, factor_masking=True, per_parameter=True)
+    register(d_mask, mask_state, dgc_hook)
+    g = torch.Generator().manual_seed(rank)
+    opts = [torch.optim.SGD(d_ref.parameters(), lr=0.1, momentum=0.9),
+            torch.optim.SGD(d_cor.parameters(), lr=0.1), torch.optim.SGD(d_mask.parameters(), lr=0.1)]
+    for _ in range(4):
+        xb = torch.randn(4, 8, generator=g, dtype=torch.float64)
+        yb = torch.randn(4, 4, generator=g, dtype=torch.float64)
+        for m, opt in zip((d_ref, d_cor, d_mask), opts):
             opt.zero_grad()
-            F.mse_loss(m(x), y).backward()
+            F.mse_loss(m(xb), yb).backward()
             opt.step()
-    return dict(vs_dense=max((a - b).abs().max().item() for a, b in zip(dense.parameters(), full.parameters())))
+    out["momentum_sgd_gap"] = _largest_gap(reference, corrected)
+    # masking: wherever this rank's residual was just sent (zero), its velocity is zero too
+    velocity = torch.cat([mask_state.velocities.of(q).reshape(-1) for q in masked.parameters()])
+    residual = torch.cat([mask_state.residuals.of(q).reshape(-1) for q in masked.parameters()])
+    out["masked"] = bool((velocity[residual == 0] == 0).all()) and bool(velocity.any())
+    out["steps"] = mask_state.step
+    return out
 
 
 # ---- the world --------------------------------------------------------------------------
@@ -436,17 +454,13 @@ def _run_checks(impl: str, names: list[str]) -> dict:
     return workers.run_named_checks(CHECKS, impl, names)
 
 
-# Which checks run in which world: the contract everywhere; bytes, DDP where they say most.
+# Which checks run in which world (the contract itself is the task table's: collectives/course/tasks).
 PLAN = {
-    1: ["selection", "allgather_direct", "contract_allgather", "contract_every_variant",
-        "everything_kept_is_all_reduce", "counts_ties_and_nonfinite"],
-    2: ["allgather_direct", "contract_allgather", "contract_every_variant", "contract_in_a_subgroup",
-        "counts_ties_and_nonfinite", "bytes_on_the_wire", "ddp_hook", "sparse_reducer", "average",
-        "refuses_bad_input"],
-    3: ["contract_allgather", "contract_every_variant", "contract_in_a_subgroup",
-        "everything_kept_is_all_reduce", "bytes_on_the_wire"],
-    4: ["allgather_direct", "contract_allgather", "contract_every_variant", "contract_in_a_subgroup",
-        "everything_kept_is_all_reduce", "counts_ties_and_nonfinite", "bytes_on_the_wire", "average"],
+    1: ["residuals_follow_their_parameters"],
+    2: ["bytes_on_the_wire", "sparse_reducer", "outside_the_group_is_a_no_op", "split_with_sizes_that_differ_raises",
+        "int_min_is_the_largest_magnitude", "async_returns_while_the_pairs_travel",
+        "hook_reduces_over_the_state_group", "dgc_corrections"],
+    3: ["bytes_on_the_wire", "split_with_balanced_pieces"],
 }
 
 
@@ -487,28 +501,43 @@ def _ok(per_rank: list, name: str) -> list:
 
 # ---- the tests ----------------------------------------------------------------------------
 
-@pytest.mark.task(lesson=8, task=1, points=4, title="selection: threshold and top-k")
-def test_top_k_picks_the_true_largest_magnitudes_where_singas_integer_comparator_ties(worlds):
-    res = _ok(worlds(1), "selection")[0]
-    truth = res["truth"]
-    for method in ("topk", "sort", "kthvalue", "reuse"):
-        r = res[method]
-        assert r["picks"][0] == truth, f"{method}: not the 10 largest |g| (all |g| < 1)"
-        assert all(len(pick) == 10 for pick in r["picks"]), f"{method}: must return exactly k"
-        assert r["picks"][2] == r["picks"][0], f"{method}: the same largest after a uniform rescale"
-        assert r["ties"] in ([0, 2, 3], [0, 2, 4], [0, 3, 4]), \
-            f"{method}: k=3 of |3|,|-1|,|2|,|-2|,|2|,|0.5|: 3 and two of the 2s, got {r['ties']}"
-        assert r["nan"] == [1, 3], f"{method}: NaN and inf are the largest magnitudes, got {r['nan']}"
-        assert r["k0"] == 0 and r["kn"] == list(range(7))
-    # the integer comparator sees every |g| < 1 as 0: its "top 10" are the first 10 indices
-    assert res["singa"] == list(range(10)) and res["singa"] != truth
+def test_singas_integer_comparator_ties_every_gradient_below_one():
+    """SINGA ranks int(|g|): gradients below 1 all tie at 0, and its "top 10" are the first
+    10 indices; the course's selection ranks the magnitudes themselves."""
+    from collectives.sparse import topk_indices, truncated_magnitude_topk
+    small = torch.rand(1000, generator=torch.Generator().manual_seed(3)) * 2 - 1
+    truth = sorted(torch.topk(small.abs(), 10).indices.tolist())
+    assert sorted(truncated_magnitude_topk(small, 10).tolist()) == list(range(10)) != truth
+    assert sorted(topk_indices(small, 10, "topk").tolist()) == truth
 
 
-@pytest.mark.task(lesson=8, task=1, points=4, title="selection: threshold and top-k")
-def test_threshold_keeps_ties_and_nan(worlds):
-    res = _ok(worlds(1), "selection")[0]
-    assert res["threshold"] == [1, 2, 4, 5], "|x| >= 2 keeps -2, 2, NaN and -inf (not 1.999)"
-    assert res["threshold_zero"] == list(range(7)), "threshold 0 keeps everything, 0 and NaN included"
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int32, torch.int64])
+def test_int_min_is_the_largest_magnitude_for_every_selection(impl, dtype):
+    """|INT_MIN| overflows its own dtype (torch.abs(int32 -2^31) is -2^31): it must still rank
+    above every other magnitude, with every selection, and pass every threshold up to 2^(b-1)."""
+    topk_indices, threshold_indices = resolve(impl + ":topk_indices"), resolve(impl + ":threshold_indices")
+    low = torch.iinfo(dtype).min
+    x = torch.tensor([3, low, -7, torch.iinfo(dtype).max, 0], dtype=dtype)
+    for selection in ("topk", "sort", "kthvalue", "reuse", "sample", "auto"):
+        assert topk_indices(x, 1, selection, {}).tolist() == [1], f"{selection}: INT_MIN is the largest |x|"
+        assert sorted(topk_indices(x, 2, selection, {}).tolist()) == [1, 3], selection
+    assert threshold_indices(x, float(-low)).tolist() == [1], "|INT_MIN| = 2^(b-1) reaches 2^(b-1)"
+    assert threshold_indices(x, 7.0).tolist() == [1, 2, 3]
+
+
+def test_threshold_is_compared_exactly_in_the_tensors_dtype(impl):
+    """The threshold is not rounded to the tensor's dtype first (200.3 is 200 in bfloat16), and
+    integers are compared as integers, not in float32 (where 2^24 + 1 is 2^24)."""
+    threshold_indices = resolve(impl + ":threshold_indices")
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = torch.tensor([200.0, -200.0, 201.0, -float("inf")], dtype=dtype)
+        assert threshold_indices(x, 200.3).tolist() == [2, 3], f"{dtype}: |200| < 200.3"
+        assert threshold_indices(x, 200.0).tolist() == [0, 1, 2, 3], f"{dtype}: |200| >= 200"
+    big = torch.tensor([2**24 + 1, -(2**24 + 1), 2**24, 5], dtype=torch.int32)
+    assert threshold_indices(big, 2**24 + 0.5).tolist() == [0, 1], "int32 compared as int32"
+    huge = torch.tensor([2**62 + 1, 2**62, -(2**62 + 1)], dtype=torch.int64)
+    assert threshold_indices(huge, float(2**62)).tolist() == [0, 1, 2]
+    assert threshold_indices(huge, float(2**62) * (1 + 2**-52)).tolist() == []
 
 
 def test_sampled_threshold_selection_is_the_exact_top_k():
@@ -558,66 +587,29 @@ def test_the_chunked_filter_finds_what_the_one_line_filter_finds():
     assert "threshold" in state
 
 
-@pytest.mark.parametrize("p", [1, 2, 4])
-@pytest.mark.task(lesson=8, task=2, points=5, title="all-gather of (index, value) pairs")
-def test_allgather_sums_every_ranks_pairs_with_counts_differing_or_zero(worlds, p):
-    for rank, problems in enumerate(_ok(worlds(p), "allgather_direct")):
-        assert not problems, f"rank {rank}:\n" + "\n".join(problems[:6])
+def test_a_rank_outside_the_group_touches_nothing(worlds):
+    for rank, problems in enumerate(_ok(worlds(2), "outside_the_group_is_a_no_op")):
+        assert not problems, f"rank {rank}: {problems}"
 
 
-@pytest.mark.parametrize("p", [1, 2, 3, 4])
-@pytest.mark.task(lesson=8, task=3, points=5, title="sparse_all_reduce: the contract")
-def test_allgather_variant_is_all_reduce_of_what_each_rank_sent(worlds, p):
-    for rank, problems in enumerate(_ok(worlds(p), "contract_allgather")):
-        assert not problems, f"rank {rank}:\n" + "\n".join(problems[:6])
+def test_int_min_is_sent_and_the_small_value_waits(worlds):
+    for rank, problems in enumerate(_ok(worlds(2), "int_min_is_the_largest_magnitude")):
+        assert not problems, f"rank {rank}: {problems}"
 
 
-@pytest.mark.parametrize("p", [1, 3, 4])
-@pytest.mark.task(lesson=8, task=3, points=5, title="sparse_all_reduce: the contract")
-def test_everything_kept_is_exactly_dist_all_reduce(worlds, p):
-    for rank, res in enumerate(_ok(worlds(p), "everything_kept_is_all_reduce")):
-        for mode, problems in res.items():
-            assert not problems, f"rank {rank}, {mode}:\n" + "\n".join(problems[:6])
+def test_split_with_ok_topk_balanced_pieces_is_the_same_sum(worlds):
+    for rank, problems in enumerate(_ok(worlds(3), "split_with_balanced_pieces")):
+        assert not problems, f"rank {rank}: {problems}"
 
 
-@pytest.mark.parametrize("p", [1, 2, 4])
-@pytest.mark.task(lesson=8, task=3, points=5, title="sparse_all_reduce: the contract")
-def test_counts_differ_zero_on_some_and_all_ties_and_nan(worlds, p):
-    for rank, res in enumerate(_ok(worlds(p), "counts_ties_and_nonfinite")):
-        for name, (problem, identity) in res.items():
-            assert problem is None, f"rank {rank}, {name}: {problem}"
-            assert identity, f"rank {rank}, {name}: tensor_in + residual_in != sent + residual_out"
+def test_split_refuses_ranks_whose_sizes_differ_on_every_rank(worlds):
+    for rank, message in enumerate(_ok(worlds(2), "split_with_sizes_that_differ_raises")):
+        assert "different sizes" in message and "241" in message and "242" in message, f"rank {rank}: {message}"
 
 
-@pytest.mark.parametrize("p", [2, 4])
-@pytest.mark.task(lesson=8, task=3, points=5, title="sparse_all_reduce: the contract")
-def test_average_and_bad_input(worlds, p):
-    for rank, problems in enumerate(_ok(worlds(p), "average")):
-        assert problems == [None] * 3, f"rank {rank}: {problems}"
-    if p == 2:
-        res = _ok(worlds(2), "refuses_bad_input")[0]
-        assert res["2^31 elements"].startswith("ValueError") and "2^31" in res["2^31 elements"]
-        for name in ("MAX", "both modes", "residual shape"):
-            assert res[name].startswith("ValueError"), f"{name}: {res[name]}"
-
-
-@pytest.mark.parametrize("p", [1, 2, 3, 4])
-@pytest.mark.task(lesson=8, task=4, points=6, title="split: sparse reduce-scatter, densify")
-def test_split_and_dense_variants_are_all_reduce_of_what_each_rank_sent(worlds, p):
-    for rank, problems in enumerate(_ok(worlds(p), "contract_every_variant")):
-        assert not problems, f"rank {rank}:\n" + "\n".join(problems[:6])
-
-
-@pytest.mark.parametrize("p", [2, 3, 4])
-@pytest.mark.task(lesson=8, task=4, points=6, title="split: sparse reduce-scatter, densify")
-def test_every_variant_in_a_subgroup(worlds, p):
-    for rank, problems in enumerate(_ok(worlds(p), "contract_in_a_subgroup")):
-        assert not problems, f"rank {rank}:\n" + "\n".join(problems[:6])
-
-
-@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("p", [2, 3])
 def test_trace_bytes_match_the_cost_model(worlds, p):
-    """The bytes each rank hands to each collective, against collectives.cost.sparse_cost."""
+    """The bytes each rank hands to each collective, against collectives.sparse.cost.sparse_cost."""
     for rank, res in enumerate(_ok(worlds(p), "bytes_on_the_wire")):
         for (dtype, variant, mode), r in res.items():
             e, kept, counts, ev = r["e"], r["kept"], r["counts"], r["events"]
@@ -639,34 +631,128 @@ def test_trace_bytes_match_the_cost_model(worlds, p):
                 union, longest = max(pieces["union"]), pieces["longest"]
                 dense = union * pair >= longest * e
                 gather = longest * e if dense else union * pair
-                # Pairs go to their owners (one all-to-all, or a message each); the reduced
-                # pieces come back by an all-gather (of pairs; of dense pieces once they fill,
-                # which a ring all-gather in place sends as p-1 chunks, one element shorter
-                # each where p does not divide n). Small count exchanges come on top.
+                # Pairs go to their owners (a message each); the reduced pieces come back by an
+                # all-gather (of pairs; of dense pieces once they fill, which a ring all-gather in
+                # place sends as p-1 chunks, one element shorter each where p does not divide n).
+                # Small exchanges come on top: (count, n) to each peer, then one count gathered,
+                # and threshold mode's count.
                 sent = sum(event_bytes(x["kind"], x["nbytes"], p) for x in ev)
+                small = p * cost.SPLIT_HEADER_BYTES + (p - 1) * 8 + ((p - 1) * 8 if threshold else 0)
                 least = sum(to_others) * pair + (p - 1) * (gather - (e if dense else 0))
-                most = sum(to_others) * pair + (p - 1) * gather + 2 * 8 * p + (8 * p if threshold else 0)
+                most = sum(to_others) * pair + (p - 1) * gather + small
                 assert least <= sent <= most, f"{where}: {sent} bytes on the wire, expected {least}..{most}"
                 assert sum(to_others) <= kept, where
                 # the model's gather term, given the fullest piece, is what the trace saw
                 model = cost.sparse_cost("split", BYTES_N, width, p, e, union=union)
                 scatter = (p - 1) / p * width * pair
-                assert model.bytes_per_rank == pytest.approx(scatter + (p - 1) * gather + 2 * (p - 1) * 8), where
+                assert model.bytes_per_rank == pytest.approx(
+                    scatter + (p - 1) * gather + (p - 1) * (cost.SPLIT_HEADER_BYTES + 8)), where
 
 
-@pytest.mark.task(lesson=8, task=5, points=5, title="DDP communication hook")
-def test_ddp_hook_at_density_one_trains_exactly_like_dense_ddp(worlds):
-    for rank, res in enumerate(_ok(worlds(2), "ddp_hook")):
-        assert res["vs_dense"] == 0.0, f"rank {rank}: differs from dense DDP by {res['vs_dense']:.2e}"
-        assert res["sparse_moved"] > 0 and res["sparse_same_on_every_rank"], \
-            f"rank {rank}: at density 0.05 the replicas must move and stay identical"
-        assert sum(res["residual_sizes"]) == res["params"] and len(res["residual_sizes"]) == 2, \
-            f"rank {rank}: one residual per bucket (2 buckets), covering every parameter"
+def test_async_all_reduce_returns_with_the_pairs_in_flight(worlds):
+    for rank, res in enumerate(_ok(worlds(2), "async_returns_while_the_pairs_travel")):
+        assert res["result"] is None and res["residual"], f"rank {rank}: {res}"
+    assert _ok(worlds(2), "async_returns_while_the_pairs_travel")[0]["in_flight"], \
+        "rank 0 started before rank 1 joined: its future cannot be done at return"
+
+
+def test_residuals_follow_their_parameters_through_the_bucket_rebuild(worlds):
+    res = _ok(worlds(1), "residuals_follow_their_parameters")[0]
+    for reducer, r in res.items():
+        first, later = r["layouts"][0], r["layouts"][-1]
+        assert sorted(first) == sorted(later) and first != later, \
+            f"{reducer}: the rebuild must change the bucket's order here, got {first} then {later}"
+        for name, gap in r["gaps"].items():
+            assert gap < 1e-12, f"{reducer}, {name}: raw gradients != delivered + its residual (off by {gap:.2e})"
+    assert res["sparse_hook"]["layouts"][0] == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+    assert res["sparse_hook"]["layouts"][1] == ["fc2.bias", "fc2.weight", "fc1.bias", "fc1.weight"]
+
+
+def test_the_hook_reduces_over_the_group_its_state_carries(worlds):
+    for rank, res in enumerate(_ok(worlds(2), "hook_reduces_over_the_state_group")):
+        assert res["same"], f"rank {rank}: DDP on a group of one must train as if alone"
+        assert "process group" in res["refused"], f"rank {rank}: {res['refused']}"
 
 
 def test_lesson6_reducer_with_sparse_buckets_at_density_one_is_dense_ddp(worlds):
     for rank, res in enumerate(_ok(worlds(2), "sparse_reducer")):
         assert res["vs_dense"] <= 1e-12, f"rank {rank}: differs from torch DDP by {res['vs_dense']:.2e}"
+
+
+def test_dgc_selects_per_parameter_corrects_momentum_and_masks_it(worlds):
+    for rank, res in enumerate(_ok(worlds(2), "dgc_corrections")):
+        per = res["per_parameter"]
+        assert per["counts"] == [1, 10, 14] and per["kept"] == 25 and per["largest"], f"rank {rank}: {per}"
+        assert res["momentum_sgd_gap"] < 1e-12, f"rank {rank}: momentum correction at density 1 is momentum SGD"
+        assert res["masked"], f"rank {rank}: a sent entry's velocity must be zero"
+        assert res["steps"] == 4
+
+
+def test_dgc_density_warms_up_geometrically():
+    from collectives.sparse.dgc import DGCState
+    state = DGCState(density=0.01, warmup_steps=4, warmup_density=0.25)
+    seen = []
+    for step in range(6):
+        state.step = step
+        seen.append(state.density_now())
+    assert seen[0] == 0.25 and seen[4:] == [0.01, 0.01]
+    assert seen[2] == pytest.approx((0.25 * 0.01) ** 0.5)       # halfway: the geometric mean
+
+
+def check_mode_names_the_disagreement():
+    """Ranks that disagree on the transport, the density, the threshold or the selection."""
+    from collectives import ops
+    from collectives.sparse import sparse_all_reduce
+    rank = dist.get_rank()
+    out = {}
+    for name, mine in (("transport", dict(density=0.1, transport="split" if rank else "allgather")),
+                       ("density", dict(density=0.1 if rank else 0.2)),
+                       ("threshold", dict(threshold=1.0 if rank else 2.0)),
+                       ("selection", dict(density=0.1, selection="sort" if rank else "topk"))):
+        try:
+            sparse_all_reduce(torch.ones(N), **mine)
+            out[name] = "no error"
+        except ops.ArgumentMismatch as exc:
+            out[name] = str(exc)
+    return out
+
+
+def test_check_mode_names_ranks_that_disagree_on_transport_density_or_selection():
+    for rank, res in enumerate(launch.run(check_mode_names_the_disagreement, 2, check=True, timeout=60)):
+        for name, message in res.items():
+            assert name in message and "disagree" in message, f"rank {rank}, {name}: {message}"
+
+
+def test_auto_prices_the_processor_and_the_groups_own_link():
+    """On 1 Gbit/s with pairs that cost 50 ns each to pack and add, the all-gather at 25 % loses
+    to the dense ring (the wire alone says it ties); on NVLink-class links dense wins even at
+    1 %; on the slow link at 1 % the all-gather wins."""
+    nvlink = cost.AlphaBeta(alpha=10e-6, beta=1 / 150e9)
+    compute = cost.SparseCompute(scan=1e-9, pick=5e-9, pair=50e-9)
+    n, p = 16 << 20, 4
+    assert cost.choose_transport(n, 0.25 * n, p, cost.GIGABIT, compute=compute) == "dense"
+    assert cost.choose_transport(n, 0.01 * n, p, cost.GIGABIT, compute=compute) == "allgather"
+    assert cost.choose_transport(n, 0.01 * n, p, nvlink, compute=compute) == "dense"
+    assert cost.choose_transport(n, 0.25 * n, p, cost.GIGABIT) != "dense"      # the wire alone
+
+
+def auto_follows_the_profile():
+    from collectives.sparse import SparseProfile, measure_profile, sparse_all_reduce
+    compute = cost.SparseCompute(scan=1e-9, pick=5e-9, pair=50e-9)
+    slow, fast = SparseProfile(cost.GIGABIT, compute), SparseProfile(cost.AlphaBeta(10e-6, 1 / 150e9), compute)
+    x = torch.randn(1 << 16)                  # large enough that bytes, not α, decide
+    chosen = [sparse_all_reduce(x.clone(), density=d, transport="auto", profile=prof).transport
+              for d, prof in ((0.01, slow), (0.25, slow), (0.01, fast))]
+    measured = measure_profile()
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, measured)
+    return chosen, all(m == measured for m in every)
+
+
+def test_auto_uses_the_given_profile_and_ranks_measure_the_same_one():
+    for rank, (chosen, agreed) in enumerate(launch.run(auto_follows_the_profile, 2, timeout=60)):
+        assert chosen == ["allgather", "dense", "dense"], f"rank {rank}: {chosen}"
+        assert agreed, f"rank {rank}: a measured profile must be the same on every rank"
 
 
 def test_cost_model_crossovers():
@@ -678,14 +764,13 @@ def test_cost_model_crossovers():
         # 16-bit values: 6-byte pairs for 2 bytes of payload -> (2/3)/p
         assert abs(cost.sparse_crossover(n, p, link, value_bytes=2) - 2 / 3 / p) < 1e-3 / p
     # the split variant beats all-gather above about 1/p, and the dense ring below 1/2 (fp32)
-    assert cost.choose_sparse_variant(n, 0.01 * n, 4, link) == "allgather"
-    assert cost.choose_sparse_variant(n, 0.35 * n, 4, link) == "split"
-    assert cost.choose_sparse_variant(n, 0.8 * n, 4, link) == "dense"
-
+    assert cost.choose_transport(n, 0.01 * n, 4, link) == "allgather"
+    assert cost.choose_transport(n, 0.35 * n, 4, link) == "split"
+    assert cost.choose_transport(n, 0.8 * n, 4, link) == "dense"
 
 
 def test_processor_time_moves_the_crossover_down_by_what_it_costs():
-    """The processor's part of the model (collectives.cost.SparseCompute): with work per
+    """The processor's part of the model (collectives.sparse.cost.SparseCompute): with work per
     element and per pair, sparse stops paying at a lower density than the bytes alone say,
     and by as much as the arithmetic predicts."""
     link = cost.AlphaBeta(alpha=0.0, beta=1e-9)
@@ -704,18 +789,20 @@ def test_processor_time_moves_the_crossover_down_by_what_it_costs():
     dense = cost.sparse_cost("dense", n, n, p).seconds(link)
     assert cost.sparse_seconds("allgather", n, with_cpu * n, p, link, compute) == pytest.approx(dense, rel=1e-6)
     # "best": the faster of all-gather and split at each density; split carries it past 1/p
-    assert cost.sparse_crossover(n, p, link, variant="best") > cost.sparse_crossover(n, p, link)
+    assert cost.sparse_crossover(n, p, link, transport="best") > cost.sparse_crossover(n, p, link)
     # against a measured time instead of the dense model
     assert cost.sparse_crossover(n, p, link, against_seconds=dense / 2) < wire_only
 
 # ---- convergence: what error feedback buys, on real data ------------------------------------
 
-# Measured with these settings (4 ranks, seeds fixed, 25 epochs of plain SGD, lr 0.5, 64
-# examples per rank per step -- dense has converged): mean test accuracy of the last three
-# epochs, dense 0.960, top-k 1 % with error feedback 0.958, without 0.857. The assertions
-# keep the measured gaps with margins: within 1 point with feedback, at least 5 points
-# worse without.
-CONVERGENCE = dict(epochs=25, lr=0.5, batch=64, seed=0)
+# Measured with these settings (4 ranks, seed 0, the lab's MLP, 12 epochs of plain SGD at lr
+# 0.5, 64 examples per rank per step, an evaluation after every step): the mean test accuracy
+# of the last epoch's evaluations, dense 0.918, top-k 1 % with error feedback 0.917, without
+# it 0.665. The assertions keep the measured gaps with margins: within 1.5 points with
+# feedback, at least 10 points worse without. (Five seeds, both models and every run of the
+# lab are bench-sparse-train's, not a test's.)
+CONVERGENCE = dict(model="mlp", optimizer="sgd", momentum=0.0, lr=0.5, batch=64, epochs=12, evals_per_epoch=5,
+                   seed=0)
 
 
 def test_top_k_with_error_feedback_converges_like_dense_and_without_it_does_not():
@@ -723,11 +810,11 @@ def test_top_k_with_error_feedback_converges_like_dense_and_without_it_does_not(
     from collectives.sparse import lab
     res = lab.compare(runs=("dense", "topk_ef", "topk_no_ef"), **CONVERGENCE)
     dense, ef, no_ef = (res[r]["final"] for r in ("dense", "topk_ef", "topk_no_ef"))
-    assert dense >= 0.94, f"dense should converge on load_digits: {dense:.3f}"
-    assert ef >= dense - 0.01, f"top-k 1% with error feedback {ef:.3f} vs dense {dense:.3f}"
-    assert no_ef <= dense - 0.05, f"top-k 1% without error feedback {no_ef:.3f} vs dense {dense:.3f}"
-    # bytes the hook hands to collectives per step: one all-gather of k = 49 pairs of 8 bytes
-    assert res["topk_ef"]["bytes_per_step"] == 49 * 8 and res["dense"]["params"] == 4810
+    assert dense >= 0.9, f"dense should learn load_digits: {dense:.3f}"
+    assert ef >= dense - 0.015, f"top-k 1% with error feedback {ef:.3f} vs dense {dense:.3f}"
+    assert no_ef <= dense - 0.10, f"top-k 1% without error feedback {no_ef:.3f} vs dense {dense:.3f}"
+    # bytes on the wire per step and rank: its k = 49 pairs of 8 bytes, passed on 3 times by a ring all-gather
+    assert res["topk_ef"]["bytes_per_step"] == 3 * 49 * 8 and res["dense"]["params"] == 4810
 
 
 # ---- GPUs (NCCL): the same contract on device tensors -----------------------------------------
@@ -745,12 +832,12 @@ def _gpu_rank(impl):
     rank, p = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device())
     problems = []
-    for variant in VARIANTS:
+    for variant in TRANSPORTS:
         for mode in MODES:
             for dtype in (torch.float32, torch.float16, torch.bfloat16):
                 x_in, r_in = _with_residual(rank, dtype)
                 t, r = x_in.to(device), r_in.to(device)
-                sparse_all_reduce(t, r, method=variant, **mode)
+                sparse_all_reduce(t, r, transport=variant, **mode)
                 x = x_in + r_in
                 sent = _expected_sent(x, mode)
                 expected = sent.to(device)
@@ -762,3 +849,114 @@ def _gpu_rank(impl):
                 if not torch.equal(sent.to(device) + r, x.to(device)):
                     problems.append(f"{variant} {_mode_name(mode)} {dtype}: residual identity")
     return problems
+
+
+# ---- bench-sparse-train's arithmetic (no world: a record made up here) -----------------------------
+
+def test_time_to_accuracy_targets_and_the_winner_from_a_record():
+    """The target is dense's final accuracy (mean of seeds) less one point; time to accuracy is
+    the training time at the first evaluation that reaches it, averaged over the seeds that
+    do; the winner is the fastest run every seed of which reaches it."""
+    from collectives.course import sparse_train_bench as stb
+
+    def run(name, seed, curve, steps=30):
+        return dict(run=name, model="wide", optimizer="sgd", seed=seed, curve=curve, steps=steps,
+                    seconds=curve[-1][1], final=curve[-1][2], bytes_per_step=1000.0, complete=True)
+    runs = [run("dense", 0, [(10, 1.0, 0.80), (20, 2.0, 0.95), (30, 3.0, 0.97)]),
+            run("dense", 1, [(10, 1.2, 0.85), (20, 2.4, 0.96), (30, 3.6, 0.95)]),
+            run("bf16", 0, [(10, 0.6, 0.80), (20, 1.2, 0.955), (30, 1.8, 0.97)]),
+            run("bf16", 1, [(10, 0.6, 0.96), (20, 1.2, 0.96), (30, 1.8, 0.96)]),
+            run("dgc", 0, [(10, 0.2, 0.70), (20, 0.4, 0.90), (30, 0.6, 0.951)]),
+            run("dgc", 1, [(10, 0.2, 0.70), (20, 0.4, 0.96), (30, 0.6, 0.96)]),
+            run("topk_ef", 0, [(10, 0.1, 0.96), (20, 0.2, 0.97), (30, 0.3, 0.97)]),
+            run("topk_ef", 1, [(10, 0.1, 0.70), (20, 0.2, 0.80), (30, 0.3, 0.90)])]
+    targets = stb.targets_from(runs)
+    assert targets["wide/sgd"] == pytest.approx((0.97 + 0.95) / 2 - 0.01)          # 0.95
+    assert stb.time_to(runs[0]["curve"], 0.95) == 2.0 and stb.time_to(runs[7]["curve"], 0.95) is None
+    rows = stb.summarize(runs, targets)["wide/sgd"]["runs"]
+    assert rows["dense"]["time_mean"] == pytest.approx(2.2) and rows["dense"]["vs_dense"] == pytest.approx(1.0)
+    assert rows["bf16"]["time_mean"] == pytest.approx(0.9) and rows["dgc"]["time_mean"] == pytest.approx(0.5)
+    assert rows["topk_ef"]["reached"] == 1 and "vs_dense" not in rows["topk_ef"]      # one seed never gets there
+    assert rows["dgc"]["final_mean"] == pytest.approx(0.9555)
+    w = stb.winner(stb.summarize(runs, targets))
+    assert w["fastest"] == "dgc" and w["best_sparse"] == "dgc"
+    assert w["best_sparse_vs_dense"] == pytest.approx(0.5 / 2.2)
+    assert w["best_sparse_vs_bf16"] == pytest.approx(0.5 / 0.9)
+    record = dict(command="python -m collectives bench-sparse-train", device="a CPU", torch="2.x", date="today",
+                  settings=dict(stb.SETTINGS, seeds=2), links={"1gbit": dict(runs=runs)}, targets=targets,
+                  summary={"1gbit": stb.summarize(runs, targets)}, winner={"1gbit": w})
+    text = stb.snippet(record)
+    assert "Fastest to the target at 1gbit (wide, sgd): **dgc**" in text and "0.23× dense's time" in text
+    assert "| topk_ef | 0.10 ± 0.00 s | 1 of 2 | -- |" in text
+
+
+def test_the_exercise_names_its_arguments_and_defaults_as_the_reference_does():
+    """``transport`` and ``selection`` mean one thing each, with the same defaults, in the
+    stubs and in the reference (and so on the page and in the lab, which call them)."""
+    import dataclasses
+    import inspect
+
+    from collectives.course.impl import load_module
+    reference = load_module("collectives.sparse")
+    exercise = load_module("lessons/08_sparse/exercise.py")
+    for name in ("threshold_indices", "topk_indices", "pack_pairs", "allgather_sum_", "sparse_all_reduce",
+                 "sparse_all_reduce_async", "split_sum_", "sparse_hook", "sparse_hook_async",
+                 "register_sparse_hook", "topk_per_segment", "dgc_hook", "keep_count", "unpack_pairs"):
+        ours, theirs = inspect.signature(getattr(exercise, name)), inspect.signature(getattr(reference, name))
+        def default(value):             # a function default (the hook) compared by its name
+            return getattr(value, "__name__", value) if callable(value) else value
+        mine = {k: default(p.default) for k, p in ours.parameters.items()}
+        ref = {k: default(p.default) for k, p in theirs.parameters.items()}
+        extra = {k for k in ref if k not in mine}
+        assert extra <= {"bounds"}, f"{name}: the exercise lacks {extra}"
+        assert {k: v for k, v in ref.items() if k in mine} == {k: v for k, v in mine.items() if k in ref}, name
+    for cls in ("SparseHookState", "DGCState"):
+        fields = [(f.name, f.default) for f in dataclasses.fields(getattr(exercise, cls))]
+        assert fields == [(f.name, f.default) for f in dataclasses.fields(getattr(reference, cls))], cls
+    assert inspect.signature(reference.sparse_all_reduce).parameters["transport"].default == "allgather"
+    assert inspect.signature(reference.sparse_all_reduce).parameters["selection"].default == "auto"
+
+
+def test_the_labs_switch_runs_the_exercises_hooks_and_names_an_unwritten_task():
+    """With IMPL = "exercise" the lab trains with the exercise's hooks (``hooks=``), and a cell
+    that needs a stub stops naming its task (``Lab.target``) instead of running the reference."""
+    from types import SimpleNamespace
+
+    from collectives.course.impl import Lab, TaskNotWritten
+    from collectives.sparse import lab
+
+    class Mine:
+        def __init__(self, **kwargs):
+            self.kwargs = kwargs
+
+    def my_hook(state, bucket):
+        raise AssertionError("not called here")
+    state, hook, _ = lab.hook_for("topk_ef", hooks=SimpleNamespace(SparseHookState=Mine, sparse_hook_async=my_hook))
+    assert isinstance(state, Mine) and hook is my_hook and state.kwargs["error_feedback"]
+    state, hook, momentum = lab.hook_for("dgc", hooks=SimpleNamespace(DGCState=Mine, dgc_hook=my_hook))
+    assert isinstance(state, Mine) and hook is my_hook and momentum == 0.0
+    exercise = Lab(8, "exercise")                      # the pristine stubs
+    for name, task in (("sparse_hook_async", 5), ("split_sum_", 4)):
+        with pytest.raises(TaskNotWritten, match=f"{name} is not written yet .Lesson 8, task {task}"):
+            exercise.target(name)
+    assert exercise.target("unpack_pairs").endswith(":unpack_pairs")      # given: the reference's
+
+
+def _train_to_targets():
+    from collectives.sparse import lab
+    data = lab.load_digits_split(0)
+    common = dict(run="dense", model="mlp", epochs=1, batch=64, evals_per_epoch=2, data=data)
+    return dict(unreached=lab.train(target=2.0, max_epochs=2, **common),
+                stopped=lab.train(target=0.0, stop_at_target=True, max_epochs=2, **common),
+                plain=lab.train(**common))
+
+
+def test_a_time_to_accuracy_run_trains_past_its_epochs_and_stops_at_its_target():
+    """bench-sparse-train's runs: one that has not reached its target when its epochs are over
+    trains on, up to ``max_epochs`` (its final accuracy still epoch ``epochs``'s); with
+    ``stop_at_target`` it stops at the first evaluation that reaches it (no final accuracy)."""
+    pytest.importorskip("sklearn", reason="the lab extra: pip install -e '.[lab]' (make test installs it)")
+    res = launch.run(_train_to_targets, 1, timeout=120)[0]
+    plain, unreached, stopped = res["plain"], res["unreached"], res["stopped"]
+    assert unreached["steps"] == 2 * plain["steps"] and unreached["final"] == plain["final"] is not None
+    assert stopped["steps"] == plain["steps_per_epoch"] // 2 and stopped["final"] is None

@@ -131,8 +131,8 @@ def test_the_sparse_benchmark_model_adds_the_measured_processor_time_to_the_wire
     wire's alone, where the model's best sparse time meets the dense ring's."""
     import pytest
 
-    from collectives import cost
     from collectives.course import sparse_bench as sb
+    from collectives.sparse import cost
 
     n, p = 16 << 20, 4
     result = dict(n=n, p=p, alpha=100e-6, compute=dict(scan=0.3e-9, pair=8e-9),
@@ -148,7 +148,7 @@ def test_the_sparse_benchmark_model_adds_the_measured_processor_time_to_the_wire
     processor = 0.3e-9 * n + 0.16 + 8e-9 * (k + p * k)                      # scan + selection + pairs
     assert sb.model_seconds(result, link, 0.1, "allgather") == pytest.approx(wire + processor)
     wire_only, with_cpu = sb.model_crossover(result, link), sb.model_crossover(result, link, True)
-    assert wire_only == pytest.approx(cost.sparse_crossover(n, p, link, variant="best"))
+    assert wire_only == pytest.approx(cost.sparse_crossover(n, p, link, transport="best"))
     assert with_cpu is not None and 0.01 < with_cpu < wire_only
     dense = cost.sparse_cost("dense", n, n, p).seconds(link)
     assert sb.model_seconds(result, link, with_cpu) == pytest.approx(dense, rel=1e-6)

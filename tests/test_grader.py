@@ -164,6 +164,10 @@ CHEAT_TARGETS = {
     "lesson06_paused_flat_with_decoys": (6, (2, 3), 1),
     "lesson06_replaced_test_helpers": (6, (3, 4), 1),
     "lesson06_lazy_launches_forged_times": (6, (2, 3), 1),
+    "lesson08_dense_masked_all_reduce": (8, (2, 3, 4), 1),
+    "lesson08_paused_flat_with_decoys": (8, (2, 3, 5), 1),
+    "lesson08_replaced_verdict_and_test_helpers": (8, (2, 3), 1),
+    "lesson08_dense_hook": (8, (5,), 1),
 }
 
 

@@ -8,6 +8,7 @@
   bench-ddp    the bucketed reducer against torch DDP
   bench-hier   hierarchical all-reduce against the flat ring on the simulated cluster
   bench-sparse lesson 8: selection, sparse variants against dist.all_reduce, density sweep (--cluster)
+  bench-sparse-train  lesson 8 in training: time to accuracy on the simulated cluster, against bf16 and PowerSGD
   bench-cluster  the two tiers of a simulated cluster fitted, the flat ring predicted and measured
   bench-recorder lesson 9: what the flight recorder costs per call, off and on (and torch's DETAIL)
   diagnose     lesson 9: read every rank's flight recorder dump and name the culprit: diagnose DIR
@@ -30,6 +31,7 @@ COMMANDS = {
     "bench-ddp": "collectives.course.bucketing_bench:main",
     "bench-hier": "collectives.course.hierarchical_bench:main",
     "bench-sparse": "collectives.course.sparse_bench:main",
+    "bench-sparse-train": "collectives.course.sparse_train_bench:main",
     "bench-cluster": "collectives.course.cluster_bench:main",
     "bench-recorder": "collectives.course.debugging_bench:main",
     "diagnose": "collectives.course.diagnose_cli:main",

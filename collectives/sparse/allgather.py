@@ -93,9 +93,44 @@ def allgather_sum_(out: torch.Tensor, indices: torch.Tensor, values: torch.Tenso
     gathered = torch.empty(p * send.numel(), dtype=torch.uint8, device=out.device)
     with trace.label("sparse: all-gather pairs"):
         dist.all_gather(list(gathered.chunk(p)), send, group=group)
-    per_rank = gathered.view(p, send.numel())
-    for src in range(p):
+    return add_gathered_(out, gathered, width, counts)
+
+
+def add_gathered_(out: torch.Tensor, gathered: torch.Tensor, width: int,
+                  counts: list[int] | None = None) -> torch.Tensor:
+    """Add every rank's packed pairs (the all-gather's output: p buffers of ``width`` pairs)
+    into ``out``, rank 0 first; padding is never added."""
+    pair_bytes = torch.empty((), dtype=INDEX_DTYPE).element_size() + out.element_size()
+    per_rank = gathered.view(-1, width * pair_bytes)      # one row per rank
+    for src in range(per_rank.shape[0]):
         idx, val = unpack_pairs(per_rank[src], width, out.dtype)
         used = width if counts is None else counts[src]
-        out.index_add_(0, idx[:used], val[:used])   # padding is never added
+        out.index_add_(0, idx[:used], val[:used])
     return out
+
+
+# ---- the second step: the all-gather left in flight ------------------------------------------
+#
+# In training the all-reduce of one bucket can run while backward computes the gradients of
+# the next (lesson 6). The plain version above waits for its all-gather; this one starts it
+# (``async_op=True``) and returns a future that adds the pairs once they have arrived -- a
+# callback chained with ``.then``, as torch's PowerSGD hook chains its steps. Same packing,
+# same sums in the same order: the result is bit for bit the plain version's.
+
+def allgather_sum_async(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, *,
+                        counts: list[int] | None = None, group=None) -> torch.futures.Future:
+    """:func:`allgather_sum_` with the all-gather in flight: returns a future of ``out``,
+    complete once every rank's pairs have been added into it. ``out`` must not be read
+    before then; it is zeroed at once."""
+    p = dist.get_world_size(group)
+    width = indices.numel() if counts is None else max(counts)
+    out.zero_()
+    if width == 0:
+        done = torch.futures.Future()
+        done.set_result(out)
+        return done
+    send = pack_pairs(indices, values, width)
+    gathered = torch.empty(p * send.numel(), dtype=torch.uint8, device=out.device)
+    with trace.label("sparse: all-gather pairs"):
+        work = dist.all_gather(list(gathered.chunk(p)), send, group=group, async_op=True)
+    return work.get_future().then(lambda _: add_gathered_(out, gathered, width, counts))

@@ -2,7 +2,7 @@
 
 Selection is half of a sparse all-reduce's time on a fast link: the wire carries 1 % of
 the bytes, but the selection still reads 100 % of the tensor, and top-k reads it more
-than once. Four ways to find the k largest magnitudes, each returning *exactly* k
+than once. Five ways to find the k largest magnitudes, each returning *exactly* k
 indices (ties broken arbitrarily, never by dropping a larger magnitude for a smaller):
 
 =============  ==========================================================================
@@ -23,6 +23,13 @@ as larger than any finite value, so a NaN or inf in the input is always sent and
 every rank, as it would through a dense all-reduce -- unless more than k of them crowd
 out each other, when the residual keeps the rest.
 
+Magnitudes are compared exactly, in every dtype. Two traps: ``|INT_MIN|`` does not fit its
+own integer type (``torch.abs`` of int32 −2^31 is −2^31, the *smallest* value), so integers
+are ranked by ``|x| − 1``, computed without overflow (:func:`magnitude`); and a threshold
+given as a Python float is rounded to the tensor's dtype when torch compares them (200.3
+becomes 200 in bfloat16, and 200 then passes), so the threshold is first moved *up* to the
+dtype's next representable value (:func:`threshold_in`), after which the comparison is exact.
+
 SINGA's top-k (``sparsabs`` with a magnitude comparator on integers) ranks ``|g|`` cast to
 an integer, so every gradient below 1 in magnitude ties at 0 and the "top" k are simply
 the first k indices: :func:`truncated_magnitude_topk` reproduces that, for the lesson to
@@ -31,20 +38,55 @@ show the difference.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
 import torch
 
-METHODS = ("topk", "sort", "kthvalue", "reuse", "sample")
+SELECTIONS = ("topk", "sort", "kthvalue", "reuse", "sample")   # the values of ``selection=`` besides "auto"
 SAMPLE = 1 << 16                  # elements ``sample`` looks at to estimate the threshold
 INDEX_DTYPE = torch.int32         # what travels: 4 bytes per index
 MAX_NUMEL = 2**31 - 1             # the largest tensor int32 indices can address
 
 
 def magnitude(x: torch.Tensor) -> torch.Tensor:
-    """``|x|``, with NaN kept as NaN: sorting and top-k rank NaN above +inf."""
-    return x.abs()
+    """A tensor that orders like ``|x|``: ``|x|`` for floating types (NaN kept: sorting and top-k
+    rank it above +inf); for signed integers ``|x| − 1``, computed as ``~(−|x|)`` with
+    ``−|x| = where(x > 0, −x, x)``, which never overflows (``|x|`` itself does at INT_MIN);
+    unsigned integers are their own magnitude."""
+    if x.is_floating_point():
+        return x.abs()
+    if not x.dtype.is_signed:
+        return x
+    return torch.bitwise_not(torch.where(x > 0, -x, x))
+
+
+def threshold_in(threshold: float, dtype: torch.dtype) -> float | int:
+    """What :func:`magnitude` of a ``dtype`` tensor is compared with so that ``|x| ≥ threshold``
+    holds exactly: the smallest value of the dtype at or above ``threshold`` for floating types
+    (a Python float is a double: torch would round it to the dtype, possibly down); for
+    integers, ``⌈threshold⌉ − 1`` on the ``|x| − 1`` scale of :func:`magnitude` (``⌈threshold⌉``
+    for unsigned ones). ``threshold`` is ≥ 0."""
+    if dtype.is_floating_point:
+        if dtype == torch.float64:
+            return threshold
+        c = torch.tensor(threshold, dtype=torch.float64).to(dtype)
+        if float(c) < threshold:                          # rounded down: one step up
+            c = torch.nextafter(c, torch.tensor(float("inf"), dtype=dtype))
+        return float(c)
+    if math.isinf(threshold):
+        return math.inf                                   # no integer reaches it
+    whole = math.ceil(threshold)
+    return whole - 1 if dtype.is_signed else whole
+
+
+def _below(magnitudes: torch.Tensor, bound: float | int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``magnitudes < bound`` (NaN: False), with a bound beyond the dtype's range handled here
+    rather than by torch's scalar conversion."""
+    if not magnitudes.is_floating_point() and bound > torch.iinfo(magnitudes.dtype).max:
+        return torch.ones(magnitudes.shape, dtype=torch.bool, out=out) if out is None else out.fill_(True)
+    return torch.lt(magnitudes, bound, out=out) if out is not None else torch.lt(magnitudes, bound)
 
 
 def keep_count(numel: int, density: float) -> int:
@@ -63,7 +105,10 @@ def threshold_indices(x: torch.Tensor, threshold: float) -> torch.Tensor:
     Written as ``not (|x| < threshold)`` so that NaN, for which every comparison is false,
     is kept. The count of a threshold is data-dependent: ``nonzero`` synchronises with the
     host on a GPU. It is the one synchronisation threshold mode needs anyway (every rank
-    must learn every rank's count). The work is done by :func:`at_least`."""
+    must learn every rank's count). The work is done by :func:`at_least`.
+
+    Exact in every dtype: ``threshold_indices(tensor([200.], dtype=bfloat16), 200.3)`` is
+    empty, and integers are compared as integers (:func:`threshold_in`)."""
     return at_least(x, threshold)
 
 
@@ -81,15 +126,16 @@ def at_least(x: torch.Tensor, threshold: float) -> torch.Tensor:
     ``docs/benchmarks.md``). Two small buffers, reused for every chunk, stay in the cache.
     """
     n = x.numel()
-    if x.is_cuda or n <= CHUNK:
-        return torch.nonzero(magnitude(x).lt(threshold).logical_not_()).view(-1)
+    bound = threshold_in(threshold, x.dtype)
+    if x.is_cuda or n <= CHUNK or not x.is_floating_point():
+        return torch.nonzero(_below(magnitude(x), bound).logical_not_()).view(-1)
     mag = torch.empty(CHUNK, dtype=x.dtype)
     below = torch.empty(CHUNK, dtype=torch.bool)
     found = []
     for lo in range(0, n, CHUNK):
         part = x[lo:lo + CHUNK]
         m, b = mag[:part.numel()], below[:part.numel()]
-        torch.lt(torch.abs(part, out=m), threshold, out=b)
+        _below(torch.abs(part, out=m), bound, out=b)
         hits = torch.nonzero(b.logical_not_()).view(-1)
         if hits.numel():
             found.append(hits.add_(lo))
@@ -101,21 +147,31 @@ def _sort_desc(mag: torch.Tensor) -> torch.Tensor:
     return torch.sort(mag, descending=True, stable=True).indices
 
 
-def topk_indices(x: torch.Tensor, k: int, method: str = "topk", state: dict | None = None) -> torch.Tensor:
+def validate_selection(selection: str, state: dict | None) -> None:
+    """Refuse an unknown ``selection``, and ``"reuse"`` without the ``state`` it keeps its
+    threshold in (it would silently be a plain top-k every call)."""
+    if selection != "auto" and selection not in SELECTIONS:
+        raise ValueError(f"unknown selection {selection!r}; use auto or one of {', '.join(SELECTIONS)}")
+    if selection == "reuse" and not isinstance(state, dict):
+        raise ValueError("selection='reuse' filters with last call's threshold, kept in state=: pass a "
+                         "dict kept per tensor (state={}), or choose another selection")
+
+
+def topk_indices(x: torch.Tensor, k: int, selection: str = "auto", state: dict | None = None) -> torch.Tensor:
     """Indices (int64) of the k largest magnitudes of the 1-D tensor ``x``.
 
-    ``method`` is one of :data:`METHODS`, or ``"auto"``: the fastest measured on the
+    ``selection`` is one of :data:`SELECTIONS`, or ``"auto"``: the fastest measured on the
     tensor's device -- ``torch.topk`` on a GPU (a radix select: 0.38 ms for 1 % of 16 Mi
     floats on an H200, where the filters take 0.6-0.7 ms and read a threshold back to the
     host), ``sample`` on a CPU (13 ms against 456 ms; ``docs/benchmarks.md``). ``state``
     carries ``reuse``'s threshold from one call to the next (a dict the caller keeps, one
-    per tensor); the other methods ignore it.
+    per tensor; ``reuse`` refuses to run without it); the other selections ignore it.
     """
+    validate_selection(selection, state)
     n = x.numel()
     if not 0 <= k <= n:
         raise ValueError(f"k must be between 0 and {n}, got {k}")
-    if method == "auto":
-        method = "topk" if x.is_cuda else "sample"
+    method = ("topk" if x.is_cuda else "sample") if selection == "auto" else selection
     if k == 0:
         return torch.empty(0, dtype=torch.int64, device=x.device)
     if k == n:
@@ -129,22 +185,21 @@ def topk_indices(x: torch.Tensor, k: int, method: str = "topk", state: dict | No
         mag = mag.whole()
         # kthvalue finds the k-th *smallest*; the k-th largest is the (n-k+1)-th smallest.
         # NaN is never "greater": count NaN as above the threshold explicitly.
-        t = torch.kthvalue(torch.nan_to_num(mag, nan=float("inf")), n - k + 1).values
+        ranked = torch.nan_to_num(mag, nan=float("inf")) if mag.is_floating_point() else mag
+        t = torch.kthvalue(ranked, n - k + 1).values
         above = torch.nonzero((mag > t) | torch.isnan(mag)).view(-1)
         if above.numel() > k:               # more than k NaN/inf: rank them by sort instead
             return _sort_desc(mag)[:k]
         at = torch.nonzero(mag == t).view(-1)[: k - above.numel()]
         return torch.cat([above, at])
     if method == "sample":
-        return _filtered_topk(x, mag, k, _sample_threshold(x, k))
-    if method == "reuse":
-        state = {} if state is None else state
-        picked = _filtered_topk(x, mag, k, state.get("threshold"))
-        # The k-th largest kept magnitude, a little lowered: next step's filter keeps
-        # somewhat more than k candidates when the gradient drifts.
-        state["threshold"] = float(mag.index_select(0, picked).min()) * 0.9
-        return picked
-    raise ValueError(f"unknown selection method {method!r}; use auto or one of {', '.join(METHODS)}")
+        return _filtered_topk(x, mag, k, sample_threshold(x, k))
+    # reuse
+    picked = _filtered_topk(x, mag, k, state.get("threshold"))
+    # The k-th largest kept magnitude, a little lowered: next step's filter keeps
+    # somewhat more than k candidates when the gradient drifts.
+    state["threshold"] = float(_float_magnitude(x.index_select(0, picked)).min()) * 0.9
+    return picked
 
 
 class _Magnitudes:
@@ -167,7 +222,13 @@ class _Magnitudes:
         return self._widen(magnitude(self.x.index_select(dim, indices)))
 
 
-def _sample_threshold(x: torch.Tensor, k: int) -> float | None:
+def _float_magnitude(x: torch.Tensor) -> torch.Tensor:
+    """``|x|`` as floating point (float64 for integers: exact to 2^53, and |INT_MIN| fits), for
+    thresholds estimated from a few elements; :func:`at_least` then compares exactly."""
+    return x.abs() if x.is_floating_point() else x.double().abs()
+
+
+def sample_threshold(x: torch.Tensor, k: int) -> float | None:
     """A magnitude that a few more than k elements reach, estimated from an evenly spaced
     sample of :data:`SAMPLE` elements (None when the sample would be most of the tensor).
 
@@ -179,7 +240,7 @@ def _sample_threshold(x: torch.Tensor, k: int) -> float | None:
     n = x.numel()
     if n <= 4 * SAMPLE:
         return None
-    sample = magnitude(x[:: n // SAMPLE][:SAMPLE]).float()
+    sample = _float_magnitude(x[:: n // SAMPLE][:SAMPLE]).float()
     expected = SAMPLE * k / n                     # sample elements above the k-th largest
     rank = int(expected + 4 * expected ** 0.5) + 1
     if rank >= SAMPLE:
@@ -210,6 +271,22 @@ def _filtered_topk(x: torch.Tensor, mag: "_Magnitudes", k: int, t: float | None)
     return torch.topk(mag.whole(), k, sorted=False).indices
 
 
+def topk_per_segment(x: torch.Tensor, segments, density: float, selection: str = "auto",
+                     state: dict | None = None) -> torch.Tensor:
+    """Indices (int64, into ``x``) of the top ⌈density·size⌉ of each consecutive segment of
+    ``x`` (``segments``: their sizes, adding up to ``x.numel()``): DGC's selection per layer.
+
+    k = Σ ⌈density·size⌉ depends only on the sizes, so it is the same on every rank and
+    top-k mode still needs no count exchange. ``state``: one dict for all the segments
+    (``reuse`` keeps a threshold per segment in it)."""
+    picked, start = [], 0
+    for i, size in enumerate(segments):
+        own = None if state is None else state.setdefault(("segment", i), {})
+        picked.append(topk_indices(x[start:start + size], keep_count(size, density), selection, own).add_(start))
+        start += size
+    return torch.cat(picked) if picked else torch.empty(0, dtype=torch.int64, device=x.device)
+
+
 def truncated_magnitude_topk(x: torch.Tensor, k: int) -> torch.Tensor:
     """SINGA's ranking, for comparison: magnitudes compared as integers (``int(|g|)``).
 
@@ -229,7 +306,7 @@ class SelectionTime:
     n: int
 
 
-def time_selection(x: torch.Tensor, k: int, methods=METHODS, repeats: int = 5,
+def time_selection(x: torch.Tensor, k: int, methods=SELECTIONS, repeats: int = 5,
                    threshold: float | None = None) -> list[SelectionTime]:
     """Median time of each selection method on ``x`` (and of a fixed ``threshold``, if given).
 

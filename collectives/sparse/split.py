@@ -1,7 +1,7 @@
 """A sparse all-reduce that scales with p: sparse reduce-scatter, then all-gather (SparCML).
 
-The all-gather variant hands every rank all p·k pairs: (p−1)·k pairs received per rank,
-so its cost grows with p while the dense ring's stays near 2n. The split variant does what
+The all-gather transport hands every rank all p·k pairs: (p−1)·k pairs received per rank,
+so its cost grows with p while the dense ring's stays near 2n. The split transport does what
 the ring does -- reduce-scatter, then all-gather -- on pairs instead of values::
 
     index range:   [ piece 0 ][ piece 1 ][ piece 2 ][ piece 3 ]     rank j owns piece j
@@ -17,16 +17,18 @@ Bytes per rank, pairs of 4+e bytes, u distinct indices in the fullest piece:
     (p−1)/p·k·(4+e)   +   (p−1)·min(u·(4+e), n/p·e)
          scatter                 gather
 
-At low density u ≈ k and this is the all-gather variant's (p−1)·k·(4+e) plus the scatter:
+At low density u ≈ k and this is the all-gather transport's (p−1)·k·(4+e) plus the scatter:
 slightly worse. Above density ≈ 1/p the pieces fill, the gather becomes the dense ring's
 all-gather half, (p−1)/p·n·e, and split wins; it stays ahead of the dense ring until
 k·(4+e) ≈ n·e (density 1/2 for float32). SparCML (Renggli et al., 2019) switches
 per piece, on the fly; here the switch is one global decision per call, taken from the
 largest piece, so that every rank gathers buffers of one size.
 
-Two small exchanges precede the big ones (how many pairs go to each rank; how many each
-reduced piece holds): the host must know them to size buffers, so this variant, like
-threshold mode, synchronises with the host.
+Two small exchanges precede the big ones (how many pairs go to each rank, with the tensor's
+length; how many each reduced piece holds): the host must know them to size buffers, so
+this transport, like threshold mode, synchronises with the host -- and so it cannot be
+left in flight as the all-gather can (gloo's point-to-point messages have no futures to
+chain): :func:`collectives.sparse.sparse_all_reduce_async` runs it to the end.
 """
 
 from __future__ import annotations
@@ -57,17 +59,46 @@ def piece_bounds(numel: int, p: int) -> list[tuple[int, int]]:
     return ops.chunk_bounds(numel, p)
 
 
+def balanced_bounds(indices: torch.Tensor, numel: int, group=None, bins: int = 4096) -> list[tuple[int, int]]:
+    """Ok-Topk's balanced partition (Li and Hoefler, PPoPP 2022): piece boundaries that give
+    every owner about as many pairs, wherever the selected indices crowd.
+
+    Equal index ranges suit indices spread evenly. A gradient's large entries are not: they
+    gather in some layers (the last ones, the biases) and are the same entries on every rank,
+    so one owner receives most of the pairs and the others wait for it. Each rank counts its
+    indices in ``bins`` equal bins, one all-reduce sums the counts, and the range is cut where
+    the running total passes j/p of all pairs. Ok-Topk recomputes the cuts only every few
+    steps; the pairs' places change slowly, and the all-reduce of the counts then costs little.
+    """
+    p = dist.get_world_size(group)
+    bins = max(1, min(bins, numel))
+    width = -(-numel // bins)
+    counts = torch.bincount(torch.div(indices, width, rounding_mode="floor"), minlength=bins).to(torch.int64)
+    with trace.label("sparse split: balance counts"):
+        dist.all_reduce(counts, group=group)
+    running = counts.cumsum(0)
+    total = int(running[-1])
+    cuts = [0]
+    for j in range(1, p):
+        b = int(torch.searchsorted(running, -(-total * j // p)))     # first bin reaching j/p of all
+        cuts.append(min(numel, max(cuts[-1], (b + 1) * width)))
+    cuts.append(numel)
+    return list(zip(cuts, cuts[1:]))
+
+
 def split_sum_(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, *, group=None,
-               densify: bool = True) -> SplitInfo:
+               densify: bool = True, bounds: list[tuple[int, int]] | None = None) -> SplitInfo:
     """``out`` <- the sum over ranks of each rank's pairs, via a sparse reduce-scatter and an
     all-gather of the reduced pieces. ``out`` is 1-D; its contents are not read (it is the
     result's memory); ``indices`` int64, ascending or not (the selection hands them over
-    ascending, which saves a sort)."""
+    ascending, which saves a sort). ``bounds``: the pieces, the same on every rank (default:
+    equal index ranges; :func:`balanced_bounds` for Ok-Topk's)."""
     r, p = ops.group_rank_and_size(group)
     members = [ops.global_rank(group, j) for j in range(p)]
     device, dtype = out.device, out.dtype
     pair_bytes = torch.empty((), dtype=INDEX_DTYPE).element_size() + out.element_size()
-    bounds = piece_bounds(out.numel(), p)
+    equal = piece_bounds(out.numel(), p)
+    bounds = equal if bounds is None else [tuple(b) for b in bounds]
 
     # ---- 1. scatter: cut the (sorted) pairs at the piece boundaries, one message per owner --
     if indices.numel() > 1 and not bool((indices[1:] >= indices[:-1]).all()):
@@ -75,12 +106,20 @@ def split_sum_(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, *
         indices, values = indices[order], values[order]
     starts = torch.tensor([lo for lo, _ in bounds] + [out.numel()], dtype=indices.dtype, device=device)
     first = torch.searchsorted(indices, starts).tolist()    # pairs for rank j: first[j]:first[j+1]
-    to_others = torch.tensor([first[j + 1] - first[j] if j != r else 0 for j in range(p)],
-                             dtype=torch.int64, device=device)   # our own piece never leaves
-    from_each = torch.empty_like(to_others)
+    # Each peer gets (how many pairs come, how long my tensor is): the second number costs 8
+    # bytes and turns ranks that pass different sizes -- whose pieces would not line up --
+    # into an error on every rank, before any pair moves, check mode or not.
+    header = torch.tensor([[first[j + 1] - first[j] if j != r else 0, out.numel()] for j in range(p)],
+                          dtype=torch.int64, device=device)   # our own piece never leaves
+    from_each = torch.empty_like(header)
     with trace.label("sparse split: counts"):
-        dist.all_to_all_single(from_each, to_others, group=group)
-    sent, received = to_others.tolist(), from_each.tolist()     # host synchronisation
+        dist.all_to_all_single(from_each, header, group=group)
+    sent, received = header[:, 0].tolist(), from_each[:, 0].tolist()     # host synchronisation
+    sizes = from_each[:, 1].tolist()
+    if len(set(sizes)) > 1:
+        listed = ", ".join(f"rank {members[j]}: {sizes[j]}" for j in range(p))
+        raise ValueError(f"split_sum_: the ranks passed tensors of different sizes ({listed} elements); "
+                         "every rank of the group must pass the same number of elements")
     others = [j for j in range(p) if j != r]
     outgoing = {j: pack_pairs(indices[first[j]:first[j + 1]], values[first[j]:first[j + 1]], sent[j])
                 for j in others}
@@ -107,10 +146,18 @@ def split_sum_(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, *
     union = exchange_counts(int(torch.count_nonzero(touched)), group, device)   # host synchronisation
     longest = max(b - a for a, b in bounds)
     densified = densify and max(union) * pair_bytes >= longest * out.element_size()
-    if densified:
+    if densified and bounds == equal:
         # Every piece is dense already, in its place in out: lesson 4's ring all-gather, in place.
         with trace.label("sparse split: gather dense pieces"):
             ring_all_gather(out, piece, group=group)
+    elif densified:                            # pieces of other lengths: padded to the longest
+        padded = torch.zeros(longest, dtype=dtype, device=device)
+        padded[:hi - lo] = piece
+        every = torch.empty(p * longest, dtype=dtype, device=device)
+        with trace.label("sparse split: gather dense pieces"):
+            dist.all_gather(list(every.chunk(p)), padded, group=group)
+        for src, (a, b) in enumerate(bounds):
+            out[a:b] = every[src * longest:src * longest + b - a]
     else:
         width = max(union)
         kept = torch.nonzero(touched).view(-1)
