@@ -30,7 +30,8 @@ Course functions you may call (the sheet is checked against the code):
     ops.global_rank(group, group_rank) -> int
         The global rank of ``group_rank`` in ``group``: what ``send``/``recv`` take.
     trace.label(text)
-        Tag the events made inside the block (e.g. "reduce-scatter step 2").
+        Tag the events made inside the block (e.g. "reduce-scatter step 2"); under a running
+        ``torch.profiler``, the block is also a range of that name in its trace.
 """
 
 from __future__ import annotations
