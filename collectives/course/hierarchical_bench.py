@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..core import cost, launch, netns, timing, trace
+from ..hierarchical import cost as hcost
 from . import verify
 
 # The queue of each shaped link, as tc's tbf ``latency``: how long a packet may wait. With
@@ -84,12 +85,12 @@ def run_bench(sizes: list[int], machines: int = 2, ranks_per_machine: int = 2, l
         result = launch.run(_bench_in_rank, p, args=(sizes, iters, names), cluster=made,
                             timeout=60 + 60 * iters * len(sizes) * len(names))[0]
     rate = netns.rate_bytes_per_second(link)
-    tiers = cost.Tiers(cost.DEFAULT_TIERS.inside, cost.AlphaBeta(100e-6, 1 / rate), rails=rails)
+    tiers = hcost.Tiers(hcost.DEFAULT_TIERS.inside, cost.AlphaBeta(100e-6, 1 / rate), rails=rails)
     D, M = result["layout"]
     for row in result["rows"]:
         _, model, slices = ALGORITHMS[row["name"]]
-        s = 1 if slices == "one" else max(1, round(row["nbytes"] / cost.best_slice_bytes(row["nbytes"], D, M, tiers)))
-        row["model_seconds"] = cost.predict_tiered(model, row["nbytes"], D, M, tiers, slices=s)
+        s = 1 if slices == "one" else max(1, round(row["nbytes"] / hcost.best_slice_bytes(row["nbytes"], D, M, tiers)))
+        row["model_seconds"] = hcost.predict_tiered(model, row["nbytes"], D, M, tiers, slices=s)
     result.update(machines=machines, ranks_per_machine=ranks_per_machine, link=link, rails=rails, latency=latency,
                   date=datetime.date.today().isoformat(), torch=torch.__version__)
     return result
@@ -142,7 +143,7 @@ def tour_runner(nbytes: int) -> dict:
     ours = timing.measure(lambda: fn(x))
     ref = timing.measure(lambda: dist.all_reduce(y))
     D, M = layout
-    theory = sum(s.bytes_per_rank for s in cost.tiered("hierarchical", x.numel() * 4, D, M))
+    theory = sum(s.bytes_per_rank for s in hcost.tiered("hierarchical", x.numel() * 4, D, M))
     bad = report.failures
     return dict(verified=report.ok, detail="" if report.ok else f"{bad[0].case}: {bad[0].detail}",
                 seconds=timing.median(ours), ref_seconds=timing.median(ref), nbytes=x.numel() * 4,

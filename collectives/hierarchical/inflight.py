@@ -1,0 +1,444 @@
+"""Buckets in flight: an asynchronous hierarchical all-reduce, after Fairring's ``allReduce``.
+
+:func:`~collectives.hierarchical.hierarchical_all_reduce` blocks its caller until the
+tensor is reduced. In training that wastes what Fairring is built for: DDP hands over a
+bucket of gradients while backward is still computing the next one, and NCCL runs one
+process group's all-reduces one after the other. Here a call returns a :class:`Handle` at
+once; the slices of every bucket handed over flow through the same five stages, so bucket
+b + 1's reduce-scatter runs while bucket b is still crossing machines::
+
+    reducer = HierarchicalAllReducer(layout=(2, 2), memory_bytes=64 << 20)
+    handles = [reducer.all_reduce(bucket) for bucket in buckets]   # returns at once
+    for h in handles:
+        h.wait()                     # or h.get_future(): a torch.futures.Future of the tensor
+
+    stage lanes      slices of bucket 0 | bucket 1 | bucket 2 ...
+    reduce-scatter   0a 0b 0c 1a 1b 2a 2b 2c
+    collect             0a 0b 0c 1a 1b 2a 2b 2c             (one lane per stage; a lane
+    add                    0a 0b 0c 1a 1b 2a ...             runs its stage for one slice
+    diffuse                   0a 0b 0c 1a 1b ...             after another, in order)
+    all-gather                   0a 0b 0c 1a ...  -> bucket 0 done, then 1, then 2
+
+**Lanes.** Each stage has a *lane* that runs its work in order -- Fairring's stream per
+stage. On a GPU a lane is a CUDA stream: the host issues every stage of a bucket at once
+(Fairring's order, slice by slice), and events make each stage's stream wait for the one
+before; NCCL progresses on its own. On a CPU (gloo) the host cannot issue a stage before
+the previous one's messages have arrived (its sum must be added first), so a lane is a
+*thread*, the CPU's stream: it takes its stage's work in order and blocks on the waits a
+GPU stream would make, while the caller's thread goes on (computing backward, handing over
+the next bucket). An event is a ``threading.Event`` set when the lane gets there.
+
+**Why any interleaving is correct.** Each stage has its own process groups (a set made for
+the engine alone: ``stage_groups(..., name="in flight")``) and each lane issues its stage for
+the slices in the order they were handed over -- the same on every rank. Messages on one
+group match in the order they are posted, so stage k of slice i meets stage k of slice i on
+every peer, however the lanes' threads interleave. Nothing waits in a cycle: a lane waits
+only for an earlier stage of the same slice, or (for memory) for an earlier slice to finish.
+
+**Bounded memory.** Fairring gives its staging a total budget. A slice needs a slot of
+staging beside it (the reduce-scatter's incoming partial sums on gloo, the collect's rows
+when D = 1, the padding tail); slot j is used by slices j, j + W, j + 2W, ..., W =
+``memory_bytes`` ÷ the slot size, and slice i's first stage waits until slice i − W has
+finished. Buckets in flight are then as many as fit -- never more memory than the budget.
+
+Buckets complete in the order they were handed over (the last lane finishes slices in
+order), and every rank must hand over the same buckets in the same order (DDP does).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..core import nccl_memory, ops, streams
+from ..core.ops import ReduceOp
+from .layout import check_layout, checked_layout, resolve, stage_groups
+from .pipeline import default_slice_numel, default_tiers, inside_mode
+from .slice import Slice
+
+STAGES = ("reduce-scatter", "collect", "add", "diffuse", "all-gather")
+DEFAULT_MEMORY = 64 << 20       # bytes of staging, all slots together
+MAX_SLOTS = 256
+
+
+class Handle:
+    """What :meth:`HierarchicalAllReducer.all_reduce` returns at once.
+
+    ``wait()`` returns the reduced tensor once it is (on a GPU: makes the current stream
+    wait for it, as a ``Work`` of NCCL does); ``get_future()`` is a ``torch.futures.Future``
+    whose value is the tensor (what a DDP communication hook returns); ``is_completed()``
+    asks without waiting. An error on any rank's stages is raised by ``wait()``.
+    """
+
+    def __init__(self, tensor: torch.Tensor, future: torch.futures.Future, bucket: int, done=None):
+        self.tensor, self.bucket = tensor, bucket
+        self._future, self._done = future, done      # _done: the last lane's event (streams)
+
+    def wait(self) -> torch.Tensor:
+        if self._done is not None:
+            streams.current_stream(self.tensor.device).wait_event(self._done)
+        return self._future.wait()
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+
+def _finished(tensor: torch.Tensor, bucket: int = -1) -> Handle:
+    future = torch.futures.Future()
+    future.set_result(tensor)
+    return Handle(tensor, future, bucket)
+
+
+class StreamLane:
+    """A stage's lane on a GPU: a CUDA stream. Work given to it is issued at once, under the
+    stream; ``wait_for(event)`` makes the stream (not the host) wait. On a CPU the same
+    lane is a stand-in stream (:mod:`collectives.core.streams`): work runs when given, which
+    :func:`streams.checking` uses to verify the event chain without a GPU."""
+
+    def __init__(self, device, name: str):
+        self.device, self.stream = device, streams.new_stream(device, name=f"the {name} lane")
+
+    def submit(self, work) -> None:
+        with streams.use(self.stream):
+            work()
+
+    def mark(self):
+        event = streams.new_event(self.device)
+        event.record(self.stream)
+        return event
+
+    def wait_for(self, event) -> None:
+        if event is not None:
+            self.stream.wait_event(event)
+
+
+class ThreadLane:
+    """A stage's lane on a CPU: a thread that runs the work given to it, in order, and
+    blocks where a GPU stream would wait. ``mark()`` is an event the thread sets when it
+    gets there; ``wait_for(event)`` holds the lane's later work until it is set."""
+
+    def __init__(self, engine: "HierarchicalAllReducer", name: str):
+        self.engine, self.queue = engine, queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name=f"collectives {name} lane", daemon=True)
+        self.thread.start()
+
+    def submit(self, work) -> None:
+        self.queue.put(work)
+
+    def mark(self) -> threading.Event:
+        event = threading.Event()
+        self.queue.put(_Set(event))
+        return event
+
+    def wait_for(self, event) -> None:
+        if event is not None:
+            self.queue.put(lambda: self._wait(event))
+
+    def _wait(self, event: threading.Event) -> None:
+        while not event.wait(0.5):
+            if self.engine.error is not None:
+                return                          # a failed engine: its lanes drain without waiting
+
+    def _run(self) -> None:
+        while True:
+            work = self.queue.get()
+            if work is None:
+                return
+            if isinstance(work, _Set):
+                work.event.set()
+                continue
+            if self.engine.error is not None:
+                continue                        # after a failure only the events are still set
+            try:
+                work()
+            except BaseException as exc:  # noqa: BLE001 - handed to every handle still waiting
+                self.engine.fail(exc)
+
+    def close(self) -> None:
+        self.queue.put(None)
+
+
+class _Set:
+    """A lane's mark: set the event when the lane gets here."""
+
+    def __init__(self, event: threading.Event):
+        self.event = event
+
+
+class HierarchicalAllReducer:
+    """Asynchronous hierarchical all-reduce with buckets in flight in bounded staging memory.
+
+    Construct it on every rank at the same point (it creates its process groups, a
+    collective over the world); then ``all_reduce(tensor, op)`` returns a :class:`Handle`.
+
+    Args:
+        group: the process group (the world by default); a subgroup spanning both tiers
+            needs its groups made by every rank first (:func:`~.layout.stage_groups`).
+        layout: ``(D, M)``; default from the environment (``LOCAL_WORLD_SIZE``).
+        memory_bytes: Fairring's total staging budget: slots × slot size never exceed it.
+        slice_bytes: the largest slice (default ``memory_bytes // 8``, so at least eight slices
+            fit); each bucket is cut as the cost model's plan says, never into larger slices.
+        progress: ``"threads"`` (a lane per stage is a thread: the default on a CPU) or
+            ``"streams"`` (a lane is a stream: the default on a GPU; on a CPU the work runs
+            when issued, synchronously).
+        inside: stages 1 and 5 as ``"collectives"`` or ``"messages"`` (default: NCCL's own
+            collectives on a GPU, messages on gloo).
+        record: keep :attr:`timeline`, one row per stage of each slice (issued, done).
+    """
+
+    def __init__(self, group=None, layout=None, *, memory_bytes: int = DEFAULT_MEMORY,
+                 slice_bytes: int | None = None, progress: str | None = None, inside: str | None = None,
+                 device=None, record: bool = False):
+        if memory_bytes < 1:
+            raise ValueError(f"memory_bytes must be positive, got {memory_bytes}")
+        self.group = group
+        self.member = ops.is_member(group)
+        self.layout = resolve(layout, group) if self.member else None
+        self.device = torch.device(device) if device is not None else ops.rank_device()
+        if progress is None:
+            progress = "streams" if self.device.type == "cuda" else "threads"
+        if progress not in ("threads", "streams"):
+            raise ValueError(f"progress must be 'threads' or 'streams', got {progress!r}")
+        self.progress, self.inside = progress, inside_mode(self.device, inside)
+        self.memory_bytes = memory_bytes
+        self.slice_bytes = max(slice_bytes or memory_bytes // 8, 64)
+        self.record, self.timeline = record, []
+        self.error: BaseException | None = None
+        self.p = dist.get_world_size(group) if self.member else 0
+        self.groups = None
+        if self.member and ops.check_mode():     # before any group is made: made from the layout
+            ops.compare_across_ranks("HierarchicalAllReducer", torch.empty(0, device=self.device), ReduceOp.SUM,
+                                     group, {"layout": (self.layout.D, self.layout.M), "memory_bytes": memory_bytes,
+                                             "progress": progress, "inside": self.inside})
+        if self.member and self.p > 1:
+            self.groups = stage_groups(self.layout, group, name="in flight")
+        D, M = (self.layout.D, self.layout.M) if self.layout else (1, 1)
+        self.slice_bytes = max(self.slice_bytes, 8 * D * M)   # a slice holds at least one element per block
+        self.slot_sizes = self._slot_sizes(D, M)
+        self.slot_bytes = sum(self.slot_sizes.values())
+        self.slots_count = max(1, min(MAX_SLOTS, memory_bytes // self.slot_bytes))
+        self._slots: list[dict | None] = [None] * self.slots_count
+        self.lanes = self._make_lanes() if self.groups is not None else []
+        self._slices = 0                          # slices handed over so far
+        self._finished: dict[int, object] = {}    # slice -> event set when its last stage is done
+        self._buckets = 0
+        self._pending: dict[int, torch.futures.Future] = {}
+        self._followers: dict[int, list] = {}     # bucket -> empty buckets to complete right after it
+        self._lock = threading.Lock()
+        self.peak_in_flight = 0                   # most buckets handed over and not yet done
+
+    # ---- set-up -----------------------------------------------------------------------
+
+    def _slot_sizes(self, D: int, M: int) -> dict[str, int]:
+        """Bytes of staging one slice of at most ``slice_bytes`` needs, by kind (elements of
+        at most 8 bytes): the padding tail, one element per block; the reduce-scatter's
+        incoming partial sums, (D − 1)/D of the slice and its tail (messages only: NCCL keeps
+        them inside); the collect's M rows when D = 1 (with D > 1 they land in the slice)."""
+        return {"padding": 8 * D * M,
+                "partials": self.slice_bytes + 8 * D * M if self.inside == "messages" and D > 1 else 0,
+                "staging": self.slice_bytes + 8 * M if D == 1 and M > 1 else 0}
+
+    def _make_lanes(self) -> list:
+        if self.progress == "streams":
+            return [StreamLane(self.device, stage) for stage in STAGES]
+        return [ThreadLane(self, stage) for stage in STAGES]
+
+    def _slot(self, j: int) -> dict:
+        """Slot j's buffers, allocated on first use at their full size (never regrown)."""
+        if self._slots[j] is None:
+            self._slots[j] = {kind: _OwnSlot(nccl_memory.temporary(max(size, 8), torch.uint8, self.device))
+                              for kind, size in self.slot_sizes.items()}
+        return self._slots[j]
+
+    @property
+    def staging_bytes(self) -> int:
+        """Staging memory allocated so far: at most ``slots_count`` × ``slot_bytes`` ≤ the budget."""
+        return sum(self.slot_bytes for s in self._slots if s is not None)
+
+    # ---- the call ---------------------------------------------------------------------
+
+    def all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM) -> Handle:
+        """Start all-reducing ``tensor`` in place; return its :class:`Handle` at once.
+
+        Checked before anything is issued (a tensor, an op it supports, on this engine's
+        device; in check mode the ranks compare it, layout included). The tensor must not be
+        touched until the handle completes."""
+        what = "HierarchicalAllReducer.all_reduce"
+        shape = checked_layout(tensor, op, self.group, self.layout, what, engine="in flight",
+                               memory_bytes=self.memory_bytes, slice_bytes=self.slice_bytes)
+        if shape is None or tensor.numel() == 0 or self.p == 1:
+            return self._nothing_to_send(tensor)
+        if tensor.device != self.device:
+            raise ValueError(f"{what}: the tensor is on {tensor.device}, this reducer on {self.device}")
+        if self.error is not None:
+            raise RuntimeError(f"{what}: an earlier bucket failed on this rank: {self.error!r}")
+        flat = ops.work_buffer(tensor.detach())
+        D, M = shape.D, shape.M
+        plan = default_slice_numel(flat.numel(), flat.element_size(), shape, default_tiers(self.device))
+        step = max(D * M, min(plan, self.slice_bytes // flat.element_size()) // (D * M) * (D * M))
+        bounds = [(lo, min(lo + step, flat.numel())) for lo in range(0, flat.numel(), step)]
+        bucket = self._buckets
+        self._buckets += 1
+        future = torch.futures.Future(devices=[self.device]) if self.device.type == "cuda" else torch.futures.Future()
+        with self._lock:
+            self._pending[bucket] = future
+            self.peak_in_flight = max(self.peak_in_flight, len(self._pending))
+        if self.progress == "streams":     # the bucket's writes, queued on the caller's stream, come first
+            self.lanes[0].stream.wait_stream(streams.current_stream(self.device))
+        done = None
+        for k, (lo, hi) in enumerate(bounds):
+            done = self._issue(flat[lo:hi], op, bucket, k, last=k == len(bounds) - 1,
+                               finish=(tensor, flat, future))
+        return Handle(tensor, future, bucket, done if self.progress == "streams" else None)
+
+    def _nothing_to_send(self, tensor: torch.Tensor) -> Handle:
+        """An empty tensor, or a group of one: done as soon as the buckets before it are
+        (buckets complete in order, this one too)."""
+        with self._lock:
+            if self._pending:
+                future = torch.futures.Future()
+                self._followers.setdefault(max(self._pending), []).append((future, tensor))
+                return Handle(tensor, future, -1)
+        return _finished(tensor)
+
+    def _issue(self, piece: torch.Tensor, op, bucket: int, k: int, last: bool, finish) -> object:
+        """Hand the five stages of one slice to the lanes; return its "finished" event."""
+        i = self._slices
+        self._slices += 1
+        j = i % self.slots_count
+        lanes, state = self.lanes, {}
+        lane_streams = [getattr(lane, "stream", streams.NullStream()) for lane in lanes]
+
+        def note(stage: str, t0: float) -> None:
+            if self.record:
+                self.timeline.append(dict(bucket=bucket, slice=k, index=i, stage=stage, issued=t0,
+                                          done=time.perf_counter()))
+
+        def wait_all(works) -> None:
+            for work in works:
+                work.wait()
+
+        def reduce_scatter():
+            state["t"] = time.perf_counter()
+            one = state["slice"] = Slice(piece, self.groups, op, self.p, self._slot(j), lane_streams,
+                                         index=i, inside=self.inside, labels=self.progress == "streams")
+            state["works"] = one.reduce_scatter()
+
+        def collect():
+            wait_all(state.pop("works"))
+            note("reduce-scatter", state["t"])
+            state["t"] = time.perf_counter()
+            state["works"] = state["slice"].collect()
+
+        def add():
+            wait_all(state.pop("works"))
+            note("collect", state["t"])
+            state["t"] = time.perf_counter()
+            state["slice"].add()
+            note("add", state["t"])
+
+        def diffuse():
+            state["t"] = time.perf_counter()
+            state["works"] = state["slice"].diffuse()
+
+        def all_gather():
+            wait_all(state.pop("works"))
+            note("diffuse", state["t"])
+            t0 = time.perf_counter()
+            wait_all(state["slice"].all_gather())
+            state.pop("slice").finish()
+            note("all-gather", t0)
+            if last:
+                self._complete(bucket, *finish)
+
+        previous = self._finished.pop(i - self.slots_count, None)   # slot j's last slice: done?
+        for lane, work in zip(lanes, (reduce_scatter, collect, add, diffuse, all_gather)):
+            lane.wait_for(previous)          # the slot (first lane), else this slice's stage before
+            lane.submit(work)
+            previous = lane.mark()
+        self._finished[i] = previous
+        return previous
+
+    def _complete(self, bucket: int, tensor: torch.Tensor, flat: torch.Tensor, future) -> None:
+        ops.write_back(tensor.detach(), flat)
+        future.set_result(tensor)            # on a GPU: under the last lane's stream, recorded there
+        with self._lock:                     # only now: an empty bucket handed over meanwhile follows it
+            self._pending.pop(bucket, None)
+            followers = self._followers.pop(bucket, [])
+        for follower, empty in followers:
+            follower.set_result(empty)
+
+    def fail(self, exc: BaseException) -> None:
+        """A stage raised on this rank: every bucket still in flight fails with it."""
+        with self._lock:
+            if self.error is None:
+                self.error = exc
+            pending, self._pending = list(self._pending.values()), {}
+            followers = [f for waiting in self._followers.values() for f, _ in waiting]
+            self._followers = {}
+        pending += followers
+        rank = dist.get_rank() if dist.is_initialized() else -1
+        for future in pending:
+            if not future.done():
+                future.set_exception(RuntimeError(f"hierarchical all-reduce in flight failed on rank {rank}: "
+                                                  f"{type(exc).__name__}: {exc}"))
+
+    # ---- the end ----------------------------------------------------------------------
+
+    def synchronize(self) -> None:
+        """Wait for every bucket handed over so far."""
+        with self._lock:
+            pending = list(self._pending.values())
+        for future in pending:
+            future.wait()
+
+    def close(self) -> None:
+        """Wait for what is in flight, then stop the lanes' threads."""
+        try:
+            if self.error is None:
+                self.synchronize()
+        finally:
+            for lane in self.lanes:
+                if isinstance(lane, ThreadLane):
+                    lane.close()
+            self.lanes = []
+
+
+class _OwnSlot:
+    """One slice's own staging buffer, in the shape of a :class:`~.slice.SlotPool`: the
+    reducer has already waited for the slot's previous slice, so acquiring waits for nothing."""
+
+    def __init__(self, buffer: torch.Tensor):
+        self.buffer = buffer
+
+    def acquire(self, numel: int, dtype: torch.dtype, device, stream):
+        need = numel * torch.empty((), dtype=dtype).element_size()
+        if need > self.buffer.numel():
+            raise RuntimeError(f"a slice needs {need} bytes of staging, the slot has {self.buffer.numel()}")
+        return 0, self.buffer[:need].view(dtype)
+
+    def release(self, slot: int, stream, device) -> None:
+        pass
+
+
+_reducers: dict[tuple, HierarchicalAllReducer] = {}
+
+
+def hierarchical_all_reduce_async(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, layout=None, *,
+                                  memory_bytes: int = DEFAULT_MEMORY) -> Handle:
+    """:meth:`HierarchicalAllReducer.all_reduce` on a reducer made on first use for
+    (group, layout, device, memory), the same on every rank. Returns a :class:`Handle` at once."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"hierarchical_all_reduce_async: expected a torch.Tensor, got {type(tensor).__name__}")
+    shape = None if layout is None else check_layout(layout)
+    key = (id(dist.distributed_c10d._get_default_group()), id(group), shape, str(tensor.device), memory_bytes)
+    if key not in _reducers:
+        _reducers[key] = HierarchicalAllReducer(group, layout, memory_bytes=memory_bytes, device=tensor.device)
+    return _reducers[key].all_reduce(tensor, op)
