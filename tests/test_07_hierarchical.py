@@ -46,7 +46,7 @@ SLICE_N = 96               # pipelined: PATTERN_N / SLICE_N = 10 slices, more th
 WORLDS = {4: [(2, 2), (1, 4), (4, 1)], 2: [(2, 1), (1, 2)], 6: [(3, 2), (2, 3)]}
 SIZES_ONLY = {(2, 3)}      # the padding and op cases only: the harness's dtypes run at (3, 2) in that world
 EXTRAS = {(2, 2), (1, 4), (3, 2)}   # the asynchronous call, the rail ring, the checks under streams.checking
-ASYNC_MEMORY = 24 << 10    # bytes of staging: 3 slots of 8 KiB slices -- buckets must wait for slots
+ASYNC_MEMORY = 24 << 10    # bytes of staging (slices of at most 6 KiB): buckets wait for earlier ones' bytes
 
 
 def _sizes(D, M):
@@ -342,7 +342,7 @@ def _in_flight_checks(layout):
         lo, hi = spans.get(r["bucket"], (r["issued"], r["done"]))
         spans[r["bucket"]] = (min(lo, r["issued"]), max(hi, r["done"]))
     overlapping = sum(1 for b in spans if b + 1 in spans and spans[b + 1][0] < spans[b][1])
-    return dict(exact=exact, staging=reducer.staging_bytes, memory=memory, slots=reducer.slots_count,
+    return dict(exact=exact, staging=reducer.staging_bytes, memory=memory,
                 peak=reducer.peak_in_flight, overlapping=overlapping, not_done_at_return=issued_without_waiting,
                 stages=len(rows))
 
@@ -571,8 +571,9 @@ def test_an_asynchronous_call_sends_the_hierarchys_bytes(worlds, layout):
 @pytest.mark.parametrize("layout", sorted(EXTRAS))
 def test_several_buckets_are_in_flight_at_once_inside_the_memory_budget(worlds, layout):
     # Five buckets (4099, 1009, 6007, 97, 4099 elements), slices of at most 2 KiB, 8 KiB of
-    # staging: the reducer has at most memory // slot slots, never allocates more, and the
-    # next bucket's first stage starts before the previous bucket's last one ends.
+    # staging: the slices in flight never hold more than the budget (a ring of 8 KiB reused
+    # many times over), and the next bucket's first stage starts before the previous
+    # bucket's last one ends.
     for rank, r in enumerate(worlds[layout]):
         f = r["in flight"]
         where = f"layout {layout}, rank {rank}: {f}"

@@ -35,11 +35,16 @@ group match in the order they are posted, so stage k of slice i meets stage k of
 every peer, however the lanes' threads interleave. Nothing waits in a cycle: a lane waits
 only for an earlier stage of the same slice, or (for memory) for an earlier slice to finish.
 
-**Bounded memory.** Fairring gives its staging a total budget. A slice needs a slot of
-staging beside it (the reduce-scatter's incoming partial sums on gloo, the collect's rows
-when D = 1, the padding tail); slot j is used by slices j, j + W, j + 2W, ..., W =
-``memory_bytes`` ÷ the slot size, and slice i's first stage waits until slice i − W has
-finished. Buckets in flight are then as many as fit -- never more memory than the budget.
+**Bounded memory.** Fairring gives its staging a total budget. A slice needs staging
+beside it -- the reduce-scatter's incoming partial sums (on gloo), the collect's rows when
+D = 1, the padding tail -- and takes it from one arena of ``memory_bytes``, handed out as a
+ring: slice i gets the bytes after slice i − 1's, wrapping to the start, and its first stage
+waits until the last slice whose bytes it reuses has finished (slices finish in order, so
+that one is enough). Buckets in flight are then as many as fit -- never more memory than
+the budget::
+
+    arena   [ s5 s6 | s2 s3 s4 ]      head after s6; s7 reuses s2's bytes: it waits for s2
+             ^ wrapped
 
 Buckets complete in the order they were handed over (the last lane finishes slices in
 order), and every rank must hand over the same buckets in the same order (DDP does).
@@ -47,6 +52,7 @@ order), and every rank must hand over the same buckets in the same order (DDP do
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
@@ -61,8 +67,8 @@ from .pipeline import default_slice_numel, default_tiers, inside_mode
 from .slice import Slice
 
 STAGES = ("reduce-scatter", "collect", "add", "diffuse", "all-gather")
-DEFAULT_MEMORY = 64 << 20       # bytes of staging, all slots together
-MAX_SLOTS = 256
+DEFAULT_MEMORY = 64 << 20       # bytes of staging, all slices in flight together
+ALIGN = 64                      # each staging buffer starts on a 64-byte boundary
 
 
 class Handle:
@@ -182,8 +188,8 @@ class HierarchicalAllReducer:
         group: the process group (the world by default); a subgroup spanning both tiers
             needs its groups made by every rank first (:func:`~.layout.stage_groups`).
         layout: ``(D, M)``; default from the environment (``LOCAL_WORLD_SIZE``).
-        memory_bytes: Fairring's total staging budget: slots × slot size never exceed it.
-        slice_bytes: the largest slice (default ``memory_bytes // 8``, so at least eight slices
+        memory_bytes: Fairring's total staging budget: the slices in flight never hold more.
+        slice_bytes: the largest slice (default ``memory_bytes // 4``, so at least four slices
             fit); each bucket is cut as the cost model's plan says, never into larger slices.
         progress: ``"threads"`` (a lane per stage is a thread: the default on a CPU) or
             ``"streams"`` (a lane is a stream: the default on a GPU; on a CPU the work runs
@@ -208,7 +214,7 @@ class HierarchicalAllReducer:
             raise ValueError(f"progress must be 'threads' or 'streams', got {progress!r}")
         self.progress, self.inside = progress, inside_mode(self.device, inside)
         self.memory_bytes = memory_bytes
-        self.slice_bytes = max(slice_bytes or memory_bytes // 8, 64)
+        self.slice_bytes = max(slice_bytes or memory_bytes // 4, 64)
         self.record, self.timeline = record, []
         self.error: BaseException | None = None
         self.p = dist.get_world_size(group) if self.member else 0
@@ -221,10 +227,11 @@ class HierarchicalAllReducer:
             self.groups = stage_groups(self.layout, group, name="in flight")
         D, M = (self.layout.D, self.layout.M) if self.layout else (1, 1)
         self.slice_bytes = max(self.slice_bytes, 8 * D * M)   # a slice holds at least one element per block
-        self.slot_sizes = self._slot_sizes(D, M)
-        self.slot_bytes = sum(self.slot_sizes.values())
-        self.slots_count = max(1, min(MAX_SLOTS, memory_bytes // self.slot_bytes))
-        self._slots: list[dict | None] = [None] * self.slots_count
+        largest = self._staging_need(self.slice_bytes // 8 + 1, 8, D, M)      # the worst case: 8-byte elements
+        if sum(_aligned(b) for b in largest.values()) > memory_bytes:
+            raise ValueError(f"memory_bytes={memory_bytes} cannot hold the staging of one slice of "
+                             f"{self.slice_bytes} bytes; give more memory or smaller slices")
+        self.ring = StagingRing(memory_bytes, self.device)
         self.lanes = self._make_lanes() if self.groups is not None else []
         self._slices = 0                          # slices handed over so far
         self._finished: dict[int, object] = {}    # slice -> event set when its last stage is done
@@ -236,31 +243,27 @@ class HierarchicalAllReducer:
 
     # ---- set-up -----------------------------------------------------------------------
 
-    def _slot_sizes(self, D: int, M: int) -> dict[str, int]:
-        """Bytes of staging one slice of at most ``slice_bytes`` needs, by kind (elements of
-        at most 8 bytes): the padding tail, one element per block; the reduce-scatter's
-        incoming partial sums, (D − 1)/D of the slice and its tail (messages only: NCCL keeps
-        them inside); the collect's M rows when D = 1 (with D > 1 they land in the slice)."""
-        return {"padding": 8 * D * M,
-                "partials": self.slice_bytes + 8 * D * M if self.inside == "messages" and D > 1 else 0,
-                "staging": self.slice_bytes + 8 * M if D == 1 and M > 1 else 0}
+    def _staging_need(self, numel: int, element_size: int, D: int, M: int) -> dict[str, int]:
+        """Bytes of staging a slice of ``numel`` elements needs, by kind: the padding tail, one
+        element per block; the reduce-scatter's incoming partial sums, (D − 1)/D of the slice
+        and its tail (messages only: NCCL keeps them inside); the collect's M rows when D = 1
+        (with D > 1 they land in the slice itself, Fairring's trick)."""
+        k = numel // (D * M)
+        tail = numel % (D * M)
+        need = {"padding": D * M * element_size if tail else 0,
+                "partials": (D - 1) * M * (k + 1) * element_size if self.inside == "messages" and D > 1 else 0,
+                "staging": M * (k + 1) * element_size if D == 1 and M > 1 else 0}
+        return need
 
     def _make_lanes(self) -> list:
         if self.progress == "streams":
             return [StreamLane(self.device, stage) for stage in STAGES]
         return [ThreadLane(self, stage) for stage in STAGES]
 
-    def _slot(self, j: int) -> dict:
-        """Slot j's buffers, allocated on first use at their full size (never regrown)."""
-        if self._slots[j] is None:
-            self._slots[j] = {kind: _OwnSlot(nccl_memory.temporary(max(size, 8), torch.uint8, self.device))
-                              for kind, size in self.slot_sizes.items()}
-        return self._slots[j]
-
     @property
     def staging_bytes(self) -> int:
-        """Staging memory allocated so far: at most ``slots_count`` × ``slot_bytes`` ≤ the budget."""
-        return sum(self.slot_bytes for s in self._slots if s is not None)
+        """The most staging the slices in flight ever held at once (≤ ``memory_bytes``)."""
+        return self.ring.peak
 
     # ---- the call ---------------------------------------------------------------------
 
@@ -312,7 +315,17 @@ class HierarchicalAllReducer:
         """Hand the five stages of one slice to the lanes; return its "finished" event."""
         i = self._slices
         self._slices += 1
-        j = i % self.slots_count
+        D, M = self.layout.D, self.layout.M
+        need = self._staging_need(piece.numel(), piece.element_size(), D, M)
+        region, reused = self.ring.reserve(i, sum(_aligned(b) for b in need.values()))
+        pools, at = {}, 0
+        for kind, nbytes in need.items():      # this slice's own staging, carved from its region
+            pools[kind] = _OwnSlot(region[at:at + nbytes])
+            at += _aligned(nbytes)
+        previous = None                        # the last slice whose bytes this one reuses: done?
+        for j in [j for j in self._finished if reused is not None and j <= reused]:
+            event = self._finished.pop(j)
+            previous = event if j == reused else previous
         lanes, state = self.lanes, {}
         lane_streams = [getattr(lane, "stream", streams.NullStream()) for lane in lanes]
 
@@ -327,7 +340,7 @@ class HierarchicalAllReducer:
 
         def reduce_scatter():
             state["t"] = time.perf_counter()
-            one = state["slice"] = Slice(piece, self.groups, op, self.p, self._slot(j), lane_streams,
+            one = state["slice"] = Slice(piece, self.groups, op, self.p, pools, lane_streams,
                                          index=i, inside=self.inside, labels=self.progress == "streams")
             state["works"] = one.reduce_scatter()
 
@@ -358,9 +371,8 @@ class HierarchicalAllReducer:
             if last:
                 self._complete(bucket, *finish)
 
-        previous = self._finished.pop(i - self.slots_count, None)   # slot j's last slice: done?
         for lane, work in zip(lanes, (reduce_scatter, collect, add, diffuse, all_gather)):
-            lane.wait_for(previous)          # the slot (first lane), else this slice's stage before
+            lane.wait_for(previous)          # the staging's last user (first lane), else the stage before
             lane.submit(work)
             previous = lane.mark()
         self._finished[i] = previous
@@ -411,6 +423,49 @@ class HierarchicalAllReducer:
             self.lanes = []
 
 
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+class StagingRing:
+    """Fairring's total-memory budget: one arena of ``capacity`` bytes handed out as a ring.
+
+    ``reserve(i, nbytes)`` gives slice i the ``nbytes`` after the previous slice's (from the
+    start again when they do not fit before the end) and says which earlier slice last used
+    any of them -- slice i must wait for that one to finish. Slices finish in the order they
+    were reserved, so the latest one overlapped is the only one to wait for. Reserving is
+    bookkeeping on the host: the waiting is done by the lanes.
+    """
+
+    def __init__(self, capacity: int, device):
+        self.capacity, self.device = capacity, device
+        self.arena: torch.Tensor | None = None        # allocated on first use
+        self.head = 0
+        self.live: collections.deque = collections.deque()   # (slice, start, end), oldest first
+        self.peak = 0                                  # most bytes reserved at once
+
+    def reserve(self, index: int, nbytes: int) -> tuple[torch.Tensor, int | None]:
+        if nbytes > self.capacity:
+            raise ValueError(f"a slice needs {nbytes} bytes of staging; the budget is {self.capacity}")
+        if self.arena is None:
+            self.arena = nccl_memory.temporary(max(self.capacity, ALIGN), torch.uint8, self.device)
+        if nbytes == 0:
+            return self.arena[:0], None
+        start = self.head if self.head + nbytes <= self.capacity else 0
+        end, reused = start + nbytes, None
+        while self.live:                   # the oldest regions lie just after the head
+            j, lo, hi = self.live[0]
+            skipped = start < self.head and lo >= self.head          # in the tail left behind by the wrap
+            if not (skipped or (lo < end and start < hi)):
+                break
+            reused = j
+            self.live.popleft()
+        self.head = end
+        self.live.append((index, start, end))
+        self.peak = max(self.peak, sum(hi - lo for _, lo, hi in self.live))
+        return self.arena[start:end], reused
+
+
 class _OwnSlot:
     """One slice's own staging buffer, in the shape of a :class:`~.slice.SlotPool`: the
     reducer has already waited for the slot's previous slice, so acquiring waits for nothing."""
@@ -421,7 +476,7 @@ class _OwnSlot:
     def acquire(self, numel: int, dtype: torch.dtype, device, stream):
         need = numel * torch.empty((), dtype=dtype).element_size()
         if need > self.buffer.numel():
-            raise RuntimeError(f"a slice needs {need} bytes of staging, the slot has {self.buffer.numel()}")
+            raise RuntimeError(f"a slice asked for {need} bytes of staging, {self.buffer.numel()} were reserved")
         return 0, self.buffer[:need].view(dtype)
 
     def release(self, slot: int, stream, device) -> None:
