@@ -183,18 +183,68 @@ STAGE_COLOURS = {"reduce-scatter": "tab:blue", "collect": "tab:orange", "add": "
 
 
 def plot_timeline(rows: list[dict], title: str = ""):
-    """One row per stage lane; a bar per slice (issued → done), coloured by bucket."""
+    """One row per stage lane; a bar per slice of a bucket, from the moment its lane started
+    the stage to the moment the stage's messages were in (or its add done), coloured by bucket."""
     import matplotlib.pyplot as plt
 
     stages = list(STAGE_COLOURS)
-    fig, ax = plt.subplots(figsize=(10, 2.6))
+    fig, ax = plt.subplots(figsize=(10, 2.8))
+    first = min((r["bucket"] for r in rows), default=0)
     for r in rows:
         y = stages.index(r["stage"])
         ax.barh(y, (r["done"] - r["issued"]) * 1e3, left=r["issued"] * 1e3, height=0.7,
-                color=f"C{r['bucket'] % 10}", edgecolor="white", linewidth=0.4)
+                color=f"C{(r['bucket'] - first) % 10}", edgecolor="white", linewidth=0.4)
+    buckets = sorted({r["bucket"] - first for r in rows})
+    ax.legend([plt.Rectangle((0, 0), 1, 1, color=f"C{b % 10}") for b in buckets], [f"bucket {b}" for b in buckets],
+              ncol=len(buckets), fontsize=7, loc="lower right", frameon=False, bbox_to_anchor=(1, 1.0))
     ax.set_yticks(range(len(stages)), stages)
     ax.invert_yaxis()
-    ax.set_xlabel("ms since the first bucket was handed over (colour: bucket)")
-    ax.set_title(title, fontsize=9)
+    ax.set_xlabel("ms since the first bucket was handed over (bar: the lane starts the stage -> the next "
+                  "lane has what it waits for)")
+    fig.suptitle(title, fontsize=9, x=0.01, ha="left")
     fig.tight_layout()
     return fig
+
+
+# ---- the tour's row ---------------------------------------------------------------------------
+
+def tour_runner(nbytes: int) -> dict:
+    """The tour's row: ``nbytes`` as four buckets handed to the in-flight reducer at once on a
+    local world pretending to be 2 machines (1 when p is odd), verified, the bytes of the
+    traced buckets counted, timed against one ``dist.all_reduce`` per bucket."""
+    from collectives import verify
+    from collectives.hierarchical import HierarchicalAllReducer, stage_groups, tier_bytes
+    from collectives.hierarchical import resolve as layout_of
+
+    p = dist.get_world_size()
+    layout = (p // 2, 2) if p % 2 == 0 else (p, 1)
+    reducer = HierarchicalAllReducer(layout=layout)
+    fn = functools.partial(_wait_for, reducer)
+    cases = [c for c in verify.default_cases(p, quick=True, large=False) if c.group is None]
+    report = verify.check_all_reduce(fn, cases)
+    buckets = [torch.randn(max(nbytes // 16, 1)) for _ in range(4)]
+    with trace.recording() as t:
+        for h in [reducer.all_reduce(b) for b in buckets]:
+            h.wait()
+    groups = stage_groups(layout_of(layout), name="in flight")
+    sent = sum(v for k, v in tier_bytes(t.events, groups, p).items() if k in ("inside", "across"))
+
+    def ours():
+        for h in [reducer.all_reduce(b) for b in buckets]:
+            h.wait()
+
+    def flat():
+        for w in [dist.all_reduce(b, async_op=True) for b in buckets]:
+            w.wait()
+    mine, ref = timing.measure(ours), timing.measure(flat)
+    D, M = layout
+    theory = 4 * sum(s.bytes_per_rank for s in hcost.tiered("hierarchical", buckets[0].numel() * 4, D, M))
+    reducer.close()
+    bad = report.failures
+    return dict(verified=report.ok, detail="" if report.ok else f"{bad[0].case}: {bad[0].detail}",
+                seconds=timing.median(mine), ref_seconds=timing.median(ref), nbytes=4 * buckets[0].numel() * 4,
+                bytes_sent=sent, bytes_theory=theory, baseline="dist.all_reduce per bucket")
+
+
+def _wait_for(reducer, tensor, op=dist.ReduceOp.SUM, group=None):
+    reducer.all_reduce(tensor, op).wait()

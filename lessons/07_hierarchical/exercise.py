@@ -1,10 +1,11 @@
 """Lesson 7 exercise: hierarchical all-reduce, after Fairring.
 
-Four functions, four tasks: the two simple hierarchies first, then Fairring's five stages
-on one slice, then the slices pipelined. Every function has ``dist.all_reduce``'s
-contract -- in place, every op and dtype, views -- plus ``layout=(D, M)``: D ranks per
-machine, M machines, ranks machine-major (rank r is local rank r % D of machine r // D).
-Without ``layout`` it comes from the launcher's environment (``LOCAL_WORLD_SIZE``).
+Six tasks: the two simple hierarchies first, then Fairring's five stages on one slice,
+then the slices pipelined, then the call made asynchronous -- buckets in flight -- and a
+DDP communication hook on it. Tasks 1-5 have ``dist.all_reduce``'s contract -- in place,
+every op and dtype, views -- plus ``layout=(D, M)``: D ranks per machine, M machines,
+ranks machine-major (rank r is local rank r % D of machine r // D), two integers. Without
+``layout`` it comes from the launcher's environment (``LOCAL_WORLD_SIZE``).
 
 Given: :func:`stage_groups_for` -- the layout and a process group per stage (from
 ``collectives.hierarchical.layout``, the same groups the reference uses). You write the
@@ -26,6 +27,7 @@ The reference is ``collectives/hierarchical/``; the lesson page is docs/lessons/
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -132,6 +134,70 @@ def hierarchical_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, l
               buffer -- or reuse a few, once the slice that used one has finished its add.
     """
     raise NotImplementedError("Lesson 7, task 4: hierarchical_all_reduce")
+
+
+def hierarchical_all_reduce_async(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, layout=None, *,
+                                  memory_bytes: int = 64 << 20):
+    """Lesson 7, task 5: the asynchronous call -- a handle at once, buckets in flight in bounded memory.
+
+    TODO:     return at once a handle with ``wait()`` (returns ``tensor``, reduced in place)
+              and ``get_future()`` (a ``torch.futures.Future`` whose value is ``tensor``),
+              while the reduction goes on in the background. Many calls (buckets) may be in
+              flight together; they complete in the order they were made, and the staging
+              the slices in flight hold together never exceeds ``memory_bytes``.
+    APPROACH: an engine per (group, layout), made on the first call, with process groups
+              of its own: ``stage_groups(resolve(layout, group), group, name="in flight")``
+              (your threads must never share a group with the caller's calls). On a CPU a
+              stage's stream is a *thread*: one per stage, each running its stage's work for
+              one slice after another, from a queue. Slice i's stage k waits for its stage
+              k − 1 (a ``threading.Event``), ``wait()``s that stage's handles, then posts its
+              own (task 3's stages). Every rank hands the slices over in the same order, and
+              each group matches its messages in order, so any interleaving of the threads
+              is correct. Memory: a slice reserves its staging (task 3's partial sums,
+              staging rows, padding) from the budget before its first stage and gives it
+              back after its last; when the budget is spent, the next slice waits.
+    EXAMPLE:  layout (2, 2): ``h = [hierarchical_all_reduce_async(b, layout=(2, 2)) for b in
+              buckets]`` returns before any other rank has called; ``[x.wait() for x in h]``
+              leaves every bucket equal to ``dist.all_reduce``'s, bucket 0 done first.
+    HINT:     check the arguments on the caller's thread, before anything is queued (a
+              list, a float layout: the same error on every rank). The first call makes
+              process groups: every rank must make it, so it may wait for the others. An
+              empty tensor or a group of one: a handle that completes after the buckets
+              before it. ``future.set_result(tensor)`` from your last stage's thread
+              completes a bucket; ``future.set_exception(...)`` reports a failure.
+    """
+    raise NotImplementedError("Lesson 7, task 5: hierarchical_all_reduce_async")
+
+
+@dataclass
+class HierarchicalHookState:
+    """Given: what :func:`hierarchical_hook` keeps between buckets (``register_comm_hook``'s
+    first argument): the group, the layout, the staging budget, and a count of buckets."""
+
+    group: object = None
+    layout: tuple | None = None
+    memory_bytes: int = 64 << 20
+    buckets: int = 0
+
+
+def hierarchical_hook(state: HierarchicalHookState, bucket):
+    """Lesson 7, task 6: a DDP communication hook that keeps buckets in flight.
+
+    TODO:     average the bucket's gradients over the ranks with task 5's call and return
+              the bucket's future *without waiting*: DDP goes on with backward, hands over
+              the next bucket, and waits for every future at the end of backward.
+    APPROACH: ``flat = bucket.buffer()``; divide it by the world size first, as DDP's own
+              ``allreduce_hook`` does (``flat.div_(p)``: then a SUM), so that on
+              integer-valued gradients your parameters equal dense DDP's bit for bit;
+              ``return hierarchical_all_reduce_async(flat, ...).get_future()``.
+    EXAMPLE:  ``ddp = DistributedDataParallel(model, bucket_cap_mb=4)``;
+              ``ddp.register_comm_hook(HierarchicalHookState(layout=(2, 2)), hierarchical_hook)``;
+              train: after each step, the parameters equal those of DDP without the hook.
+    HINT:     no ``wait()`` in the hook. DDP calls it in bucket order on every rank, which
+              is the order task 5 needs. Leave ``bucket`` and the return unannotated: DDP
+              compares the annotations it finds with its own types.
+    """
+    raise NotImplementedError("Lesson 7, task 6: hierarchical_hook")
 
 
 # ---- the checks run by `python lessons/07_hierarchical/exercise.py` ----------------------
