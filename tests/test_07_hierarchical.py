@@ -2,7 +2,8 @@
 
 Three worlds (4, 2 and 6 gloo ranks), each pretending to be several machines with
 ``layout=(D, M)`` and running every check inside it: the harness's cases for each layout
-(every op and dtype, views, 0 and 1 element, fewer than D·M, over 1 Mi), the sizes that
+(every op and dtype, views, 0 and 1 element, fewer than D·M, over 1 Mi once per world
+size; the full cross product of dtypes and ops for the pipelined call), the sizes that
 exercise the padding slot (D·M − 1, D·M, D·M + 1, a prime), pipelined slices with more
 slices in flight than slots, two calls on one tensor, and traced calls whose collectives
 are counted by tier (:func:`collectives.hierarchical.layout.tier_bytes`):
@@ -45,7 +46,9 @@ PATTERN_N = 960            # divisible by every D·M here (4, 2, 6): the byte co
 SLICE_N = 96               # pipelined: PATTERN_N / SLICE_N = 10 slices, more than the 2 slots
 WORLDS = {4: [(2, 2), (1, 4), (4, 1)], 2: [(2, 1), (1, 2)], 6: [(3, 2), (2, 3)]}
 SIZES_ONLY = {(2, 3)}      # the padding and op cases only: the harness's dtypes run at (3, 2) in that world
-EXTRAS = {(2, 2), (1, 4), (3, 2)}   # the asynchronous call, the rail ring, the checks under streams.checking
+EXTRAS = {(2, 2), (1, 4), (3, 2)}   # the asynchronous call, the slots under streams.checking, the plan
+TWO_TIERS_INSIDE = sorted(layout for layout in EXTRAS if layout[0] > 1)   # the rail ring, NCCL's inside stages
+TRAINED = [(2, 2)]         # DDP with the hook and lesson 6's reducer: p = 4 divides exactly
 ASYNC_MEMORY = 24 << 10    # bytes of staging (slices of at most 6 KiB): buckets wait for earlier ones' bytes
 
 
@@ -94,13 +97,14 @@ def _world_checks(impl, layouts, full_harness):
     for layout in layouts:
         D, M = layout
         res = out[layout] = {}
-        harness = verify.default_cases(D * M) if layout in full_harness else \
-            verify.default_cases(D * M, quick=True, large=False)
-        cases = [c for c in harness if c.group is None and layout not in SIZES_ONLY] + _size_cases(D, M)
+        full = layout in full_harness
+        quick = verify.default_cases(D * M, quick=True, large=full)     # every dtype, every op, views
+        harness = {"root_based_all_reduce": [], "rail_all_reduce": quick, "one_slice_all_reduce": quick,
+                   "hierarchical_all_reduce": verify.default_cases(D * M) if full else quick}
         for name in FNS:
             fn = functools.partial(fns[name], layout=layout)
-            res[name] = verify.check_all_reduce(fn, cases if name != "root_based_all_reduce" else
-                                                _size_cases(D, M))
+            cases = [c for c in harness[name] if c.group is None and layout not in SIZES_ONLY]
+            res[name] = verify.check_all_reduce(fn, cases + _size_cases(D, M))
         # pipelined: 10 slices of 96 (more than the slots), a tail through the padding slot
         piped = functools.partial(fns["hierarchical_all_reduce"], layout=layout, slice_numel=SLICE_N)
         res["pipelined"] = verify.check_all_reduce(piped, [
@@ -216,7 +220,6 @@ ODD_SIZES = (1, 3, 97, 1009, 4099, 6007)     # buckets of odd sizes: padding, on
 def _extra_checks(impl, layout):
     """What came after the blocking call, on one layout (see the module docstring)."""
     D, M = layout
-    p = D * M
     out = {}
     ref = functools.partial(load(f"{REFERENCE}:hierarchical_all_reduce"), layout=layout)
     # the slice plan: computed once per (elements, dtype, layout, tiers), then looked up
@@ -225,15 +228,18 @@ def _extra_checks(impl, layout):
     for _ in range(3):
         ref(x)
     out["plan misses"] = hcost.slice_plan.cache_info().misses - before
-    quick = [c for c in verify.default_cases(p, quick=True, large=False) if c.group is None] + _size_cases(D, M)
-    # NCCL's in-place reduce-scatter and all-gather inside (run here on gloo)
-    collectives_inside = functools.partial(ref, inside="collectives", slice_numel=SLICE_N)
-    out["inside collectives"] = verify.check_all_reduce(collectives_inside, quick)
-    out["traces"] = {"inside collectives": _traced(collectives_inside, PATTERN_N)}
-    # the flat ring over every rail
-    rail_ring = functools.partial(load(f"{REFERENCE}:rail_ring_all_reduce"), layout=layout)
-    out["rail ring"] = verify.check_all_reduce(rail_ring, quick)
-    out["traces"]["rail ring"] = _traced(rail_ring, PATTERN_N)
+    out["traces"] = {}
+    if layout in TWO_TIERS_INSIDE:      # with D = 1 both are something tested already: no inside stage, a flat ring
+        cases = _size_cases(D, M) + [verify.Case(PRIME, dtype) for dtype in (torch.float16, torch.bfloat16,
+                                                                                torch.int32)]
+        # NCCL's in-place reduce-scatter and all-gather inside (run here on gloo)
+        collectives_inside = functools.partial(ref, inside="collectives", slice_numel=SLICE_N)
+        out["inside collectives"] = verify.check_all_reduce(collectives_inside, cases)
+        out["traces"]["inside collectives"] = _traced(collectives_inside, PATTERN_N)
+        # the flat ring over every rail
+        rail_ring = functools.partial(load(f"{REFERENCE}:rail_ring_all_reduce"), layout=layout)
+        out["rail ring"] = verify.check_all_reduce(rail_ring, cases)
+        out["traces"]["rail ring"] = _traced(rail_ring, PATTERN_N)
     # the event chain of the slots, many slices in flight, verified without a GPU
     out["checked pipeline"] = _checked(lambda x: ref(x, slice_numel=SLICE_N))
     out["checked in flight"] = _checked(functools.partial(_buckets_through_streams, layout))
@@ -244,7 +250,7 @@ def _extra_checks(impl, layout):
     out["traces"]["async"] = _traced(lambda x, **kw: asynchronous(x, **kw).wait(), PATTERN_N, layout=layout,
                                      memory_bytes=ASYNC_MEMORY)
     out["in flight"] = _in_flight_checks(layout)
-    if p == 4:      # 1/p exact: DDP's divide-then-sum agrees bit for bit in any order
+    if layout in TRAINED:
         out["training"] = _training_checks(impl, layout)
     return out
 
@@ -297,7 +303,11 @@ def _async_checks(impl, layout):
     fn = load(f"{impl}:hierarchical_all_reduce_async")
     D, M = layout
     rank = dist.get_rank()
-    cases = [c for c in verify.default_cases(D * M, large=False) if c.group is None]
+    # the harness's covering set: every dtype, every op, views, sizes around the world size
+    cases = [c for c in verify.default_cases(D * M, quick=True, large=False) if c.group is None]
+    cases += [verify.Case(PRIME, dtype, op) for dtype, op in ((torch.int64, ReduceOp.PRODUCT),
+                                                               (torch.int32, ReduceOp.MIN),
+                                                               (torch.float64, ReduceOp.AVG))]
     cases += [verify.Case(n, dtype, op) for n in ODD_SIZES
               for dtype, op in ((torch.float32, ReduceOp.SUM), (torch.int64, ReduceOp.MAX))]
     inputs = [verify.make_input(c, rank, seed=7) for c in cases]
@@ -592,7 +602,7 @@ def _slices_in_flight(numel, D, M, slice_bytes=2048):
     return -(-numel // step)
 
 
-@pytest.mark.parametrize("layout", sorted(layout for layout in EXTRAS if layout[0] * layout[1] == 4))
+@pytest.mark.parametrize("layout", TRAINED)
 def test_ddp_hook_and_lesson_6_reducer_train_bit_for_bit_like_ddp(worlds, layout):
     for rank, r in enumerate(worlds[layout]):
         runs = r["training"]
@@ -617,7 +627,7 @@ def test_a_call_returns_before_its_peers_have_called(worlds):
 
 # ---- the flat ring over the rails, NCCL's inside stages, the checks ----------------------
 
-@pytest.mark.parametrize("layout", sorted(EXTRAS))
+@pytest.mark.parametrize("layout", TWO_TIERS_INSIDE)
 def test_the_rail_ring_matches_and_crosses_machines_only_into_the_next_rail(worlds, layout):
     # Ring c enters every machine at local rank c: rank (d, m) sends across only to local
     # rank d + 1 (mod D) of machine m + 1, 2(p-1)/p · n/D bytes -- each rail carries 1/D.
@@ -635,7 +645,7 @@ def test_the_rail_ring_matches_and_crosses_machines_only_into_the_next_rail(worl
         assert hcost.cross_bytes_per_rank("rail_ring", n, D, M) == pytest.approx(2 * (p - 1) / p * n / D)
 
 
-@pytest.mark.parametrize("layout", sorted(EXTRAS))
+@pytest.mark.parametrize("layout", TWO_TIERS_INSIDE)
 def test_inside_stages_as_nccls_in_place_collectives_match_and_keep_the_pattern(worlds, layout):
     _assert_report(worlds, layout, "inside collectives")
     _assert_fairring_bytes(worlds, layout, "inside collectives")

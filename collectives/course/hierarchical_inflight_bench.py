@@ -213,8 +213,7 @@ def tour_runner(nbytes: int) -> dict:
     local world pretending to be 2 machines (1 when p is odd), verified, the bytes of the
     traced buckets counted, timed against one ``dist.all_reduce`` per bucket."""
     from collectives import verify
-    from collectives.hierarchical import HierarchicalAllReducer, stage_groups, tier_bytes
-    from collectives.hierarchical import resolve as layout_of
+    from collectives.hierarchical import HierarchicalAllReducer, tier_bytes
 
     p = dist.get_world_size()
     layout = (p // 2, 2) if p % 2 == 0 else (p, 1)
@@ -226,8 +225,7 @@ def tour_runner(nbytes: int) -> dict:
     with trace.recording() as t:
         for h in [reducer.all_reduce(b) for b in buckets]:
             h.wait()
-    groups = stage_groups(layout_of(layout), name="in flight")
-    sent = sum(v for k, v in tier_bytes(t.events, groups, p).items() if k in ("inside", "across"))
+    sent = sum(v for k, v in tier_bytes(t.events, reducer.groups, p).items() if k in ("inside", "across"))
 
     def ours():
         for h in [reducer.all_reduce(b) for b in buckets]:

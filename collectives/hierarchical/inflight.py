@@ -29,10 +29,10 @@ GPU stream would make, while the caller's thread goes on (computing backward, ha
 the next bucket). An event is a ``threading.Event`` set when the lane gets there.
 
 **Why any interleaving is correct.** Each stage has its own process groups (a set made for
-the engine alone: ``stage_groups(..., name="in flight")``) and each lane issues its stage for
-the slices in the order they were handed over -- the same on every rank. Messages on one
-group match in the order they are posted, so stage k of slice i meets stage k of slice i on
-every peer, however the lanes' threads interleave. Nothing waits in a cycle: a lane waits
+each reducer alone: ``stage_groups(..., name="in flight <n>")``) and each lane issues its
+stage for the slices in the order they were handed over -- the same on every rank. Messages
+on one group match in the order they are posted, so stage k of slice i meets stage k of
+slice i on every peer, however the lanes' threads interleave. Nothing waits in a cycle: a lane waits
 only for an earlier stage of the same slice, or (for memory) for an earlier slice to finish.
 
 **Bounded memory.** Fairring gives its staging a total budget. A slice needs staging
@@ -53,6 +53,7 @@ order), and every rank must hand over the same buckets in the same order (DDP do
 from __future__ import annotations
 
 import collections
+import itertools
 import queue
 import threading
 import time
@@ -178,6 +179,9 @@ class _Set:
         self.event = event
 
 
+_serial = itertools.count()     # reducers made in this process: every rank makes them in the same order
+
+
 class HierarchicalAllReducer:
     """Asynchronous hierarchical all-reduce with buckets in flight in bounded staging memory.
 
@@ -223,8 +227,8 @@ class HierarchicalAllReducer:
             ops.compare_across_ranks("HierarchicalAllReducer", torch.empty(0, device=self.device), ReduceOp.SUM,
                                      group, {"layout": (self.layout.D, self.layout.M), "memory_bytes": memory_bytes,
                                              "progress": progress, "inside": self.inside})
-        if self.member and self.p > 1:
-            self.groups = stage_groups(self.layout, group, name="in flight")
+        if self.member and self.p > 1:      # groups of its own: two reducers' lanes must not share one
+            self.groups = stage_groups(self.layout, group, name=f"in flight {next(_serial)}")
         D, M = (self.layout.D, self.layout.M) if self.layout else (1, 1)
         self.slice_bytes = max(self.slice_bytes, 8 * D * M)   # a slice holds at least one element per block
         largest = self._staging_need(self.slice_bytes // 8 + 1, 8, D, M)      # the worst case: 8-byte elements
