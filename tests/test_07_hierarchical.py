@@ -824,6 +824,11 @@ def _cluster_checks(impl):
     cases += _size_cases(2, 2) + [verify.Case(PRIME, group=(0, 2)), verify.Case(PRIME, group=(0, 1))]
     for name in FNS:
         out[name] = verify.check_all_reduce(load(f"{impl}:{name}"), cases)
+    # the ring over every rail and the asynchronous call, on real links, layout from the environment
+    world_cases = [c for c in cases if c.group is None]
+    out["rail ring"] = verify.check_all_reduce(load(f"{REFERENCE}:rail_ring_all_reduce"), world_cases)
+    asynchronous = load(f"{impl}:hierarchical_all_reduce_async")
+    out["async"] = verify.check_all_reduce(lambda x, op=ReduceOp.SUM: asynchronous(x, op).wait(), world_cases)
     events, error = _traced(load(f"{impl}:one_slice_all_reduce"), PATTERN_N)
     out["tiers"] = error or _tiers(events, None)
     return out
@@ -839,7 +844,7 @@ def test_on_the_simulated_cluster_with_the_layout_from_the_environment(impl):
     n = PATTERN_N * 4
     for rank, r in enumerate(results):
         assert r["layout"] == (2, 2), f"rank {rank} read the layout {r['layout']} from its environment"
-        for name in FNS:
+        for name in FNS + ("rail ring", "async"):
             assert r[name].ok, f"{name} on the cluster, rank {rank}: {r[name].summary()}"
         assert r["tiers"]["across"] == pytest.approx(n / 2) and r["tiers"]["inside"] == pytest.approx(n), r["tiers"]
 
@@ -859,6 +864,13 @@ def _gpu_checks(layout, big_numel):
     expected = verify.reference_all_reduce(x)
     load("collectives.hierarchical:hierarchical_all_reduce")(x, layout=layout)
     out["256 MiB"] = verify.compare(expected, x)
+    # buckets in flight on streams: many slices, a small ring of staging, NCCL's inside stages
+    from collectives.hierarchical import HierarchicalAllReducer
+    reducer = HierarchicalAllReducer(layout=layout, memory_bytes=1 << 20, slice_bytes=1 << 18)
+    buckets = [torch.randint(-8, 9, (n,), device=device).float() for n in (4099, 1 << 20, 97, 3 << 18)]
+    wants = [verify.reference_all_reduce(b) for b in buckets]
+    handles = [reducer.all_reduce(b) for b in buckets]
+    out["in flight"] = [verify.compare(w, h.wait()) for w, h in zip(wants, handles)]
     return out
 
 
@@ -870,3 +882,4 @@ def test_on_two_gpus_with_nccl(layout):
         for name in ("hierarchical_all_reduce", "one_slice_all_reduce", "rail_all_reduce"):
             assert r[name].ok, f"{name}, layout {layout}, rank {rank}: {r[name].summary()}"
         assert r["256 MiB"] is None, f"256 MiB, layout {layout}, rank {rank}: {r['256 MiB']}"
+        assert r["in flight"] == [None] * 4, f"buckets in flight, layout {layout}, rank {rank}: {r['in flight']}"

@@ -299,6 +299,8 @@ class HierarchicalAllReducer:
             self.peak_in_flight = max(self.peak_in_flight, len(self._pending))
         if self.progress == "streams":     # the bucket's writes, queued on the caller's stream, come first
             self.lanes[0].stream.wait_stream(streams.current_stream(self.device))
+            for lane in self.lanes:          # the host lets go of it before the lanes are done with it
+                streams.record_stream(flat, lane.stream)
         done = None
         for k, (lo, hi) in enumerate(bounds):
             done = self._issue(flat[lo:hi], op, bucket, k, last=k == len(bounds) - 1,
