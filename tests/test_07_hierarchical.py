@@ -883,3 +883,33 @@ def test_on_two_gpus_with_nccl(layout):
             assert r[name].ok, f"{name}, layout {layout}, rank {rank}: {r[name].summary()}"
         assert r["256 MiB"] is None, f"256 MiB, layout {layout}, rank {rank}: {r['256 MiB']}"
         assert r["in flight"] == [None] * 4, f"buckets in flight, layout {layout}, rank {rank}: {r['in flight']}"
+
+
+# ---- the benchmarks' records (no world: what a record holds and how it compares) -----------
+
+def test_a_bench_record_holds_machine_versions_date_command_and_its_comparisons(tmp_path):
+    import json
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from collectives.course import hierarchical_record as record
+    from collectives.course.hierarchical_bench import crossover
+
+    rows = [dict(name=name, nbytes=n, seconds=s, verified=True)
+            for name, n, s in [("dist.all_reduce", 1 << 16, 0.002), ("hierarchical, pipelined", 1 << 16, 0.005),
+                               ("dist.all_reduce", 1 << 20, 0.013), ("hierarchical, pipelined", 1 << 20, 0.015),
+                               ("dist.all_reduce", 4 << 20, 0.051), ("hierarchical, pipelined", 4 << 20, 0.036),
+                               ("dist.all_reduce", 16 << 20, 0.21), ("hierarchical, pipelined", 16 << 20, 0.14)]]
+    assert crossover(rows, "hierarchical, pipelined", "dist.all_reduce") == 4 << 20
+    assert crossover(rows, "dist.all_reduce", "hierarchical, pipelined") is None    # loses at the largest size
+    one = record.compare("16 MiB", "hierarchical", 0.14, "dist.all_reduce", 0.21)
+    assert one["faster"] == "hierarchical" and one["by"] == pytest.approx(1.5)
+    fig, _ = plt.subplots()
+    path = record.write("crossover", ["--quick"], {"rows": rows, "comparisons": [one]}, fig, tmp_path)
+    saved = json.loads(path.read_text())
+    assert saved["command"] == "python -m collectives bench-hier crossover --quick"
+    assert {"cpu", "cores"} <= set(saved["machine"]) and saved["versions"]["torch"] == torch.__version__
+    assert saved["date"][:4].isdigit() and saved["comparisons"][0]["by"] == pytest.approx(1.5)
+    assert (tmp_path / saved["figure"]).stat().st_size > 0

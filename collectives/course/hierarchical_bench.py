@@ -85,6 +85,10 @@ def _bench_in_rank(sizes: list[int], iters: int, names: list[str], impl: str = "
         target = target_of(name, impl)
         report = verify.check_all_reduce(_fn(target), check) if target else verify.Report()
         for nbytes in sizes:
+            if not report.ok:          # not written yet, or wrong: nothing to time
+                out["rows"].append(dict(name=name, nbytes=nbytes, verified=False, detail=report.summary(2),
+                                        seconds=float("nan"), times=[], calls=0))
+                continue
             x = torch.randn(nbytes // 4) * 1e-10        # times 4 each call: stays finite
             fn = _fn(target)
             with trace.recording() as t:
@@ -154,12 +158,14 @@ def render(result: dict) -> None:
     console.print(table)
     console.print("× flat ring / × dist.all_reduce: that algorithm's time divided by this one's "
                   "(above 1: this one is faster). model: collectives.hierarchical.cost.predict_tiered.")
+    for name, detail in dict.fromkeys((r["name"], r["detail"]) for r in result["rows"] if not r["verified"]):
+        console.print(f"[red]{name} not timed[/]: {detail.splitlines()[-1].strip()}")
 
 
 # ---- the suites built on run_bench ---------------------------------------------------------
 
 def _comparisons(rows: list[dict], label: str, against=("dist.all_reduce", "flat ring", "rail ring")) -> list[dict]:
-    by = {(r["name"], r["nbytes"]): r for r in rows}
+    by = {(r["name"], r["nbytes"]): r for r in rows if r["verified"]}
     out = []
     for (name, nbytes), r in by.items():
         if not name.startswith("hierarchical"):
@@ -174,7 +180,7 @@ def _comparisons(rows: list[dict], label: str, against=("dist.all_reduce", "flat
 def crossover(rows: list[dict], ours: str, theirs: str) -> int | None:
     """The smallest measured size from which ``ours`` is faster than ``theirs`` at every
     larger measured size (None: never; the smallest size: everywhere)."""
-    by = {(r["name"], r["nbytes"]): r["seconds"] for r in rows}
+    by = {(r["name"], r["nbytes"]): r["seconds"] for r in rows if r["verified"]}
     sizes = sorted({r["nbytes"] for r in rows if (ours, r["nbytes"]) in by and (theirs, r["nbytes"]) in by})
     winning = None
     for n in reversed(sizes):

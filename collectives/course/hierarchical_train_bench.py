@@ -77,9 +77,13 @@ def _rank(model_kind: str, caps: list[float], warmup: int, steps: int, impl: str
                 model.loss(wrapped(x), y).backward()
                 opt.step()
             models[variant], stepping[variant] = model, step
-        for _ in range(warmup):                # the first steps build and rebuild the buckets
-            for variant in variants:
-                stepping[variant]()
+        try:
+            for _ in range(warmup):            # the first steps build and rebuild the buckets
+                for variant in variants:
+                    stepping[variant]()
+        except NotImplementedError as exc:     # the exercise's task 5 or 6, not written yet
+            out["error"] = f"not written yet: {exc}"
+            return out
         diff = {v: _max_param_diff(models[v], models[VARIANTS[0]]) for v in variants}
         times = {v: [] for v in variants}
         for r in range(steps):
@@ -105,6 +109,8 @@ def run(model_kind: str, link: str, rails: bool, caps: list[float], warmup: int,
         out = launch.run(_rank, 4, args=(model_kind, caps, warmup, steps, impl, variants), cluster=made,
                          timeout=240 + 20 * (warmup + steps) * len(caps) * len(variants))[0]
     rows = []
+    if out.get("error"):
+        print(f"not timed: {out['error']}")
     for cap, got in out["caps"].items():
         for variant in variants:
             rows.append(dict(name=variant, bucket_cap_mb=cap, seconds=timing.median(got["times"][variant]),
@@ -126,6 +132,9 @@ def suite(args, argv):
         label = f"2 x 2, {args.link} {'per rail' if rails else 'per machine'}"
         for cap in caps:
             by = {r["name"]: r for r in res["rows"] if r["bucket_cap_mb"] == cap}
+            if set(by) != set(variants):         # not written yet: nothing was timed
+                result["checked"] = [dict(verified=False)]
+                continue
             for r in by.values():
                 print(f"{label}, buckets {cap:g} MiB: {r['name']:34s} {timing.human_seconds(r['seconds']):>10s}"
                       f"  params vs DDP {r['param_diff_vs_ddp']:.1e}")
@@ -148,7 +157,7 @@ def _plot(result: dict, caps: list[float], variants: list[str]):
         for i, variant in enumerate(variants):
             got = {r["bucket_cap_mb"]: r["seconds"] for r in res["rows"] if r["name"] == variant}
             ax.bar([c + (i - (len(variants) - 1) / 2) * width for c in range(len(caps))],
-                   [got[cap] for cap in caps], width, color=f"C{i}", label=variant)
+                   [got.get(cap, float("nan")) for cap in caps], width, color=f"C{i}", label=variant)
         ax.set_xticks(range(len(caps)), [f"buckets of {c:g} MiB" for c in caps])
         ax.set_title(f"{res['model']}, {timing.human_bytes(res['grad_bytes'])} of gradients, 2 x 2 at "
                      f"{res['link']} {'per rail' if res['rails'] else 'per machine'}", fontsize=9)
