@@ -52,24 +52,22 @@ order), and every rank must hand over the same buckets in the same order (DDP do
 
 from __future__ import annotations
 
-import collections
 import itertools
-import queue
 import threading
 import time
 
 import torch
 import torch.distributed as dist
 
-from ..core import nccl_memory, ops, streams
+from ..core import ops, streams
 from ..core.ops import ReduceOp
+from .lanes import OwnSlot, StagingRing, StreamLane, ThreadLane, aligned
 from .layout import check_layout, checked_layout, resolve, stage_groups
 from .pipeline import default_slice_numel, default_tiers, inside_mode
 from .slice import Slice
 
 STAGES = ("reduce-scatter", "collect", "add", "diffuse", "all-gather")
 DEFAULT_MEMORY = 64 << 20       # bytes of staging, all slices in flight together
-ALIGN = 64                      # each staging buffer starts on a 64-byte boundary
 
 
 class Handle:
@@ -101,82 +99,6 @@ def _finished(tensor: torch.Tensor, bucket: int = -1) -> Handle:
     future = torch.futures.Future()
     future.set_result(tensor)
     return Handle(tensor, future, bucket)
-
-
-class StreamLane:
-    """A stage's lane on a GPU: a CUDA stream. Work given to it is issued at once, under the
-    stream; ``wait_for(event)`` makes the stream (not the host) wait. On a CPU the same
-    lane is a stand-in stream (:mod:`collectives.core.streams`): work runs when given, which
-    :func:`streams.checking` uses to verify the event chain without a GPU."""
-
-    def __init__(self, device, name: str):
-        self.device, self.stream = device, streams.new_stream(device, name=f"the {name} lane")
-
-    def submit(self, work) -> None:
-        with streams.use(self.stream):
-            work()
-
-    def mark(self):
-        event = streams.new_event(self.device)
-        event.record(self.stream)
-        return event
-
-    def wait_for(self, event) -> None:
-        if event is not None:
-            self.stream.wait_event(event)
-
-
-class ThreadLane:
-    """A stage's lane on a CPU: a thread that runs the work given to it, in order, and
-    blocks where a GPU stream would wait. ``mark()`` is an event the thread sets when it
-    gets there; ``wait_for(event)`` holds the lane's later work until it is set."""
-
-    def __init__(self, engine: "HierarchicalAllReducer", name: str):
-        self.engine, self.queue = engine, queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._run, name=f"collectives {name} lane", daemon=True)
-        self.thread.start()
-
-    def submit(self, work) -> None:
-        self.queue.put(work)
-
-    def mark(self) -> threading.Event:
-        event = threading.Event()
-        self.queue.put(_Set(event))
-        return event
-
-    def wait_for(self, event) -> None:
-        if event is not None:
-            self.queue.put(lambda: self._wait(event))
-
-    def _wait(self, event: threading.Event) -> None:
-        while not event.wait(0.5):
-            if self.engine.error is not None:
-                return                          # a failed engine: its lanes drain without waiting
-
-    def _run(self) -> None:
-        while True:
-            work = self.queue.get()
-            if work is None:
-                return
-            if isinstance(work, _Set):
-                work.event.set()
-                continue
-            if self.engine.error is not None:
-                continue                        # after a failure only the events are still set
-            try:
-                work()
-            except BaseException as exc:  # noqa: BLE001 - handed to every handle still waiting
-                self.engine.fail(exc)
-
-    def close(self) -> None:
-        self.queue.put(None)
-
-
-class _Set:
-    """A lane's mark: set the event when the lane gets here."""
-
-    def __init__(self, event: threading.Event):
-        self.event = event
 
 
 _serial = itertools.count()     # reducers made in this process: every rank makes them in the same order
@@ -232,7 +154,7 @@ class HierarchicalAllReducer:
         D, M = (self.layout.D, self.layout.M) if self.layout else (1, 1)
         self.slice_bytes = max(self.slice_bytes, 8 * D * M)   # a slice holds at least one element per block
         largest = self._staging_need(self.slice_bytes // 8 + 1, 8, D, M)      # the worst case: 8-byte elements
-        if sum(_aligned(b) for b in largest.values()) > memory_bytes:
+        if sum(aligned(b) for b in largest.values()) > memory_bytes:
             raise ValueError(f"memory_bytes={memory_bytes} cannot hold the staging of one slice of "
                              f"{self.slice_bytes} bytes; give more memory or smaller slices")
         self.ring = StagingRing(memory_bytes, self.device)
@@ -323,11 +245,11 @@ class HierarchicalAllReducer:
         self._slices += 1
         D, M = self.layout.D, self.layout.M
         need = self._staging_need(piece.numel(), piece.element_size(), D, M)
-        region, reused = self.ring.reserve(i, sum(_aligned(b) for b in need.values()))
+        region, reused = self.ring.reserve(i, sum(aligned(b) for b in need.values()))
         pools, at = {}, 0
         for kind, nbytes in need.items():      # this slice's own staging, carved from its region
-            pools[kind] = _OwnSlot(region[at:at + nbytes])
-            at += _aligned(nbytes)
+            pools[kind] = OwnSlot(region[at:at + nbytes])
+            at += aligned(nbytes)
         previous = None                        # the last slice whose bytes this one reuses: done?
         for j in [j for j in self._finished if reused is not None and j <= reused]:
             event = self._finished.pop(j)
@@ -427,66 +349,6 @@ class HierarchicalAllReducer:
                 if isinstance(lane, ThreadLane):
                     lane.close()
             self.lanes = []
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
-
-
-class StagingRing:
-    """Fairring's total-memory budget: one arena of ``capacity`` bytes handed out as a ring.
-
-    ``reserve(i, nbytes)`` gives slice i the ``nbytes`` after the previous slice's (from the
-    start again when they do not fit before the end) and says which earlier slice last used
-    any of them -- slice i must wait for that one to finish. Slices finish in the order they
-    were reserved, so the latest one overlapped is the only one to wait for. Reserving is
-    bookkeeping on the host: the waiting is done by the lanes.
-    """
-
-    def __init__(self, capacity: int, device):
-        self.capacity, self.device = capacity, device
-        self.arena: torch.Tensor | None = None        # allocated on first use
-        self.head = 0
-        self.live: collections.deque = collections.deque()   # (slice, start, end), oldest first
-        self.peak = 0                                  # most bytes reserved at once
-
-    def reserve(self, index: int, nbytes: int) -> tuple[torch.Tensor, int | None]:
-        if nbytes > self.capacity:
-            raise ValueError(f"a slice needs {nbytes} bytes of staging; the budget is {self.capacity}")
-        if self.arena is None:
-            self.arena = nccl_memory.temporary(max(self.capacity, ALIGN), torch.uint8, self.device)
-        if nbytes == 0:
-            return self.arena[:0], None
-        start = self.head if self.head + nbytes <= self.capacity else 0
-        end, reused = start + nbytes, None
-        while self.live:                   # the oldest regions lie just after the head
-            j, lo, hi = self.live[0]
-            skipped = start < self.head and lo >= self.head          # in the tail left behind by the wrap
-            if not (skipped or (lo < end and start < hi)):
-                break
-            reused = j
-            self.live.popleft()
-        self.head = end
-        self.live.append((index, start, end))
-        self.peak = max(self.peak, sum(hi - lo for _, lo, hi in self.live))
-        return self.arena[start:end], reused
-
-
-class _OwnSlot:
-    """One slice's own staging buffer, in the shape of a :class:`~.slice.SlotPool`: the
-    reducer has already waited for the slot's previous slice, so acquiring waits for nothing."""
-
-    def __init__(self, buffer: torch.Tensor):
-        self.buffer = buffer
-
-    def acquire(self, numel: int, dtype: torch.dtype, device, stream):
-        need = numel * torch.empty((), dtype=dtype).element_size()
-        if need > self.buffer.numel():
-            raise RuntimeError(f"a slice asked for {need} bytes of staging, {self.buffer.numel()} were reserved")
-        return 0, self.buffer[:need].view(dtype)
-
-    def release(self, slot: int, stream, device) -> None:
-        pass
 
 
 _reducers: dict[tuple, HierarchicalAllReducer] = {}
