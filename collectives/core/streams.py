@@ -206,7 +206,9 @@ class _CheckedWork:
 
 
 def _verb(what: str, write: bool, past: bool) -> str:
-    if what in ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor") and write:
+    if what == "all_reduce":
+        return "reduced" if past else "reduces"
+    if what in ("reduce_scatter_tensor", "all_gather_into_tensor") and write:
         return "wrote the result into" if past else "writes its result into"
     if what in ("irecv", "recv") or (what.startswith("batch") and write):
         return "received into" if past else "receives into"
