@@ -1,82 +1,177 @@
-"""The grader can fail: pristine stubs score 0, the reference scores full, partial work scores in between."""
+"""Check and grade agree, and the grader can fail: proved lesson by lesson.
 
+For every lesson, the exercise runner (``make check``: the exercise file run as a script)
+and the grader (``make grade``) are run on
+
+* the reference solution -- every task PASS in the runner, full points in the grader;
+* the pristine stubs -- every task FAIL "not written yet" in both, 0 points;
+* every partial solution, tasks 1..k solved and the rest stubs -- task k PASS and full,
+  task k + 1 FAIL and zero, in both. With the two ends above this proves the whole
+  matrix: a task that needed a later task's function would fail at its own boundary, and
+  one that did not call its own function would pass on the stubs.
+
+Both read one task table (:mod:`collectives.course.tasks`); the runner's worlds run in
+check mode and the grader's do not, so this also shows check mode changes no verdict of
+working code. Cheating exercises (``tests/cheats/``) score 0 on the tasks they target.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
 import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
+
+from collectives.course import grading, runner
 from collectives.course.catalog import LESSONS, ROOT
+from collectives.course.tasks import tasks_of
+
+ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+NUMBERS = [item.number for item in LESSONS]
+LINE = re.compile(r"^task (\d+) .*?: (PASS|FAIL)(?:: (.*))?$")
 
 
-def grade(*args, timeout=900):
-    proc = subprocess.run([sys.executable, "-m", "collectives", "grade", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
-    match = re.search(r"SCORE (\d+)/(\d+)", proc.stdout)
-    assert match, f"no score line in the grader's output:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc.returncode, int(match.group(1)), int(match.group(2)), proc.stdout
+def _runner_script(number: int, *args: str) -> dict[int, tuple[bool, str]]:
+    """The exercise run as a student runs it: {task: (passed, detail)}."""
+    exercise = LESSONS[number - 1].exercise
+    proc = subprocess.run([sys.executable, str(exercise), *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env=ENV)
+    return _parse(proc.stdout, proc.stderr)
 
 
-def test_the_pristine_stubs_score_zero_and_the_grade_fails():
-    code, earned, total, out = grade()
-    assert earned == 0, out[-3000:]
-    assert total > 0
-    assert code != 0
+def _runner_here(number: int, exercises: Path, *args: str) -> dict[int, tuple[bool, str]]:
+    """The runner's own ``run_tasks`` on a copy of ``lessons/`` (the in-process route)."""
+    out = io.StringIO()
+    before = os.environ.get("COLLECTIVES_EXERCISE_DIR")
+    os.environ["COLLECTIVES_EXERCISE_DIR"] = str(exercises)
+    try:
+        with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+            runner.run_tasks(number, argv=list(args))
+    finally:
+        if before is None:
+            os.environ.pop("COLLECTIVES_EXERCISE_DIR")
+        else:
+            os.environ["COLLECTIVES_EXERCISE_DIR"] = before
+    return _parse(out.getvalue(), "")
 
 
-def test_the_reference_scores_full_marks():
-    code, earned, total, out = grade("--impl", "reference")
-    assert earned == total > 0, out[-4000:]
-    assert code == 0
-    for lesson in LESSONS:  # every lesson contributes graded tasks
-        assert re.search(rf"│\s+{lesson.nn}\s+│", out), f"lesson {lesson.nn} has no graded task"
+def _parse(stdout: str, stderr: str) -> dict[int, tuple[bool, str]]:
+    found = {}
+    for line in stdout.splitlines():
+        match = LINE.match(line)
+        if match:
+            found[int(match.group(1))] = (match.group(2) == "PASS", match.group(3) or "")
+    assert found, f"no task lines in the runner's output:\n{stdout[-3000:]}\n{stderr[-3000:]}"
+    return found
 
 
-def test_one_solved_task_earns_its_points_and_no_more(tmp_path):
-    # A student's copy of lessons/ where only lesson 1's exercise functions come from the
-    # reference: lesson 1 scores full, and the grade as a whole still fails.
-    first = LESSONS[0]
-    student = tmp_path / "lessons"
-    shutil.copytree(ROOT / "lessons", student)
-    solved = student / first.exercise.parent.name / "exercise.py"
-    solved.write_text(solved.read_text() + f"\n\nfrom {first.module} import *  # noqa\n")
-    code, earned, total, out = grade("--exercises", str(student), "--lesson", first.nn)
-    assert earned == total > 0, out[-3000:]
-    code, earned, total, out = grade("--exercises", str(student), "--lesson", first.nn,
-                                     "--lesson", LESSONS[1].nn)
-    assert 0 < earned < total and code != 0
+def _grader(number: int, impl: str = "exercise", exercises: Path | None = None,
+            tasks: list[int] | None = None) -> dict[int, tuple[bool, str]]:
+    before = os.environ.get("COLLECTIVES_EXERCISE_DIR")
+    if exercises is not None:
+        os.environ["COLLECTIVES_EXERCISE_DIR"] = str(exercises)
+    try:
+        _, _, scores = grading.grade([number], impl, tasks=tasks)
+    finally:
+        if exercises is not None:
+            if before is None:
+                os.environ.pop("COLLECTIVES_EXERCISE_DIR")
+            else:
+                os.environ["COLLECTIVES_EXERCISE_DIR"] = before
+    return {s.task: (s.earned == s.points > 0, s.result) for s in scores}
+
+
+def partial_solution(number: int, solved: int, into: Path) -> Path:
+    """A copy of ``lessons/`` whose lesson ``number`` has tasks 1..``solved`` taken from the
+    reference and the rest left as stubs; returns the copy's folder."""
+    shutil.copytree(ROOT / "lessons", into)
+    item = LESSONS[number - 1]
+    exercise = into / item.exercise.parent.name / "exercise.py"
+    names = [name for task in tasks_of(number)[:solved] for name in task.functions]
+    lines = [f"import {item.module} as _reference  # noqa: E402"]
+    for name in names:
+        if "." in name:                      # a method of one of the exercise's classes
+            owner, method = name.split(".", 1)
+            lines.append(f"{owner}.{method} = _reference.{owner}.{method}")
+        else:
+            lines.append(f"{name} = _reference.{name}")
+    source = exercise.read_text()
+    head, main = source.split('if __name__ == "__main__":')
+    exercise.write_text(head + "\n".join(lines) + "\n\n\nif __name__ == \"__main__\":" + main)
+    return into
+
+
+@pytest.mark.parametrize("number", NUMBERS)
+def test_check_and_grade_agree_on_the_reference_the_stubs_and_every_partial_solution(number, tmp_path):
+    tasks = tasks_of(number)
+    assert tasks and all(t.functions for t in tasks), f"lesson {number}: every task names its functions"
+
+    reference = (_runner_script(number, "--impl", "reference"), _grader(number, "reference"))
+    for task in tasks:
+        for route, verdicts in zip(("make check", "make grade"), reference):
+            passed, detail = verdicts[task.number]
+            assert passed, f"lesson {number} task {task.number}, reference, {route}: {detail}"
+
+    stubs = (_runner_script(number), _grader(number))
+    for task in tasks:
+        for route, verdicts in zip(("make check", "make grade"), stubs):
+            passed, detail = verdicts[task.number]
+            assert not passed and "not written yet" in detail, \
+                f"lesson {number} task {task.number}, stubs, {route}: {detail}"
+
+    for k in range(1, len(tasks)):
+        copy = partial_solution(number, k, tmp_path / f"solved{k}")
+        chosen = [str(a) for t in (k, k + 1) for a in ("--task", t)]
+        check = _runner_here(number, copy, *chosen)
+        grade = _grader(number, exercises=copy, tasks=[k, k + 1])
+        for route, verdicts in (("make check", check), ("make grade", grade)):
+            assert verdicts[k][0], f"lesson {number}, tasks 1..{k} solved, {route}: task {k} failed: {verdicts[k][1]}"
+            assert not verdicts[k + 1][0], f"lesson {number}, tasks 1..{k} solved, {route}: task {k + 1} passed"
+
+
+def test_the_grade_command_prints_the_table_and_fails_below_full_marks(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "collectives", "grade", "--lesson", "04", "--task", "1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    assert "SCORE 0/3" in proc.stdout and proc.returncode != 0, proc.stdout + proc.stderr[-2000:]
+    assert "lessons/04_ring/exercise.py --verbose" in proc.stdout, "it says how to see the problems in full"
 
 
 CHEATS = ROOT / "tests" / "cheats"
+# fixture -> (lesson, tasks it must score 0 on)
+CHEAT_TARGETS = {
+    # fixture: (lesson, tasks it must score 0 on, a task of the reference's it must still score)
+    "paused_all_reduce_and_small_worlds": (4, (3, 4), 1),
+    "divisible_sizes_and_fixed_seed": (4, (3, 4), 1),
+    "replaced_verdict_and_a_hang": (4, (3, 4), 1),
+    "lesson05_paused_per_tensor_with_decoys": (5, (4, 5), 1),
+    "lesson05_replaced_verdict": (5, (4, 5), 2),
+    "lesson05_known_inputs": (5, (1, 3), 2),
+    "lesson05_silenced_stream_checker": (5, (5,), 1),
+    "lesson06_paused_flat_with_decoys": (6, (2, 3), 1),
+    "lesson06_replaced_test_helpers": (6, (3, 4), 1),
+    "lesson06_lazy_launches_forged_times": (6, (2, 3), 1),
+}
 
 
-def _row(out, lesson, task):
-    """(earned, points, the row's text) of one task in the grade table."""
-    match = re.search(rf"│\s+{lesson:02d} │\s+{task} │[^│]*│\s+(\d+)/(\d+) │(.*)", out)
-    assert match, f"no row for lesson {lesson} task {task}:\n{out[-3000:]}"
-    return int(match.group(1)), int(match.group(2)), match.group(3)
-
-
-def test_cheats_on_the_ring_score_zero_and_a_hang_costs_only_its_task(tmp_path):
-    # Each fixture is a whole lessons/04_ring/exercise.py that scored full marks on tasks 3
-    # and 4 before the ring was judged in the grading process (see tests/cheats/). The last
-    # one's task 4 hangs: task 4 scores 0 and says where, tasks 1 and 3 are graded as usual.
-    runs = {}
-    for name, extra in [("paused_all_reduce_and_small_worlds", []), ("divisible_sizes_and_fixed_seed", []),
-                        ("replaced_verdict_and_a_hang", ["--task", "1", "--timeout", "10"])]:
+def test_every_cheat_scores_zero_on_its_tasks_and_a_hang_costs_only_its_task(tmp_path):
+    seen = {}
+    for name, (number, targets, control) in CHEAT_TARGETS.items():
         student = tmp_path / name
         shutil.copytree(ROOT / "lessons", student)
-        shutil.copy(CHEATS / f"{name}.py", student / "04_ring" / "exercise.py")
-        cmd = [sys.executable, "-m", "collectives", "grade", "--exercises", str(student), "--lesson", "04",
-               "--task", "3", "--task", "4", *extra]
-        runs[name] = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    outs = {name: proc.communicate(timeout=400)[0] for name, proc in runs.items()}
-    for name, out in outs.items():
-        assert "SCORE" in out, out[-3000:]
-        for task in (3, 4):
-            earned, points, row = _row(out, 4, task)
-            assert earned == 0 < points, f"{name}: task {task} scored {earned}/{points}:\n{out[-3000:]}"
-    hang = outs["replaced_verdict_and_a_hang"]
-    assert _row(hang, 4, 1)[0] == 3, hang[-3000:]
-    flat = {name: re.sub(r"[\s│]+", " ", out) for name, out in outs.items()}   # the table's wrapped cells
-    assert "not run: the world hung in pipelined_ring_all_reduce (case" in flat["replaced_verdict_and_a_hang"], hang
-    assert "called allreduce on the process group" in flat["paused_all_reduce_and_small_worlds"]
+        shutil.copy(CHEATS / f"{name}.py", student / LESSONS[number - 1].exercise.parent.name / "exercise.py")
+        os.environ["COLLECTIVES_TIMEOUT"] = "10"
+        try:
+            verdicts = _grader(number, exercises=student, tasks=sorted({*targets, control}))
+        finally:
+            os.environ.pop("COLLECTIVES_TIMEOUT")
+        for task in targets:
+            assert not verdicts[task][0], f"{name}: task {task} scored: {verdicts[task][1]}"
+        assert verdicts[control][0], f"{name}: task {control} (the reference's) still scores: {verdicts[control][1]}"
+        seen[name] = verdicts
+    assert "hung in pipelined_ring_all_reduce" in seen["replaced_verdict_and_a_hang"][4][1]

@@ -1,28 +1,51 @@
-"""The exercise runner: one line per task, a hang costs only its task and names where it hung."""
+"""The exercise runner (``make check``): one line per task, from the grader's own judges.
+
+A stub says it is not written yet, a hang costs only its task's line and says where, and
+check mode -- on in the runner -- never fails correct code: its comparison travels through
+the store, and the judges do not count the course's own traffic as the student's.
+"""
 
 import subprocess
 import sys
 
 from collectives.course.catalog import ROOT, lesson
 
+ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
 
-def test_one_line_per_task_and_a_hanging_task_costs_only_its_line(tmp_path):
-    # lesson 4's exercise with its checks, task 1 solved (the reference) and task 4 hanging
+
+def _run(*args, timeout=300):
+    return subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=ENV)
+
+
+def test_one_line_per_task_a_stub_says_so_and_a_hang_costs_only_its_line(tmp_path):
+    # lesson 4's exercise with task 1 solved (the reference) and task 4 hanging; task 2 a stub
     source = lesson(4).exercise.read_text()
     head, main = source.split('if __name__ == "__main__":')
     exercise = tmp_path / "exercise.py"
-    exercise.write_text(head + "from collectives.ring import ring_reduce_scatter  # noqa\n"
-                        "from tests.cheats.replaced_verdict_and_a_hang import pipelined_ring_all_reduce  # noqa\n\n"
-                        'if __name__ == "__main__":' + main)
-    proc = subprocess.run([sys.executable, str(exercise), "--world", "3", "--task", "1", "--task", "2",
-                           "--task", "4", "--timeout", "6"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    hang = ("def pipelined_ring_all_reduce(tensor, op=ReduceOp.SUM, group=None, pieces=4):\n"
+            "    if dist.get_world_size() > 1:   # every rank waits for its left neighbour first\n"
+            "        dist.recv(tensor.clone(), (dist.get_rank() - 1) % dist.get_world_size())\n\n\n")
+    exercise.write_text(head + "from collectives.ring import ring_reduce_scatter  # noqa\n\n\n" + hang
+                        + 'if __name__ == "__main__":' + main)
+    proc = _run(exercise, "--task", "1", "--task", "2", "--task", "4", "--timeout", "6")
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 4, proc.stdout + proc.stderr[-2000:]
     assert lines[0] == "task 1 ring reduce-scatter: PASS"
-    assert lines[1].startswith("task 2 ring all-gather: FAIL on ranks 0-2: not implemented yet")
-    assert lines[2].startswith("task 4 pipelined ring: FAIL: the world hung in pipelined_ring_all_reduce (case ")
-    assert "waiting in recv from rank" in lines[2]
-    assert lines[3].startswith("lesson 4: 1 of 3 tasks pass on a world of 3")
+    assert lines[1] == "task 2 ring all-gather: FAIL: not written yet (Lesson 4, task 2: ring_all_gather)"
+    assert lines[2].startswith("task 4 pipelined ring: FAIL: the world hung in pipelined_ring_all_reduce (")
+    assert "and was stopped after 6 s" in lines[2] and "waiting in recv from rank" in lines[2], lines[2]
+    assert lines[3].startswith("lesson 4: 1 of 3 tasks pass")
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
+
+
+def test_check_mode_passes_the_reference_ring_and_a_ring_written_another_way():
+    # check mode compares every call's arguments across ranks; before its comparison moved
+    # to the store, the graded ring saw it as a collective and failed the reference
+    for exercise in ("lessons/04_ring/exercise.py", "tests/solutions/lesson04_ring.py"):
+        args = ["--impl", "reference"] if exercise.startswith("lessons") else []
+        proc = _run(exercise, "--task", "3", "--task", "4", *args)
+        assert proc.stdout.splitlines()[:2] == ["task 3 ring all-reduce: PASS", "task 4 pipelined ring: PASS"], \
+            exercise + "\n" + proc.stdout + proc.stderr[-2000:]
+        assert proc.returncode == 0

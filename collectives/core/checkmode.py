@@ -74,11 +74,9 @@ def _ranks_text(ranks) -> str:
 
 def describe(what: str, tensor: torch.Tensor, op, group, agree: dict | None = None) -> dict[str, str]:
     """The description ranks compare: what the algorithm needs to be the same everywhere."""
-    from .ops import op_name
-
     ranks = "the world" if group is None else "ranks " + _ranks_text(_ranks(group))
     out = {"algorithm": what, "elements": str(tensor.numel()),
-           "dtype": str(tensor.dtype).replace("torch.", ""), "op": op_name(op),
+           "dtype": str(tensor.dtype).replace("torch.", ""), "op": getattr(op, "name", None) or str(op),
            "group": ranks, "device": tensor.device.type}
     for key, value in (agree or {}).items():
         out[key] = repr(value) if not isinstance(value, str) else value

@@ -190,6 +190,17 @@ class Cluster:
         self._check_active()
         return netns.exec_in(self.machines[machine].namespace, *argv)
 
+    def set_link(self, machine: int, up: bool) -> None:
+        """Take ``machine``'s links down (``ip link set eth0 down`` in its namespace: a cable
+        pulled; its ranks can no longer reach another machine) or bring them back up."""
+        self._check_active()
+        namespace = self.machines[machine].namespace
+        devs = [self.interface(j) for j in range(self.links)]
+        for dev in devs:
+            netns._sh("ip", "-n", namespace, "link", "set", dev, "up" if up else "down")
+        if up:
+            netns.wait_until_up([(namespace, dev) for dev in devs])
+
     # -- making and removing -----------------------------------------------------------
     def __enter__(self) -> "Cluster":
         return self.start()

@@ -45,6 +45,9 @@ What it promises:
 * **no hangs** -- a watchdog ends a world that overruns ``timeout`` and raises
   :class:`WorldTimeout` saying where each rank was waiting ("rank 1 waiting in recv from
   rank 0"), read from the trace.
+* **a flight recorder** -- with ``flight_recorder=DIR`` every rank records its last calls
+  (:mod:`collectives.core.flight_recorder`) and, however the world ends, dumps them to
+  ``DIR`` before it is stopped: ``python -m collectives diagnose DIR`` names the culprit.
 * **nothing left behind** -- every child is killed and reaped on every way out, and a
   child dies with its parent.
 
@@ -62,7 +65,6 @@ from __future__ import annotations
 
 import ctypes
 import datetime
-import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -78,13 +80,12 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from . import channels, flight_dumps, rankio, trace
 from . import cluster as _cluster
-from . import trace
+from . import flight_recorder as _recorder
 
-__all__ = ["run", "RankError", "WorldTimeout", "auto_backend"]
+__all__ = ["run", "run_world", "World", "RankError", "WorldTimeout", "auto_backend"]
 
-_SLOT_BYTES = 200
-STDERR_TAIL_LINES = 20      # lines of a dead rank's stderr that its RankError shows
 
 
 class RankError(RuntimeError):
@@ -128,121 +129,20 @@ class WorldTimeout(TimeoutError):
         return max(set(stuck), key=stuck.count) if stuck else ""
 
 
-class _StatusBoard:
-    """Shared memory the ranks write "where am I waiting" into, for the watchdog to read."""
-
-    def __init__(self, ctx, world_size: int):
-        self.text = ctx.Array(ctypes.c_char, world_size * _SLOT_BYTES, lock=False)
-        self.since = ctx.Array(ctypes.c_double, world_size, lock=False)
-        self.done = ctx.Array(ctypes.c_byte, world_size, lock=False)
-        # what each rank is doing in its caller's words (trace.context: function and case)
-        self.context = ctx.Array(ctypes.c_char, world_size * _SLOT_BYTES, lock=False)
-        # the last course collective each rank entered ("ring_all_reduce"; trace.note_call)
-        self.collective = ctx.Array(ctypes.c_char, world_size * _SLOT_BYTES, lock=False)
-
-    def slot(self, rank: int) -> "_Slot":
-        return _Slot(self, rank)
-
-    def read(self, rank: int) -> tuple[str, float]:
-        return _text(self.text, rank), self.since[rank]
-
-    def read_context(self, rank: int) -> str:
-        return _text(self.context, rank)
-
-    def read_collective(self, rank: int) -> str:
-        return _text(self.collective, rank)
-
-
-def _text(array, rank: int) -> str:
-    raw = bytes(array[rank * _SLOT_BYTES:(rank + 1) * _SLOT_BYTES])
-    return raw.split(b"\0", 1)[0].decode(errors="replace")
-
-
-def _put(array, rank: int, text: str) -> None:
-    data = text.encode()[: _SLOT_BYTES - 1] + b"\0"
-    start = rank * _SLOT_BYTES
-    array[start:start + len(data)] = data
-
-
-class _Slot:
-    """One rank's view of the board: :mod:`collectives.core.trace` writes through it."""
-
-    def __init__(self, board: _StatusBoard, rank: int):
-        self.board, self.rank = board, rank
-
-    def set(self, text: str) -> None:
-        _put(self.board.text, self.rank, text)
-        self.board.since[self.rank] = time.time()
-
-    def set_context(self, text: str) -> None:
-        _put(self.board.context, self.rank, text)
-
-    def set_collective(self, name: str) -> None:
-        _put(self.board.collective, self.rank, name)
-
-
 def auto_backend(world_size: int) -> str:
     """What the command line picks: ``"nccl"`` when there is a GPU for every rank, else
     ``"gloo"``. :func:`run` itself defaults to gloo, so tests and notebooks stay on CPU."""
     return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
 
 
-def _die_with_parent() -> None:
-    try:  # Linux: deliver SIGKILL to this child when the parent goes away
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:  # pragma: no cover - not Linux
-        pass
-
-
-def _capture_stderr(path: str) -> None:
-    """Point file descriptor 2 at ``path``: C++ logging (gloo, NCCL), Python's writes and a
-    fatal-error dump all land there. ``sys.stderr`` and faulthandler are re-aimed at it:
-    under pytest both point elsewhere (a capture file, a copy of the terminal's stderr)."""
-    try:
-        sys.stderr.flush()
-    except (OSError, ValueError):
-        pass
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.dup2(fd, 2)
-    os.close(fd)
-    sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
-    faulthandler.enable(file=sys.stderr, all_threads=True)
-
-
-def _read_tail(path: str, max_bytes: int = 1 << 16) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, os.path.getsize(path) - max_bytes))
-            return f.read().decode(errors="replace")
-    except OSError:
-        return ""
-_CPP_LEVELS = {"INFO": 0, "WARNING": 1, "ERROR": 2, "FATAL": 3}
-
-
-def _set_cpp_log_level(level: str) -> None:
-    """What ``TORCH_CPP_LOG_LEVEL=level`` does, in a process that imported torch already.
-
-    torch reads the variable once, at import, into c10's ``FLAGS_caffe2_log_level``; a
-    forked rank sets that flag itself. An unknown level, or a libc10 without the flag,
-    changes nothing.
-    """
-    value = _CPP_LEVELS.get(level.upper(), int(level) if level.isdigit() else None)
-    if value is None:
-        return
-    try:
-        lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so")
-        ctypes.c_int.in_dll(ctypes.CDLL(lib), "FLAGS_caffe2_log_level").value = value
-    except (OSError, ValueError):
-        pass
-
-
 def _worker(rank, world_size, local_world_size, fn, args, kwargs, backend, port_box, conn,
-            board, pg_timeout, init_timeout, threads, env, machine, stderr_path, store_path):
-    _die_with_parent()
+            board, pg_timeout, init_timeout, threads, env, machine, stderr_path, store_path,
+            secret_conn=None, stream_conn=None):
+    rankio.die_with_parent()
     status = board.slot(rank)
     try:
-        _capture_stderr(stderr_path)
+        rankio.capture_stderr(stderr_path)
+        channels._install(secret_conn, stream_conn)
         store_addr = "127.0.0.1"
         if machine is not None:
             # A rank of a simulated cluster: move into its machine's network namespace
@@ -253,12 +153,15 @@ def _worker(rank, world_size, local_world_size, fn, args, kwargs, backend, port_
             os.environ.update(cluster_env)
             # c10d looks up a name for every peer's address, for its messages; 198.18.x.x has
             # none and each connection warns so. Real errors are still printed.
-            _set_cpp_log_level(env.get("TORCH_CPP_LOG_LEVEL")
+            rankio.set_cpp_log_level(env.get("TORCH_CPP_LOG_LEVEL")
                                or os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"))
             store_addr = cluster_env["MASTER_ADDR"]
         os.environ.update(env)
+        if "TORCH_DISTRIBUTED_DEBUG" in env:    # torch read it at import, in the parent
+            dist.set_debug_level_from_env()
         if threads:
             torch.set_num_threads(threads)
+        _recorder.start_from_env(rank, world_size)     # before gloo's threads: see its serve()
         status.set("starting: joining the store")
         init = datetime.timedelta(seconds=init_timeout)
         if machine is None:
@@ -306,10 +209,10 @@ def _worker(rank, world_size, local_world_size, fn, args, kwargs, backend, port_
         result = fn(*args, **(kwargs or {}))
         board.done[rank] = 1
         status.set("finished")
-        payload = pickle.dumps(("ok", result, ""))
+        payload = pickle.dumps(("ok", result, "", channels.sent()))
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the caller
         summary = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
-        payload = pickle.dumps(("error", summary, traceback.format_exc()))
+        payload = pickle.dumps(("error", summary, traceback.format_exc(), channels.sent()))
     try:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -328,14 +231,35 @@ def _worker(rank, world_size, local_world_size, fn, args, kwargs, backend, port_
         os._exit(0)
 
 
+class World:
+    """What :func:`run_world` returns: each rank's result, secret and stream, rank 0 first."""
+
+    def __init__(self, results: list[Any], secrets: list[int] | None, streams: list[list[Any]] | None,
+                 complete: list[bool] | None):
+        self.results = results
+        self.secrets = secrets      # the number each rank read with channels.secret()
+        self.streams = streams      # what each rank sent with channels.send(), in order
+        self.complete = complete    # whether every object a rank counted as sent arrived
+
+
 def run(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwargs: dict | None = None,
-        *, backend: str | None = None, timeout: float = 120.0, start_method: str | None = None,
-        local_world_size: int | None = None, threads: int | None = 1,
-        env: dict[str, str] | None = None, init_timeout: float = 30.0,
-        check: bool | None = None, machines: int | None = None, link: str = "1gbit",
-        burst: str = "256kb", rails: bool = False,
-        cluster: "_cluster.Cluster | None" = None) -> list[Any]:
+        **options) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the results, rank 0 first.
+
+    The options are :func:`run_world`'s.
+    """
+    return run_world(fn, world_size, args, kwargs, **options).results
+
+
+def run_world(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwargs: dict | None = None,
+              *, backend: str | None = None, timeout: float = 120.0, start_method: str | None = None,
+              local_world_size: int | None = None, threads: int | None = 1,
+              env: dict[str, str] | None = None, init_timeout: float = 30.0,
+              check: bool | None = None, machines: int | None = None, link: str = "1gbit",
+              burst: str = "256kb", rails: bool = False,
+              cluster: "_cluster.Cluster | None" = None, secrets: bool = False,
+              stream: bool = False, flight_recorder: str | os.PathLike | None = None) -> World:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return a :class:`World`.
 
     Args:
         fn: a module-level function (with fork, a function defined in a notebook works too).
@@ -357,6 +281,13 @@ def run(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwargs: d
             local rank (see :class:`~collectives.core.cluster.Cluster`).
         cluster: a running cluster to place the ranks on instead (one cluster, many
             worlds); ``machines``, ``link``, ``burst`` and ``rails`` are then its own.
+        secrets: give each rank a random number of its own, drawn after every rank was
+            forked (:func:`collectives.core.channels.secret`); ``World.secrets`` holds them.
+        stream: let each rank send objects as it goes (:func:`collectives.core.channels.send`);
+            ``World.streams`` holds them, in order.
+        flight_recorder: a directory: every rank records its calls there and dumps them
+            (``rank<r>.json``) as the world ends, however it ends, with ``world.json``
+            (default ``COLLECTIVES_FLIGHT_RECORDER``; see :mod:`collectives.core.flight_recorder`).
 
     Raises:
         RankError: a rank raised or died; the message names it and carries its traceback.
@@ -375,9 +306,11 @@ def run(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwargs: d
                              "(at least 2, each with the same number of ranks)")
         with _cluster.Cluster(machines, world_size // machines, link=link, burst=burst,
                               rails=rails) as made:
-            return run(fn, world_size, args, kwargs, backend=backend, timeout=timeout,
-                       start_method=start_method, local_world_size=local_world_size,
-                       threads=threads, env=env, init_timeout=init_timeout, check=check, cluster=made)
+            return run_world(fn, world_size, args, kwargs, backend=backend, timeout=timeout,
+                             start_method=start_method, local_world_size=local_world_size,
+                             threads=threads, env=env, init_timeout=init_timeout, check=check,
+                             cluster=made, secrets=secrets, stream=stream,
+                             flight_recorder=flight_recorder)
     placements = [None] * world_size
     if cluster is not None:
         if world_size % cluster.n_machines:
@@ -389,7 +322,7 @@ def run(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwargs: d
         placements = [(cluster.machines[rank // local_world_size].netns_path,
                        cluster.rank_env(rank, world_size)) for rank in range(world_size)]
     ctx = mp.get_context(start_method)
-    board = _StatusBoard(ctx, world_size)
+    board = rankio.StatusBoard(ctx, world_size)
     # The store's port is picked by the kernel (rank 0 publishes it here), so two worlds
     # -- two test runs, a notebook and a test -- never fight over 29500.
     port_box = ctx.Value(ctypes.c_int, 0, lock=False)
@@ -399,31 +332,59 @@ def run(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwargs: d
     env = dict(env or {})
     if check is not None:
         env["COLLECTIVES_CHECK"] = "1" if check else "0"
+    recorder_dir = flight_recorder or env.get(_recorder.ENV_DIR) or os.environ.get(_recorder.ENV_DIR)
+    if recorder_dir:
+        env[_recorder.ENV_DIR] = recorder_dir = str(flight_dumps.prepare(recorder_dir).resolve())
     stderr_dir = tempfile.mkdtemp(prefix="collectives-world-")
     stderr_paths = [os.path.join(stderr_dir, f"rank{rank}.stderr") for rank in range(world_size)]
-    procs, conns = [], {}
+    procs, conns, secret_ends, streams = [], {}, [], {}
     try:
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe(duplex=False)
+            secret_in, secret_out = ctx.Pipe(duplex=False) if secrets else (None, None)
+            stream_in, stream_out = ctx.Pipe(duplex=False) if stream else (None, None)
             p = ctx.Process(target=_worker, name=f"rank{rank}", daemon=True,
                             args=(rank, world_size, local_world_size or world_size, fn, args,
                                   kwargs, backend, port_box, child_end, board, pg_timeout,
                                   min(init_timeout, timeout), threads, env, placements[rank],
-                                  stderr_paths[rank], os.path.join(stderr_dir, "store")))
+                                  stderr_paths[rank], os.path.join(stderr_dir, "store"),
+                                  secret_in, stream_out))
             p.start()
-            child_end.close()
+            for end in (child_end, secret_in, stream_out):
+                if end is not None:
+                    end.close()
             procs.append(p)
             conns[parent_end] = rank
-        results = _collect(procs, conns, board, timeout, stderr_paths)
+            secret_ends.append(secret_out)
+            if stream_in is not None:
+                streams[stream_in] = rank
+        drawn = None
+        if secrets:
+            # Drawn only now, after every rank was forked: no rank's memory ever held another's.
+            drawn = [channels.draw() for _ in range(world_size)]
+            for end, value in zip(secret_ends, drawn):
+                end.send_bytes(value)
+                end.close()
+        received: list[list[Any]] = [[] for _ in range(world_size)]
+        try:
+            results, counts = _collect(procs, conns, board, timeout, stderr_paths, streams, received)
+        except (WorldTimeout, RankError) as exc:
+            if recorder_dir:        # every live rank dumps its calls before it is stopped
+                flight_dumps.dump_world(recorder_dir, procs, lambda r: board.read(r)[0], exc)
+            raise
+        if recorder_dir:
+            flight_dumps.dump_world(recorder_dir, procs, lambda r: board.read(r)[0], None)
         _end(procs)
         for path in stderr_paths:    # a world that worked: its ranks' stderr, where it belongs
-            text = _read_tail(path)
+            text = rankio.read_tail(path)
             if text:
                 sys.stderr.write(text)
-        return results
+        return World(results, [int.from_bytes(v, "little") for v in drawn] if drawn else None,
+                     received if stream else None,
+                     [len(got) == n for got, n in zip(received, counts)] if stream else None)
     finally:
         _end(procs)
-        for c in conns:
+        for c in list(conns) + list(streams) + [e for e in secret_ends if e is not None]:
             c.close()
         shutil.rmtree(stderr_dir, ignore_errors=True)
 
@@ -444,18 +405,31 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def _collect(procs, conns, board, timeout, stderr_paths):
+def _collect(procs, conns, board, timeout, stderr_paths, streams=None, received=None):
+    """Every rank's result (and the count of objects it sent on its stream), reading the
+    streams as they come; raises :class:`RankError` or :class:`WorldTimeout`."""
     world_size = len(procs)
     results: list[Any] = [None] * world_size
+    counts = [0] * world_size
     errors: dict[int, tuple[str, str, float]] = {}
     deadline = time.monotonic() + timeout
     pending = dict(conns)
+    open_streams = dict(streams or {})
+    by_rank = {rank: conn for conn, rank in open_streams.items()}
     while pending:
         left = deadline - time.monotonic()
         if errors:
             # Give the other ranks a moment to report their own failures, then stop them.
             left = min(left, 0.3)
-        ready = mp.connection.wait(list(pending), timeout=max(left, 0)) if left > 0 else []
+        waiting_on = list(pending) + list(open_streams)
+        ready = mp.connection.wait(waiting_on, timeout=max(left, 0)) if left > 0 else []
+        for conn in [c for c in ready if c in open_streams]:
+            # a rank's stream: read it as it comes (a full pipe would stop the rank)
+            if not channels.drain(conn, received[open_streams[conn]]):
+                del open_streams[conn]
+        ready = [c for c in ready if c in pending]
+        if not ready and not errors and time.monotonic() < deadline:
+            continue                          # only a stream had something
         if not ready:
             if errors:
                 break
@@ -477,12 +451,15 @@ def _collect(procs, conns, board, timeout, stderr_paths):
         for conn in ready:
             rank = pending.pop(conn)
             try:
-                status, value, tb = pickle.loads(conn.recv_bytes())
+                status, value, tb, counts[rank] = pickle.loads(conn.recv_bytes())
+                if rank in by_rank and by_rank[rank] in open_streams:
+                    # everything it sent before its result is in the pipe already
+                    channels.drain(by_rank[rank], received[rank])
             except (EOFError, OSError):
                 procs[rank].join(timeout=1)
                 code = procs[rank].exitcode
                 how = f"killed by {_signal_name(-code)}" if code and code < 0 else f"exit code {code}"
-                errors[rank] = (f"the process died without a result ({how}){_where(board, rank)}",
+                errors[rank] = (f"the process died without a result ({how}){rankio.where(board, rank)}",
                                 "", time.monotonic())
                 continue
             if status == "ok":
@@ -500,48 +477,9 @@ def _collect(procs, conns, board, timeout, stderr_paths):
         tail = ""
         if not errors[first][1]:   # no traceback: what it wrote to stderr is all there is
             procs[first].join(timeout=1)
-            tail = _stderr_tail(stderr_paths[first])
+            tail = rankio.stderr_tail(stderr_paths[first])
             if "collective mismatch" in tail or "doesn't match expected size" in tail:
                 errors[first] = (errors[first][0] + "; the ranks' messages did not match: "
                                  "compare the arguments with launch.run(..., check=True)",) + errors[first][1:]
         raise RankError(first, errors[first][0], errors[first][1] or "(no traceback)", others, tail)
-    return results
-
-
-STACK_FRAMES_SHOWN = 6      # innermost frames kept of each stack in a fatal-error dump
-
-
-def _stderr_tail(path: str) -> str:
-    """The last lines of a rank's stderr. Python's fatal-error dump is trimmed to the
-    innermost frames of each stack (it lists them first; the rest is the launcher, pytest,
-    a notebook's kernel) and loses its list of loaded extension modules."""
-    lines, frames = [], None
-    for line in _read_tail(path).splitlines():
-        if not line.strip() or line.startswith("Extension modules:"):
-            continue
-        if line.startswith(("Thread 0x", "Current thread 0x", "Stack (most recent call first)")):
-            frames = 0
-        elif frames is not None and line.startswith("  File "):
-            frames += 1
-            if frames == STACK_FRAMES_SHOWN + 1:
-                lines.append("  ...")
-            if frames > STACK_FRAMES_SHOWN:
-                continue
-        else:
-            frames = None
-        lines.append(line)
-    return "\n".join(lines[-STDERR_TAIL_LINES:])
-
-
-def _where(board, rank: int) -> str:
-    """", in ring_all_reduce, waiting on irecv from rank 0": from the trace."""
-    parts = []
-    context = board.read_collective(rank) or board.read_context(rank)
-    if context:
-        parts.append(f"in {context}")
-    text, _ = board.read(rank)
-    if text.startswith("in "):
-        text = text[3:]
-    if text and text not in ("running", "finished"):
-        parts.append(text if text.startswith(("waiting", "starting")) else f"inside {text}")
-    return ", " + ", ".join(parts) if parts else ""
+    return results, counts

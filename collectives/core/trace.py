@@ -15,7 +15,8 @@ Tests assert patterns on it::
     assert {e.peer for e in t.sends()} == {(rank + 1) % p}
 
 and the same wrappers tell the launcher's watchdog where a rank is waiting
-("rank 1 waiting in recv from rank 0").
+("rank 1 waiting in recv from rank 0"), and every listener (:func:`add_listener`: the
+flight recorder, :mod:`collectives.core.flight_recorder`) of every call, recording or not.
 """
 
 from __future__ import annotations
@@ -127,6 +128,7 @@ _nested = 0      # >0 while inside a traced call: its internal calls pass straig
 _seq = 0
 _label = ""
 _originals: dict[tuple[Any, str], Any] = {}
+_listeners: list = []    # add_listener: told of every call, recording or not
 
 
 def installed() -> bool:
@@ -195,6 +197,28 @@ def _record(kind, peer, tensors, group, tag=0) -> Event | None:
     return event
 
 
+def add_listener(listener) -> Any:
+    """Tell ``listener(kind, peer, tensors, group)`` of every traced call as it is made,
+    recorded or not, paused or not (the flight recorder). It may return ``end(stage,
+    error=None)``, which is then told ``"started"`` when the rank starts waiting on the
+    call (a blocking call at once, an ``isend`` at ``wait()``), ``"completed"`` when it
+    returns, or ``"failed"`` with the exception that ended it. A listener must be fast and
+    must not raise. Returns a function that removes the listener."""
+    _listeners.append(listener)
+    return lambda: listener in _listeners and _listeners.remove(listener)
+
+
+def _notify(kind, peer, tensors, group) -> list | None:
+    """The listeners' ``end`` callbacks for a call being made (None: nobody listens)."""
+    ends = [end for listener in _listeners if (end := listener(kind, peer, tensors, group)) is not None]
+    return ends or None
+
+
+def _tell(ends, stage: str, error: BaseException | None = None) -> None:
+    for end in ends:
+        end(stage, error)
+
+
 def _describe(kind: str, peer: int | None) -> str:
     if kind in SENDS:
         return f"{kind} to rank {peer}"
@@ -206,23 +230,49 @@ def _describe(kind: str, peer: int | None) -> str:
 class TracedWork:
     """Wraps a ``Work`` handle so that ``wait()`` completes the event and tells the watchdog."""
 
-    def __init__(self, work, event: Event | None, what: str):
+    def __init__(self, work, event: Event | None, what: str, ends: list | None = None):
         self._work = work
         self._event = event
         self._what = what
+        self._ends = ends
 
     def wait(self, *args, **kwargs):
         _set_status(f"waiting on {self._what}")
+        ends, self._ends = self._ends, None      # listeners hear of the first wait only
+        if ends:
+            _tell(ends, "started")
         try:
             result = self._work.wait(*args, **kwargs)
+        except BaseException as exc:
+            if ends:
+                _tell(ends, "failed", exc)
+            raise
         finally:
             _set_status("")
+        if ends:
+            _tell(ends, "completed")
         if self._event is not None and self._event.t1 is None:
             self._event.t1 = time.perf_counter()
         return result
 
     def __getattr__(self, name):  # is_completed, exception, get_future, result, ...
         return getattr(self._work, name)
+
+
+def _call(original, ends, blocking: bool, *args, **kwargs):
+    """``original(*args, **kwargs)``, telling the listeners' ``ends`` how it went."""
+    if not ends:
+        return original(*args, **kwargs)
+    if blocking:
+        _tell(ends, "started")
+    try:
+        result = original(*args, **kwargs)
+    except BaseException as exc:
+        _tell(ends, "failed", exc)
+        raise
+    if blocking:
+        _tell(ends, "completed")
+    return result
 
 
 def _wrap_p2p(kind: str, original):
@@ -241,20 +291,21 @@ def _wrap_p2p(kind: str, original):
         peer = _global_peer(group, bound.get(names[0]),
                             bound.get("group_dst" if is_send else "group_src"))
         event = _record(kind, peer, tensor, group, bound.get("tag", 0))
+        ends = _notify(kind, peer, tensor, group) if _listeners else None
         what = _describe(kind, peer)
         if blocking:
             _set_status(f"in {what}")
             _nested += 1
             try:
-                result = original(tensor, *args, **kwargs)
+                result = _call(original, ends, True, tensor, *args, **kwargs)
             finally:
                 _nested -= 1
                 _set_status("")
             if event is not None:
                 event.t1 = time.perf_counter()
             return result
-        work = original(tensor, *args, **kwargs)
-        return None if work is None else TracedWork(work, event, what)
+        work = _call(original, ends, False, tensor, *args, **kwargs)
+        return None if work is None else TracedWork(work, event, what, ends)
 
     wrapper.__collectives_traced__ = True
     return wrapper
@@ -288,24 +339,24 @@ def _wrap_collective(kind: str, original):
         if _nested:
             return original(*args, **kwargs)
         bound = signature.bind_partial(*args, **kwargs).arguments
-        if _paused or not _recorders:
-            event = None
-            what = kind
-        else:
+        event, ends, what = None, None, kind
+        if _listeners or (_recorders and not _paused):
             group = bound.get("group")
             root = None
             if root_arg is not None:
                 root = _global_peer(group, bound.get(root_arg), bound.get(group_root_arg))
             tensors = bound.get(tensor_arg) if tensor_arg else []
-            event = _record(kind, root, tensors if tensors is not None else [], group)
+            tensors = tensors if tensors is not None else []
+            event = _record(kind, root, tensors, group)
+            ends = _notify(kind, root, tensors, group) if _listeners else None
             what = _describe(kind, root)
         if bound.get("async_op"):
-            work = original(*args, **kwargs)
-            return None if work is None else TracedWork(work, event, what)
+            work = _call(original, ends, False, *args, **kwargs)
+            return None if work is None else TracedWork(work, event, what, ends)
         _set_status(f"in {what}")
         _nested += 1
         try:
-            result = original(*args, **kwargs)
+            result = _call(original, ends, True, *args, **kwargs)
         finally:
             _nested -= 1
             _set_status("")

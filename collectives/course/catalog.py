@@ -63,6 +63,7 @@ LESSONS = [
     Lesson(6, "bucketing", "DDP gradient bucketing", "collectives.bucketing"),
     Lesson(7, "hierarchical", "Hierarchical all-reduce, after Fairring", "collectives.hierarchical"),
     Lesson(8, "sparse", "Sparse all-reduce with error feedback, after SINGA", "collectives.sparse"),
+    Lesson(9, "debugging", "When collectives go wrong: a flight recorder and an analyzer", "collectives.debugging"),
 ]
 
 

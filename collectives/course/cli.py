@@ -9,7 +9,10 @@
   bench-hier   lesson 7 on the simulated cluster: sizes, inflight, train, crossover, machines (--quick)
   bench-sparse lesson 8: selection, sparse variants against dist.all_reduce, density sweep (--cluster)
   bench-cluster  the two tiers of a simulated cluster fitted, the flat ring predicted and measured
+  bench-recorder lesson 9: what the flight recorder costs per call, off and on (and torch's DETAIL)
+  diagnose     lesson 9: read every rank's flight recorder dump and name the culprit: diagnose DIR
   cluster      one torchrun per machine of a simulated cluster: cluster --machines 2 -- CMD...
+  helpers      an exercise's helper sheet, written from the code: helpers --lesson 4
 """
 
 from __future__ import annotations
@@ -27,7 +30,10 @@ COMMANDS = {
     "bench-hier": "collectives.course.hierarchical_bench:main",
     "bench-sparse": "collectives.course.sparse_bench:main",
     "bench-cluster": "collectives.course.cluster_bench:main",
+    "bench-recorder": "collectives.course.debugging_bench:main",
+    "diagnose": "collectives.course.diagnose_cli:main",
     "cluster": "collectives.course.cluster_cli:main",
+    "helpers": "collectives.course.helpers:main",
 }
 
 

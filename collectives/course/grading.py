@@ -1,14 +1,15 @@
-"""``make grade``: run the graded tests against the exercises and print a score table.
+"""``make grade``: every lesson's graded tasks, judged outside the student's process, as points.
 
-Graded tests carry ``@pytest.mark.task(lesson=N, task=K, points=P, title="...")``. A
-task scores its points when every test marked with it passes; the table lists each
-task, and the total. The exit code is 0 only for a full score, so ``make grade`` on the
-untouched stubs prints 0 and fails.
+The tasks and their judges are :mod:`collectives.course.tasks` -- the same table
+``make check`` reads, so the two cannot disagree. Each task runs in worlds of its own
+under one time limit (``--timeout``): a task that hangs scores 0 and says where it hung
+("the world hung in ring_all_reduce (case n=1001 float32 SUM, world of 4) ..."); the other
+tasks are graded as usual. A task scores its points when its judge finds no problem. The
+exit code is 0 only for a full score, so ``make grade`` on the untouched stubs prints 0
+and fails.
 
-Each task's tests run in worlds of their own, under one time limit (``--timeout``, the
-same as the exercise runner's): a task that hangs scores 0 and says where it hung
-("not run: the world hung in ring_all_reduce (case n=1001 float32 SUM, world of 4)");
-the other tasks are graded as usual.
+The grader's worlds run without check mode: the student's code never shares the store
+with the course's own checks, and a rank that reaches the store scores 0.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import pytest
-
-from .catalog import DEFAULT_TIMEOUT, LESSONS, ROOT, lesson
+from .catalog import DEFAULT_TIMEOUT, LESSONS, ROOT, lesson, world_timeout
+from .impl import spec_for
+from .tasks import Grading, Verdict, run_task, tasks_of
 
 
 @dataclass
@@ -29,80 +30,19 @@ class TaskScore:
     task: int
     title: str
     points: int
-    tests: int = 0
-    failed: list[str] = field(default_factory=list)
-    first_failure: str = ""      # the first line of the first failing test's message
+    verdict: Verdict
 
     @property
     def passed(self) -> bool:
-        return self.tests > 0 and not self.failed
+        return self.verdict.ok
 
     @property
     def result(self) -> str:
-        if self.passed:
-            return "pass"
-        why = f": {self.first_failure}" if self.first_failure else ""
-        if self.first_failure.startswith("not run"):
-            return f"fail{why}"
-        return f"fail ({len(self.failed)} of {self.tests} tests run){why}"
+        return "pass" if self.passed else "fail: " + self.verdict.first_line()
 
     @property
     def earned(self) -> int:
         return self.points if self.passed else 0
-
-
-class GradeCollector:
-    """A pytest plugin that folds test outcomes into per-task scores."""
-
-    def __init__(self, tasks: list[int] | None = None):
-        self.tasks: dict[tuple[int, int], TaskScore] = {}
-        self.only = set(tasks or [])
-
-    def pytest_runtest_setup(self, item):
-        # A task scores all or nothing: once one of its tests failed, the rest need not run.
-        marker = item.get_closest_marker("task")
-        if marker is not None:
-            score = self.tasks.get((int(marker.kwargs["lesson"]), int(marker.kwargs["task"])))
-            if score is not None and score.failed:
-                pytest.skip("not run: an earlier test of this task failed")
-
-    def pytest_collection_modifyitems(self, config, items):
-        if not self.only:
-            return
-        keep = [i for i in items if (m := i.get_closest_marker("task")) and int(m.kwargs["task"]) in self.only]
-        config.hook.pytest_deselected(items=[i for i in items if i not in keep])
-        items[:] = keep
-
-    @pytest.hookimpl(hookwrapper=True)
-    def pytest_runtest_makereport(self, item, call):
-        outcome = yield
-        report = outcome.get_result()
-        marker = item.get_closest_marker("task")
-        if marker is None:
-            return
-        kw = marker.kwargs
-        key = (int(kw["lesson"]), int(kw["task"]))
-        score = self.tasks.setdefault(key, TaskScore(key[0], key[1], kw.get("title", ""), int(kw["points"])))
-        if report.when == "setup":
-            score.tests += 1            # every test counts once, whether or not it got to run
-        if report.skipped and score.failed:
-            score.tests -= 1 if report.when == "setup" else 0   # skipped after the task failed
-            return
-        if (report.failed or (report.when == "call" and report.skipped)) and item.nodeid not in score.failed:
-            score.failed.append(item.nodeid)
-            if not score.first_failure:
-                score.first_failure = _first_line(report)
-
-
-def _first_line(report) -> str:
-    """The message of a failed test, first line, without pytest's "Failed: " or "AssertionError: "."""
-    crash = getattr(report.longrepr, "reprcrash", None)
-    text = crash.message if crash is not None else str(report.longrepr or "")
-    for prefix in ("Failed: ", "AssertionError: ", "E   "):
-        if text.startswith(prefix):
-            text = text[len(prefix):]
-    line = text.strip().splitlines()[0] if text.strip() else ""
-    return line if len(line) <= 160 else line[:157] + "..."
 
 
 def render(tasks: list[TaskScore]) -> tuple[int, int]:
@@ -128,25 +68,22 @@ def render(tasks: list[TaskScore]) -> tuple[int, int]:
 
 
 def grade(lessons: list[int] | None = None, impl: str = "exercise", quiet: bool = True,
-          tasks: list[int] | None = None) -> tuple[int, int, list[TaskScore]]:
-    """Run the graded tests of ``lessons`` (all by default) against ``impl``; return (earned, total, tasks).
+          tasks: list[int] | None = None, timeout: float | None = None) -> tuple[int, int, list[TaskScore]]:
+    """Judge the graded tasks of ``lessons`` (all by default) on ``impl``; return (earned, total, scores).
 
     ``tasks``: grade only these task numbers (of every chosen lesson).
     """
     chosen = [lesson(n) for n in lessons] if lessons else LESSONS
-    files = [str(item.test_file) for item in chosen if item.test_file.exists()]
-    if not files:
-        raise SystemExit("no graded tests found for " + ", ".join(item.nn for item in chosen))
-    collector = GradeCollector(tasks)
-    # The graded worlds compare every course collective's arguments across ranks, so a
-    # student whose ranks disagree reads which ranks and how (collectives.core.ops).
-    os.environ.setdefault("COLLECTIVES_CHECK", "1")
-    args = ["-m", "task", f"--impl={impl}", "-p", "no:cacheprovider", "--rootdir", str(ROOT),
-            "-c", str(ROOT / "pyproject.toml"), "--tb=line", "-q", "--no-header"] + files
-    pytest.main(args, plugins=[collector])
-    tasks = list(collector.tasks.values())
-    earned, total, = sum(t.earned for t in tasks), sum(t.points for t in tasks)
-    return earned, total, tasks
+    scores = []
+    for item in chosen:
+        grading = Grading(spec_for(item.number, impl), timeout=timeout or world_timeout(), check=False)
+        for task in tasks_of(item.number):
+            if tasks and task.number not in tasks:
+                continue
+            scores.append(TaskScore(item.number, task.number, task.title, task.points, run_task(task, grading)))
+            if not quiet:
+                print(f"lesson {item.number} task {task.number}: {scores[-1].result[:100]}", flush=True)
+    return sum(t.earned for t in scores), sum(t.points for t in scores), scores
 
 
 def _python() -> str:
@@ -160,16 +97,13 @@ def _python() -> str:
 
 
 def details_command(number: int, impl: str = "exercise") -> str:
-    """The command that shows lesson ``number``'s failing tests in full, as it can be pasted."""
+    """The command that shows lesson ``number``'s problems in full, as it can be pasted."""
     item = lesson(number)
-    prefix = ""
+    limit = os.environ.get("COLLECTIVES_TIMEOUT")
+    prefix = f"COLLECTIVES_TIMEOUT={limit} " if limit else ""
     other = os.environ.get("COLLECTIVES_EXERCISE_DIR")
-    if other:
-        prefix = f"COLLECTIVES_EXERCISE_DIR={other} "
-    if os.environ.get("COLLECTIVES_TIMEOUT"):
-        prefix += f"COLLECTIVES_TIMEOUT={os.environ['COLLECTIVES_TIMEOUT']} "
-    test = item.test_file.relative_to(ROOT)
-    return f"{prefix}{_python()} -m pytest {test} --impl {impl} -m task -x -q"
+    path = os.path.join(other, item.exercise.parent.name, "exercise.py") if other else item.exercise.relative_to(ROOT)
+    return f"{prefix}{_python()} {path} --verbose" + (" --impl reference" if impl == "reference" else "")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,6 +30,7 @@ class TourEntry:
     model: str | None = None      # cost model giving bytes sent per rank (collectives.core.cost)
     runner: str | None = None     # "module:function" run on every rank: runner(nbytes) -> dict
     identical_bits: bool = True   # every rank ends with the same bits (the naive ring: not)
+    loses: str = ""               # why it can be slower than its baseline, in a few words
 
 
 @dataclass
@@ -59,31 +60,42 @@ class TourRow:
 
 TOUR = [
     TourEntry(2, "reduce+broadcast", "collectives.basics:all_reduce_via_reduce_broadcast",
-              model="reduce_broadcast"),
+              model="reduce_broadcast", loses="the root sends p − 1 copies"),
     TourEntry(3, "naive ring", "collectives.naive_ring:naive_ring_all_reduce", model="naive_ring",
-              identical_bits=False),
-    TourEntry(4, "ring", "collectives.ring:ring_all_reduce", model="ring"),
-    TourEntry(4, "pipelined ring", "collectives.ring:pipelined_ring_all_reduce", model="pipelined_ring"),
-    TourEntry(4, "multi-ring (2 channels)", "collectives.ring:multi_ring_all_reduce", model="multi_ring"),
+              identical_bits=False, loses="sends (p − 1)·n per rank"),
+    TourEntry(4, "ring", "collectives.ring:ring_all_reduce", model="ring",
+              loses="gloo's ring is C++, pipelined"),
+    TourEntry(4, "pipelined ring", "collectives.ring:pipelined_ring_all_reduce", model="pipelined_ring",
+              loses="4× the messages"),
+    TourEntry(4, "multi-ring (2 channels)", "collectives.ring:multi_ring_all_reduce", model="multi_ring",
+              loses="2× the messages, one link"),
     TourEntry(4, "recursive doubling", "collectives.topologies:recursive_doubling_all_reduce",
-              model="recursive_doubling"),
+              model="recursive_doubling", loses="sends n·log2 p per rank"),
     TourEntry(4, "halving-doubling", "collectives.topologies:halving_doubling_all_reduce",
-              model="halving_doubling"),
-    TourEntry(4, "tree", "collectives.topologies:tree_all_reduce", model="tree"),
+              model="halving_doubling", loses="gloo's ring is C++, pipelined"),
+    TourEntry(4, "tree", "collectives.topologies:tree_all_reduce", model="tree",
+              loses="the whole tensor on every edge"),
     TourEntry(5, "fused", target="collectives.fused:fused_all_reduce",
-              runner="collectives.course.fused_bench:tour_runner"),
+              runner="collectives.course.fused_bench:tour_runner", loses="copies in and back out"),
     TourEntry(6, "bucketed reducer", target="collectives.bucketing:BucketedReducer",
-              runner="collectives.course.bucketing_bench:tour_fields"),
+              runner="collectives.course.bucketing_bench:tour_fields", loses="Python per gradient hook"),
     TourEntry(7, "hierarchical (2 machines)", target="collectives.hierarchical:hierarchical_all_reduce",
-              runner="collectives.course.hierarchical_bench:tour_runner"),
+              runner="collectives.course.hierarchical_bench:tour_runner",
+              loses="one machine: no slow tier"),
     TourEntry(7, "hierarchical (in flight)", target="collectives.hierarchical:HierarchicalAllReducer",
-              runner="collectives.course.hierarchical_inflight_bench:tour_runner"),
+              runner="collectives.course.hierarchical_inflight_bench:tour_runner",
+              loses="one machine: no slow tier"),
     TourEntry(8, "sparse top-k 1% (all-gather)", target="collectives.sparse:sparse_all_reduce",
-              runner="collectives.course.sparse_bench:tour_topk_allgather"),
+              runner="collectives.course.sparse_bench:tour_topk_allgather",
+              loses="selection reads all n; fast link"),
     TourEntry(8, "sparse top-k 1% (split)", target="collectives.sparse:sparse_all_reduce",
-              runner="collectives.course.sparse_bench:tour_topk_split"),
+              runner="collectives.course.sparse_bench:tour_topk_split",
+              loses="selection reads all n; fast link"),
     TourEntry(8, "sparse threshold 1% (all-gather)", target="collectives.sparse:sparse_all_reduce",
-              runner="collectives.course.sparse_bench:tour_threshold_allgather"),
+              runner="collectives.course.sparse_bench:tour_threshold_allgather",
+              loses="selection reads all n; fast link"),
+    TourEntry(9, "ring with flight recorder", target="collectives.ring:ring_all_reduce",
+              runner="collectives.course.debugging_bench:tour_runner", loses="a record per message"),
 ]
 
 
@@ -144,29 +156,57 @@ def run_tour(world_size: int = 4, nbytes: int = 4 << 20, backend: str | None = N
     return rows
 
 
-def render(rows: list[TourRow], world_size: int, backend: str) -> None:
+WIDTH = 100     # the table fits a 100-column terminal
+
+
+def _short(nbytes: float) -> str:
+    """1536 -> "1.5K", 4194304 -> "4.0M" (binary units); NaN -> "-"."""
+    if nbytes != nbytes:
+        return "-"
+    for unit in ("", "K", "M", "G"):
+        if abs(nbytes) < 1024 or unit == "G":
+            return f"{nbytes:.0f}{unit}" if unit == "" else f"{nbytes:.1f}{unit}"
+        nbytes /= 1024
+    return f"{nbytes:.1f}G"
+
+
+def render(rows: list[TourRow], world_size: int, backend: str, console=None) -> None:
+    """The table, at most :data:`WIDTH` columns: a row slower than its baseline says why."""
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"Collectives from Scratch — the tour ({world_size} ranks, {backend})")
-    for col in ("lesson", "algorithm", "verified", "size", "time", "busbw", "baseline",
-                "ratio", "sent / rank", "theory"):
-        table.add_column(col, justify="left" if col in ("algorithm", "baseline") else "right",
-                         no_wrap=col != "verified")
+    sizes = sorted({r.nbytes for r in rows if r.nbytes})
+    size = timing.human_bytes(sizes[0]) if len(sizes) == 1 else "several sizes"
+    table = Table(title=f"the tour: {world_size} ranks, {backend}, {size} per call", box=box.SIMPLE_HEAD,
+                  padding=(0, 1), collapse_padding=True, pad_edge=False)
+    for col in ("#", "algorithm", "ok", "time", "busbw", "speed", "sent/theory"):
+        table.add_column(col, justify="left" if col in ("algorithm", "ok") else "right", no_wrap=True)
+    table.add_column("why slower", min_width=18)      # the one column that wraps
+    reasons = {e.name: e.loses for e in TOUR}
     for r in rows:
-        ok = "[green]yes[/]" if r.verified else f"[red]NO[/] {r.detail[:60]}"
-        table.add_row(str(r.lesson), r.algorithm, ok, timing.human_bytes(r.nbytes),
-                      timing.human_seconds(r.seconds) if r.seconds == r.seconds else "-",
-                      f"{r.busbw / 1e9:.2f} GB/s" if r.seconds == r.seconds else "-",
-                      r.baseline, f"{r.ratio:.2f}×" if r.ratio == r.ratio else "-",
-                      timing.human_bytes(r.bytes_sent) if r.bytes_sent == r.bytes_sent else "-",
-                      timing.human_bytes(r.bytes_theory) if r.bytes_theory == r.bytes_theory else "-")
-    console = Console()
-    if not console.is_terminal:  # a log or a pipe: don't squeeze the table into 80 columns
-        console = Console(width=150)
+        ok = "[green]yes[/]" if r.verified else "[red]NO[/]"
+        timed = r.seconds == r.seconds
+        speed = f"{r.ratio:.2f}×" if r.ratio == r.ratio else "-"
+        why = ""
+        if not r.verified:
+            why = r.detail[:40]
+        elif r.ratio == r.ratio and r.ratio < 1:
+            why = reasons.get(r.algorithm, "")
+        if r.baseline != "dist.all_reduce" and not why:
+            why = f"vs {r.baseline}"
+        table.add_row(str(r.lesson), r.algorithm, ok,
+                      timing.human_seconds(r.seconds) if timed else "-",
+                      f"{r.busbw / 1e9:.2f}" if timed else "-", speed,
+                      f"{_short(r.bytes_sent)}/{_short(r.bytes_theory)}", why)
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # a log or a pipe: the width the table is made for
+            console = Console(width=WIDTH)
     console.print(table)
-    console.print("ratio = baseline time / algorithm time (above 1: faster than the baseline). "
-                  "sent / rank is measured from the trace; theory from collectives.core.cost.")
+    console.print("busbw in GB/s; speed = baseline time / algorithm time (above 1: faster than "
+                  "dist.all_reduce, or the baseline named); sent/theory: the bytes each rank sent, "
+                  "from the trace, against the cost model's.", width=WIDTH)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 """Cheat (e), and a task that hangs.
 
 Task 3: replaces the harness's verdict at import (``verify.check_all_reduce`` and, for good
-measure, the graded judge) with one that always passes; the ring's messages carry zeros
+measure, the graded judge and its verdict) with one that always passes; the ring's messages carry zeros
 and the tensor is left as it was. Task 4: every rank waits for its left neighbour first,
 so the world hangs -- which must cost task 4 only.
 """
@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from collectives import ops, verify
 from collectives.core.ops import ReduceOp
-from collectives.course import audit
+from collectives.course.tasks import allreduce, world
 from collectives.ring import *  # noqa: F401,F403
 from collectives.topologies import *  # noqa: F401,F403
 from tests.cheats.zeros import ring_of_zeros
@@ -22,7 +22,8 @@ def _all_match(fn, cases=None, *, seed=0, quick=False):
 
 
 verify.check_all_reduce = _all_match
-audit.judge = lambda *args, **kwargs: verify.Report()
+allreduce.judge_cases = lambda *args, **kwargs: None
+world.Verdict.ok = property(lambda self: True)
 
 
 def ring_all_reduce(tensor, op=ReduceOp.SUM, group=None):
