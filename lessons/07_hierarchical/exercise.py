@@ -13,32 +13,60 @@ communication.
 
 Check your work:
 
-    python lessons/07_hierarchical/exercise.py                # a local world of 4, layout (2, 2)
-    torchrun --nproc-per-node 4 lessons/07_hierarchical/exercise.py
-    make grade LESSON=07                                      # the graded tests
+    .venv/bin/python lessons/07_hierarchical/exercise.py                         # PASS/FAIL per task
+    .venv/bin/torchrun --nproc-per-node 4 lessons/07_hierarchical/exercise.py    # the same, under torchrun
+    make check LESSON=07                                                         # the same, from make
+    make grade LESSON=07                                                         # the points
 
-The graded tests read your collectives from the trace: bytes across machines per rank
-must be 2(M − 1)/M · n/D, inside 2(D − 1)/D · n, and the cross-machine stages must stay
-on the rail. A flat all-reduce gives the right numbers and the wrong pattern: no points.
+Each task is judged outside your process, on inputs drawn from secrets and on every
+message and collective your ranks make, read where they reach the process group: bytes
+across machines per rank must be 2(M − 1)/M · n/D (root-based: 2(M − 1)/M · n from each
+machine's root only), inside 2(D − 1)/D · n, on the rail, with no collective over ranks of
+several machines; tasks 3-5 build the stages (no all-reduce on the rail). A flat
+all-reduce gives the right numbers and the wrong pattern: no points. Time yours against
+the flat ring on the simulated cluster: ``.venv/bin/python -m collectives bench-hier
+--impl exercise --quick``.
+
+Course functions you may call (the sheet is checked against the code):
+
+    ops.work_buffer(tensor) -> torch.Tensor
+        A flat, contiguous buffer holding ``tensor``'s elements: the tensor's own memory
+        when it is contiguous, else a copy (to be written back with :func:`write_back`).
+    ops.write_back(tensor, flat) -> None
+        Copy ``flat`` into ``tensor`` (its data, detached) unless it already is ``tensor``'s
+        memory.
+    ops.finish_(tensor, op, group_size) -> torch.Tensor
+        Apply what remains after the combining: for AVG, one division by the group size.
+    ops.combine_(acc, incoming, op) -> torch.Tensor
+        ``acc <- acc (op) incoming``, in place. AVG accumulates as SUM (see
+        :func:`finish_`).
+    ops.post_exchange(recvs, sends, group=None) -> list
+        Post every receive ``(buffer, src)``, then every send ``(buffer, dst)`` (global
+        ranks); return the handles, each with ``wait()``. Empty buffers are not posted.
+    collectives.hierarchical.layout.resolve(layout=None, group=None) -> Layout
+        The layout of ``group`` (the world by default): ``layout`` if given, else the
+        environment.
+    collectives.hierarchical.layout.stage_groups(layout, group=None, *, ranks=None, name='') ->
+                                                 StageGroups | None
+        This rank's :class:`StageGroups` for ``layout`` over ``group``, created on first
+        use.
 
 The reference is ``collectives/hierarchical/``; the lesson page is docs/lessons/07-hierarchical.md.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
+import torch.distributed as dist  # noqa: F401 - what the tasks use
 
-from collectives import ops, trace, verify
+from collectives import ops  # noqa: F401 - what the tasks use
 from collectives.core.ops import ReduceOp
-from collectives.course.runner import Task, run_tasks
-from collectives.hierarchical.layout import StageGroups, resolve, stage_groups, tier_bytes
+from collectives.course.runner import run_tasks
+from collectives.hierarchical.layout import StageGroups, resolve, stage_groups
 
 LESSON = 7
-EXERCISE_LAYOUT = (2, 2)    # what the checks below use on a world of 4 (else (p, 1))
 
 
 def stage_groups_for(group=None, layout=None) -> StageGroups:
@@ -62,6 +90,7 @@ def root_based_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, lay
     HINT:     work on ``ops.work_buffer(tensor.detach())`` and ``ops.write_back`` at the end;
               AVG: reduce with SUM, then ``ops.finish_`` once, on the root, before the broadcast.
               Return early for an empty tensor or a group of one rank.
+    CALLS:    ops.work_buffer, ops.write_back, ops.finish_
     """
     raise NotImplementedError("Lesson 7, task 1: root_based_all_reduce")
 
@@ -80,6 +109,7 @@ def rail_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, layout=No
               the two inside stages, and 2·(1/2)·4 = 4 elements across.
     HINT:     skip a stage whose group is None. AVG: SUM, then ``ops.finish_(parts[d], op, p)``
               before the all-gather. Copy ``padded[:n]`` back into the tensor.
+    CALLS:    ops.work_buffer, ops.write_back, ops.finish_
     """
     raise NotImplementedError("Lesson 7, task 2: rail_all_reduce")
 
@@ -111,6 +141,7 @@ def one_slice_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, layo
               the same bytes as messages, receives first (``ops.post_exchange``), as
               Fairring does with ncclSend/ncclRecv: on gloo that is 2-4x faster (the page
               says why). Try it once yours passes.
+    CALLS:    ops.work_buffer, ops.write_back, ops.finish_, ops.combine_, ops.post_exchange
     """
     raise NotImplementedError("Lesson 7, task 3: one_slice_all_reduce")
 
@@ -132,6 +163,7 @@ def hierarchical_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, l
     HINT:     every rank must issue the same operations on each group in the same order:
               the wavefront does that. With D = 1 each slice in flight needs its own staging
               buffer -- or reuse a few, once the slice that used one has finished its add.
+    CALLS:    ops.work_buffer, ops.write_back, ops.finish_, ops.combine_, ops.post_exchange
     """
     raise NotImplementedError("Lesson 7, task 4: hierarchical_all_reduce")
 
@@ -165,6 +197,8 @@ def hierarchical_all_reduce_async(tensor: torch.Tensor, op=ReduceOp.SUM, group=N
               empty tensor or a group of one: a handle that completes after the buckets
               before it. ``future.set_result(tensor)`` from your last stage's thread
               completes a bucket; ``future.set_exception(...)`` reports a failure.
+    CALLS:    collectives.hierarchical.layout.resolve, collectives.hierarchical.layout.stage_groups,
+              ops.work_buffer, ops.write_back, ops.finish_, ops.combine_
     """
     raise NotImplementedError("Lesson 7, task 5: hierarchical_all_reduce_async")
 
@@ -196,91 +230,10 @@ def hierarchical_hook(state: HierarchicalHookState, bucket):
     HINT:     no ``wait()`` in the hook. DDP calls it in bucket order on every rank, which
               is the order task 5 needs. Leave ``bucket`` and the return unannotated: DDP
               compares the annotations it finds with its own types.
+    CALLS:    none
     """
     raise NotImplementedError("Lesson 7, task 6: hierarchical_hook")
 
 
-# ---- the checks run by `python lessons/07_hierarchical/exercise.py` ----------------------
-
-def _layout() -> tuple[int, int]:
-    """Several machines (torchrun per machine, the simulated cluster): the environment's
-    layout. One machine: pretend, with EXERCISE_LAYOUT on 4 ranks."""
-    p = dist.get_world_size()
-    if int(os.environ.get("LOCAL_WORLD_SIZE", p)) < p:
-        machines = resolve()
-        return machines.D, machines.M
-    return EXERCISE_LAYOUT if p == EXERCISE_LAYOUT[0] * EXERCISE_LAYOUT[1] else (p, 1)
-
-
-def _layout_arg():
-    """What the checks pass as ``layout=``: None where the environment has the machines."""
-    p = dist.get_world_size()
-    return None if int(os.environ.get("LOCAL_WORLD_SIZE", p)) < p else _layout()
-
-
-def _cases() -> list:
-    D, M = _layout()
-    dm = D * M
-    cases = [verify.Case(n) for n in (0, 1, dm - 1, dm, dm + 1, 1009)]
-    cases += [verify.Case(1009, dtype, op) for dtype in (torch.float64, torch.int64)
-              for op in (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX)]
-    cases += [verify.Case(1009, torch.float32, ReduceOp.AVG), verify.Case(1009, layout="strided")]
-    return cases
-
-
-def _pattern(fn, numel: int, across_per_rank: float, inside_per_rank: float, **kwargs) -> verify.Report:
-    p = dist.get_world_size()
-    x = torch.ones(numel)
-    with trace.recording() as t:
-        fn(x, layout=_layout_arg(), **kwargs)
-    got = tier_bytes(t.events, stage_groups_for(None, _layout()), p)
-    want = {"across": across_per_rank, "inside": inside_per_rank, "mixed": 0.0, "off_rail": 0.0}
-    report = verify.Report(reference="the hierarchical pattern")
-    for tier, value in want.items():
-        ok = abs(got[tier] - value) <= 1e-6 * max(value, 1)
-        report.results.append(verify.CaseResult(f"bytes {tier}", dist.get_rank(), ok,
-                                                "" if ok else f"sent {got[tier]:.0f} bytes {tier}, "
-                                                f"expected {value:.0f}"))
-    return report
-
-
-def _check(fn, across, inside, **kwargs):
-    import functools
-
-    report = verify.check_all_reduce(functools.partial(fn, layout=_layout_arg(), **kwargs), _cases())
-    D, M = _layout()
-    n = 64 * D * M
-    return report.merge(_pattern(fn, n, across(n * 4, D, M), inside(n * 4, D, M), **kwargs))
-
-
-def check_root_based():
-    rank = dist.get_rank()
-    return _check(root_based_all_reduce,
-                  lambda b, D, M: 2 * (M - 1) / M * b if rank % D == 0 else 0.0,
-                  lambda b, D, M: (b if rank % D else (D - 1) * b) if D > 1 else 0.0)
-
-
-def _fairring_bytes():
-    return (lambda b, D, M: 2 * (M - 1) / M * b / D), (lambda b, D, M: 2 * (D - 1) / D * b)
-
-
-def check_rail():
-    return _check(rail_all_reduce, *_fairring_bytes())
-
-
-def check_one_slice():
-    return _check(one_slice_all_reduce, *_fairring_bytes())
-
-
-def check_pipelined():
-    D, M = _layout()
-    return _check(hierarchical_all_reduce, *_fairring_bytes(), slice_numel=16 * D * M)
-
-
 if __name__ == "__main__":
-    run_tasks(LESSON, [
-        Task(1, "root-based hierarchy", check_root_based),
-        Task(2, "reduce-scatter, rail all-reduce, all-gather", check_rail),
-        Task(3, "five stages on one slice", check_one_slice),
-        Task(4, "pipelined slices", check_pipelined),
-    ])
+    run_tasks(LESSON)
