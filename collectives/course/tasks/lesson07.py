@@ -38,6 +38,7 @@ from .lesson07_tiers import (
     harness,
     layout_name,
     layouts_for,
+    machines_in_environment,
     order_problem,
     shape,
     size_cases,
@@ -229,6 +230,38 @@ def _judge_extras(task: int, run, layout, lname: str, size: int, verdict: Verdic
                 problem = same(expected_output(Case(PRIME), [once] * size), got)
                 verdict.add(problem and f"{where}, twice on one tensor (the second call sums the first's result): "
                             f"{problem}")
+
+
+TIMED_BYTES = 4 << 20
+
+
+def in_world_timing(spec: str, verdicts: dict) -> str | None:
+    """On several machines (torchrun per machine, the simulated cluster), after the tasks:
+    the student's pipelined hierarchy timed beside the reference's and the flat ring
+    (``dist.all_reduce``) on 4 MiB; every rank calls it, rank 0's line is printed. Only a
+    task 4 that passed is timed. None on one machine: there is no slow tier to measure."""
+    import torch.distributed as dist
+
+    from ...core import timing
+    from ..impl import resolve
+
+    p = dist.get_world_size()
+    if machines_in_environment(p) is None:
+        return None
+    x = torch.ones(TIMED_BYTES // 4)
+    names = [("the flat ring (dist.all_reduce)", dist.all_reduce),
+             ("the reference", resolve("collectives.hierarchical:hierarchical_all_reduce"))]
+    if verdicts.get(4) and not spec.startswith("collectives.hierarchical"):
+        names.insert(0, ("yours", resolve(f"{spec}:hierarchical_all_reduce")))
+    seconds = {name: timing.median(timing.measure(lambda fn=fn: fn(x), warmup=1, iters=5)) for name, fn in names}
+    D, M = shape(None, p)
+    line = f"timing, {M} machines × {D} ranks, {TIMED_BYTES >> 20} MiB: " + ", ".join(
+        f"{name} {timing.human_seconds(t)}" for name, t in seconds.items())
+    if "yours" in seconds and seconds["yours"] > seconds["the flat ring (dist.all_reduce)"]:
+        line += " -- yours passes and is slower than the flat ring here"
+    elif not verdicts.get(4):
+        line += " (yours is timed once task 4 passes)"
+    return line
 
 
 TASKS = [

@@ -137,7 +137,8 @@ def tiers_of(calls: list[Call], rank: int, D: int, M: int) -> Tiers:
         out.kinds.add(c.kind)
         if c.kind in ("allreduce", "allreduce_coalesced"):
             sent = 2 * (g - 1) / g * nbytes
-        elif c.kind in ("_reduce_scatter_base", "reduce_scatter", "reduce_scatter_tensor_coalesced"):
+        elif c.kind in ("_reduce_scatter_base", "reduce_scatter", "reduce_scatter_tensor_coalesced",
+                        "reduce_scatter_single", "reduce_scatter_single_coalesced"):
             sent = (g - 1) * nbytes            # the first argument is this rank's part
         elif c.kind in ("reduce", "broadcast", "gather", "scatter"):
             sent = nbytes                      # which rank is the root is not recorded
