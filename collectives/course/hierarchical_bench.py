@@ -57,7 +57,17 @@ ALGORITHMS = {   # name -> (target, cost model, slices: "one" or "plan", exercis
                                 "one_slice_all_reduce"),
     "hierarchical, pipelined": ("collectives.hierarchical:hierarchical_all_reduce", "hierarchical", "plan",
                                 "hierarchical_all_reduce"),
+    "hierarchical, library inside": ("collectives.course.hierarchical_bench:library_inside_all_reduce",
+                                     "hierarchical", "plan", None),
 }
+
+
+def library_inside_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, layout=None) -> None:
+    """The pipelined hierarchy with the inside stages as the library's reduce-scatter and
+    all-gather (NCCL's way) instead of messages: what the page's choice on gloo is measured by."""
+    from collectives.hierarchical import hierarchical_all_reduce
+
+    hierarchical_all_reduce(tensor, op, group, layout, inside="collectives")
 
 
 def target_of(name: str, impl: str = "reference") -> str | None:
@@ -370,13 +380,16 @@ STAGE_COLOURS = {"reduce-scatter": "tab:blue", "collect": "tab:orange", "diffuse
                  "all-gather": "tab:purple"}
 
 
-def traced_slices(layout: tuple[int, int], numel: int, slice_numel: int, rounds: int = 2) -> list[dict]:
+def traced_slices(layout: tuple[int, int], numel: int, slice_numel: int, rounds: int = 2,
+                  target: str = "collectives.hierarchical:hierarchical_all_reduce") -> list[dict]:
     """On every rank: the trace of ``hierarchical_all_reduce`` (the last of ``rounds`` calls,
-    so the groups exist already), as dicts, times relative to the call's start."""
+    so the groups exist already), as dicts, times relative to the call's start. ``target``:
+    whose (a lab's ``lab.target("hierarchical_all_reduce")``: the student's under "exercise")."""
     import time
 
-    from collectives.hierarchical import hierarchical_all_reduce
+    from .impl import resolve
 
+    hierarchical_all_reduce = resolve(target)
     x = torch.randn(numel)
     for _ in range(rounds - 1):
         hierarchical_all_reduce(x, layout=layout, slice_numel=slice_numel)

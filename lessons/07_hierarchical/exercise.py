@@ -139,8 +139,8 @@ def one_slice_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, layo
               group is None. ``ops.combine_(acc, row, op)`` does one step of the add.
               The library's collectives are the plain way, and pass. The reference posts
               the same bytes as messages, receives first (``ops.post_exchange``), as
-              Fairring does with ncclSend/ncclRecv: on gloo that is 2-4x faster (the page
-              says why). Try it once yours passes.
+              Fairring does with ncclSend/ncclRecv (the page says why it does so on gloo).
+              Try it once yours passes, and time both with ``bench-hier --impl exercise``.
     CALLS:    ops.work_buffer, ops.write_back, ops.finish_, ops.combine_, ops.post_exchange
     """
     raise NotImplementedError("Lesson 7, task 3: one_slice_all_reduce")
