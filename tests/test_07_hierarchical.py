@@ -625,3 +625,35 @@ def test_a_bench_record_holds_machine_versions_date_command_and_its_comparisons(
     assert saved["command"] == "python -m collectives bench-hier crossover --quick"
     assert {"cpu", "cores"} <= set(saved["machine"]) and saved["versions"]["torch"] == torch.__version__
     assert saved["date"][:4].isdigit() and saved["comparisons"][0]["by"] == pytest.approx(1.5)
+
+
+# ---- the check on several machines, and bench-hier --impl exercise ------------------------
+
+def _timing_lines():
+    from collectives.course.catalog import ROOT
+    from collectives.course.tasks import lesson07
+
+    spec = str(ROOT / "tests" / "solutions" / "lesson07_library.py")
+    return lesson07.in_world_timing(spec, {4: True}), lesson07.in_world_timing(spec, {4: False})
+
+
+def test_the_check_on_several_machines_times_yours_beside_the_flat_ring_and_the_reference(monkeypatch):
+    from collectives.course.tasks import lesson07
+
+    monkeypatch.setattr(lesson07, "TIMED_BYTES", 64 << 10)      # the ranks are forked: they see it
+    passed, unwritten = launch.run(_timing_lines, 4, local_world_size=2, timeout=TIMEOUT)[0]
+    assert passed.startswith("timing, 2 machines × 2 ranks, 64 KiB: yours "), passed
+    assert "the flat ring (dist.all_reduce) " in passed and "the reference " in passed, passed
+    assert "yours" not in unwritten.split(":", 1)[1].split("(")[0] and "once task 4 passes" in unwritten, unwritten
+    # one machine: no slow tier, nothing to time
+    assert launch.run(_timing_lines, 2, timeout=TIMEOUT)[0] == (None, None)
+
+
+def test_an_unwritten_function_is_named_and_not_timed_by_bench_hier():
+    from collectives.course.hierarchical_bench import why_not_timed
+
+    stub = verify.Report([verify.CaseResult("n=0 float32 SUM", 0, False,
+                                            "raised NotImplementedError: Lesson 7, task 4: hierarchical_all_reduce")])
+    assert why_not_timed(stub) == "not written yet (Lesson 7, task 4: hierarchical_all_reduce)"
+    wrong = verify.Report([verify.CaseResult("n=7 float32 SUM", 1, False, "3 of 7 elements differ")])
+    assert "n=7 float32 SUM" in why_not_timed(wrong) and "3 of 7" in why_not_timed(wrong)

@@ -86,6 +86,18 @@ def _fn(target):
     return resolve(target)
 
 
+def why_not_timed(report: verify.Report) -> str:
+    """One line: "not written yet (Lesson 7, task 4: ...)", or the first case that differed."""
+    import re
+
+    text = report.summary(2)
+    stub = re.search(r"Lesson \d+, task \d+: \w+", text)
+    if stub:
+        return f"not written yet ({stub.group(0)})"
+    lines = text.splitlines()
+    return lines[1].strip() if len(lines) > 1 else text
+
+
 def _bench_in_rank(sizes: list[int], iters: int, names: list[str], impl: str = "reference") -> dict:
     from collectives.hierarchical import resolve as layout_of
     layout = layout_of()
@@ -96,7 +108,7 @@ def _bench_in_rank(sizes: list[int], iters: int, names: list[str], impl: str = "
         report = verify.check_all_reduce(_fn(target), check) if target else verify.Report()
         for nbytes in sizes:
             if not report.ok:          # not written yet, or wrong: nothing to time
-                out["rows"].append(dict(name=name, nbytes=nbytes, verified=False, detail=report.summary(2),
+                out["rows"].append(dict(name=name, nbytes=nbytes, verified=False, detail=why_not_timed(report),
                                         seconds=float("nan"), times=[], calls=0))
                 continue
             x = torch.randn(nbytes // 4) * 1e-10        # times 4 each call: stays finite
@@ -169,7 +181,7 @@ def render(result: dict) -> None:
     console.print("× flat ring / × dist.all_reduce: that algorithm's time divided by this one's "
                   "(above 1: this one is faster). model: collectives.hierarchical.cost.predict_tiered.")
     for name, detail in dict.fromkeys((r["name"], r["detail"]) for r in result["rows"] if not r["verified"]):
-        console.print(f"[red]{name} not timed[/]: {detail.splitlines()[-1].strip()}")
+        console.print(f"[red]{name} not timed[/]: {detail}")
 
 
 # ---- the suites built on run_bench ---------------------------------------------------------

@@ -255,7 +255,7 @@ def in_world_timing(spec: str, verdicts: dict) -> str | None:
         names.insert(0, ("yours", resolve(f"{spec}:hierarchical_all_reduce")))
     seconds = {name: timing.median(timing.measure(lambda fn=fn: fn(x), warmup=1, iters=5)) for name, fn in names}
     D, M = shape(None, p)
-    line = f"timing, {M} machines × {D} ranks, {TIMED_BYTES >> 20} MiB: " + ", ".join(
+    line = f"timing, {M} machines × {D} ranks, {timing.human_bytes(TIMED_BYTES)}: " + ", ".join(
         f"{name} {timing.human_seconds(t)}" for name, t in seconds.items())
     if "yours" in seconds and seconds["yours"] > seconds["the flat ring (dist.all_reduce)"]:
         line += " -- yours passes and is slower than the flat ring here"
