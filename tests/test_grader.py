@@ -159,6 +159,7 @@ CHEAT_TARGETS = {
     "lesson07_paused_flat_with_decoys": (7, (2, 3, 4, 5), 1),
     "lesson07_replaced_verdict": (7, (1, 2, 3, 4), 6),
     "lesson07_rail_for_the_stages": (7, (3, 4), 2),
+    "lesson07_flat_hook": (7, (6,), 5),
 }
 
 

@@ -105,6 +105,7 @@ class Tiers:
     mixed: float = 0.0
     off_rail: float = 0.0
     mixed_kinds: set = field(default_factory=set)
+    mixed_by_kind: dict = field(default_factory=dict)       # kind -> bytes of flat collectives
     kinds: set = field(default_factory=set)                 # every collective's kind
     sequence: list = field(default_factory=list)            # "I"/"A" per send or collective, in order
     across_peers: dict = field(default_factory=dict)        # peer -> messages sent to it across
@@ -160,6 +161,7 @@ def tiers_of(calls: list[Call], rank: int, D: int, M: int) -> Tiers:
         else:
             out.mixed += sent
             out.mixed_kinds.add(c.kind)
+            out.mixed_by_kind[c.kind] = out.mixed_by_kind.get(c.kind, 0.0) + sent
     return out
 
 
