@@ -52,7 +52,7 @@ HERE = __name__
 SIZES = {1: (4,), 2: (4,), 3: (4, 6), 4: (4,)}     # 6 ranks: D = 3, and M = 3 (the rail of three)
 # how much each layout of a world gets, in order: the harness's covering set, the sizes
 # around D·M, or only the counted call and the task's own checks
-DEPTH = {4: ("full", "light", "light"), 6: ("sizes", "counted")}
+DEPTH = {4: ("full", "light", "light"), 6: ("light", "counted")}
 NAMES = {1: "root_based_all_reduce", 2: "rail_all_reduce", 3: "one_slice_all_reduce", 4: "hierarchical_all_reduce"}
 
 
