@@ -2,6 +2,8 @@
 
 import json
 
+import torch._dynamo  # noqa: F401 - torch DDP imports it on first use (seconds): once, before the worlds fork
+
 from collectives.course import bench
 from collectives.course.impl import resolve
 
@@ -12,14 +14,26 @@ def test_the_registry_names_every_lesson_3_and_4_algorithm_and_the_baselines():
         assert callable(resolve(bench.ALGORITHMS[name])), name
 
 
-def test_a_tiny_run_prints_the_table_and_writes_the_json_and_the_plot(tmp_path, capsys):
+def _table_rows(text: str) -> dict[str, list[list[str]]]:
+    """nccl-tests' text: '# name: target' opens a block, lines without '#' are rows."""
+    blocks, name = {}, None
+    for line in text.splitlines():
+        if line.startswith("# ") and ": " in line and not line.startswith(("# Avg", "# Out", "# #wrong")):
+            name = line[2:].split(": ", 1)[0]
+        elif line.strip() and not line.startswith("#") and name is not None:
+            blocks.setdefault(name, []).append(line.split())
+    return blocks
+
+
+def test_a_tiny_run_prints_nccl_tests_columns_and_writes_the_json_and_the_plot(tmp_path, capsys):
     # 2 sizes x (the baseline + 2 algorithms) on 2 ranks, one timed run each: a few seconds
     code = bench.main(["--algo", "ring,halving_doubling", "--world", "2", "--sizes", "1K,64K",
                        "--iters", "1", "--warmup", "0", "--out", str(tmp_path)])
     assert code == 0
-    table = capsys.readouterr().out
-    for text in ("ring", "halving_doubling", "gloo", "busbw", "1 KiB", "64 KiB"):
-        assert text in table, text
+    text = capsys.readouterr().out
+    header = next(line.split()[1:] for line in text.splitlines() if "#wrong" in line and "size" in line)
+    assert header == ["size", "count", "type", "redop", "time", "algbw", "busbw", "#wrong", "ratio"]
+    assert "# Out of bounds values : 0 OK" in text
 
     saved = json.loads((tmp_path / "allreduce.json").read_text())
     rows = saved["rows"]
@@ -27,13 +41,60 @@ def test_a_tiny_run_prints_the_table_and_writes_the_json_and_the_plot(tmp_path, 
         (1024, "gloo"), (1024, "ring"), (1024, "halving_doubling"),
         (65536, "gloo"), (65536, "ring"), (65536, "halving_doubling")]
     for r in rows:
-        assert r["ok"] is True and r["seconds"] > 0 and r["world_size"] == 2
+        assert r["seconds"] > 0 and r["world_size"] == 2
+        assert (r["ok"], r["wrong"]) == ((None, None) if r["algo"] == "gloo" else (True, 0))
         assert abs(r["busbw"] - r["algbw"]) < 1e-6 * r["algbw"]       # p = 2: 2(p-1)/p = 1
         assert abs(r["ratio"] - r["baseline_seconds"] / r["seconds"]) < 1e-9
     assert saved["meta"]["torch"] and saved["meta"]["backend"] == "gloo"
 
+    printed = _table_rows(text)                 # the same rows, as nccl-tests prints them
+    assert list(printed) == ["gloo", "ring", "halving_doubling"]
+    for r in rows:
+        size, count, kind, redop, us, algbw, busbw, wrong, ratio = printed[r["algo"]].pop(0)
+        assert (int(size), int(count), kind, redop) == (r["nbytes"], r["numel"], "float", "sum")
+        assert float(us) == round(r["seconds"] * 1e6, 2)
+        assert float(algbw) == round(r["nbytes"] / r["seconds"] / 1e9, 3)      # GB = 10^9 bytes
+        assert wrong == ("N/A" if r["algo"] == "gloo" else "0")
+
     png = (tmp_path / "allreduce.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_json_and_the_exercise_beside_the_reference(tmp_path, capsys, monkeypatch):
+    """--impl exercise times each algorithm's exercise too: a solved one like the reference, a
+    stub as "not written yet"; --json prints the document alone on stdout."""
+    lesson = tmp_path / "lessons" / "04_ring"
+    lesson.mkdir(parents=True)
+    (lesson / "exercise.py").write_text(
+        "from collectives.ring import ring_all_reduce  # noqa: F401 - solved: the reference itself\n"
+        "def tree_all_reduce(tensor, op=None, group=None):\n"
+        "    raise NotImplementedError('Lesson 4, task 7: tree_all_reduce')\n")
+    monkeypatch.setenv("COLLECTIVES_EXERCISE_DIR", str(tmp_path / "lessons"))
+    code = bench.main(["--algo", "ring,tree", "--world", "2", "--sizes", "4K", "--iters", "1", "--warmup", "0",
+                       "--impl", "exercise", "--json", "--out", str(tmp_path / "out")])
+    assert code == 0
+    saved = json.loads(capsys.readouterr().out)     # nothing but the JSON on stdout
+    rows = {r["algo"]: r for r in saved["rows"]}
+    assert list(rows) == ["gloo", "ring", "ring (exercise)", "tree", "tree (exercise)"]
+    assert rows["ring (exercise)"]["wrong"] == 0 and rows["ring (exercise)"]["seconds"] > 0
+    assert rows["tree (exercise)"]["seconds"] is None
+    assert rows["tree (exercise)"]["missing"] == "not written yet (Lesson 4, task 7: tree_all_reduce)"
+    assert saved == json.loads((tmp_path / "out" / "allreduce.json").read_text())
+    bench.render(saved["rows"], "title")
+    text = capsys.readouterr().out
+    assert "# tree (exercise): " in text and "not written yet" in text
+    assert [row[0] for row in _table_rows(text)["ring (exercise)"]] == ["4096"]
+
+
+def test_a_stub_reducer_is_listed_as_not_written_in_bench_ddp():
+    from collectives import launch
+    from collectives.course import bucketing_bench
+
+    cfg = dict(world=2, backend="gloo", bucket_cap_mb=0.01, first_bucket_cap_mb=0.01, steps=1, warmup=1,
+               model="mlp", sizes=dict(width=16, depth=2), batch=4, impl="exercise")
+    result = launch.run(bucketing_bench.run_rank, 2, args=(cfg,))[0]
+    assert list(result["times"]) == list(bucketing_bench.VARIANTS)
+    assert result["missing"][bucketing_bench.EXERCISE].startswith("not written yet (Lesson 6, task")
 
 
 def test_a_tiny_fused_run_prints_every_case_and_writes_the_json_and_the_plot(tmp_path, capsys):
@@ -41,13 +102,15 @@ def test_a_tiny_fused_run_prints_every_case_and_writes_the_json_and_the_plot(tmp
 
     # 40 tensors of 100 elements on 2 ranks, 4 runs a case (one per round): a few seconds
     code = fused_bench.main(["--world", "2", "--count", "40", "--numel", "100", "--split", "4K",
-                             "--iters", "4", "--separate-iters", "1", "--out", str(tmp_path)])
+                             "--iters", "4", "--separate-iters", "1", "--impl", "exercise", "--out", str(tmp_path)])
     assert code == 0
     table = capsys.readouterr().out
     saved = json.loads((tmp_path / "bench-fused.json").read_text())
     cases = [r["case"] for r in saved["rows"]]
     assert cases == ["separate calls", "flat all_reduce", "flat + 2 copies", "cat + copy_ loop", "fused",
-                     "fused, double buffer", "fused, one buffer", "fused, bound"]
+                     "fused, double buffer", "fused, one buffer", "fused, bound", "fused (exercise)"]
+    stub = saved["rows"].pop()                      # lessons/05_fused/exercise.py is still a stub
+    assert stub["missing"].startswith("not written yet (Lesson 5, task") and "not written yet" in table
     for r in saved["rows"]:
         assert r["seconds"] > 0 and r["cpu_per_rank"] > 0 and r["iters"] == (1 if r["case"] == "separate calls" else 4)
         assert r["case"].split(",")[0] in table        # the table wraps long names

@@ -98,6 +98,30 @@ def test_a_crashing_rank_is_reported_with_its_signal():
     assert not _children_of_this_process()
 
 
+def test_a_rank_killed_from_outside_is_never_taken_for_the_launchers_time_limit():
+    with pytest.raises(launch.RankError) as info:
+        launch.run(workers.rank_one_is_killed, world_size=2, timeout=20)
+    assert info.value.rank == 1
+    text = str(info.value)
+    assert "SIGKILL" in text and ("not sent by this launcher" in text or "out-of-memory killer ended" in text)
+
+
+def test_a_world_launched_from_a_thread_outlives_no_thread_and_is_tied_to_its_process():
+    """PR_SET_PDEATHSIG fires when the forking *thread* exits: ranks forked from a thread
+    other than the main one watch their parent process instead."""
+    import threading
+    seen = {}
+
+    def launch_here():
+        seen["tags"] = launch.run(workers.launcher_tag, world_size=2)
+
+    thread = threading.Thread(target=launch_here)
+    thread.start()
+    thread.join(60)
+    assert seen["tags"] == [f"{os.getpid()}:0"] * 2
+    assert launch.run(workers.launcher_tag, world_size=2) == [f"{os.getpid()}:1"] * 2
+
+
 def test_no_process_is_left_behind_after_a_normal_world():
     pids = launch.run(workers.sleepy_children_pids, world_size=3)
     assert len(set(pids)) == 3 and os.getpid() not in pids

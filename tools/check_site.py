@@ -11,6 +11,18 @@ Chromium, with no network beyond that server. A page fails on:
   must read offline;
 * clipping at 1400 px: a code block (or a notebook cell) that scrolls sideways, a table
   wider than its column; math left untypeset;
+* claims that are not data: a figure placed without its record, a record without the
+  device, versions, date and command, a hand-written sentence that compares what a
+  record compares the other way round (:func:`claim_problems`, which runs without a
+  browser and is also a test of its own);
+* illegible figures: a code name in a table heading broken over two lines, a figure
+  that does not enlarge when tapped, a PNG drawn at less than twice its shown size;
+* a trace player (``<div class="trace-player">``, docs/javascripts/trace-player.js) that
+  does not load, whose first step does not show the recorded inputs, that does not change
+  when stepped with the keyboard or played, whose last step is not the all-reduce's
+  result recorded with the run, or that is wider than its column at 1400 px or at 400 px
+  (each player page is read again at 400 px, and stepped there; one page's first player
+  is also driven by real key presses and its play button);
 * missing content: a lesson page without the sections every lesson promises
   (objectives, a diagram, the cost, the exercise tasks as a table with difficulty and
   minutes, how to run it with torchrun and ``make grade``, credits, a link to its
@@ -46,7 +58,7 @@ from urllib.parse import urljoin, urlparse
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from collectives.course import labs  # noqa: E402
+from collectives.course import claims, labs  # noqa: E402
 from collectives.course.catalog import LESSONS  # noqa: E402
 
 CHROMIUM_CANDIDATES = ("/usr/bin/chromium", "chromium", "chromium-browser", "google-chrome")
@@ -218,6 +230,7 @@ async () => {
     cellOutput: outermost(".jp-CodeCell").map(c =>
         [...c.querySelectorAll(".jp-OutputArea-output")].some(o => o.innerText.trim() || o.querySelector("img, svg"))),
     errorOutputs: article.querySelectorAll(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr'] .ansi-red-fg, .jp-OutputArea-output .traceback").length,
+    players: article.querySelectorAll(".trace-player").length,
     // math: every formula typeset by MathJax, none left as \( ... \) text
     math: article.querySelectorAll(".arithmatex").length,
     mathUntypeset: [...article.querySelectorAll(".arithmatex")].filter(m => !m.querySelector("mjx-container")).length,
@@ -343,6 +356,226 @@ def check_notebook_page(item, seen: dict, fetch) -> list[str]:
     return problems
 
 
+# --------------------------------------------------------------------------- legibility
+
+# Runs in the page once it has loaded: what a reader on a phone or a wide screen cannot read.
+_INSPECT_LEGIBILITY = r"""
+() => {
+  const article = document.querySelector("article.md-content__inner") || document.body;
+  return {
+    // a code name in a table heading that the browser broke over two lines
+    wrappedHeadCode: [...article.querySelectorAll("th code")]
+        .filter(c => c.getClientRects().length > 1).map(c => c.textContent.trim()),
+    // every figure can be tapped to see it large (docs/javascripts/lightbox.js marks them)
+    images: [...article.querySelectorAll("img")].filter(i => i.offsetParent !== null).map(i => ({
+        src: i.currentSrc || i.src, zoom: i.dataset.zoom === "1", shown: i.clientWidth,
+        natural: i.naturalWidth, png: /\.png($|\?)/.test(i.currentSrc || i.src),
+        inCell: !!i.closest(".jp-OutputArea-output")})),
+  };
+}
+"""
+
+
+def check_legibility(seen: dict) -> list[str]:
+    """Problems a reader would have with what :data:`_INSPECT_LEGIBILITY` saw."""
+    problems = [f"table heading breaks the name {name!r} over two lines (th code must not wrap)"
+                for name in seen["wrappedHeadCode"]]
+    for img in seen["images"]:
+        name = img["src"].rsplit("/", 1)[-1]
+        if not img["zoom"]:
+            problems.append(f"figure {name} does not enlarge when tapped (lightbox.js)")
+        if img["png"] and not img["inCell"] and img["shown"] and img["natural"] < 1.5 * img["shown"]:
+            problems.append(f"figure {name} is a PNG of {img['natural']} px shown at {img['shown']} px: "
+                            "draw it as SVG (plots.save) or at twice its size")
+    return problems
+
+
+# --------------------------------------------------------------------------- a claim is data
+
+# Lessons whose pages, labs and figures are being rewritten now: the word budget, the rule
+# that every figure on a lesson page has a record and the one way to write commands hold
+# them once they leave this set. One edit brings a lesson in.
+LESSONS_PENDING_REWRITE = (7, 8)
+# The words a student reads on a lesson page with every collapsed block closed (the
+# teaching core: objectives, picture, algorithm, cost, exercise, takeaways).
+WORD_BUDGET = {"default": 2500}
+DOCS = ROOT / "docs"
+
+
+def _collapsed_and_code_removed(markdown: str) -> str:
+    """``markdown`` without fenced code, HTML comments, placeholders, and the bodies of
+    collapsed blocks (``??? note``: closed until the reader opens them)."""
+    text = re.sub(r"<!--.*?-->", " ", markdown, flags=re.S)
+    out, skip_indent, fence = [], None, None
+    for line in text.splitlines():
+        stripped = line.lstrip()
+        indent = len(line) - len(stripped)
+        if fence is not None:
+            if stripped.startswith(fence):
+                fence = None
+            continue
+        if skip_indent is not None:
+            if not stripped or indent > skip_indent:
+                continue
+            skip_indent = None
+        if stripped.startswith(("```", "~~~")):
+            fence = stripped[:3]
+            continue
+        if re.match(r"\?\?\?\+?\s", stripped) and not stripped.startswith("???+"):
+            skip_indent = indent
+            continue
+        out.append(line)
+    return claims._PLACEHOLDER.sub(" ", "\n".join(out))
+
+
+def teaching_words(markdown: str) -> int:
+    """Words a student reads on a page with every collapsed block closed: prose, tables,
+    open notes and headings; not code blocks, link targets, or what is collapsed."""
+    text = _collapsed_and_code_removed(markdown)
+    text = re.sub(r"\]\([^)]*\)", "]", text)                 # link targets
+    text = re.sub(r"\{[^}]*\}", " ", text)                    # attribute lists
+    return sum(1 for token in text.split() if re.search(r"[A-Za-z0-9]", token))
+
+
+def _lesson_number(path: Path) -> int | None:
+    m = re.match(r"(\d\d)[-_]", path.name)
+    return int(m.group(1)) if m else None
+
+
+def _records(img: Path) -> dict[str, dict]:
+    out = {}
+    for path in sorted(img.glob("*.json")):
+        try:
+            out[path.stem] = json.loads(path.read_text(encoding="utf-8"))
+        except ValueError as exc:
+            out[path.stem] = {"figure": path.stem, "broken": str(exc)}
+    return out
+
+
+def _sections(markdown: str) -> list[str]:
+    return re.split(r"\n(?=#{1,3} )", markdown)
+
+
+def claim_problems(docs: Path = DOCS, notebooks: Path | None = None) -> list[str]:
+    """A claim is data: every figure with its record, every record complete, and no
+    hand-written sentence comparing what a record compares the other way round.
+
+    * a record (``docs/img/NAME.json``) names its device, versions, date and command, and
+      its image exists;
+    * a page places a recorded figure with ``{{ figure: NAME | COMMAND }}`` (the caption
+      comes from the record), names records that exist or say which command draws them,
+      and asks only for comparisons its records have;
+    * every figure on a lesson page has a record (lessons in :data:`LESSONS_PENDING_REWRITE`
+      excepted);
+    * the sentences of a page's sections that show a record, and every markdown cell of a
+      lab, agree with the records they show or their lesson's records
+      (:func:`collectives.course.claims.contradictions`).
+    """
+    img = docs / "img"
+    notebooks = notebooks or ROOT / "notebooks"
+    records = _records(img)
+    problems = []
+    for name, record in records.items():
+        if "broken" in record:
+            problems.append(f"img/{name}.json is not JSON: {record['broken']}")
+            continue
+        problems += [f"img/{name}.json: {p}" for p in claims.record_problems(record)]
+        if record.get("image") and not (img / record["image"]).exists():
+            problems.append(f"img/{name}.json: its image {record['image']} is missing")
+    for page in sorted(docs.rglob("*.md")):
+        rel = page.relative_to(docs).as_posix()
+        if rel.startswith(("snippets/", "reference/")):
+            continue
+        markdown = re.sub(r"^( *)(```|~~~).*?^\1\2[ \t]*$|`[^`\n]+`", " ", page.read_text(encoding="utf-8"),
+                          flags=re.S | re.M)              # code shows placeholders, it does not use them
+        lesson = _lesson_number(page) if rel.startswith("lessons/") else None
+        understood = claims._PLACEHOLDER.sub("", re.sub(r"\{\{\s*(if|unless):\s*[\w.-]+\s*\}\}|\{\{\s*end\s*\}\}",
+                                                       "", markdown))
+        for stray in re.findall(r"\{\{[^}]*\}\}", understood):
+            problems.append(f"{rel}: {stray} is not a placeholder the build understands "
+                            "(figure:, claim:, table:, if:, unless:, end; names and ids are [\\w.-]+)")
+        for kind, name, claim_id in claims.placeholders(markdown):
+            record = records.get(name)
+            if kind == "figure" and not re.search(r"\{\{\s*figure:\s*" + re.escape(name) + r"\s*\|", markdown):
+                problems.append(f"{rel}: {{{{ figure: {name} }}}} does not name the command that draws it "
+                                f"({{{{ figure: {name} | COMMAND }}}})")
+            if record is None:
+                continue
+            if kind == "claim" and not any(c.get("id") == claim_id for c in record.get("comparisons", [])):
+                problems.append(f"{rel}: record {name} has no comparison {claim_id!r}")
+        for m in re.finditer(r"!\[[^\]]*\]\((?:\.\./)?img/([\w.-]+)\.(svg|png)\)", markdown):
+            stem = m.group(1)
+            if stem in records:
+                problems.append(f"{rel}: img/{stem} has a record; place it with "
+                                f"{{{{ figure: {stem} | COMMAND }}}} so its caption comes from the record")
+            elif lesson is not None and lesson not in LESSONS_PENDING_REWRITE:
+                problems.append(f"{rel}: img/{m.group(1)}.{m.group(2)} has no record: draw it with a script "
+                                "that writes one (plots.save(fig, path, record))")
+        for section in _sections(markdown):
+            shown = [records[n] for _, n, _ in claims.placeholders(section) if n in records]
+            shown += [records[s] for s in re.findall(r"img/([\w.-]+)\.(?:svg|png)", section) if s in records]
+            problems += [f"{rel}: {p}" for p in claims.contradictions(section, shown)]
+    for notebook in sorted(notebooks.glob("*.ipynb")):
+        number = _lesson_number(notebook)
+        mine = [r for n, r in records.items() if number is not None and _lesson_number(Path(n + ".json")) == number
+                and "broken" not in r]
+        if not mine:
+            continue
+        cells = json.loads(notebook.read_text(encoding="utf-8"))["cells"]
+        for i, cell in enumerate(cells):
+            if cell["cell_type"] == "markdown":
+                problems += [f"notebooks/{notebook.name}, cell {i + 1}: {p}"
+                             for p in claims.contradictions("".join(cell["source"]), mine)]
+    return problems
+
+
+# Programs that run in the course's virtual environment: a page writes them as
+# .venv/bin/NAME so that one copied line works in a fresh checkout (or make TARGET).
+VENV_PROGRAMS = ("python", "python3", "torchrun", "pytest", "mkdocs", "jupyter", "pip", "ruff")
+SHELL_LANGUAGES = {"", "bash", "sh", "shell", "console", "text"}
+
+
+def _command_program(line: str) -> str | None:
+    """The program a shell line runs, past ``sudo`` and ``VAR=value`` (None for a comment)."""
+    words = line.strip().lstrip("$ ").split()
+    while words and (words[0] == "sudo" or re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0])):
+        words = words[1:]
+    if not words or words[0].startswith("#"):
+        return None
+    return words[0]
+
+
+def table_problems(markdown: str) -> list[str]:
+    """Table rows indented unlike the row above: Markdown then reads them as one paragraph
+    of pipes (a header left at the margin over rows moved into a note, or the other way)."""
+    problems = []
+    lines = markdown.splitlines()
+    for number, (above, line) in enumerate(zip(lines, lines[1:]), start=2):
+        if above.lstrip().startswith("|") and line.lstrip().startswith("|"):
+            if len(above) - len(above.lstrip()) != len(line) - len(line.lstrip()):
+                problems.append(f"line {number}: a table row indented unlike the row above ({line.strip()[:40]!r})")
+    return problems
+
+
+def command_problems(markdown: str) -> list[str]:
+    """Commands written another way than ``.venv/bin/python ...``, ``.venv/bin/torchrun
+    ...`` or ``make ...``: in shell code blocks and in inline code."""
+    problems = []
+    for lang, body in re.findall(r"^\s*```(\w*)[^\n]*\n(.*?)^\s*```", markdown, flags=re.S | re.M):
+        if lang.lower() not in SHELL_LANGUAGES:
+            continue
+        for line in body.splitlines():
+            program = _command_program(line)
+            if program in VENV_PROGRAMS and not re.match(r"\s*python3? -m venv\b", line):   # making the venv
+                problems.append(f"command {line.strip()[:70]!r}: write .venv/bin/{program}")
+    prose = re.sub(r"^\s*```.*?^\s*```", " ", markdown, flags=re.S | re.M)
+    for span in re.findall(r"`([^`\n]+)`", prose):
+        program = _command_program(span)
+        if program in VENV_PROGRAMS and len(span.split()) > 1:
+            problems.append(f"command `{span[:70]}`: write .venv/bin/{program}")
+    return problems
+
+
 # --------------------------------------------------------------------------- browse
 
 class _Tab:
@@ -352,8 +585,9 @@ class _Tab:
     per page, which is most of the cost on a small machine.
     """
 
-    def __init__(self, page, base: str):
+    def __init__(self, page, base: str, driven: dict | None = None):
         self.page, self.base = page, base
+        self.driven = {"done": False} if driven is None else driven   # shared by the tabs: see check_players
         self.result = PageResult("")
         page.on("console", self._on_console)
         page.on("pageerror", lambda exc: self.result.problems.append(f"uncaught exception: {exc}"))
@@ -397,8 +631,151 @@ class _Tab:
             result.seconds = time.perf_counter() - start
             return result
         result.problems += await _check_content(self.page.context, self.base, path, seen)
+        result.problems += check_legibility(await self.page.evaluate(_INSPECT_LEGIBILITY))
+        if seen["players"]:
+            drive, self.driven["done"] = not self.driven["done"], True
+            try:
+                result.problems += await check_players(self.page, drive=drive)
+            except PlaywrightError as exc:
+                result.problems.append(f"trace player: {str(exc).splitlines()[0]}")
+            finally:
+                await self.page.set_viewport_size(VIEWPORT)
         result.seconds = time.perf_counter() - start
         return result
+
+
+# --------------------------------------------------------------------------- trace players
+
+NARROW = {"width": 400, "height": 900}
+
+# In the page, for every trace player and every run of its menu: the recorded file, and what
+# the player shows at the start, after the → key, after End and after Home (each rank's
+# cells, as data-bits). One call for the whole page: a round trip to the browser is the cost.
+_PLAYERS_WALK = r"""
+async () => {
+  const article = document.querySelector("article.md-content__inner") || document.body;
+  const shows = (root) => {
+    const box = root.getBoundingClientRect();
+    return {
+      state: root.dataset.state || "", step: Number(root.dataset.step),
+      rows: [...root.querySelectorAll(".tp-cells[data-rank]")].map(row =>
+          [...row.querySelectorAll(".tp-cell")].map(c => Number(c.dataset.bits))),
+      messages: (root.querySelector(".tp-messages") || {}).innerText || "",
+      wide: root.scrollWidth > root.clientWidth + 1
+          || box.right > Math.min(window.innerWidth, article.getBoundingClientRect().right) + 1,
+    };
+  };
+  const key = (root, k) => root.dispatchEvent(new KeyboardEvent("keydown", {key: k, bubbles: true}));
+  const ready = (root, name) => new Promise((resolve, reject) => {
+    const until = Date.now() + 10000;
+    const poll = () => (root.dataset.current === name && root.dataset.state === "ready") ? resolve()
+        : Date.now() > until ? reject(new Error("the menu did not load " + name)) : setTimeout(poll, 20);
+    poll();
+  });
+  const out = [];
+  for (const [i, root] of [...document.querySelectorAll(".trace-player")].entries()) {
+    const names = (root.dataset.trace || "").split(/\s+/).filter(Boolean);
+    if (root.dataset.state !== "ready") { out.push({i, names, loaded: false}); continue; }
+    for (const [j, name] of names.entries()) {
+      if (j > 0) {
+        const menu = root.querySelector("select");
+        menu.value = name;
+        menu.dispatchEvent(new Event("change"));
+        await ready(root, name);
+      }
+      const doc = await (await fetch(root.dataset.base + name + ".player.json")).json();
+      const start = shows(root);
+      key(root, "ArrowRight");
+      const one = shows(root);
+      key(root, "End");
+      const end = shows(root);
+      key(root, "Home");
+      out.push({i, name, loaded: true, start, one, end, home: shows(root),
+                doc: {start: doc.start, expected: doc.expected, steps: doc.steps.length}});
+    }
+  }
+  return out;
+}
+"""
+_ALL_LOADED = """() => [...document.querySelectorAll(".trace-player")]
+    .every(p => p.dataset.state === "ready" || p.dataset.state === "error")"""
+_FIRST = "() => { const p = document.querySelector('.trace-player'); " \
+         "return {step: Number(p.dataset.step), playing: p.dataset.playing === 'true'}; }"
+
+
+def _player_findings(run: dict) -> list[str]:
+    """What is wrong with one recorded run as its player showed it."""
+    where = f"trace player {run['i'] + 1} ({run['name']})"
+    doc, problems = run["doc"], []
+    if run["start"]["rows"] != doc["start"]:
+        problems.append(f"{where}: the first step does not show the recorded inputs")
+    one = run["one"]
+    if one["step"] != 1 or (one["rows"] == run["start"]["rows"] and one["messages"] == run["start"]["messages"]):
+        problems.append(f"{where}: the → key did not move it one step on (step {one['step']})")
+    if run["end"]["step"] != doc["steps"]:
+        problems.append(f"{where}: End went to step {run['end']['step']}, not {doc['steps']}")
+    if run["end"]["rows"] != doc["expected"]:
+        problems.append(f"{where}: the last step is not the all-reduce's result recorded with the run")
+    if run["home"]["step"] != 0:
+        problems.append(f"{where}: Home did not go back to the start")
+    if run["start"]["wide"]:
+        problems.append(f"{where}: wider than its column at {VIEWPORT['width']} px")
+    return problems
+
+
+async def _player_plays(page, root) -> list[str]:
+    """The first player, as a reader drives it: a real key press, the play and pause button."""
+    problems = []
+    await root.press("ArrowRight")
+    if (await page.evaluate(_FIRST))["step"] != 1:
+        problems.append("trace player 1: a key press (→) does not step it")
+    button = root.locator(".tp-play")
+    await root.evaluate("p => { p.dataset.interval = '10000'; }")
+    await button.click()
+    if not (await page.evaluate(_FIRST))["playing"]:
+        problems.append("trace player 1: the play button does not start it")
+    await button.click()
+    if (await page.evaluate(_FIRST))["playing"]:
+        problems.append("trace player 1: the button does not pause it")
+    await root.evaluate("p => { p.dataset.interval = '30'; }")
+    await button.click()
+    try:
+        await page.wait_for_function(
+            "() => { const p = document.querySelector('.trace-player'), s = p.querySelector('.tp-slider');"
+            " return p.dataset.playing === 'false' && s.value === s.max; }", timeout=5_000)
+    except Exception:   # noqa: BLE001 - a timeout is the finding
+        problems.append("trace player 1: playing does not run to the last step and stop there")
+    await root.press("Home")
+    return problems
+
+
+async def check_players(page, drive: bool = True) -> list[str]:
+    """Every trace player on the page, every run of its menu; then again at 400 px. With
+    ``drive``, the first player is also driven as a reader drives it (real key presses, the
+    play button): the same script runs every player, so the site check drives one page's."""
+    await page.wait_for_function(_ALL_LOADED, timeout=10_000)
+    problems = []
+    for run in await page.evaluate(_PLAYERS_WALK):
+        if not run["loaded"]:
+            problems.append(f"trace player {run['i'] + 1} ({' '.join(run['names'])}): did not load")
+        else:
+            problems += _player_findings(run)
+    first = page.locator(".trace-player").first
+    if drive:
+        problems += await _player_plays(page, first)
+    await page.set_viewport_size(NARROW)             # a phone: nothing sticks out, the keys still step
+    for run in await page.evaluate(_PLAYERS_WALK):
+        if run["loaded"] and run["start"]["wide"]:
+            problems.append(f"trace player {run['i'] + 1} ({run['name']}): wider than its column "
+                            f"at {NARROW['width']} px")
+        elif run["loaded"] and run["one"]["step"] != 1:
+            problems.append(f"trace player {run['i'] + 1} ({run['name']}): → does not step it at "
+                            f"{NARROW['width']} px")
+    if drive:
+        await first.press("ArrowRight")
+        if (await page.evaluate(_FIRST))["step"] != 1:
+            problems.append(f"trace player 1: a key press (→) does not step it at {NARROW['width']} px")
+    return list(dict.fromkeys(problems))
 
 
 async def _check_content(context, base: str, path: str, seen: dict) -> list[str]:
@@ -448,8 +825,10 @@ async def _browse(base: str, paths: list[str], chromium: str, jobs: int, settle_
             try:
                 await context.route("**/*", only_local)
 
+                driven = {"done": False}      # one page's first trace player is driven by real input
+
                 async def worker(page):
-                    tab = _Tab(page, base)
+                    tab = _Tab(page, base, driven)
                     while todo:
                         path = todo.pop(0)
                         results[path] = await tab.check(path, settle_ms)
@@ -482,6 +861,7 @@ def check(site: Path | None = None, chromium: str | None = None, jobs: int = 4) 
             build_seconds = build(site)
         start = time.perf_counter()
         pages = browse(Path(site), exe, jobs=jobs)
+        pages.append(PageResult("(claims and records)", problems=claim_problems()))
         return SiteResult(pages, build_seconds, time.perf_counter() - start)
 
 

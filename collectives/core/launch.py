@@ -138,7 +138,7 @@ def auto_backend(world_size: int) -> str:
 def _worker(rank, world_size, local_world_size, fn, args, kwargs, backend, port_box, conn,
             board, pg_timeout, init_timeout, threads, env, machine, stderr_path, store_path,
             secret_conn=None, stream_conn=None):
-    rankio.die_with_parent()
+    rankio.die_with_parent(env.get(rankio.LAUNCHER_ENV))
     status = board.slot(rank)
     try:
         rankio.capture_stderr(stderr_path)
@@ -332,6 +332,8 @@ def run_world(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwa
     env = dict(env or {})
     if check is not None:
         env["COLLECTIVES_CHECK"] = "1" if check else "0"
+    env[rankio.LAUNCHER_ENV] = rankio.launcher_tag()
+    oom_before = rankio.oom_kills()
     recorder_dir = flight_recorder or env.get(_recorder.ENV_DIR) or os.environ.get(_recorder.ENV_DIR)
     if recorder_dir:
         env[_recorder.ENV_DIR] = recorder_dir = str(flight_dumps.prepare(recorder_dir).resolve())
@@ -367,7 +369,7 @@ def run_world(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwa
                 end.close()
         received: list[list[Any]] = [[] for _ in range(world_size)]
         try:
-            results, counts = _collect(procs, conns, board, timeout, stderr_paths, streams, received)
+            results, counts = _collect(procs, conns, board, timeout, stderr_paths, streams, received, oom_before)
         except (WorldTimeout, RankError) as exc:
             if recorder_dir:        # every live rank dumps its calls before it is stopped
                 flight_dumps.dump_world(recorder_dir, procs, lambda r: board.read(r)[0], exc)
@@ -405,7 +407,7 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def _collect(procs, conns, board, timeout, stderr_paths, streams=None, received=None):
+def _collect(procs, conns, board, timeout, stderr_paths, streams=None, received=None, oom_before=None):
     """Every rank's result (and the count of objects it sent on its stream), reading the
     streams as they come; raises :class:`RankError` or :class:`WorldTimeout`."""
     world_size = len(procs)
@@ -459,6 +461,8 @@ def _collect(procs, conns, board, timeout, stderr_paths, streams=None, received=
                 procs[rank].join(timeout=1)
                 code = procs[rank].exitcode
                 how = f"killed by {_signal_name(-code)}" if code and code < 0 else f"exit code {code}"
+                if code == -signal.SIGKILL:
+                    how += rankio.why_killed(oom_before)
                 errors[rank] = (f"the process died without a result ({how}){rankio.where(board, rank)}",
                                 "", time.monotonic())
                 continue

@@ -16,6 +16,7 @@ import faulthandler
 import os
 import signal
 import sys
+import threading
 import time
 
 import torch
@@ -77,12 +78,68 @@ class Slot:
         _put(self.board.collective, self.rank, name)
 
 
-def die_with_parent() -> None:
-    try:  # Linux: deliver SIGKILL to this child when the parent goes away
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:  # pragma: no cover - not Linux
+LAUNCHER_ENV = "COLLECTIVES_LAUNCHER"   # "<pid>:<1 if the launching thread is the main thread>"
+
+
+def launcher_tag() -> str:
+    """What a rank needs to know to die with its launcher, written in the launcher."""
+    return f"{os.getpid()}:{int(threading.current_thread() is threading.main_thread())}"
+
+
+def die_with_parent(tag: str | None = None) -> None:
+    """End this rank when the process that launched it goes away.
+
+    Linux's ``PR_SET_PDEATHSIG`` delivers SIGKILL when the *thread* that forked the child
+    exits, not the process: right for a world launched from a process's main thread, and
+    a silent kill of every rank for one launched from a thread that finishes first. So a
+    rank forked from another thread watches its parent process instead (a daemon thread
+    that looks every half second whether it has been handed to another parent)."""
+    parent, from_main = (int(x) for x in tag.split(":")) if tag else (os.getppid(), 1)
+    if from_main:
+        try:  # Linux: deliver SIGKILL to this child when the parent goes away
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:  # pragma: no cover - not Linux
+            pass
+    if os.getppid() != parent:   # the launcher died before the line above
+        os._exit(1)
+    if not from_main:
+        def watch():
+            while os.getppid() == parent:
+                time.sleep(0.5)
+            os._exit(1)
+        threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+
+
+def oom_kills() -> int | None:
+    """How many processes the kernel's out-of-memory killer has ended in this cgroup (v2), or None."""
+    try:
+        with open("/sys/fs/cgroup/memory.events") as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+    except (OSError, ValueError):
         pass
+    return None
+
+
+def why_killed(oom_before: int | None) -> str:
+    """For a rank ended by SIGKILL: who can have sent it, from what this machine can tell."""
+    after = oom_kills()
+    if oom_before is not None and after is not None and after > oom_before:
+        return (f"; the kernel's out-of-memory killer ended {after - oom_before} process(es) in this "
+                "cgroup meanwhile: the machine ran out of memory")
+    available = ""
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        available = f", {int(info['MemAvailable'].split()[0]) >> 10} MiB of memory free now"
+    except (OSError, KeyError, ValueError):
+        pass
+    return ("; not sent by this launcher, which stops ranks only after a world ends or at its time "
+            "limit, and says so: another process sent it, or the kernel's out-of-memory killer"
+            f"{available}")
 
 
 def capture_stderr(path: str) -> None:

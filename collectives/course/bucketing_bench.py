@@ -8,7 +8,9 @@ torch DDP, and with one all-reduce per gradient after backward.
     python -m collectives bench-ddp --backend nccl        # one GPU per rank
 
 All three train the same model from the same weights on the same per-rank batches (SGD),
-so their parameters must agree; the table says how closely. A step is ``zero_grad``,
+so their parameters must agree; the table says how closely. ``--impl exercise`` adds a
+fourth, the ``BucketedReducer`` of your ``lessons/06_bucketing/exercise.py``, held to the
+same agreement (a class whose tasks are still stubs is listed as not written yet). A step is ``zero_grad``,
 forward, backward (with the reduction), ``optimizer.step()``; its time is the slowest
 rank's (barrier-aligned, CUDA events on GPU), sampled round-robin across the three
 variants so that drift in the machine's speed hits all of them alike.
@@ -38,6 +40,7 @@ from ..core import launch, timing, trace
 from . import verify
 
 VARIANTS = ("bucketed reducer", "torch DDP", "per-gradient after backward")
+EXERCISE = "bucketed reducer (exercise)"     # --impl exercise: the student's BucketedReducer
 
 # Sizes per --model. The transformer: 6 encoder layers, 78 tensors, 34 MiB of gradients --
 # two buckets at the default 25 MiB cap -- and enough compute per step that a CPU spends
@@ -51,9 +54,13 @@ MODELS = {
 
 
 def _wrap(variant: str, model, cfg: dict, device):
-    if variant == "bucketed reducer":
-        return BucketedReducer(model, bucket_cap_mb=cfg["bucket_cap_mb"],
-                               first_bucket_cap_mb=cfg["first_bucket_cap_mb"])
+    if variant in ("bucketed reducer", EXERCISE):
+        cls = BucketedReducer
+        if variant == EXERCISE:
+            from .bench import exercise_target
+            from .impl import resolve
+            cls = resolve(exercise_target("collectives.bucketing:BucketedReducer"))
+        return cls(model, bucket_cap_mb=cfg["bucket_cap_mb"], first_bucket_cap_mb=cfg["first_bucket_cap_mb"])
     if variant == "torch DDP":
         from torch.nn.parallel import DistributedDataParallel
         ids = [device.index] if device.type == "cuda" else None
@@ -98,24 +105,36 @@ def run_rank(cfg: dict) -> dict:
     torch.manual_seed(0)
     base = make_model(cfg["model"], **cfg["sizes"]).to(device)
     batch = base.batch(cfg["batch"], seed=1000 + dist.get_rank(), device=device)
-    models, steps = {}, {}
-    for variant in VARIANTS:
+    models, steps, missing = {}, {}, {}
+    variants = VARIANTS + ((EXERCISE,) if cfg.get("impl") == "exercise" else ())
+    for variant in variants:
         model = copy.deepcopy(base)
-        wrapped = _wrap(variant, model, cfg, device)
-        models[variant], steps[variant] = model, _make_step(variant, wrapped, model, batch)
+        try:
+            wrapped = _wrap(variant, model, cfg, device)
+            models[variant], steps[variant] = model, _make_step(variant, wrapped, model, batch)
+            if variant == EXERCISE:
+                steps[variant]()             # a stub raises here, on every rank alike
+        except (NotImplementedError, AttributeError) as exc:
+            if variant != EXERCISE:
+                raise
+            missing[variant] = f"not written yet ({exc})" if isinstance(exc, NotImplementedError) else str(exc)
+            models.pop(variant, None)
+            steps.pop(variant, None)
         if variant == "bucketed reducer":
             reducer = wrapped
+    variants = tuple(v for v in variants if v not in missing)
     for _ in range(cfg["warmup"]):   # the first steps rebuild the buckets (both reducers)
-        for variant in VARIANTS:
+        for variant in variants:
             steps[variant]()
-    diff = {v: _max_param_diff(models[v], models["torch DDP"]) for v in VARIANTS}
-    times = {v: [] for v in VARIANTS}
+    diff = {v: _max_param_diff(models[v], models["torch DDP"]) for v in variants}
+    times = {v: [] for v in variants}
+    n = len(variants)
     for r in range(cfg["steps"]):          # one step of each per round, starting variant rotated
-        for variant in VARIANTS[r % 3:] + VARIANTS[:r % 3]:
+        for variant in variants[r % n:] + variants[:r % n]:
             times[variant] += timing.measure(steps[variant], warmup=0, iters=1, device=device)
     grads = sum(p.numel() * p.element_size() for p in base.parameters())
     return dict(times=times, diff=diff, buckets=len(reducer.buckets), grad_bytes=grads,
-                tensors=len(list(base.parameters())), device=str(device))
+                tensors=len(list(base.parameters())), device=str(device), missing=missing)
 
 
 def _render(result: dict, cfg: dict) -> None:
@@ -129,11 +148,13 @@ def _render(result: dict, cfg: dict) -> None:
                         f"{cfg['world']} ranks, {cfg['backend']}, bucket cap {cfg['bucket_cap_mb']:g} MiB")
     for col in ("variant", "median step", "min", "max", "time / reducer's", "params vs torch DDP"):
         table.add_column(col, justify="left" if col == "variant" else "right")
-    for v in VARIANTS:
+    for v in result["times"]:
         xs = result["times"][v]
-        table.add_row(v, timing.human_seconds(med[v]), timing.human_seconds(min(xs)),
-                      timing.human_seconds(max(xs)), f"{med[v] / med[VARIANTS[0]]:.3f}×",
+        table.add_row(v, timing.human_seconds(timing.median(xs)), timing.human_seconds(min(xs)),
+                      timing.human_seconds(max(xs)), f"{timing.median(xs) / med[VARIANTS[0]]:.3f}×",
                       f"{result['diff'][v]:.1e}")
+    for v, why in result.get("missing", {}).items():
+        table.add_row(v, why, "", "", "", "")
     console = Console()
     console.print(table)
     console.print(f"reducer / torch DDP: {med[VARIANTS[0]] / med[VARIANTS[1]]:.3f}× by medians, "
@@ -164,8 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", choices=sorted(MODELS), default="transformer")
     parser.add_argument("--batch", type=int, default=None, help="per-rank batch (default per model)")
     parser.add_argument("--out", default="bench-results", help="directory for the JSON")
+    parser.add_argument("--impl", choices=("reference", "exercise"), default="reference",
+                        help="exercise: also time the BucketedReducer of your lessons/06_bucketing/exercise.py")
     args = parser.parse_args(argv)
-    cfg = dict(world=args.world, backend=args.backend, bucket_cap_mb=args.bucket_cap_mb,
+    cfg = dict(world=args.world, backend=args.backend, bucket_cap_mb=args.bucket_cap_mb, impl=args.impl,
                first_bucket_cap_mb=args.first_bucket_cap_mb or args.bucket_cap_mb,
                steps=args.steps, warmup=args.warmup, model=args.model,
                sizes=MODELS[args.model]["sizes"], batch=args.batch or MODELS[args.model]["batch"])
@@ -177,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     path = os.path.join(args.out, f"bench-ddp-{args.model}-{args.backend}-p{args.world}.json")
     with open(path, "w") as f:
         json.dump(dict(config=cfg, result=result, paired=paired_ratios(result["times"]),
-                       median={v: timing.median(result["times"][v]) for v in VARIANTS},
+                       median={v: timing.median(xs) for v, xs in result["times"].items()},
                        torch=torch.__version__, python=platform.python_version(),
                        date=datetime.datetime.now().isoformat(timespec="seconds"),
                        command="python -m collectives bench-ddp "
@@ -196,14 +219,24 @@ def main(argv: list[str] | None = None) -> int:
 LAB_SIZES = dict(vocab=1024, d_model=256, nhead=4, ff=1024, layers=4, seq=16)
 
 
+def _reducer_class(reducer: str | None):
+    """The reducer a lab times: ``None`` for the course's, or a target such as
+    ``Lab(6, "exercise").target("BucketedReducer")`` (a string, so it crosses into the ranks)."""
+    if reducer is None:
+        return BucketedReducer
+    from .impl import resolve
+    return resolve(reducer)
+
+
 def timeline_rank(sizes: dict = LAB_SIZES, batch: int = 1, bucket_cap_mb: float = 4.0,
-                  first_bucket_cap_mb: float = 1.0, steps: int = 7) -> dict:
+                  first_bucket_cap_mb: float = 1.0, steps: int = 7, reducer: str | None = None) -> dict:
     """Train ``steps`` steps; return the names, the layout before and after the rebuild, and
     for a typical step -- the median by time to gradients written, among the steps after the
-    rebuild -- its ``stats.relative()`` and traced collectives."""
+    rebuild -- its ``stats.relative()`` and traced collectives. ``reducer``: whose
+    ``BucketedReducer`` (:func:`_reducer_class`)."""
     torch.manual_seed(0)
     model = make_model("transformer", **sizes)
-    reducer = BucketedReducer(model, bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb)
+    reducer = _reducer_class(reducer)(model, bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb)
     opt = torch.optim.SGD(reducer.parameters(), lr=1e-2)
     x, y = model.batch(batch, seed=dist.get_rank())
     layouts, losses, seen = [reducer.bucket_indices], [], []
@@ -226,9 +259,12 @@ def timeline_rank(sizes: dict = LAB_SIZES, batch: int = 1, bucket_cap_mb: float 
                 layouts=layouts, stats=stats, events=events, losses=losses)
 
 
-def sweep_rank(caps: list[float], sizes: dict = LAB_SIZES, batch: int = 1, steps: int = 6) -> dict:
+def sweep_rank(caps: list[float], sizes: dict = LAB_SIZES, batch: int = 1, steps: int = 6,
+               reducer: str | None = None) -> dict:
     """Step time for each bucket cap (first bucket = cap), sampled round-robin; plus the time
-    of backward alone and of one all-reduce of every gradient, for scale."""
+    of backward alone and of one all-reduce of every gradient, for scale. ``reducer``: whose
+    ``BucketedReducer`` (:func:`_reducer_class`)."""
+    reducer_class = _reducer_class(reducer)
     trace.uninstall()
     torch.manual_seed(0)
     base = make_model("transformer", **sizes)
@@ -236,7 +272,7 @@ def sweep_rank(caps: list[float], sizes: dict = LAB_SIZES, batch: int = 1, steps
     runs = {}
     for cap in caps:
         model = copy.deepcopy(base)
-        reducer = BucketedReducer(model, bucket_cap_mb=cap, first_bucket_cap_mb=cap)
+        reducer = reducer_class(model, bucket_cap_mb=cap, first_bucket_cap_mb=cap)
         step = _make_step("bucketed reducer", reducer, model, (x, y))
         for _ in range(2):   # the second step rebuilds the buckets
             step()

@@ -13,6 +13,7 @@
   diagnose     lesson 9: read every rank's flight recorder dump and name the culprit: diagnose DIR
   cluster      one torchrun per machine of a simulated cluster: cluster --machines 2 -- CMD...
   helpers      an exercise's helper sheet, written from the code: helpers --lesson 4
+  trace        one traced run of an all-reduce as a Chrome trace (Perfetto): trace ring --out run.json
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ COMMANDS = {
     "bench-recorder": "collectives.course.debugging_bench:main",
     "diagnose": "collectives.course.diagnose_cli:main",
     "cluster": "collectives.course.cluster_cli:main",
+    "trace": "collectives.course.trace_cli:main",
     "helpers": "collectives.course.helpers:main",
 }
 

@@ -195,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in result["rows"]:
         print(_row_text(r))
     print(f"the recorder alone: {result['listener'] * 1e6:.2f} µs of CPU per call (posted, started, completed)")
-    meta = dict(command="python -m collectives bench-recorder " + " ".join(sys.argv[2:] if argv is None else argv),
+    arguments = sys.argv[2:] if argv is None else argv
+    meta = dict(command=".venv/bin/python -m collectives bench-recorder " + " ".join(arguments),
                 date=started.isoformat(timespec="seconds"), torch=torch.__version__,
                 python=platform.python_version(), backend=backend, world_size=args.world, iters=args.iters,
                 blocks=args.blocks, host=platform.node(), cpus=os.cpu_count(),

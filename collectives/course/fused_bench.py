@@ -26,6 +26,9 @@ in a training loop, so host time shows only where it exceeds the GPU's. Prints
 a table with each case's ratio to the flat all-reduce and writes ``bench-fused.json`` and
 ``bench-fused.png`` to ``--out``. ``--backend nccl`` runs one GPU per rank (try
 ``--numel 4096``: 1000 tensors of 16 KiB). ``--figures DIR`` draws the lesson page's figure.
+``--impl exercise`` adds ``fused (exercise)``: the ``fused_all_reduce`` of your
+``lessons/05_fused/exercise.py``, checked against ``dist.all_reduce`` on integer-valued data
+and timed beside the others (a stub is listed as not written yet).
 """
 
 from __future__ import annotations
@@ -113,8 +116,33 @@ def _cases(count: int, numel: int, split_bytes: int, cuda: bool = False):
 BACK_TO_BACK = ("flat all_reduce", "flat + 2 copies", "fused", "fused, bound")
 
 
+EXERCISE_CASE = "fused (exercise)"
+
+
+def _exercise_case(tensors: list[torch.Tensor]) -> tuple[tuple | None, dict]:
+    """The exercise's ``fused_all_reduce`` as a case, checked once on integer-valued copies of
+    ``tensors``; or, when it cannot run, the row that says why."""
+    from .bench import exercise_target
+    from .impl import resolve
+
+    target = exercise_target("collectives.fused:fused_all_reduce")
+    ints = [torch.randint(-4, 5, t.shape, generator=torch.Generator().manual_seed(dist.get_rank() + i),
+                          dtype=t.dtype).to(t.device) for i, t in enumerate(tensors)]
+    expected = [verify.reference_all_reduce(t) for t in ints]
+    try:
+        fn = resolve(target)
+        fn(ints)
+    except NotImplementedError as exc:
+        return None, dict(case=EXERCISE_CASE, detail=target, missing=f"not written yet ({exc})")
+    except AttributeError as exc:
+        return None, dict(case=EXERCISE_CASE, detail=target, missing=str(exc))
+    wrong = torch.tensor([sum(int((a != b).sum()) for a, b in zip(ints, expected))], device=tensors[0].device)
+    dist.all_reduce(wrong)
+    return (EXERCISE_CASE, target, lambda ts, flat: (lambda: fn(ts))), dict(wrong=int(wrong.item()))
+
+
 def bench(count: int, numel: int, split_bytes: int, iters: int, separate_iters: int,
-          rounds: int = 4) -> list[dict]:
+          rounds: int = 4, impl: str = "reference") -> list[dict]:
     """Runs on every rank; returns one row per case (times are the max over ranks).
 
     The fast cases are measured in ``rounds`` interleaved rounds, so that a change in the
@@ -124,6 +152,11 @@ def bench(count: int, numel: int, split_bytes: int, iters: int, separate_iters: 
     tensors = [torch.randn(numel, device=device) for _ in range(count)]
     flat = torch.randn(count * numel, device=device)
     cases = _cases(count, numel, split_bytes, cuda=device.type == "cuda")
+    exercise = None
+    if impl == "exercise":
+        case, exercise = _exercise_case(tensors)
+        if case is not None:
+            cases.append(case)
     fns = {name: setup(tensors, flat) for name, _, setup in cases}
     times: dict[str, list[float]] = {name: [] for name in fns}
     cpu = dict.fromkeys(fns, 0.0)         # this process's CPU seconds (gloo's threads included)
@@ -163,6 +196,11 @@ def bench(count: int, numel: int, split_bytes: int, iters: int, separate_iters: 
     for r, c in zip(rows, (cpu_all / dist.get_world_size()).tolist()):
         r["vs_flat"] = r["seconds"] / flat_s
         r["cpu_per_rank"] = c
+    if exercise is not None:
+        if "missing" in exercise:
+            rows.append(exercise)
+        else:
+            next(r for r in rows if r["case"] == EXERCISE_CASE)["wrong"] = exercise["wrong"]
     return rows
 
 
@@ -174,7 +212,11 @@ def render(rows: list[dict], title: str) -> None:
     for col in ("case", "detail", "time (median)", "best", "runs", "× flat all_reduce", "CPU / rank"):
         table.add_column(col, justify="left" if col in ("case", "detail") else "right")
     for r in rows:
-        table.add_row(r["case"], r["detail"], timing.human_seconds(r["seconds"]),
+        if "missing" in r:
+            table.add_row(r["case"], f"{r['detail']}: {r['missing']}", "-", "-", "-", "-", "-")
+            continue
+        wrong = f" ({r['wrong']} wrong elements)" if r.get("wrong") else ""
+        table.add_row(r["case"], r["detail"] + wrong, timing.human_seconds(r["seconds"]),
                       timing.human_seconds(r["best"]), str(r["iters"]), f"{r['vs_flat']:.2f}×",
                       timing.human_seconds(r["cpu_per_rank"]))
     console = Console(width=max(Console().width, 110))
@@ -199,6 +241,7 @@ def plot(rows: list[dict], title: str, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if "missing" not in r]
     fig, ax = plt.subplots(figsize=(7, 3.2))
     names = [r["case"] for r in rows][::-1]
     ax.barh(names, [r["seconds"] * 1e3 for r in rows][::-1], color="#3f51b5")
@@ -278,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="bench-results", help="directory for the JSON and the plot")
     parser.add_argument("--figures", default="", metavar="DIR",
                         help="only draw the lesson page's figure from a real trace into DIR (e.g. docs/img)")
+    parser.add_argument("--impl", choices=("reference", "exercise"), default="reference",
+                        help="exercise: also time the fused_all_reduce of your lessons/05_fused/exercise.py")
     args, _ = parser.parse_known_args(argv)   # tolerate the other benchmarks' options (make bench)
     if args.figures:
         os.makedirs(args.figures, exist_ok=True)
@@ -289,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     split = timing.parse_size(args.split)
     start = time.perf_counter()
     rows = launch.run(bench, args.world, args=(args.count, args.numel, split, iters, separate_iters),
-                      backend=backend, timeout=900)[0]
+                      kwargs=dict(impl=args.impl), backend=backend, timeout=900)[0]
     title = (f"{args.count} float32 tensors of {args.numel} elements "
              f"({timing.human_bytes(args.count * args.numel * 4)}), {args.world} ranks, {backend}")
     render(rows, title)

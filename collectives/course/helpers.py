@@ -35,7 +35,8 @@ def resolve(name: str):
     owners = {"ops": "collectives.core.ops", "trace": "collectives.core.trace", "cost": "collectives.core.cost",
               "streams": "collectives.core.streams", "timing": "collectives.core.timing",
               "launch": "collectives.core.launch", "verify": "collectives.course.verify",
-              "nccl_memory": "collectives.core.nccl_memory"}
+              "nccl_memory": "collectives.core.nccl_memory", "p2p": "collectives.p2p",
+              "dumps": "collectives.debugging.dumps"}
     module = importlib.import_module(owners.get(module_name, module_name))
     obj = module
     for part in attr.split("."):
@@ -67,7 +68,8 @@ def signature(name: str) -> str:
             star = True
         parts.append(p.name if p.default is p.empty else f"{p.name}={_default(p.default)}")
     ret = sig.return_annotation
-    tail = "" if ret is sig.empty else f" -> {ret if isinstance(ret, str) else getattr(ret, '__name__', ret)}"
+    shown = ret if isinstance(ret, str) else getattr(ret, "__name__", ret)
+    tail = "" if ret is sig.empty or inspect.isclass(fn) else f" -> {shown}"
     return f"{name}({', '.join(parts)}){tail}"
 
 

@@ -20,14 +20,45 @@ from typing import Iterable, Sequence
 
 from ..core.trace import Event, Trace
 
-__all__ = ["as_traces", "message_rounds", "draw_steps", "draw_timeline",
-           "plot_times", "plot_busbw", "plot_winners", "traced_call"]
+__all__ = ["as_traces", "message_rounds", "draw_steps", "draw_timeline", "draw_timelines",
+           "plot_times", "plot_busbw", "plot_winners", "traced_call", "save", "check_legible"]
 
 
-# Drawn at 2x (a notebook shows a figure at its own dpi; the site's images are saved at
-# the same), on white with a light grey frame so a figure reads as a card on the site's
-# dark pages too; labels at 9-11 pt.
+# Drawn at 2x (a notebook shows a figure at its own dpi; PNGs are saved at the same), on
+# white with a light grey frame so a figure reads as a card on the site's dark pages too;
+# labels at 9-11 pt. The site's figures are SVG (:func:`save`), sharp at any zoom.
 DPI = 160
+MIN_FONT_PT = 9
+
+
+def check_legible(fig) -> None:
+    """Raise ``ValueError`` naming any text of ``fig`` smaller than :data:`MIN_FONT_PT`."""
+    from matplotlib.text import Text
+
+    small = [(t.get_text(), t.get_fontsize()) for t in fig.findobj(Text)
+             if t.get_visible() and t.get_text().strip() and t.get_fontsize() < MIN_FONT_PT]
+    if small:
+        shown = ", ".join(f"{text[:30]!r} at {size:g} pt" for text, size in small[:5])
+        raise ValueError(f"text under {MIN_FONT_PT} pt is unreadable on the site: {shown}")
+
+
+def save(fig, path, record=None):
+    """Save ``fig`` as ``PATH.svg`` (text checked to be 9 pt or more) and, with a
+    :class:`~collectives.course.claims.Record`, the record as ``PATH.json`` beside it:
+    the image and the comparisons it shows are written together. Returns the image path."""
+    from pathlib import Path
+
+    import matplotlib
+
+    path = Path(path)
+    image = path.with_suffix(".svg")
+    check_legible(fig)
+    with matplotlib.rc_context({"svg.hashsalt": image.stem, "svg.fonttype": "path"}):
+        fig.savefig(image, format="svg", metadata={"Date": None})
+    if record is not None:
+        record.image = image.name
+        record.save(path.with_suffix(".json"))
+    return image
 
 
 def _figure(width: float, height: float):
@@ -87,7 +118,7 @@ def _short_label(e: Event) -> str:
 
 def _round_title(events: Sequence[Event], k: int) -> str:
     heads = {e.label.split(": ", 1)[0] for e in events if e.label}
-    return f"{k}: {heads.pop()}" if len(heads) == 1 else f"round {k}"
+    return f"{k}. {heads.pop()}" if len(heads) == 1 else f"{k}. round {k}"
 
 
 def _tree_positions(p: int) -> dict[int, tuple[float, float]]:
@@ -104,22 +135,44 @@ def _tree_positions(p: int) -> dict[int, tuple[float, float]]:
     return where
 
 
+def label_rounds(traces: Iterable) -> list[list[Event]]:
+    """Group every message by the head of its label ("halving, distance 1: b0-b1" ->
+    "halving, distance 1"): one panel per step as the code names it, both messages of a
+    swap together. Groups come in the order of their last dependent round
+    (:func:`message_rounds`), so a step that waits for another is drawn after it even
+    when a rank with nothing to wait for sent first. Unlabelled messages: one group."""
+    ts = as_traces(traces)
+    round_of = {id(e): k for k, events in enumerate(message_rounds(ts)) for e in events}
+    groups: dict[str, list[Event]] = {}
+    for e in sorted((e for t in ts for e in t.sends()), key=lambda e: e.t0):
+        groups.setdefault(e.label.split(": ", 1)[0] if e.label else "", []).append(e)
+    return sorted(groups.values(), key=lambda g: (max(round_of.get(id(e), 0) for e in g),
+                                                  min(e.t0 for e in g)))
+
+
 def draw_steps(traces: Iterable, title: str = "", *, columns: int = 4, max_rounds: int = 16,
-               show_sizes: bool = False, layout: str = "circle"):
+               show_sizes: bool = False, layout: str = "circle", panels: str = "rounds"):
     """One small panel per round: the ranks, and an arrow for every message of the round.
 
     Arrows carry the sender's label (``trace.label``, e.g. the chunk "c3" or the tensor
     "x0") or, without one, the element count. ``show_sizes`` adds the element count to
     labelled arrows too. ``layout="circle"``: rank 0 at the top, the others clockwise;
-    ``layout="tree"``: a binary heap, rank 0 at the root.
+    ``layout="tree"``: a binary heap, rank 0 at the root. ``panels="rounds"``: a panel per
+    round of dependent messages (:func:`message_rounds`); ``panels="labels"``: a panel per
+    step as the code labels it (:func:`label_rounds`), so that a swap is never split.
+    Panels are titled "k. what" alike; a long title is wrapped to the figure's width.
     """
+    import textwrap
+
     ts = as_traces(traces)
     p = max(len(ts), 1)
-    rounds = message_rounds(ts)[:max_rounds]
+    rounds = (label_rounds(ts) if panels == "labels" else message_rounds(ts))[:max_rounds]
     n = max(len(rounds), 1)
     cols = min(columns, n)
     rows = math.ceil(n / cols)
-    fig = _figure(2.3 * cols, 2.4 * rows + (0.35 if title else 0))
+    width = max(2.3 * cols, 6.5 if title else 0)
+    lines = textwrap.wrap(title, width=int(width * 10)) if title else []
+    fig = _figure(width, 2.4 * rows + 0.3 * len(lines))
     axes = fig.subplots(rows, cols, squeeze=False)
     if layout == "tree":
         where = _tree_positions(p)
@@ -133,7 +186,7 @@ def draw_steps(traces: Iterable, title: str = "", *, columns: int = 4, max_round
         if i >= len(rounds):
             continue
         events = rounds[i]
-        ax.set_title(_round_title(events, i + 1), fontsize=9)
+        ax.set_title(_round_title(events, i + 1), fontsize=10)
         for r, (x, y) in where.items():
             ax.add_patch(_circle((x, y), 0.24))
             ax.text(x, y, str(r), ha="center", va="center", fontsize=9, fontweight="bold")
@@ -157,10 +210,10 @@ def draw_steps(traces: Iterable, title: str = "", *, columns: int = 4, max_round
             dx, dy = x1 - x0, y1 - y0
             norm = math.hypot(dx, dy) or 1.0
             ox, oy = dy / norm * 0.22, -dx / norm * 0.22
-            ax.text(mx + ox, my + oy, text, ha="center", va="center", fontsize=8,
+            ax.text(mx + ox, my + oy, text, ha="center", va="center", fontsize=9,
                     color="tab:blue")
     if title:
-        fig.suptitle(title, fontsize=11)
+        fig.suptitle("\n".join(lines), fontsize=11)
     return fig
 
 
@@ -197,6 +250,40 @@ def draw_timeline(traces: Iterable, title: str = ""):
     return fig
 
 
+def draw_timelines(runs: dict, title: str = ""):
+    """Several runs' timelines (``{panel title: traces}``) one above the other on one time
+    axis, so that lengths compare at a glance; each panel's end is marked with its time."""
+    from matplotlib.patches import Patch
+
+    panels = {name: as_traces(traces) for name, traces in runs.items()}
+    rows = sum(max(len(ts), 1) for ts in panels.values())
+    fig = _figure(8.5, 1.2 + 0.5 * rows + 0.5 * len(panels))
+    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False,
+                        height_ratios=[max(len(ts), 1) for ts in panels.values()])[:, 0]
+    for ax, (name, ts) in zip(axes, panels.items()):
+        events = [e for t in ts for e in t.events if e.t1 is not None and (e.is_send or e.is_recv)]
+        if not events:
+            ax.set_title(f"{name}: no completed messages", fontsize=10)
+            continue
+        start = min(e.t0 for e in events)
+        for e in events:
+            y = e.rank + (-0.18 if e.is_send else 0.18)
+            ax.barh(y, (e.t1 - e.t0) * 1e3, left=(e.t0 - start) * 1e3, height=0.3,
+                    color="tab:blue" if e.is_send else "tab:orange", alpha=0.55, edgecolor="none")
+        end = (max(e.t1 for e in events) - start) * 1e3
+        ax.axvline(end, color="black", lw=1, ls="--")
+        ax.set_yticks(range(len(ts)), [f"rank {t.rank}" for t in ts])
+        ax.set_ylim(len(ts) - 0.5, -0.5)
+        ax.set_title(f"{name}: {end:.3g} ms", fontsize=10, loc="left")
+    axes[-1].set_xlabel("ms since the first message was posted (dashed: the last message done)")
+    fig.legend(handles=[Patch(color="tab:blue", alpha=0.55, label="send (posted → done)"),
+                        Patch(color="tab:orange", alpha=0.55, label="receive (posted → done)")],
+               fontsize=9, loc="outside lower center", ncols=2, frameon=False)
+    if title:
+        fig.suptitle(title, fontsize=11)
+    return fig
+
+
 def _size_axis(ax, sizes: Sequence[int]) -> None:
     from ..core.timing import human_bytes
     ax.set_xscale("log", base=2)
@@ -225,10 +312,10 @@ def plot_times(sizes: Sequence[int], measured: dict[str, Sequence[float]] | None
     for name in names:
         if measured and name in measured:
             ax.plot(sizes, measured[name], "o-", color=colours[name], ms=3.5, lw=1.4,
-                    label=f"{name} (measured)")
+                    label=f"{name.replace('_', ' ')} (measured)")
         if predicted and name in predicted:
             ax.plot(sizes, predicted[name], "--", color=colours[name], lw=1.1,
-                    label=f"{name} (α–β model)")
+                    label=f"{name.replace('_', ' ')} (α–β model)")
     _size_axis(ax, sizes)
     ax.set_yscale("log")
     _seconds_axis(ax)
@@ -270,7 +357,7 @@ def plot_busbw(rows: Sequence[dict], title: str = ""):
 def plot_winners(sizes: Sequence[int], rows: dict[str, dict[str, Sequence[float]]], title: str = ""):
     """Which algorithm is fastest at each size: one strip per row of ``rows``
     (e.g. ``{"measured": {algo: times}, "α–β model": {algo: times}}``)."""
-    fig = _figure(7, 0.8 + 0.55 * len(rows))
+    fig = _figure(max(7, 1.5 + 0.85 * len(sizes)), 0.8 + 0.55 * len(rows))
     ax = fig.subplots()
     names = list(dict.fromkeys(n for times in rows.values() for n in times))
     colours = {name: f"C{i % 10}" for i, name in enumerate(names)}
@@ -278,7 +365,7 @@ def plot_winners(sizes: Sequence[int], rows: dict[str, dict[str, Sequence[float]
         for i, size in enumerate(sizes):
             best = min(times, key=lambda n: times[n][i])
             ax.barh(y, 1, left=i, color=colours[best], edgecolor="white")
-            ax.text(i + 0.5, y, best.replace("_", "\n"), ha="center", va="center", fontsize=8,
+            ax.text(i + 0.5, y, best.replace("_", "\n"), ha="center", va="center", fontsize=9,
                     rotation=0, color="white")
     from ..core.timing import human_bytes
     ax.set_yticks(range(len(rows)), list(rows))

@@ -19,6 +19,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 
+from . import analyze
 from .diagnose import diagnose
 from .faults import Params, blame
 from .scenarios import Outcome, run_scenario
@@ -96,9 +97,10 @@ class Comparison:
         return set(self.finding_ranks) == set(self.blame)
 
 
-def compare(outcome: Outcome) -> Comparison:
-    """Torch's verdict and the analyzer's first finding on one run of :func:`run_with_detail`."""
-    findings = diagnose(outcome.dumps, outcome.world)
+def compare(outcome: Outcome, checks=analyze) -> Comparison:
+    """Torch's verdict and the analyzer's first finding on one run of :func:`run_with_detail`
+    (``checks``: as for :func:`~collectives.debugging.diagnose.diagnose`)."""
+    findings = diagnose(outcome.dumps, outcome.world, checks)
     first = findings[0] if findings else None
     return Comparison(outcome.params.kind, blame(outcome.params), outcome.ended.split(":")[0],
                       detail_verdict(outcome), f"{first.kind}: {first.text}" if first else "no problem found",

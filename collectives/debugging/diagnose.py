@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .analyze import find_mismatch, find_missing, find_stragglers, find_wait_cycle
+from . import analyze
 from .dumps import by_rank, collective_entries, describe, group_name, groups, is_dead, last_seq, pending, where
 
 
@@ -121,14 +121,18 @@ def find_stuck(dumps: list[dict], explained: set[tuple]) -> list[Finding]:
     return found
 
 
-def diagnose(dumps: list[dict], world: dict | None = None) -> list[Finding]:
+def diagnose(dumps: list[dict], world: dict | None = None, checks=analyze) -> list[Finding]:
     """Every finding, cause first: mismatches, missing ranks, wait cycles, dead ranks, links
-    down, collectives stuck for no reason the dumps show, stragglers."""
+    down, collectives stuck for no reason the dumps show, stragglers.
+
+    ``checks`` holds the four checks of lesson 9 (``find_mismatch``, ``find_missing``,
+    ``find_wait_cycle``, ``find_stragglers``): the course's by default, the exercise's in
+    a lab (``checks=Lab(9, "exercise")``)."""
     p = _world_size(dumps, world)
     ranks = by_rank(dumps)
     findings: list[Finding] = []
     explained: set[tuple] = set()
-    for m in find_mismatch(dumps):
+    for m in checks.find_mismatch(dumps):
         values = dict(m.values)
         call = {r: collective_entries(ranks[r], (_name(ranks[r], m.group), m.group))[m.seq] for r in values}
         differ = "; ".join(f"rank {r} {values[r]} at {where(call[r])}" for r in m.differ)
@@ -139,7 +143,7 @@ def diagnose(dumps: list[dict], world: dict | None = None) -> list[Finding]:
         findings.append(Finding("mismatch", m.differ, text + ".", tuple(where(call[r]) for r in m.differ),
                                 m.group, m.seq))
         explained.add((m.group, m.seq))
-    for m in find_missing(dumps):
+    for m in checks.find_missing(dumps):
         group = (_name(ranks[m.waiting[0]], m.group), m.group) if m.waiting else None
         waiting_at = {where(collective_entries(ranks[r], group)[m.seq]) for r in m.waiting} if group else set()
         text = (f"{_ranks_text(m.missing)} never entered {m.op} #{m.seq} of {group_name(m.group, p)}; "
@@ -147,7 +151,7 @@ def diagnose(dumps: list[dict], world: dict | None = None) -> list[Finding]:
                 + "; ".join(_last_call_text(ranks[r]) for r in m.missing))
         findings.append(Finding("missing", m.missing, text + ".", tuple(sorted(waiting_at)), m.group, m.seq))
         explained.add((m.group, m.seq))
-    cycle = find_wait_cycle(dumps)
+    cycle = checks.find_wait_cycle(dumps)
     if cycle is not None:
         arrows = " -> ".join(map(str, cycle.ranks + cycle.ranks[:1]))
         findings.append(Finding("cycle", cycle.ranks, f"a cycle of waits, {arrows}: " + "; ".join(cycle.waits)
@@ -163,7 +167,7 @@ def diagnose(dumps: list[dict], world: dict | None = None) -> list[Finding]:
     findings += link
     if not link:
         findings += find_stuck(dumps, explained)
-    for s in find_stragglers(dumps):
+    for s in checks.find_stragglers(dumps):
         late = collective_entries(ranks[s.rank], (_name(ranks[s.rank], s.group), s.group))[s.worst_seq]
         findings.append(Finding("straggler", (s.rank,), f"rank {s.rank} entered {s.late_in} of {s.of} collectives "
                                 f"of {group_name(s.group, p)} last, keeping the others waiting "

@@ -97,6 +97,7 @@ def groups(dumps: list[dict]) -> list[Group]:
 
 
 def by_rank(dumps: list[dict]) -> dict[int, dict]:
+    """Every rank's dump, keyed by its rank."""
     return {d["rank"]: d for d in dumps}
 
 

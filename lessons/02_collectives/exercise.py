@@ -2,13 +2,20 @@
 
 Each function has the signature and meaning of its ``torch.distributed`` twin for the
 arguments kept (``src``/``dst`` are *global* ranks, as in ``dist.broadcast``), and is
-checked against that twin on the same inputs: every root, six dtypes, sizes 0, 1 and odd,
-a subgroup, non-contiguous views. Call only point-to-point functions (``dist.send``,
+checked on the twin's results: every root, six dtypes, sizes 0, 1 and odd, subgroups,
+non-contiguous views, bad input. Call only point-to-point functions (``dist.send``,
 ``dist.recv``, ``dist.isend``, ``dist.irecv``, lesson 1's ``exchange``) -- never the twin.
 
-    python lessons/02_collectives/exercise.py                          # a local world of 4 ranks
-    torchrun --nproc-per-node 4 lessons/02_collectives/exercise.py
-    make grade LESSON=02
+Check your work:
+
+    .venv/bin/python lessons/02_collectives/exercise.py                        # PASS/FAIL per task
+    .venv/bin/torchrun --nproc-per-node 4 lessons/02_collectives/exercise.py   # the same, under torchrun
+    make check LESSON=02                                                        # the same, from make
+    make grade LESSON=02                                                        # the points
+
+Every message your functions make is recorded where your code cannot reach, and each
+task is held to its pattern: who sends to whom, how many messages, how large, and that
+each carried the data it should (the root's tensor, piece i for rank i, ...).
 
 | task | what                                             | stub                              | points |
 |------|--------------------------------------------------|-----------------------------------|--------|
@@ -19,6 +26,32 @@ a subgroup, non-contiguous views. Call only point-to-point functions (``dist.sen
 | 5    | all_gather from p−1 exchanges                    | all_gather                        | 2      |
 | 6    | all-reduce = reduce + broadcast                  | all_reduce_via_reduce_broadcast   | 2      |
 | 7    | broadcast along a binomial tree                  | tree_broadcast                    | 2      |
+
+Course functions you may call (the sheet is checked against the code):
+
+    ops.check_all_reduce_args(tensor, op=ReduceOp.SUM, group=None, *, what='all_reduce',
+                              compare=True, agree=None) -> bool
+        Raise a clear error for input an in-place all-reduce cannot honour; return whether
+        this rank takes part.
+    ops.work_buffer(tensor) -> torch.Tensor
+        A flat, contiguous buffer holding ``tensor``'s elements: the tensor's own memory
+        when it is contiguous, else a copy (to be written back with :func:`write_back`).
+    ops.write_back(tensor, flat) -> None
+        Copy ``flat`` into ``tensor`` (its data, detached) unless it already is ``tensor``'s
+        memory.
+    ops.combine_(acc, incoming, op) -> torch.Tensor
+        ``acc <- acc (op) incoming``, in place. AVG accumulates as SUM (see
+        :func:`finish_`).
+    ops.finish_(tensor, op, group_size) -> torch.Tensor
+        Apply what remains after the combining: for AVG, one division by the group size.
+    ops.group_rank_and_size(group=None) -> tuple[int, int]
+        This rank's index in ``group`` and the group's size (the world when ``group`` is
+        None).
+    ops.global_rank(group, group_rank) -> int
+        The global rank of ``group_rank`` in ``group``: what ``send``/``recv`` take.
+    p2p.exchange(send_tensor, recv_tensor, send_to, recv_from, group=None) -> None
+        Send ``send_tensor`` to ``send_to`` while receiving ``recv_tensor`` from
+        ``recv_from``.
 """
 
 from __future__ import annotations
@@ -26,10 +59,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from collectives import ops, trace, verify
+from collectives import ops
 from collectives.core.ops import ReduceOp
-from collectives.course.runner import Task, run_tasks
-from collectives.course.verify import CaseResult, Report
+from collectives.course.runner import run_tasks
 from collectives.p2p import exchange  # noqa: F401  (lesson 1's reference: use it in task 5)
 
 LESSON = 2
@@ -69,6 +101,8 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None) -> None:
               ``ops.work_buffer(tensor)`` and ``ops.write_back(tensor, buffer)`` after; send
               ``tensor.contiguous()``. isend to everyone, then wait on all, lets the
               messages overlap.
+    CALLS:    ops.check_all_reduce_args, ops.work_buffer, ops.write_back, ops.group_rank_and_size,
+              ops.global_rank
     """
     raise NotImplementedError("Lesson 2, task 1: broadcast")
 
@@ -86,6 +120,7 @@ def reduce(tensor: torch.Tensor, dst: int = 0, op=ReduceOp.SUM, group=None) -> N
     EXAMPLE:  4 ranks, tensor = [r + 1] on rank r, reduce(tensor, dst=0, op=MAX) -> [4] on rank 0.
     HINT:     receive in group-rank order with one scratch buffer: a blocking recv from
               rank 1, then rank 2, ... never deadlocks, whoever sends first.
+    CALLS:    ops.check_all_reduce_args, ops.work_buffer, ops.write_back, ops.combine_, ops.finish_
     """
     raise NotImplementedError("Lesson 2, task 2: reduce")
 
@@ -102,6 +137,7 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
               scatter(t, scatter_list, src=0) -> t = [10 * r] on rank r.
     HINT:     the pieces may have another shape than ``tensor`` (same number of
               elements): ``tensor.copy_(piece.reshape(tensor.shape))``.
+    CALLS:    none
     """
     raise NotImplementedError("Lesson 2, task 3: scatter")
 
@@ -117,6 +153,7 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
               [2], [3]] on rank 3.
     HINT:     ``gather_list`` entries may be views: receive through ``ops.work_buffer`` and
               ``ops.write_back``.
+    CALLS:    ops.work_buffer, ops.write_back
     """
     raise NotImplementedError("Lesson 2, task 4: gather")
 
@@ -131,6 +168,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None
     EXAMPLE:  4 ranks, tensor = [r] on rank r -> tensor_list = [[0], [1], [2], [3]] everywhere.
     HINT:     in each round every rank sends one message and receives one: a permutation,
               so no rank is flooded and nothing waits in a cycle.
+    CALLS:    p2p.exchange
     """
     raise NotImplementedError("Lesson 2, task 5: all_gather")
 
@@ -145,6 +183,7 @@ def all_reduce_via_reduce_broadcast(tensor: torch.Tensor, op=ReduceOp.SUM, group
     EXAMPLE:  4 ranks, tensor = [r + 1] on rank r, op=SUM -> [10] everywhere; op=AVG -> [2.5].
     HINT:     group rank 0 is global rank ``ops.global_rank(group, 0)``; AVG needs no
               special case here -- reduce already divided.
+    CALLS:    ops.check_all_reduce_args, ops.work_buffer, ops.write_back, ops.global_rank
     """
     raise NotImplementedError("Lesson 2, task 6: all_reduce_via_reduce_broadcast")
 
@@ -163,103 +202,10 @@ def tree_broadcast(tensor: torch.Tensor, src: int = 0, group=None) -> None:
               The root sends 3 messages instead of 7.
     HINT:     blocking send and recv are safe here: a parent sends only after it has
               received, and each child posts its only recv at once.
+    CALLS:    ops.global_rank
     """
     raise NotImplementedError("Lesson 2, task 7: tree_broadcast")
 
 
-# ---------------------------------------------------------------------------------
-# Checks run by `python lessons/02_collectives/exercise.py` on every rank, against the
-# dist.* twin on the same integer-valued inputs (the graded tests check more).
-
-def _values(numel: int, dtype, seed: int) -> torch.Tensor:
-    return verify.make_values(verify.Case(numel, dtype), seed)
-
-
-def _case(name: str, expected, got) -> CaseResult:
-    problem = verify.compare(expected, got)
-    return CaseResult(name, dist.get_rank(), problem is None, problem or "")
-
-
-def _no_collectives(name: str, t) -> CaseResult:
-    used = sorted({e.kind for e in t.collectives()})
-    return CaseResult(name + ": point-to-point only", dist.get_rank(), not used,
-                      f"called {used}" if used else "")
-
-
-def _check_rooted(name: str) -> Report:
-    """broadcast, tree_broadcast, reduce: every root, two dtypes, against the twin."""
-    fn = {"broadcast": broadcast, "tree_broadcast": tree_broadcast, "reduce": reduce}[name]
-    me, p = dist.get_rank(), dist.get_world_size()
-    report = Report()
-    for root in range(p):
-        for dtype in (torch.float32, torch.int64):
-            ours = _values(1001, dtype, me)
-            expected = ours.clone()
-            with trace.paused():
-                if name == "reduce":
-                    dist.reduce(expected, root, op=ReduceOp.MAX)
-                else:
-                    dist.broadcast(expected, root)
-            with trace.recording() as t:
-                fn(ours, root, ReduceOp.MAX) if name == "reduce" else fn(ours, root)
-            if name != "reduce" or me == root:
-                report.results.append(_case(f"{name} root={root} {dtype}", expected, ours))
-            report.results.append(_no_collectives(name, t))
-    return report
-
-
-def _check_scatter() -> Report:
-    me, p = dist.get_rank(), dist.get_world_size()
-    report = Report()
-    for root in range(p):
-        pieces = [_values(7, torch.int32, 10 + i) for i in range(p)] if me == root else None
-        ours, expected = torch.zeros(7, dtype=torch.int32), torch.zeros(7, dtype=torch.int32)
-        with trace.paused():
-            dist.scatter(expected, [x.clone() for x in pieces] if pieces else None, src=root)
-        scatter(ours, pieces, root)
-        report.results.append(_case(f"scatter root={root}", expected, ours))
-    return report
-
-
-def _check_gather() -> Report:
-    me, p = dist.get_rank(), dist.get_world_size()
-    report = Report()
-    for root in range(p):
-        mine = _values(7, torch.float64, me)
-        ours = [torch.zeros(7, dtype=torch.float64) for _ in range(p)] if me == root else None
-        expected = [torch.zeros(7, dtype=torch.float64) for _ in range(p)] if me == root else None
-        with trace.paused():
-            dist.gather(mine.clone(), expected, dst=root)
-        gather(mine, ours, root)
-        if me == root:
-            report.results.append(_case(f"gather root={root}", torch.stack(expected), torch.stack(ours)))
-    return report
-
-
-def _check_all_gather() -> Report:
-    me, p = dist.get_rank(), dist.get_world_size()
-    mine = _values(1001, torch.bfloat16, me)
-    ours = [torch.zeros(1001, dtype=torch.bfloat16) for _ in range(p)]
-    expected = [torch.zeros(1001, dtype=torch.bfloat16) for _ in range(p)]
-    with trace.paused():
-        dist.all_gather(expected, mine.clone())
-    with trace.recording() as t:
-        all_gather(ours, mine)
-    return Report([_case("all_gather", torch.stack(expected), torch.stack(ours)),
-                   _no_collectives("all_gather", t)])
-
-
-def _check_all_reduce() -> Report:
-    return verify.check_all_reduce(all_reduce_via_reduce_broadcast, quick=True)
-
-
 if __name__ == "__main__":
-    run_tasks(LESSON, [
-        Task(1, "broadcast", lambda: _check_rooted("broadcast")),
-        Task(2, "reduce", lambda: _check_rooted("reduce")),
-        Task(3, "scatter", _check_scatter),
-        Task(4, "gather", _check_gather),
-        Task(5, "all_gather", _check_all_gather),
-        Task(6, "all_reduce_via_reduce_broadcast", _check_all_reduce),
-        Task(7, "tree_broadcast", lambda: _check_rooted("tree_broadcast")),
-    ])
+    run_tasks(LESSON)

@@ -18,10 +18,37 @@ random on every run, and every message you send is recorded where your code cann
 reach it. A correct all-reduce that sends the wrong pattern -- say, the naive ring for
 task 3 -- does not pass. A PASS here means the points.
 
-Functions you may use: ``ops.check_all_reduce_args``, ``ops.work_buffer`` / ``ops.write_back``,
-``ops.combine_`` / ``ops.finish_``, ``ops.chunk_bounds``, ``ops.group_rank_and_size``,
-``ops.global_rank``. The reference is ``collectives/ring.py`` and ``collectives/topologies.py``;
-the lesson page is docs/lessons/04-ring.md.
+Course functions you may call (the sheet is checked against the code):
+
+    ops.check_all_reduce_args(tensor, op=ReduceOp.SUM, group=None, *, what='all_reduce',
+                              compare=True, agree=None) -> bool
+        Raise a clear error for input an in-place all-reduce cannot honour; return whether
+        this rank takes part.
+    ops.work_buffer(tensor) -> torch.Tensor
+        A flat, contiguous buffer holding ``tensor``'s elements: the tensor's own memory
+        when it is contiguous, else a copy (to be written back with :func:`write_back`).
+    ops.write_back(tensor, flat) -> None
+        Copy ``flat`` into ``tensor`` (its data, detached) unless it already is ``tensor``'s
+        memory.
+    ops.combine_(acc, incoming, op) -> torch.Tensor
+        ``acc <- acc (op) incoming``, in place. AVG accumulates as SUM (see
+        :func:`finish_`).
+    ops.finish_(tensor, op, group_size) -> torch.Tensor
+        Apply what remains after the combining: for AVG, one division by the group size.
+    ops.group_rank_and_size(group=None) -> tuple[int, int]
+        This rank's index in ``group`` and the group's size (the world when ``group`` is
+        None).
+    ops.global_rank(group, group_rank) -> int
+        The global rank of ``group_rank`` in ``group``: what ``send``/``recv`` take.
+    ops.chunk_bounds(numel, parts) -> list[tuple[int, int]]
+        Split ``numel`` elements into ``parts`` contiguous chunks whose sizes differ by at
+        most one.
+    ops.sendrecv(send_buf, dst, recv_buf, src, group=None, *, post_empty=False)
+        Post a receive of ``recv_buf`` from ``src`` and a send of ``send_buf`` to ``dst``;
+        return the ``(receive, send)`` handles. ``dst``/``src`` are global ranks.
+
+The reference is ``collectives/ring.py`` and ``collectives/topologies.py``; the lesson page is
+docs/lessons/04-ring.md.
 """
 
 from __future__ import annotations
@@ -59,6 +86,7 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.S
     HINT:     ``if not ops.check_all_reduce_args(input, op, group): return`` first; AVG: ``ops.finish_`` on
               your chunk. Chunks may be empty when numel < p: sending 0 elements is fine.
               Allocate the landing buffer once (the size of the largest chunk), not per step.
+    CALLS:    ops.check_all_reduce_args, ops.finish_, ops.chunk_bounds
     """
     raise NotImplementedError("Lesson 4, task 1: ring_reduce_scatter")
 
@@ -74,6 +102,7 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group=None) -> No
     EXAMPLE:  p = 3, input [r] on rank r  ->  output [0, 1, 2] everywhere.
     HINT:     ``flat = ops.work_buffer(output)`` ... ``ops.write_back(output, flat)`` makes
               a non-contiguous ``output`` work.
+    CALLS:    ops.work_buffer, ops.write_back, ops.chunk_bounds
     """
     raise NotImplementedError("Lesson 4, task 2: ring_all_gather")
 
@@ -89,6 +118,7 @@ def ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None) -> None:
     HINT:     each rank sends exactly 2(p − 1) messages, all to its right neighbour, each
               of ⌈n/p⌉ or ⌊n/p⌋ elements: 2(p − 1)/p·n elements in all. Post the irecv
               before the isend, and wait on both every step.
+    CALLS:    ops.work_buffer, ops.write_back, ops.finish_
     """
     raise NotImplementedError("Lesson 4, task 3: ring_all_reduce")
 
@@ -115,6 +145,7 @@ def pipelined_ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
               post_empty=True)``, which turns ranks handed different sizes into an error
               instead of a hang. The graded test checks that the first piece of a
               step leaves before the last piece of the previous step has arrived.
+    CALLS:    ops.chunk_bounds, ops.sendrecv
     """
     raise NotImplementedError("Lesson 4, task 4: pipelined_ring_all_reduce")
 
@@ -135,6 +166,7 @@ def recursive_doubling_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=N
               p = 3: rank 0 folds into rank 1; ranks 1, 2 exchange; rank 1 hands back to 0.
     HINT:     receive into a separate buffer and combine after both the send and the
               receive have finished: you are sending the buffer you combine into.
+    CALLS:    none
     """
     raise NotImplementedError("Lesson 4, task 5: recursive_doubling_all_reduce")
 
@@ -158,6 +190,7 @@ def halving_doubling_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=Non
               bytes in far fewer steps.
     HINT:     the data you receive while doubling goes straight into place, like the
               ring's all-gather. AVG: finish your own block before the doubling.
+    CALLS:    ops.chunk_bounds
     """
     raise NotImplementedError("Lesson 4, task 6: halving_doubling_all_reduce")
 
@@ -175,6 +208,7 @@ def tree_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None) -> None:
               Every message carries the whole tensor: 2(p − 1) messages in all.
     HINT:     group ranks → global ranks with ``ops.global_rank(group, r)``. AVG: only the
               root divides, before the broadcast.
+    CALLS:    ops.global_rank
     """
     raise NotImplementedError("Lesson 4, task 7: tree_all_reduce")
 

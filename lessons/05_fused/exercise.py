@@ -24,6 +24,34 @@ Check your work:
 Each task is judged outside your process: on lists whose sizes, dtypes and values you
 cannot know in advance, and on every all-reduce your ranks make (one per flush, of the
 flush's size -- never one per tensor).
+
+Course functions you may call (the sheet is checked against the code):
+
+    ops.check_all_reduce_args(tensor, op=ReduceOp.SUM, group=None, *, what='all_reduce',
+                              compare=True, agree=None) -> bool
+        Raise a clear error for input an in-place all-reduce cannot honour; return whether
+        this rank takes part.
+    ops.work_buffer(tensor) -> torch.Tensor
+        A flat, contiguous buffer holding ``tensor``'s elements: the tensor's own memory
+        when it is contiguous, else a copy (to be written back with :func:`write_back`).
+    ops.write_back(tensor, flat) -> None
+        Copy ``flat`` into ``tensor`` (its data, detached) unless it already is ``tensor``'s
+        memory.
+    ops.finish_(tensor, op, group_size) -> torch.Tensor
+        Apply what remains after the combining: for AVG, one division by the group size.
+    streams.current_stream(device=None)
+        The stream work is issued on now (a :class:`NullStream` on CPU).
+    streams.new_stream(device=None, priority=0, name=None)
+        A new side stream on ``device`` (a :class:`NullStream` on CPU; ``name`` names it in
+        :func:`checking`'s reports).
+    streams.new_event(device=None, timing=False, name=None)
+    streams.use(stream)
+        Context manager: issue work on ``stream`` inside the block (nothing on CPU).
+    streams.checking(raise_errors=True)
+        Inside the block, CPU streams and events made by this module keep count (see the
+        module docstring); yields the :class:`Checker`. Make the streams and events inside
+        the block. At its end, raises :class:`OrderingError` listing every violation
+        (``raise_errors``).
 """
 
 from __future__ import annotations
@@ -105,6 +133,7 @@ def plan_layout(specs: Sequence[tuple[int, torch.dtype]], threshold_bytes: int =
               steps [("flush", 0), ("direct", 4), ("flush", 1), ("flush", 2)].
     HINT:     ``dtype.itemsize`` is the bytes per element; bytes in a bucket are counted in
               its wire dtype (``wire_dtype(dtype, compress_fp16)``).
+    CALLS:    none
     """
     raise NotImplementedError("Lesson 5, task 1: plan_layout")
 
@@ -128,6 +157,7 @@ def copy_in(tensors: Sequence[torch.Tensor], buffer: torch.Tensor,
     EXAMPLE:  copy_in([tensor([0, 1, 2]), tensor([[10, 11], [12, 13]])], zeros(8))
               -> tensor([0, 1, 2, 10, 11, 12, 13]), and the buffer's last element is untouched.
     HINT:     a transposed view's elements go in in logical (row-major) order: copy_ does that.
+    CALLS:    none
     """
     raise NotImplementedError("Lesson 5, task 2: copy_in")
 
@@ -143,6 +173,7 @@ def flush(tensors: Sequence[torch.Tensor], buffer: torch.Tensor, op=ReduceOp.SUM
               -> after work.wait(), filled == tensor([6, 6, 6]) on every rank.
     HINT:     async_op=True returns a handle; its wait() is what lets the next group be packed
               while this one is on the wire (task 5).
+    CALLS:    ops.finish_
     """
     raise NotImplementedError("Lesson 5, task 2: flush")
 
@@ -159,6 +190,7 @@ def slot_views(buffer: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch
     EXAMPLE:  slot_views(arange(10), [(2,), (0,), (2, 3)]) -> [tensor([0, 1]), tensor([]),
               tensor([[2, 3, 4], [5, 6, 7]])]
     HINT:     ``torch.Size(shape).numel()``; a shape of () is a scalar with one element.
+    CALLS:    none
     """
     raise NotImplementedError("Lesson 5, task 3: slot_views")
 
@@ -174,6 +206,7 @@ def copy_back(buffer: torch.Tensor, tensors: Sequence[torch.Tensor],
     EXAMPLE:  copy_back(arange(5.), [a, b]) with a = zeros(2), b = zeros(3)
               -> a == [0, 1], b == [2, 3, 4]
     HINT:     copy_ also casts: a float16 buffer copies back into float32 tensors.
+    CALLS:    none
     """
     raise NotImplementedError("Lesson 5, task 3: copy_back")
 
@@ -200,6 +233,7 @@ def fused_all_reduce(tensors: Sequence[torch.Tensor], op=ReduceOp.SUM, group=Non
               -> [full((3,), 6), empty(0), full((2, 2), 6)] on every rank.
     HINT:     one buffer per dtype (torch.empty(buffer_bytes // itemsize, dtype=...)) is
               enough here; compress_fp16 is an extension (the reference has it), not graded.
+    CALLS:    ops.check_all_reduce_args, ops.work_buffer, ops.write_back, ops.finish_
     """
     raise NotImplementedError("Lesson 5, task 4: fused_all_reduce")
 
@@ -265,6 +299,7 @@ class FusedAllReducer:
                   while the previous one is still being copied out of it. On CPU,
                   ``with streams.checking():`` reports a missing wait; the grader
                   runs your reducer inside it.
+        CALLS:    streams.new_event, streams.use, streams.checking
         """
         raise NotImplementedError("Lesson 5, task 5: FusedAllReducer.all_reduce")
 
@@ -280,6 +315,7 @@ class FusedAllReducer:
         EXAMPLE:  reducer.all_reduce(grads); reducer.wait()  -> grads hold the sums.
         HINT:     land in the order you issued; keep the entries (and so the tensors) alive
                   until the end of wait(), so that nothing is freed while a copy may still run.
+        CALLS:    ops.write_back, streams.current_stream, streams.use
         """
         raise NotImplementedError("Lesson 5, task 5: FusedAllReducer.wait")
 

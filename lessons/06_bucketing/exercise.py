@@ -24,6 +24,13 @@ Each task is judged outside your process: every rank trains on batches you canno
 advance, and the gradients, the parameters and every all-reduce (one per bucket, of the
 bucket's size, launched as soon as it and the buckets before it are complete) are held to
 what DDP promises, simulated rank by rank.
+
+Course functions you may call (the sheet is checked against the code):
+
+    ops.global_rank(group, group_rank) -> int
+        The global rank of ``group_rank`` in ``group``: what ``send``/``recv`` take.
+    trace.label(text)
+        Tag the events made inside the block (e.g. "reduce-scatter step 2").
 """
 
 from __future__ import annotations
@@ -64,6 +71,7 @@ def assign_buckets(params, bucket_cap_bytes: int, first_bucket_cap_bytes: int | 
               cap 1 MiB, first cap 32  ->  [[5], [4, 3, 2, 1, 0]].
     HINT:     bytes = t.numel() * t.element_size(). Reject an ``order`` that is not a
               permutation of range(len(params)) with a ValueError.
+    CALLS:    none
     """
     raise NotImplementedError("Lesson 6, task 1: assign_buckets")
 
@@ -247,6 +255,7 @@ class BucketedReducer(nn.Module):
                   -> the indices of branch_b.weight, branch_b.bias, never.weight, never.bias.
         HINT:     the given ``_start_backward`` marks these ready (zeros) when backward
                   starts, so a bucket of unused parameters does not wait for the end.
+        CALLS:    none
         """
         raise NotImplementedError("Lesson 6, task 5: _find_unused")
 
@@ -326,6 +335,7 @@ class BucketedReducer(nn.Module):
                   multiply, as DDP does); ``grad.data_ptr() == view.data_ptr()`` tells you
                   the grad is already the view: then ``view.div_(p)``, as DDP does there
                   (a multiply by 1/p differs in the last bit at p = 3).
+        CALLS:    none
         """
         raise NotImplementedError("Lesson 6, task 2: _mark_ready")
 
@@ -345,6 +355,7 @@ class BucketedReducer(nn.Module):
         EXAMPLE:  p = 2, grads 1.0 and 3.0: the bucket holds 0.5 + 1.5 = 2.0 on both ranks.
         HINT:     ``zip(bucket.params, bucket.views)`` walks a bucket's parameters;
                   ``torch._foreach_copy_(grads, views)`` copies many tensors in one call.
+        CALLS:    none
         """
         raise NotImplementedError("Lesson 6, task 3: _finalize")
 
@@ -363,6 +374,7 @@ class BucketedReducer(nn.Module):
         EXAMPLE:  rank 0 saw [9, 8, 3, 2, 1, 0, 7, 6, 5, 4]; rank 1 saw another order:
                   both build buckets from rank 0's.
         HINT:     label the broadcast: ``with trace.label("rebuild buckets"):``.
+        CALLS:    ops.global_rank, trace.label
         """
         raise NotImplementedError("Lesson 6, task 4: _rebuild_buckets")
 
@@ -374,6 +386,7 @@ class BucketedReducer(nn.Module):
         APPROACH: one small all-reduce per synced step, and only with find_unused_parameters.
         EXAMPLE:  rank 0 used [1, 1, 0], rank 1 [1, 0, 0] -> [True, True, False].
         HINT:     ``(t > 0).tolist()``; label it ``trace.label("used map")``.
+        CALLS:    trace.label
         """
         raise NotImplementedError("Lesson 6, task 5: _globally_used")
 
@@ -389,6 +402,7 @@ class BucketedReducer(nn.Module):
         EXAMPLE:  ``with model.no_sync(): loss(model(x1)).backward()`` then
                   ``loss(model(x2)).backward()`` -> grad = average over ranks of g1 + g2.
         HINT:     ``try: yield`` / ``finally:``.
+        CALLS:    none
         """
         raise NotImplementedError("Lesson 6, task 6: no_sync")
         yield  # (makes this a generator, as contextmanager needs)

@@ -27,11 +27,48 @@ A dump is one rank's ``rank<r>.json`` as a dict: ``dump["rank"]``, ``dump["reaso
 ``collectives.debugging.scenario_dumps(kind, seed)`` makes every rank's dumps of a fault in
 a millisecond; ``python -m collectives diagnose --run skip`` runs one for real.
 
-Given (``collectives.debugging.dumps``): ``group_of``, ``op_of``, ``collective_entries``,
-``last_seq``, ``groups``, ``by_rank``, ``is_dead``, ``blocking_call``, ``pending``,
-``where``, ``describe``, ``majority``, and the answers' types ``Missing``, ``Mismatch``,
-``WaitCycle``, ``Straggler``. The reference is ``collectives/debugging/analyze.py``; the
-lesson page is docs/lessons/09-debugging.md.
+Course functions you may call (the sheet is checked against the code):
+
+    dumps.group_of(entry) -> Group
+        The group an entry was made on: ``("0", (0, 1, 2, 3))``.
+    dumps.op_of(entry) -> str
+        ``"gloo:send 0->1"`` -> ``"send"``.
+    dumps.collective_entries(dump, group) -> dict[int, dict]
+        This rank's collectives on ``group``, by sequence number (the ones still in its
+        ring).
+    dumps.last_seq(dump, group) -> int
+        The last collective this rank entered on ``group`` (0: none).
+    dumps.groups(dumps) -> list[Group]
+        Every group any rank made a call on, in order of name.
+    dumps.by_rank(dumps) -> dict[int, dict]
+        Every rank's dump, keyed by its rank.
+    dumps.is_dead(dump) -> bool
+        The rank did not answer the dump request: its dump was recovered from its ring.
+    dumps.blocking_call(dump) -> dict | None
+        The call this rank was waiting in when it stopped: the call it started waiting in
+        last, unless it completed something after that (then it had moved on). A call that
+        failed -- a timeout, a lost peer -- still counts: the rank waited in it until then.
+        None for a rank that waits in nothing (finished, computing) or died.
+    dumps.pending(dump) -> list[dict]
+        Calls posted or waited in that never completed (failed ones included).
+    dumps.where(entry) -> str
+        The line that made the call: ``"faults.py:78 (skipped_collective)"``.
+    dumps.describe(entry) -> str
+        ``"all_reduce #5"``, ``"send to rank 1 (p2p #3)"``.
+    dumps.majority(values) -> object
+        The value most ranks have; a tie goes to the value of the lowest rank among the
+        tied.
+    dumps.Missing(group, seq, op, missing, waiting)
+        Ranks that never entered collective #seq of a group that others wait in.
+    dumps.Mismatch(group, seq, field, differ, values)
+        The first collective of a group where the ranks' calls differ.
+    dumps.WaitCycle(ranks, waits)
+        Ranks each waiting for the next, the last for the first: nobody can move.
+    dumps.Straggler(group, rank, late_in, of, median_lag, worst_seq)
+        A rank that enters a group's collectives last, most of the time, by a clear margin.
+
+The reference is ``collectives/debugging/analyze.py``; the lesson page is
+docs/lessons/09-debugging.md.
 """
 
 from __future__ import annotations
@@ -82,6 +119,7 @@ def find_missing(dumps: list[dict]) -> list[Missing]:
     EXAMPLE:  ranks 0, 1, 3 have all_reduce #5 started, rank 2's last is #4 completed
               ->  [Missing((0, 1, 2, 3), 5, "all_reduce", (2,), (0, 1, 3))].
     HINT:     ``collective_entries(dump, group)`` maps seq -> entry for one rank.
+    CALLS:    dumps.collective_entries, dumps.last_seq, dumps.groups, dumps.pending, dumps.Missing
     """
     raise NotImplementedError("Lesson 9, task 1: find_missing")
 
@@ -104,6 +142,7 @@ def find_mismatch(dumps: list[dict]) -> list[Mismatch]:
               ->  Mismatch((0, 1, 2, 3), 5, "operation", (1,), ((0, "all_reduce"), ...)).
     HINT:     a seq missing from one rank's dump (the ring came round) cannot be compared:
               use the intersection of the members' seqs.
+    CALLS:    dumps.op_of, dumps.where, dumps.majority, dumps.Mismatch
     """
     raise NotImplementedError("Lesson 9, task 2: find_mismatch")
 
@@ -122,6 +161,7 @@ def wait_for_graph(dumps: list[dict]) -> dict[int, list[tuple[int, str]]]:
     EXAMPLE:  rank 0 in send to 1, rank 1 in send to 0  ->  {0: [(1, ...)], 1: [(0, ...)]}.
               rank 0 in send to 1, rank 1 in recv from 0  ->  {0: [], 1: []}.
     HINT:     "what": f"rank {r} in {describe(call)}, {where(call)}".
+    CALLS:    dumps.last_seq, dumps.blocking_call, dumps.pending, dumps.where, dumps.describe
     """
     raise NotImplementedError("Lesson 9, task 3: wait_for_graph")
 
@@ -137,6 +177,7 @@ def find_wait_cycle(dumps: list[dict]) -> WaitCycle | None:
     APPROACH: visiting only ranks above the start finds each cycle once, from its smallest rank.
     EXAMPLE:  every rank of 4 sends to its right neighbour first  ->  ranks (0, 1, 2, 3).
     HINT:     keep the path and a set of ranks already explored from this start.
+    CALLS:    dumps.WaitCycle
     """
     raise NotImplementedError("Lesson 9, task 3: find_wait_cycle")
 
@@ -158,6 +199,7 @@ def find_stragglers(dumps: list[dict], min_lag: float = MIN_LAG) -> list[Straggl
     EXAMPLE:  rank 3 sleeps 50 ms before each of 5 all-reduces  ->
               [Straggler((0, 1, 2, 3), 3, 4, 4, ~0.05, ...)]  (#2 to #5).
     HINT:     the clocks of ranks on one host agree; across hosts they drift (see the page).
+    CALLS:    dumps.Straggler
     """
     raise NotImplementedError("Lesson 9, task 4: find_stragglers")
 
