@@ -164,6 +164,10 @@ CHEAT_TARGETS = {
     "lesson06_paused_flat_with_decoys": (6, (2, 3), 1),
     "lesson06_replaced_test_helpers": (6, (3, 4), 1),
     "lesson06_lazy_launches_forged_times": (6, (2, 3), 1),
+    "lesson07_paused_flat_with_decoys": (7, (2, 3, 4, 5), 1),
+    "lesson07_replaced_verdict": (7, (1, 2, 3, 4), 6),
+    "lesson07_rail_for_the_stages": (7, (3, 4), 2),
+    "lesson07_flat_hook": (7, (6,), 5),
     "lesson08_dense_masked_all_reduce": (8, (2, 3, 4), 1),
     "lesson08_paused_flat_with_decoys": (8, (2, 3, 5), 1),
     "lesson08_replaced_verdict_and_test_helpers": (8, (2, 3), 1),
@@ -188,3 +192,14 @@ def test_every_cheat_scores_zero_on_its_tasks_and_a_hang_costs_only_its_task(tmp
             assert verdicts[control][0], f"{name}: task {control} (the reference's) scores: {verdicts[control][1]}"
         seen[name] = verdicts
     assert "hung in pipelined_ring_all_reduce" in seen["replaced_verdict_and_a_hang"][4][1]
+
+
+def test_lesson_7_stages_written_with_library_collectives_pass(tmp_path):
+    # the stubs' plain way (a reduce-scatter, an all-to-all and all-gathers on the stage
+    # groups; dist.all_reduce on the rail for task 2) is the design too, not only the
+    # reference's messages
+    student = tmp_path / "lessons"
+    shutil.copytree(ROOT / "lessons", student)
+    shutil.copy(ROOT / "tests" / "solutions" / "lesson07_library.py", student / "07_hierarchical" / "exercise.py")
+    verdicts = _grader(7, exercises=student, tasks=[2, 3])
+    assert verdicts[2][0] and verdicts[3][0], verdicts

@@ -78,7 +78,7 @@ def test_written_tasks_run_the_students_code(monkeypatch, tmp_path):
 
 # --------------------------------------------------------------------------- the labs use the switch
 
-SWITCHED_LABS = (1, 2, 3, 4, 5, 6, 8, 9)   # lesson 7 follows on its own page
+SWITCHED_LABS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 
 
 @pytest.mark.parametrize("number", SWITCHED_LABS)

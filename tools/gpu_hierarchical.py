@@ -1,18 +1,24 @@
-"""Lesson 7 on GPUs: hierarchical all-reduce against NCCL's all_reduce, 256 MiB float32.
+"""Lesson 7 on GPUs: hierarchical all-reduce against NCCL's all_reduce, and buckets in flight.
 
     .venv/bin/python tools/gpu_hierarchical.py            # 2 GPUs: layouts (1, 2) and (2, 1)
     .venv/bin/python tools/gpu_hierarchical.py --world 4  # 4 GPUs: (2, 2), (1, 4), (4, 1)
+    .venv/bin/python tools/gpu_hierarchical.py --json out.json
 
 Each layout is checked against ``dist.all_reduce`` (integer-valued data: bit for bit) and
-timed with CUDA events (median of --iters after warm-up), one slice and pipelined, beside
-NCCL's flat all_reduce on the same bytes. On one machine every link is NVLink: the layout
-only pretends, so this measures the overhead of the stages and streams, not a gain.
+timed with CUDA events (median of --iters after warm-up): one slice, pipelined (the plan,
+computed once per size: how many slices it chose is printed), NCCL's inside stages against
+messages, and 16 buckets of --bucket bytes handed to the in-flight reducer with 1 and 8 in
+flight, beside NCCL's flat all_reduce of the same bytes (one call per bucket, as DDP's
+default hook). On one machine every link is NVLink: the layout only pretends, so this
+measures what the stages, streams and lanes cost, not a gain.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
+import json
 import sys
 from pathlib import Path
 
@@ -22,25 +28,64 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from collectives import launch, ops, timing  # noqa: E402
-from collectives.hierarchical import hierarchical_all_reduce, one_slice_all_reduce  # noqa: E402
+from collectives.hierarchical import (  # noqa: E402
+    HierarchicalAllReducer,
+    default_slice_numel,
+    hierarchical_all_reduce,
+    one_slice_all_reduce,
+    resolve,
+)
+from collectives.hierarchical.pipeline import default_tiers  # noqa: E402
 
 
-def _rank(layouts, numel, iters):
+def _in_flight(reducer, buckets, k):
+    window = []
+    for b in buckets:
+        if len(window) == k:
+            window.pop(0).wait()
+        window.append(reducer.all_reduce(b))
+    for h in window:
+        h.wait()
+
+
+def _rank(layouts, numel, bucket_numel, iters):
     device = ops.rank_device()
     rows = []
     x = torch.randint(-8, 9, (numel,), device=device).float()
     timed = x.clone()
     nccl = timing.median(timing.measure(lambda: dist.all_reduce(timed), iters=iters, device=device))
+    buckets = [torch.randint(-8, 9, (bucket_numel,), device=device).float() for _ in range(16)]
+
+    def flat_buckets():
+        for w in [dist.all_reduce(b, async_op=True) for b in buckets]:
+            w.wait()
+    nccl_buckets = timing.median(timing.measure(flat_buckets, iters=iters, device=device))
     for layout in layouts:
-        for name, fn in (("one slice", one_slice_all_reduce), ("pipelined", hierarchical_all_reduce)):
+        plan = default_slice_numel(numel, 4, resolve(layout), default_tiers(device))
+        variants = {"one slice": functools.partial(one_slice_all_reduce, layout=layout),
+                    "pipelined": functools.partial(hierarchical_all_reduce, layout=layout),
+                    "pipelined, inside as messages": functools.partial(hierarchical_all_reduce, layout=layout,
+                                                                       inside="messages")}
+        for name, call in variants.items():
             y = x.clone()
             want = y.clone()
             dist.all_reduce(want)
-            call = functools.partial(fn, layout=layout)
             call(y)
             exact = bool(torch.equal(y, want))
             t = timing.median(timing.measure(lambda: call(y), iters=iters, device=device))
-            rows.append((layout, name, exact, t, nccl))
+            rows.append(dict(layout=layout, name=name, exact=exact, seconds=t, nccl=nccl, nbytes=numel * 4,
+                             slices=-(-numel // plan)))
+        reducer = HierarchicalAllReducer(layout=layout)
+        want = [b.clone() for b in buckets]
+        for w in want:
+            dist.all_reduce(w)
+        got = [b.clone() for b in buckets]
+        _in_flight(reducer, got, 16)
+        exact = all(torch.equal(a, b) for a, b in zip(got, want))
+        for k in (1, 8):
+            t = timing.median(timing.measure(lambda: _in_flight(reducer, buckets, k), iters=iters, device=device))
+            rows.append(dict(layout=layout, name=f"16 buckets, {k} in flight", exact=exact, seconds=t,
+                             nccl=nccl_buckets, nbytes=16 * bucket_numel * 4))
     return rows
 
 
@@ -48,17 +93,28 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--size", default="256M")
+    parser.add_argument("--bucket", default="4M", help="bytes per bucket of the in-flight rows")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--json", default="", help="also write the rows, with device, versions, date, command")
     args = parser.parse_args()
     p = args.world
     layouts = [(1, p), (p, 1)] + ([(2, p // 2)] if p >= 4 and p % 2 == 0 else [])
     numel = timing.parse_size(args.size) // 4
-    rows = launch.run(_rank, p, args=(layouts, numel, args.iters), backend="nccl", timeout=600)[0]
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)} × {p}, {args.size} float32")
-    for layout, name, exact, t, nccl in rows:
-        print(f"layout {layout}  {name:10s} exact={exact}  {t * 1e3:8.2f} ms   NCCL {nccl * 1e3:8.2f} ms   "
-              f"ratio to NCCL {nccl / t:.2f}")
-    return 0 if all(r[2] for r in rows) else 1
+    rows = launch.run(_rank, p, args=(layouts, numel, timing.parse_size(args.bucket) // 4, args.iters),
+                      backend="nccl", timeout=600)[0]
+    device = f"{torch.cuda.get_device_name(0)} x {p}"
+    print(f"torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, {device}, "
+          f"{args.size} float32")
+    for r in rows:
+        extra = f"  ({r['slices']} slices)" if "slices" in r else ""
+        print(f"layout {r['layout']}  {r['name']:32s} exact={r['exact']}  {r['seconds'] * 1e3:8.2f} ms   "
+              f"NCCL {r['nccl'] * 1e3:8.2f} ms   ratio to NCCL {r['nccl'] / r['seconds']:.2f}{extra}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(
+            command="python tools/gpu_hierarchical.py " + " ".join(sys.argv[1:]), device=device,
+            torch=torch.__version__, nccl=".".join(map(str, torch.cuda.nccl.version())),
+            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), rows=rows), indent=1))
+    return 0 if all(r["exact"] for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import os
 import pickle
+import threading
 from typing import Any
 
 _secret: int | None = None
 _stream = None          # this rank's write end of its stream (a multiprocessing Connection)
 _sent = 0               # objects sent on it so far
+_lock = threading.Lock()  # calls come from several threads too (lesson 7's lanes): one object at a time
 
 
 def secret() -> int:
@@ -40,8 +42,10 @@ def send(obj: Any) -> None:
     global _sent
     if _stream is None:
         raise RuntimeError("no stream: this rank was not started with launch.run_world(..., stream=True)")
-    _stream.send_bytes(pickle.dumps(obj))
-    _sent += 1
+    data = pickle.dumps(obj)
+    with _lock:
+        _stream.send_bytes(data)
+        _sent += 1
 
 
 def sent() -> int:

@@ -6,8 +6,10 @@ on CPU every operation already ran when it returns, so waiting is a no-op.
 
 A forgotten wait is then invisible on CPU. :func:`checking` makes the stand-ins keep
 count, the way a GPU would order the work: each stream a clock, events carrying them,
-every tensor read and write (and each ``dist.all_reduce``, on a stream of its own until
-its work is waited on) attributed to the stream it was issued on. Work that reads or
+every tensor read and write attributed to the stream it was issued on, and every
+communication -- ``dist.all_reduce``, ``reduce_scatter_tensor``, ``all_gather_into_tensor``,
+``isend``, ``irecv``, a ``batch_isend_irecv`` -- on a stream of its own (as NCCL runs it),
+which waits for the issuing stream and is joined by waiting on its work. Work that reads or
 writes memory another stream touched, without an event or wait ordering the two, and a
 stream waiting on an event that was never recorded, are reported -- on CPU.
 
@@ -206,6 +208,12 @@ class _CheckedWork:
 def _verb(what: str, write: bool, past: bool) -> str:
     if what == "all_reduce":
         return "reduced" if past else "reduces"
+    if what in ("reduce_scatter_tensor", "all_gather_into_tensor") and write:
+        return "wrote the result into" if past else "writes its result into"
+    if what in ("irecv", "recv") or (what.startswith("batch") and write):
+        return "received into" if past else "receives into"
+    if what in ("isend", "send") or (what.startswith("batch") and not write):
+        return "sent from" if past else "sends from"
     if write:
         return "wrote" if past else "writes"
     return "read" if past else "reads"
@@ -236,6 +244,7 @@ class Checker:
         self._names = itertools.count(1)
         self._collectives = itertools.count(1)
         self._memory: dict[int, list[_Access]] = {}
+        self._passing = 0               # > 0 inside a communication: its inner calls pass through
 
     @property
     def current(self) -> CheckedStream:
@@ -280,20 +289,60 @@ class Checker:
         if len(history) > self._HISTORY:
             del history[0]
 
-    def all_reduce(self, original, tensor, *args, **kwargs):
-        """A collective runs on a stream of its own, which waits for the issuing stream;
-        waiting on its Work (or a blocking call) joins it back."""
+    def communicate(self, what: str, original, args, kwargs, reads=(), writes=(), async_op=True):
+        """A communication runs on a stream of its own, which waits for the issuing stream
+        (NCCL's: it waits for the caller's current stream when issued); it reads ``reads`` and
+        writes ``writes`` there. Waiting on its Work joins it back; a blocking call joins at once."""
         issuer = self.current
-        stream = CheckedStream(self, f"the stream of all_reduce #{next(self._collectives)} "
+        stream = CheckedStream(self, f"the stream of {what} #{next(self._collectives)} "
                                      f"(issued on {issuer.name})")
         stream.join(issuer.clock)
-        self.touch(tensor, True, "all_reduce", stream)
+        for t in reads:
+            self.touch(t, False, what, stream)
+        for t in writes:
+            self.touch(t, True, what, stream)
+        self._passing += 1            # inside it (a batch calls isend, ...): not counted again
+        try:
+            result = original(*args, **kwargs)
+        finally:
+            self._passing -= 1
+        if not async_op:
+            issuer.join(stream.clock)
+            return result
+        if isinstance(result, list):
+            return [_CheckedWork(w, stream, self) for w in result]
+        return None if result is None else _CheckedWork(result, stream, self)
+
+    def all_reduce(self, original, tensor, *args, **kwargs):
+        """``dist.all_reduce`` on a stream of its own (:meth:`communicate`)."""
         async_op = kwargs.get("async_op", len(args) >= 3 and args[2])
-        work = original(tensor, *args, **kwargs)
-        if async_op and work is not None:
-            return _CheckedWork(work, stream, self)
-        issuer.join(stream.clock)
-        return work
+        return self.communicate("all_reduce", original, (tensor, *args), kwargs, writes=[tensor],
+                                async_op=bool(async_op))
+
+    def wrap(self, name: str, original):
+        """The stand-in for ``dist.<name>`` inside :func:`checking`: who reads and who writes."""
+        def stand_in(*args, **kwargs):
+            if self._passing:
+                return original(*args, **kwargs)
+            if name in ("isend", "irecv", "send", "recv"):
+                tensor = args[0] if args else kwargs["tensor"]
+                reading = name in ("isend", "send")
+                return self.communicate(name, original, args, kwargs, reads=[tensor] if reading else [],
+                                        writes=[] if reading else [tensor], async_op=name[0] == "i")
+            if name == "batch_isend_irecv":
+                ops = args[0] if args else kwargs["p2p_op_list"]
+                reads = [op.tensor for op in ops if op.op in _SENDING]
+                writes = [op.tensor for op in ops if op.op not in _SENDING]
+                return self.communicate(f"batch of {len(ops)} messages", original, args, kwargs, reads, writes)
+            bound = _signature(original).bind_partial(*args, **kwargs).arguments
+            if name == "reduce_scatter_tensor":
+                reads, writes = [bound["input"]], [bound["output"]]
+            else:                                       # all_gather_into_tensor
+                reads, writes = [bound["input_tensor"]], [bound["output_tensor"]]
+            return self.communicate(name, original, args, kwargs, reads, writes,
+                                    async_op=bool(bound.get("async_op")))
+        stand_in.__name__ = name
+        return stand_in
 
 
 class _Watch(TorchDispatchMode):
@@ -323,6 +372,22 @@ class _Watch(TorchDispatchMode):
 
 
 _checker: Checker | None = None
+_WRAPPED = [(dist, name) for name in ("all_reduce", "isend", "irecv", "send", "recv", "batch_isend_irecv",
+                                       "reduce_scatter_tensor", "all_gather_into_tensor")]
+_WRAPPED += [(dist.distributed_c10d, "isend"), (dist.distributed_c10d, "irecv")]
+_SENDING: list = []                 # the isend and send stand-ins, while checking
+
+
+def _signature(fn):
+    import inspect
+    return inspect.signature(fn)
+
+
+def active_checker() -> Checker | None:
+    """The :class:`Checker` of the :func:`checking` block this process is in, or None. Code
+    that keeps streams between calls makes new ones when this changes: a stream made outside
+    the block orders nothing the checker can see."""
+    return _checker
 
 
 @contextlib.contextmanager
@@ -333,23 +398,36 @@ def checking(raise_errors: bool = True):
 
     The checks are those a GPU would need: a read of memory written on another stream, or a
     write of memory read or written there, must come after an event recorded there was
-    waited on (or ``wait_stream``); ``dist.all_reduce`` runs on a stream of its own, joined
-    by waiting on its Work; a wait on an event never recorded is reported too."""
+    waited on (or ``wait_stream``); each communication (``dist.all_reduce``,
+    ``reduce_scatter_tensor``, ``all_gather_into_tensor``, ``isend``, ``irecv``, ``send``,
+    ``recv``, ``batch_isend_irecv``) runs on a stream of its own, joined by waiting on its
+    Work; a wait on an event never recorded is reported too."""
     global _checker
     if _checker is not None:
         raise RuntimeError("streams.checking() does not nest")
     checker = _checker = Checker()
+    c10d = dist.distributed_c10d
+    saved = {(module, name): getattr(module, name) for module, name in _WRAPPED}
     original = dist.all_reduce
 
     def all_reduce(tensor, *args, **kwargs):
         return checker.all_reduce(original, tensor, *args, **kwargs)
 
     dist.all_reduce = all_reduce
+    for name in ("isend", "irecv", "send", "recv", "batch_isend_irecv", "reduce_scatter_tensor",
+                 "all_gather_into_tensor"):
+        stand_in = checker.wrap(name, getattr(dist, name))
+        setattr(dist, name, stand_in)
+        if name in ("isend", "irecv"):      # P2POp and batch_isend_irecv look them up there
+            setattr(c10d, name, stand_in)
+    _SENDING[:] = [dist.isend, dist.send]
     try:
         with _Watch(checker):
             yield checker
     finally:
-        dist.all_reduce = original
+        for (module, name), value in saved.items():
+            setattr(module, name, value)
+        _SENDING.clear()
         _checker = None
     if raise_errors and checker.violations:
         shown = checker.violations[:5]

@@ -188,12 +188,28 @@ def _in_world(number: int, grading: InWorldGrading, chosen: list[int],
 def _under_torchrun(number: int, spec: str, chosen: list[int], timeout: float, verbose: bool) -> None:
     _init_from_torchrun(timeout)
     results = _in_world(number, InWorldGrading(spec, timeout=timeout), chosen, costs=True)
+    extra = _lesson_timing(number, spec, {task.number: verdict.ok for task, verdict, _ in results})
     if dist.get_rank() == 0:
         for task, verdict, costs in results:
             _say(task_line(task, verdict, verbose) + costs)
+        if extra:
+            _say(extra)
         passed = sum(v.ok for _, v, _ in results)
         _say(f"lesson {number}: {passed} of {len(results)} tasks pass on torchrun's world of {dist.get_world_size()}")
     _exit_without_teardown(False)
+
+
+def _lesson_timing(number: int, spec: str, verdicts: dict[int, bool]) -> str | None:
+    """A lesson's own timing line after its tasks (lesson 7 on several machines: the
+    student's hierarchy against the flat ring and the reference), or None."""
+    module = importlib.import_module(f"{__package__}.tasks.lesson{number:02d}")
+    timed = getattr(module, "in_world_timing", None)
+    if timed is None:
+        return None
+    try:
+        return timed(spec, verdicts)
+    except Exception as exc:  # noqa: BLE001 - a timing that fails costs no verdict
+        return f"timing: not measured ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})"
 
 
 def _exit_without_teardown(failed: bool) -> None:

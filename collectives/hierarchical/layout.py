@@ -26,13 +26,14 @@ same order -- ``dist.new_group`` is collective.
 
 from __future__ import annotations
 
+import numbers
 import os
 import warnings
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ..core import trace
+from ..core import ops, trace
 
 # torch 2.13 renames reduce_scatter_tensor and all_gather_into_tensor (reduce_scatter_single,
 # all_gather_single) and warns at every call; the old names are the ones every torch the
@@ -62,6 +63,27 @@ class Layout:
         return group_rank % self.D
 
 
+def check_layout(layout) -> tuple[int, int]:
+    """``(D, M)`` from ``layout`` (a :class:`Layout` or two integers), or a ``TypeError``.
+
+    Two integers, nothing else: ``(2.5, 1.6)`` has D·M = 4 on 4 ranks, but no rank can be
+    2.5 ranks per machine -- truncated, it would be (2, 1), and the algorithms would build
+    groups for one layout and index blocks for another. Every rank raises the same error
+    before anything is sent."""
+    if isinstance(layout, Layout):
+        return layout.D, layout.M
+    try:
+        D, M = layout
+    except (TypeError, ValueError):
+        raise TypeError(f"layout must be (D, M), two integers: ranks per machine and machines; "
+                        f"got {layout!r}") from None
+    for name, value in (("D", D), ("M", M)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"layout (D, M) must be two integers, got {name}={value!r} "
+                            f"({type(value).__name__}) in {tuple(layout)!r}")
+    return int(D), int(M)
+
+
 def _env_int(name: str) -> int | None:
     value = os.environ.get(name)
     return int(value) if value not in (None, "") else None
@@ -70,16 +92,17 @@ def _env_int(name: str) -> int | None:
 def resolve(layout=None, group=None) -> Layout:
     """The layout of ``group`` (the world by default): ``layout`` if given, else the environment.
 
-    Raises ``ValueError`` when the layout does not match the group's size, or when the
-    environment's machines do not split the group evenly and machine-major.
+    Raises ``TypeError`` when ``layout`` is not two integers (:func:`check_layout`),
+    ``ValueError`` when it does not match the group's size, or when the environment's
+    machines do not split the group evenly and machine-major.
     """
     p = dist.get_world_size(group)
     if layout is not None:
-        D, M = (layout.D, layout.M) if isinstance(layout, Layout) else tuple(layout)
+        D, M = check_layout(layout)
         if D < 1 or M < 1 or D * M != p:
             raise ValueError(f"layout (D={D}, M={M}) has {D * M} ranks, but the group has {p}: "
                              f"pass a layout with D·M = {p}, e.g. layout=({p}, 1)")
-        return Layout(int(D), int(M))
+        return Layout(D, M)
     local_size = _env_int("LOCAL_WORLD_SIZE")
     world = dist.get_world_size()
     if local_size is None:
@@ -132,7 +155,8 @@ class StageGroups:
 _cache: dict[tuple, StageGroups] = {}
 
 
-def stage_groups(layout: Layout, group=None, *, ranks: list[int] | None = None) -> StageGroups | None:
+def stage_groups(layout: Layout, group=None, *, ranks: list[int] | None = None,
+                 name: str = "") -> StageGroups | None:
     """This rank's :class:`StageGroups` for ``layout`` over ``group``, created on first use.
 
     ``dist.new_group`` is collective over the *whole world*: every rank creates every
@@ -145,6 +169,11 @@ def stage_groups(layout: Layout, group=None, *, ranks: list[int] | None = None) 
       the subgroup itself -- its members are exactly the stage's members;
     * otherwise every rank of the world must create the groups first, together:
       ``stage_groups(layout, ranks=[...])`` on every rank (non-members get ``None``).
+
+    ``name`` asks for a set of groups of its own: the asynchronous all-reduce
+    (:mod:`.inflight`) issues its stages from threads of its own, so it must not share a
+    group with calls the caller makes meanwhile (one group's operations match in the
+    order they are issued, and two threads would interleave them differently on each rank).
     """
     if ranks is None:
         ranks = _ranks(group)
@@ -153,7 +182,7 @@ def stage_groups(layout: Layout, group=None, *, ranks: list[int] | None = None) 
         world, group = True, None          # called by every rank of the world, to prepare
         ranks = list(ranks)
     default = dist.distributed_c10d._get_default_group()
-    key = (id(default), tuple(ranks), layout.D, layout.M)
+    key = (id(default), tuple(ranks), layout.D, layout.M, name)
     if key in _cache:
         return _cache[key]
     me = ranks.index(dist.get_rank()) if dist.get_rank() in ranks else None
@@ -262,3 +291,26 @@ def tier_bytes(events, groups: StageGroups, world_size: int) -> dict[str, float]
             off = len(machines) > 1 and not members <= rail
         out["off_rail"] += sent if off else 0.0
     return out
+
+
+# ---------------------------------------------------------------------------------------
+# The checks every all-reduce of this lesson starts with.
+
+def checked_layout(tensor, op, group, layout, what: str, **agree) -> Layout | None:
+    """Check the arguments, resolve the layout, and in check mode compare them across ranks;
+    return the :class:`Layout`, or None on a rank outside ``group`` (nothing to do).
+
+    The local checks come first (:func:`collectives.core.ops.check_all_reduce_args`: a
+    tensor, an op it supports; :func:`check_layout`), so every rank raises the same error
+    before anything is sent. Then, in check mode, the ranks compare the call -- elements,
+    dtype, op, group -- and what else must agree: the layout (ranks that read (2, 2) and
+    (4, 1) would build different groups and wait for each other forever) and ``agree``
+    (the slice size). The comparison goes through the store, after the layout is known.
+    """
+    if not ops.check_all_reduce_args(tensor, op, group, what=what, compare=False):
+        return None
+    shape = resolve(layout, group)
+    if ops.check_mode():
+        ops.check_all_reduce_args(tensor, op, group, what=what,
+                                  agree={"layout": (shape.D, shape.M), **agree})
+    return shape

@@ -24,6 +24,19 @@ there: the operations of other slices, on other groups, keep running on gloo's t
 The schedule is a wavefront, the same on every rank: at tick t, stage k works on slice
 t − k, the last stage first, so that a slot is released before the next slice asks for it.
 Every rank therefore issues the same operations on each group in the same order.
+
+**Several communicators in flight, on NCCL.** NCCL's guide warns that operations in
+flight on several communicators at once can deadlock: an NCCL kernel spins on the GPU
+until its peers' data arrives, so if rank A launches communicator 1's kernel before
+communicator 2's and rank B the other way round, each GPU can sit in (or behind) the
+kernel its peer has not started. NCCL's rule is to submit them in the same order on every
+rank. The wavefront is that order: a function of the slice count alone, identical on
+every rank, issued from one thread; a stream waits only for an *earlier* operation of the
+same order, so the oldest unfinished operation can always run everywhere. What NCCL cannot
+promise is that four communicators' kernels fit on the GPU together (it might take more
+blocks per operation one day); Fairring makes the same bet. On gloo there is no such
+hazard -- each group has its own connections and threads -- and only the order *within*
+each group must agree (:mod:`.inflight` relies on that).
 """
 
 from __future__ import annotations
@@ -33,71 +46,96 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..core import cost, ops, streams
+from ..core import ops, streams
 from ..core.ops import ReduceOp
-from .layout import Layout, resolve, stage_groups
+from . import cost
+from .layout import Layout, checked_layout, stage_groups
 from .slice import NUM_SLOTS, Slice, SlotPool
 
 _state: dict[tuple, dict] = {}     # per (groups, device): the stage streams and the slot pools
 
 
 def slice_resources(groups, device) -> dict:
-    """The stage streams and the slot pools of ``groups`` on ``device``, made on first use."""
+    """The stage streams and the slot pools of ``groups`` on ``device``, made on first use
+    (and again inside and after a :func:`streams.checking` block, whose streams keep count)."""
     key = (id(groups), str(device))
-    if key not in _state:
+    if key not in _state or _state[key]["checker"] is not streams.active_checker():
         _state[key] = {
-            "streams": [streams.new_stream(device) for _ in range(5)],
+            "checker": streams.active_checker(),
+            "streams": [streams.new_stream(device, name=f"the {stage} stream")
+                        for stage in ("reduce-scatter", "collect", "add", "diffuse", "all-gather")],
             "pools": {"staging": SlotPool(NUM_SLOTS), "padding": SlotPool(NUM_SLOTS),
                       "partials": SlotPool(NUM_SLOTS)},
         }
     return _state[key]
 
 
+def default_tiers(device) -> cost.Tiers:
+    """The tiers to plan with for tensors on ``device`` in this world: NCCL over NVLink is
+    not gloo over loopback (:func:`cost.tiers_for`)."""
+    backend = dist.get_backend() if dist.is_initialized() else None
+    return cost.tiers_for(backend, torch.device(device).type)
+
+
 def default_slice_numel(numel: int, element_size: int, layout: Layout,
                         tiers: cost.Tiers | None = None) -> int:
-    """The slice size the tier-aware cost model finds fastest (:func:`cost.best_slice_bytes`)."""
-    nbytes = numel * element_size
-    best = cost.best_slice_bytes(nbytes, layout.D, layout.M, tiers or cost.DEFAULT_TIERS)
-    return max(1, best // element_size)
+    """The slice size the tier-aware cost model finds fastest, from :func:`cost.slice_plan`:
+    computed once per (elements, dtype size, layout, tiers), then looked up."""
+    return cost.slice_plan(numel, element_size, layout.D, layout.M, tiers or cost.DEFAULT_TIERS)
+
+
+def inside_mode(device, inside: str | None = None) -> str:
+    """How stages 1 and 5 go: ``"collectives"`` (NCCL's in-place reduce-scatter and
+    all-gather) on a GPU, ``"messages"`` on gloo (see :mod:`.slice`)."""
+    if inside is None:
+        return "collectives" if streams.is_cuda(device) else "messages"
+    if inside not in ("collectives", "messages"):
+        raise ValueError(f"inside must be 'collectives' or 'messages', got {inside!r}")
+    return inside
 
 
 def hierarchical_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, layout=None,
-                            slice_numel: int | None = None, initial_event=None) -> None:
+                            slice_numel: int | None = None, initial_event=None, *,
+                            inside: str | None = None, _what: str = "hierarchical_all_reduce") -> None:
     """All-reduce ``tensor`` in place, hierarchically: five stages per slice, slices pipelined.
 
     Args:
         tensor: any tensor; a non-contiguous one is reduced through a contiguous copy.
         op: SUM, PRODUCT, MIN, MAX or AVG (SUM, then one division of the owned block).
         group: the process group (the world by default).
-        layout: ``(D, M)`` ranks per machine and machines; default from the environment
-            (``LOCAL_WORLD_SIZE``). It must match the group's size.
+        layout: ``(D, M)`` ranks per machine and machines, two integers; default from the
+            environment (``LOCAL_WORLD_SIZE``). It must match the group's size.
         slice_numel: elements per slice (rounded down to a multiple of D·M); default from
-            the cost model; ``slice_numel >= tensor.numel()`` runs one slice.
+            the cost model's plan, computed once per (elements, dtype, layout, tiers) and
+            remembered; ``slice_numel >= tensor.numel()`` runs one slice.
         initial_event: an event (``collectives.streams``) the first stage waits for, so
             that writes the caller queued before it are seen; default: the caller's stream.
+        inside: ``"collectives"`` or ``"messages"`` for stages 1 and 5; default
+            collectives on a GPU (NCCL's own), messages on a CPU (gloo).
 
     Cost, n bytes, one slice: inside 2(D − 1)·α_in + 2(D − 1)/D·n·β_in, across
-    2(M − 1)·α_x + 2(M − 1)/M·n/D·β_x per rank (:func:`cost.tiered`); pipelined over S
-    slices, about the across-machine stages alone plus one slice of the others.
+    2(M − 1)·α_x + 2(M − 1)/M·n/D·β_x per rank (:func:`cost.tiered`: every message its α);
+    pipelined over S slices, about the across-machine stages alone plus one slice of the others.
     """
-    if not ops.check_all_reduce_args(tensor, op, group, what="hierarchical_all_reduce"):
+    shape = checked_layout(tensor, op, group, layout, _what, slice_numel=slice_numel)
+    if shape is None:
         return                         # not in the group: nothing to do, as dist.all_reduce
-    shape = resolve(layout, group)
     p = dist.get_world_size(group)
     if tensor.numel() == 0:
         return
     if p == 1:
         return              # one rank: SUM, MIN, MAX, PRODUCT and AVG leave it as it is
+    if slice_numel is not None and slice_numel < 1:
+        raise ValueError(f"{_what}: slice_numel must be positive, got {slice_numel}")
     groups = stage_groups(shape, group)
     flat = ops.work_buffer(tensor.detach())
     device = flat.device
     state = slice_resources(groups, device)
     stage_streams, pools = state["streams"], state["pools"]
+    mode = inside_mode(device, inside)
     DM = shape.D * shape.M
     if slice_numel is None:
-        slice_numel = default_slice_numel(flat.numel(), flat.element_size(), shape)
-    if slice_numel < 1:
-        raise ValueError(f"hierarchical_all_reduce: slice_numel must be positive, got {slice_numel}")
+        slice_numel = default_slice_numel(flat.numel(), flat.element_size(), shape, default_tiers(device))
     step = max(DM, slice_numel // DM * DM)
     bounds = [(lo, min(lo + step, flat.numel())) for lo in range(0, flat.numel(), step)]
 
@@ -118,7 +156,7 @@ def hierarchical_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, l
             works = []
             if k == 0:
                 lo, hi = bounds[i]
-                slices[i] = Slice(flat[lo:hi], groups, op, p, pools, stage_streams, index=i)
+                slices[i] = Slice(flat[lo:hi], groups, op, p, pools, stage_streams, index=i, inside=mode)
                 works = slices[i].reduce_scatter()
             elif k == 1:
                 works = slices[i].collect()
@@ -151,7 +189,8 @@ def hierarchical_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, l
 
 def one_slice_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, layout=None) -> None:
     """:func:`hierarchical_all_reduce` with the whole tensor as one slice: no pipelining."""
-    hierarchical_all_reduce(tensor, op, group, layout, slice_numel=max(1, tensor.numel()))
+    numel = tensor.numel() if isinstance(tensor, torch.Tensor) else 1   # not a tensor: the check says so
+    hierarchical_all_reduce(tensor, op, group, layout, slice_numel=max(1, numel), _what="one_slice_all_reduce")
 
 
 def slices_of(numel: int, layout: Layout, slice_numel: int) -> int:

@@ -28,15 +28,15 @@ import torch.distributed as dist
 from ..core import ops, streams, trace
 from ..core.ops import ReduceOp
 from ..ring import ring_all_reduce
-from .layout import resolve, stage_groups
+from .layout import checked_layout, stage_groups
 from .pipeline import slice_resources
 from .slice import Slice
 
 
 def _prepare(tensor, op, group, layout, what):
-    if not ops.check_all_reduce_args(tensor, op, group, what=what):
+    shape = checked_layout(tensor, op, group, layout, what)
+    if shape is None:
         return None                    # not in the group: nothing to do, as dist.all_reduce
-    shape = resolve(layout, group)
     if tensor.numel() == 0 or dist.get_world_size(group) == 1:
         return None
     return shape, stage_groups(shape, group)

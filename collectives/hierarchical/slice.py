@@ -31,21 +31,37 @@ Three buffers beside the slice, the first two Fairring's:
   land in a slot: not in the slice, whose other blocks are leaving at the same time.
   Fairring's ``ncclReduceScatter`` keeps that buffer inside NCCL.
 
-Each stage is a few messages on the stage's own group, every receive posted before any
-send (:func:`collectives.core.ops.post_exchange`; on NCCL, one grouped batch, as Fairring's
-``ncclGroupStart``/``ncclSend``/``ncclRecv``). A stage function posts them and returns the
-handles: the pipeline (:mod:`.pipeline`) decides when to wait. Written with the library's
-collectives the stages would be shorter; on gloo they are 2-4× slower for the same bytes
-(lesson 7's page has the measurements).
+The collect and the diffuse are a few messages on the stage's own group, every receive
+posted before any send (:func:`collectives.core.ops.post_exchange`; on NCCL, one grouped
+batch, as Fairring's ``ncclGroupStart``/``ncclSend``/``ncclRecv``). Stages 1 and 5 go one
+of two ways (``inside=``), each where it is the faster:
+
+* ``"collectives"`` (on NCCL, the default there): NCCL's own reduce-scatter and
+  all-gather, *in place* -- block [d] is where NCCL's in-place reduce-scatter puts rank
+  d's part of [D, M, −1], so the slice is both input and output and no partials slot is
+  needed. This is what Fairring calls (``ncclReduceScatter``/``ncclAllGather``): NCCL's
+  kernels reduce as the data streams in, which a batch of point-to-point messages and a
+  separate add cannot match on a GPU.
+* ``"messages"`` (on gloo, the default there): D − 1 messages each way, receives first.
+  gloo's ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` moved the same bytes
+  4× slower over loopback (171 and 140 ms against 40 and 33 ms for 64 MiB; the engineering
+  notes of lesson 7 have the runs): gloo builds them from generic steps and copies.
+
+A stage function posts its operations and returns the handles: the pipeline
+(:mod:`.pipeline`) decides when to wait.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch.distributed as dist
 
 from ..core import nccl_memory, ops, streams, trace
 from .layout import StageGroups
 
+_NO_LABEL = contextlib.nullcontext()
 NUM_SLOTS = 2   # staging and padding slots in each pool: slices in flight may outnumber them
 
 
@@ -88,11 +104,14 @@ class Slice:
     """One slice of the flat tensor on its way through the five stages, on one rank."""
 
     def __init__(self, flat: torch.Tensor, groups: StageGroups, op, group_size: int, pools,
-                 stage_streams, index: int = 0):
+                 stage_streams, index: int = 0, inside: str = "messages", labels: bool = True):
         D, M = groups.layout.D, groups.layout.M
         self.flat, self.groups, self.op, self.p = flat, groups, op, group_size
         self.d, self.m, self.D, self.M = groups.d, groups.m, D, M
         self.index, self.streams, self.pools = index, stage_streams, pools
+        self.collectives_inside = inside == "collectives"
+        self.labels = labels            # trace labels (off where stages run on threads of their own)
+        self.partials_slot = None
         device = flat.device
         main = flat.numel() // (D * M) * (D * M)
         self.block = flat[:main].view(D, M, -1)            # slice3d[d, m, :]
@@ -124,7 +143,7 @@ class Slice:
         return parts
 
     def _label(self, stage: str):
-        return trace.label(f"slice {self.index}: {stage}")
+        return trace.label(f"slice {self.index}: {stage}") if self.labels else _NO_LABEL
 
     # ---- stage 1: reduce-scatter inside the machine (as messages) --------------------------
     def reduce_scatter(self) -> list:
@@ -132,6 +151,12 @@ class Slice:
             self.padding.view(-1)[: self.tail.numel()].copy_(self.tail)
         if self.D == 1:
             return []
+        if self.collectives_inside:      # NCCL's in-place reduce-scatter: block [d] is rank d's part
+            base = ops.ReduceOp.SUM if self.op == ops.ReduceOp.AVG else self.op
+            with self._label("reduce-scatter"):
+                return [dist.reduce_scatter_tensor(blocks[self.d].view(-1), blocks.view(-1), op=base,
+                                                   group=self.groups.reduce_scatter, async_op=True)
+                        for blocks, _ in self.parts()]
         inside, d = self.groups.inside_ranks(), self.d
         others = [j for j in range(self.D) if j != d]
         # What the D − 1 other local ranks send for block [d] lands in a slot of the pool: it
@@ -153,13 +178,13 @@ class Slice:
     def sum_partials(self) -> None:
         """The end of stage 1, once its messages are in: add the other local ranks' partial
         sums of block [d] into this rank's own. Now [d, :, :] is machine m's sum."""
-        if self.D == 1:
+        if self.D == 1 or self.partials_slot is None:     # one rank inside, or NCCL summed them
             return
         for (blocks, _), incoming in zip(self.parts(), self.partials):
             for row in incoming:
                 ops.combine_(blocks[self.d], row, self.op)
         self.pools["partials"].release(self.partials_slot, self.streams[1], self.flat.device)
-        self.partials = []
+        self.partials, self.partials_slot = [], None
 
     # ---- stage 2: collect on the rail (all-to-all, as messages) ---------------------------
     def collect(self) -> list:
@@ -205,6 +230,11 @@ class Slice:
     def all_gather(self) -> list:
         if self.D == 1:
             return []
+        if self.collectives_inside:      # NCCL's in-place all-gather: [d] -> [:, :, :]
+            with self._label("all-gather"):
+                return [dist.all_gather_into_tensor(blocks.view(-1), blocks[self.d].view(-1),
+                                                    group=self.groups.all_gather, async_op=True)
+                        for blocks, _ in self.parts()]
         inside, d = self.groups.inside_ranks(), self.d
         others = [j for j in range(self.D) if j != d]
         works = []

@@ -1,10 +1,11 @@
 """Lesson 7 exercise: hierarchical all-reduce, after Fairring.
 
-Four functions, four tasks: the two simple hierarchies first, then Fairring's five stages
-on one slice, then the slices pipelined. Every function has ``dist.all_reduce``'s
-contract -- in place, every op and dtype, views -- plus ``layout=(D, M)``: D ranks per
-machine, M machines, ranks machine-major (rank r is local rank r % D of machine r // D).
-Without ``layout`` it comes from the launcher's environment (``LOCAL_WORLD_SIZE``).
+Six tasks: the two simple hierarchies first, then Fairring's five stages on one slice,
+then the slices pipelined, then the call made asynchronous -- buckets in flight -- and a
+DDP communication hook on it. Tasks 1-5 have ``dist.all_reduce``'s contract -- in place,
+every op and dtype, views -- plus ``layout=(D, M)``: D ranks per machine, M machines,
+ranks machine-major (rank r is local rank r % D of machine r // D), two integers. Without
+``layout`` it comes from the launcher's environment (``LOCAL_WORLD_SIZE``).
 
 Given: :func:`stage_groups_for` -- the layout and a process group per stage (from
 ``collectives.hierarchical.layout``, the same groups the reference uses). You write the
@@ -12,31 +13,60 @@ communication.
 
 Check your work:
 
-    python lessons/07_hierarchical/exercise.py                # a local world of 4, layout (2, 2)
-    torchrun --nproc-per-node 4 lessons/07_hierarchical/exercise.py
-    make grade LESSON=07                                      # the graded tests
+    .venv/bin/python lessons/07_hierarchical/exercise.py                         # PASS/FAIL per task
+    .venv/bin/torchrun --nproc-per-node 4 lessons/07_hierarchical/exercise.py    # the same, under torchrun
+    make check LESSON=07                                                         # the same, from make
+    make grade LESSON=07                                                         # the points
 
-The graded tests read your collectives from the trace: bytes across machines per rank
-must be 2(M − 1)/M · n/D, inside 2(D − 1)/D · n, and the cross-machine stages must stay
-on the rail. A flat all-reduce gives the right numbers and the wrong pattern: no points.
+Each task is judged outside your process, on inputs drawn from secrets and on every
+message and collective your ranks make, read where they reach the process group: bytes
+across machines per rank must be 2(M − 1)/M · n/D (root-based: 2(M − 1)/M · n from each
+machine's root only), inside 2(D − 1)/D · n, on the rail, with no collective over ranks of
+several machines; tasks 3-5 build the stages (no all-reduce on the rail). A flat
+all-reduce gives the right numbers and the wrong pattern: no points. Time yours against
+the flat ring on the simulated cluster: ``.venv/bin/python -m collectives bench-hier
+--impl exercise --quick``.
+
+Course functions you may call (the sheet is checked against the code):
+
+    ops.work_buffer(tensor) -> torch.Tensor
+        A flat, contiguous buffer holding ``tensor``'s elements: the tensor's own memory
+        when it is contiguous, else a copy (to be written back with :func:`write_back`).
+    ops.write_back(tensor, flat) -> None
+        Copy ``flat`` into ``tensor`` (its data, detached) unless it already is ``tensor``'s
+        memory.
+    ops.finish_(tensor, op, group_size) -> torch.Tensor
+        Apply what remains after the combining: for AVG, one division by the group size.
+    ops.combine_(acc, incoming, op) -> torch.Tensor
+        ``acc <- acc (op) incoming``, in place. AVG accumulates as SUM (see
+        :func:`finish_`).
+    ops.post_exchange(recvs, sends, group=None) -> list
+        Post every receive ``(buffer, src)``, then every send ``(buffer, dst)`` (global
+        ranks); return the handles, each with ``wait()``. Empty buffers are not posted.
+    collectives.hierarchical.layout.resolve(layout=None, group=None) -> Layout
+        The layout of ``group`` (the world by default): ``layout`` if given, else the
+        environment.
+    collectives.hierarchical.layout.stage_groups(layout, group=None, *, ranks=None, name='') ->
+                                                 StageGroups | None
+        This rank's :class:`StageGroups` for ``layout`` over ``group``, created on first
+        use.
 
 The reference is ``collectives/hierarchical/``; the lesson page is docs/lessons/07-hierarchical.md.
 """
 
 from __future__ import annotations
 
-import os
+from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
+import torch.distributed as dist  # noqa: F401 - what the tasks use
 
-from collectives import ops, trace, verify
+from collectives import ops  # noqa: F401 - what the tasks use
 from collectives.core.ops import ReduceOp
-from collectives.course.runner import Task, run_tasks
-from collectives.hierarchical.layout import StageGroups, resolve, stage_groups, tier_bytes
+from collectives.course.runner import run_tasks
+from collectives.hierarchical.layout import StageGroups, resolve, stage_groups
 
 LESSON = 7
-EXERCISE_LAYOUT = (2, 2)    # what the checks below use on a world of 4 (else (p, 1))
 
 
 def stage_groups_for(group=None, layout=None) -> StageGroups:
@@ -60,6 +90,7 @@ def root_based_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, lay
     HINT:     work on ``ops.work_buffer(tensor.detach())`` and ``ops.write_back`` at the end;
               AVG: reduce with SUM, then ``ops.finish_`` once, on the root, before the broadcast.
               Return early for an empty tensor or a group of one rank.
+    CALLS:    ops.work_buffer, ops.write_back, ops.finish_
     """
     raise NotImplementedError("Lesson 7, task 1: root_based_all_reduce")
 
@@ -78,6 +109,7 @@ def rail_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, layout=No
               the two inside stages, and 2·(1/2)·4 = 4 elements across.
     HINT:     skip a stage whose group is None. AVG: SUM, then ``ops.finish_(parts[d], op, p)``
               before the all-gather. Copy ``padded[:n]`` back into the tensor.
+    CALLS:    ops.work_buffer, ops.write_back, ops.finish_
     """
     raise NotImplementedError("Lesson 7, task 2: rail_all_reduce")
 
@@ -107,8 +139,9 @@ def one_slice_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, layo
               group is None. ``ops.combine_(acc, row, op)`` does one step of the add.
               The library's collectives are the plain way, and pass. The reference posts
               the same bytes as messages, receives first (``ops.post_exchange``), as
-              Fairring does with ncclSend/ncclRecv: on gloo that is 2-4x faster (the page
-              says why). Try it once yours passes.
+              Fairring does with ncclSend/ncclRecv (the page says why it does so on gloo).
+              Try it once yours passes, and time both with ``bench-hier --impl exercise``.
+    CALLS:    ops.work_buffer, ops.write_back, ops.finish_, ops.combine_, ops.post_exchange
     """
     raise NotImplementedError("Lesson 7, task 3: one_slice_all_reduce")
 
@@ -130,91 +163,77 @@ def hierarchical_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, l
     HINT:     every rank must issue the same operations on each group in the same order:
               the wavefront does that. With D = 1 each slice in flight needs its own staging
               buffer -- or reuse a few, once the slice that used one has finished its add.
+    CALLS:    ops.work_buffer, ops.write_back, ops.finish_, ops.combine_, ops.post_exchange
     """
     raise NotImplementedError("Lesson 7, task 4: hierarchical_all_reduce")
 
 
-# ---- the checks run by `python lessons/07_hierarchical/exercise.py` ----------------------
+def hierarchical_all_reduce_async(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, layout=None, *,
+                                  memory_bytes: int = 64 << 20):
+    """Lesson 7, task 5: the asynchronous call -- a handle at once, buckets in flight in bounded memory.
 
-def _layout() -> tuple[int, int]:
-    """Several machines (torchrun per machine, the simulated cluster): the environment's
-    layout. One machine: pretend, with EXERCISE_LAYOUT on 4 ranks."""
-    p = dist.get_world_size()
-    if int(os.environ.get("LOCAL_WORLD_SIZE", p)) < p:
-        machines = resolve()
-        return machines.D, machines.M
-    return EXERCISE_LAYOUT if p == EXERCISE_LAYOUT[0] * EXERCISE_LAYOUT[1] else (p, 1)
-
-
-def _layout_arg():
-    """What the checks pass as ``layout=``: None where the environment has the machines."""
-    p = dist.get_world_size()
-    return None if int(os.environ.get("LOCAL_WORLD_SIZE", p)) < p else _layout()
-
-
-def _cases() -> list:
-    D, M = _layout()
-    dm = D * M
-    cases = [verify.Case(n) for n in (0, 1, dm - 1, dm, dm + 1, 1009)]
-    cases += [verify.Case(1009, dtype, op) for dtype in (torch.float64, torch.int64)
-              for op in (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX)]
-    cases += [verify.Case(1009, torch.float32, ReduceOp.AVG), verify.Case(1009, layout="strided")]
-    return cases
-
-
-def _pattern(fn, numel: int, across_per_rank: float, inside_per_rank: float, **kwargs) -> verify.Report:
-    p = dist.get_world_size()
-    x = torch.ones(numel)
-    with trace.recording() as t:
-        fn(x, layout=_layout_arg(), **kwargs)
-    got = tier_bytes(t.events, stage_groups_for(None, _layout()), p)
-    want = {"across": across_per_rank, "inside": inside_per_rank, "mixed": 0.0, "off_rail": 0.0}
-    report = verify.Report(reference="the hierarchical pattern")
-    for tier, value in want.items():
-        ok = abs(got[tier] - value) <= 1e-6 * max(value, 1)
-        report.results.append(verify.CaseResult(f"bytes {tier}", dist.get_rank(), ok,
-                                                "" if ok else f"sent {got[tier]:.0f} bytes {tier}, "
-                                                f"expected {value:.0f}"))
-    return report
+    TODO:     return at once a handle with ``wait()`` (returns ``tensor``, reduced in place)
+              and ``get_future()`` (a ``torch.futures.Future`` whose value is ``tensor``),
+              while the reduction goes on in the background. Many calls (buckets) may be in
+              flight together; they complete in the order they were made, and the staging
+              the slices in flight hold together never exceeds ``memory_bytes``.
+    APPROACH: an engine per (group, layout), made on the first call, with process groups
+              of its own: ``stage_groups(resolve(layout, group), group, name="in flight")``
+              (your threads must never share a group with the caller's calls). On a CPU a
+              stage's stream is a *thread*: one per stage, each running its stage's work for
+              one slice after another, from a queue. Slice i's stage k waits for its stage
+              k − 1 (a ``threading.Event``), ``wait()``s that stage's handles, then posts its
+              own (task 3's stages). Every rank hands the slices over in the same order, and
+              each group matches its messages in order, so any interleaving of the threads
+              is correct. Memory: a slice reserves its staging (task 3's partial sums,
+              staging rows, padding) from the budget before its first stage and gives it
+              back after its last; when the budget is spent, the next slice waits.
+    EXAMPLE:  layout (2, 2): ``h = [hierarchical_all_reduce_async(b, layout=(2, 2)) for b in
+              buckets]`` returns before any other rank has called; ``[x.wait() for x in h]``
+              leaves every bucket equal to ``dist.all_reduce``'s, bucket 0 done first.
+    HINT:     check the arguments on the caller's thread, before anything is queued (a
+              list, a float layout: the same error on every rank). The first call makes
+              process groups: every rank must make it, so it may wait for the others. An
+              empty tensor or a group of one: a handle that completes after the buckets
+              before it. ``future.set_result(tensor)`` from your last stage's thread
+              completes a bucket; ``future.set_exception(...)`` reports a failure.
+    CALLS:    collectives.hierarchical.layout.resolve, collectives.hierarchical.layout.stage_groups,
+              ops.work_buffer, ops.write_back, ops.finish_, ops.combine_
+    """
+    raise NotImplementedError("Lesson 7, task 5: hierarchical_all_reduce_async")
 
 
-def _check(fn, across, inside, **kwargs):
-    import functools
+@dataclass
+class HierarchicalHookState:
+    """Given: what :func:`hierarchical_hook` keeps between buckets (``register_comm_hook``'s
+    first argument): the group, the layout, the staging budget, and a count of buckets."""
 
-    report = verify.check_all_reduce(functools.partial(fn, layout=_layout_arg(), **kwargs), _cases())
-    D, M = _layout()
-    n = 64 * D * M
-    return report.merge(_pattern(fn, n, across(n * 4, D, M), inside(n * 4, D, M), **kwargs))
-
-
-def check_root_based():
-    rank = dist.get_rank()
-    return _check(root_based_all_reduce,
-                  lambda b, D, M: 2 * (M - 1) / M * b if rank % D == 0 else 0.0,
-                  lambda b, D, M: (b if rank % D else (D - 1) * b) if D > 1 else 0.0)
+    group: object = None
+    layout: tuple | None = None
+    memory_bytes: int = 64 << 20
+    buckets: int = 0
 
 
-def _fairring_bytes():
-    return (lambda b, D, M: 2 * (M - 1) / M * b / D), (lambda b, D, M: 2 * (D - 1) / D * b)
+def hierarchical_hook(state: HierarchicalHookState, bucket):
+    """Lesson 7, task 6: a DDP communication hook that keeps buckets in flight.
 
-
-def check_rail():
-    return _check(rail_all_reduce, *_fairring_bytes())
-
-
-def check_one_slice():
-    return _check(one_slice_all_reduce, *_fairring_bytes())
-
-
-def check_pipelined():
-    D, M = _layout()
-    return _check(hierarchical_all_reduce, *_fairring_bytes(), slice_numel=16 * D * M)
+    TODO:     average the bucket's gradients over the ranks with task 5's call and return
+              the bucket's future *without waiting*: DDP goes on with backward, hands over
+              the next bucket, and waits for every future at the end of backward.
+    APPROACH: ``flat = bucket.buffer()``; divide it by the world size first, as DDP's own
+              ``allreduce_hook`` does (``flat.div_(p)``: then a SUM), so that on
+              integer-valued gradients your parameters equal dense DDP's bit for bit;
+              ``return hierarchical_all_reduce_async(flat, ...).get_future()``.
+    EXAMPLE:  ``ddp = DistributedDataParallel(model, bucket_cap_mb=4)``;
+              ``ddp.register_comm_hook(HierarchicalHookState(layout=(2, 2)), hierarchical_hook)``;
+              train: after each step, the parameters equal those of DDP without the hook.
+    HINT:     no ``wait()`` in the hook. DDP calls it in bucket order on every rank, which
+              is the order task 5 needs. Leave ``bucket`` and the return unannotated: DDP
+              compares the annotations it finds with its own types.
+    CALLS:    none
+    """
+    raise NotImplementedError("Lesson 7, task 6: hierarchical_hook")
 
 
 if __name__ == "__main__":
-    run_tasks(LESSON, [
-        Task(1, "root-based hierarchy", check_root_based),
-        Task(2, "reduce-scatter, rail all-reduce, all-gather", check_rail),
-        Task(3, "five stages on one slice", check_one_slice),
-        Task(4, "pipelined slices", check_pipelined),
-    ])
+    run_tasks(LESSON)
