@@ -73,6 +73,7 @@ def main():
         rows.append(dict(worker=label, ok=ok, detail=detail, seconds=round(time.perf_counter() - t0, 1)))
         print(f"{'PASS' if ok else 'FAIL'}  {label}  ({rows[-1]['seconds']} s)" + (f"\n    {detail}" if detail else ""),
               flush=True)
+    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gpu-one.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     return 0 if all(r["ok"] for r in rows) else 1
