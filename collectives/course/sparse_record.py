@@ -25,6 +25,7 @@ from . import claims, plots
 RUN_NAMES = {"dense": "dense fp32", "bf16": "the bf16 hook", "powersgd1": "PowerSGD rank 1",
              "powersgd4": "PowerSGD rank 4", "topk_ef": "top-k with error feedback",
              "topk_no_ef": "top-k without error feedback", "dgc": "DGC"}
+RUN_NAMES.update(hook_plain="the plain hook", hook_async="the asynchronous hook")
 RUN_ALIASES = {"dense": ["the dense all-reduce", "dense"], "bf16": ["bf16"],
                "topk_ef": ["top-k with memory"], "dgc": ["DGC's corrections"]}
 LINKS = {"1gbit": "1 Gbit/s", "10gbit": "10 Gbit/s", "loopback": "loopback"}
@@ -88,9 +89,21 @@ def train_figures(train: dict, img: Path, drawn_by: str) -> list[Path]:
                         values_vs_dense={r: row.get("vs_dense") for r, row in runs.items()})
             if model_opt == key:
                 shown.append(cid)
+    overlap = train.get("overlap") or {}
+    for label, o in overlap.items():
+        density = float(label.split()[-1])
+        cid = f"overlap-{density * 100:g}pct"
+        record.times(cid, {"hook_plain": o["plain"], "hook_async": o["async"]}, baseline="hook_plain",
+                     where=f"one step of the wide MLP at {LINKS.get(next(iter(train['links'])), '')}, density "
+                     f"{density:.0%} (median)")
+        if o.get("hidden") is not None:
+            record.fact(f"{cid}-hidden", f"At density {density:.0%} the asynchronous hook hid "
+                        f"{format(o['hidden'], '.0%') if o['hidden'] >= 0.005 else 'none'} of the communication ({claims.human(o['plain'] - o['no_communication'])} of it with the "
+                        f"plain hook; the step without communication took {claims.human(o['no_communication'])}).",
+                        hidden=o["hidden"])
     head_runs = list(train["summary"][next(iter(train["summary"]))][key]["runs"])
     rows = []
-    for run in head_runs:
+    for run in (r for r in head_runs if r in RUN_NAMES):
         row = [RUN_NAMES.get(run, run)]
         first = train["summary"][next(iter(train["summary"]))][key]["runs"][run]
         row.append(f"{first['bytes_per_step'] / 1e3:,.0f} kB")
