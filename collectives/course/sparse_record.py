@@ -89,6 +89,14 @@ def train_figures(train: dict, img: Path, drawn_by: str) -> list[Path]:
                         values_vs_dense={r: row.get("vs_dense") for r, row in runs.items()})
             if model_opt == key:
                 shown.append(cid)
+                w = train.get("winner", {}).get(link, {})
+                if w.get("best_sparse") and w.get("best_sparse_vs_bf16") is not None:
+                    record.fact(f"{link}-best-sparse",
+                                f"Over {LINKS.get(link, link)} the best sparse run, "
+                                f"{RUN_NAMES.get(w['best_sparse'], w['best_sparse'])}, took "
+                                f"{w['best_sparse_vs_dense']:.2f}× dense's time and {w['best_sparse_vs_bf16']:.2f}× "
+                                f"the bf16 hook's; the fastest, {RUN_NAMES.get(w['fastest'], w['fastest'])}, "
+                                f"{w['fastest_vs_dense']:.2f}× dense's.", **w)
     overlap = train.get("overlap") or {}
     for label, o in overlap.items():
         density = float(label.split()[-1])
@@ -97,10 +105,11 @@ def train_figures(train: dict, img: Path, drawn_by: str) -> list[Path]:
                      where=f"one step of the wide MLP at {LINKS.get(next(iter(train['links'])), '')}, density "
                      f"{density:.0%} (median)")
         if o.get("hidden") is not None:
-            record.fact(f"{cid}-hidden", f"At density {density:.0%} the asynchronous hook hid "
-                        f"{format(o['hidden'], '.0%') if o['hidden'] >= 0.005 else 'none'} of the communication ({claims.human(o['plain'] - o['no_communication'])} of it with the "
-                        f"plain hook; the step without communication took {claims.human(o['no_communication'])}).",
-                        hidden=o["hidden"])
+            hidden = format(o["hidden"], ".0%") if o["hidden"] >= 0.005 else "none"
+            communication = claims.human(o["plain"] - o["no_communication"])
+            record.fact(f"{cid}-hidden", f"At density {density:.0%} the asynchronous hook hid {hidden} of the "
+                        f"communication ({communication} of it with the plain hook; the step without "
+                        f"communication took {claims.human(o['no_communication'])}).", hidden=o["hidden"])
     head_runs = list(train["summary"][next(iter(train["summary"]))][key]["runs"])
     rows = []
     for run in (r for r in head_runs if r in RUN_NAMES):
