@@ -11,7 +11,7 @@ Timelines, from real runs on 4 local gloo ranks as 2 machines × 2 (``layout=(2,
 * ``docs/img/07-inflight.png``: six buckets handed to the in-flight reducer at once, from its
   own timeline (one row per stage lane, one colour per bucket).
 
-``--records DIR`` reads the ``bench-hier-<suite>.json`` records that ``python -m collectives
+``--records DIR`` reads the ``bench-hier-<suite>.json`` records that ``.venv/bin/python -m collectives
 bench-hier <suite>`` wrote there (on the quiet host), copies their figures to
 ``docs/img/07-bench-<suite>.png`` and writes ``docs/snippets/bench-hier-results.md``: for
 each record its command, machine, versions and date, its figure, and the comparisons it
