@@ -15,12 +15,13 @@ each bench computed, for the notes page. Nothing is typed by hand: the sentences
 from the values.
 
 Timelines, from real runs on 4 local gloo ranks as 2 machines × 2 (``layout=(2, 2)``), which
-show an order of events, not a speed:
+show an order of events, not a speed (PNGs without a record: the lesson page does not place
+them; its lab draws both from its own run, §3 and §4):
 
-* ``docs/img/07-timeline.svg``: 16 MiB of float32 in 8 slices through the blocking
+* ``docs/img/07-timeline.png``: 16 MiB of float32 in 8 slices through the blocking
   pipeline, ranks 0 and 2; each bar runs from the moment a stage of a slice was issued to
   the moment the next stage of that slice waited for it;
-* ``docs/img/07-inflight.svg``: six buckets handed to the in-flight reducer at once, from its
+* ``docs/img/07-inflight.png``: six buckets handed to the in-flight reducer at once, from its
   own timeline (one row per stage lane, one colour per bucket).
 """
 
