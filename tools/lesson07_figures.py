@@ -103,7 +103,7 @@ ALIASES = {"hier": ["the hierarchy", "hierarchical, pipelined"], "rail_ring": ["
            "gloo": ["gloo's all-reduce", "the library"], "flat": ["the flat ring"],
            "hook": ["the hook"], "ddp": ["DDP's own", "DDP's all-reduce"]}
 LINK = {False: "one 1 Gbit/s link per machine", True: "a 1 Gbit/s link per rail"}
-COLORS = {"flat": "#8c8c8c", "gloo": "#4c72b0", "rail_ring": "#937860", "root": "#8172b3", "rail_ar": "#64b5cd",
+COLORS = {"flat": "#8c8c8c", "gloo": "#4c72b0", "rail_ring": "#55a868", "root": "#8172b3", "rail_ar": "#64b5cd",
           "one_slice": "#dd8452", "hier": "#c44e52", "library_inside": "#da8bc3",
           "ddp": "#4c72b0", "hook": "#c44e52", "reducer": "#dd8452"}
 
@@ -199,6 +199,9 @@ def crossover_record(folder: Path, out: Path) -> None:
                 label="model, the pipelined hierarchy")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        ticks = sizes[::2] if len(sizes) > 5 else sizes
+        ax.set_xticks(ticks, [timing.human_bytes(n) for n in ticks], fontsize=9)
+        ax.minorticks_off()
         ax.set_title(LINK[rails], fontsize=10)
         ax.set_xlabel("bytes", fontsize=9)
         for i, n in enumerate(sizes):
@@ -272,7 +275,7 @@ def inflight_record(folder: Path, out: Path) -> None:
         ax.bar(range(len(keys)), [values[k] * 1e3 for k in keys],
                color=[COLORS["gloo"] if k == "gloo" else COLORS["hier"] for k in keys])
         ax.plot(range(len(keys)), [model[k] * 1e3 for k in keys], "k_", markersize=14, label="model")
-        ax.set_xticks(range(len(keys)), ["dist.all_reduce\nper bucket" if k == "gloo" else f"{k[2:]} in flight"
+        ax.set_xticks(range(len(keys)), ["all_reduce\nper bucket" if k == "gloo" else f"{k[2:]} in\nflight"
                                          for k in keys], fontsize=9)
         ax.set_title(LINK[rails], fontsize=10)
         table += [["rails" if rails else "one link", NAMES[k], _ms(v), _ms(model[k])] for k, v in values.items()]
@@ -301,13 +304,13 @@ def train_record(folder: Path, out: Path) -> None:
                          where=f"{timing.human_bytes(run['grad_bytes'])} of gradients in buckets of {cap:g} MiB, "
                                f"2 × 2, {LINK[rails]}")
             for i, (k, v) in enumerate(values.items()):
-                ax.bar(j * 4 + i, v * 1e3, color=COLORS[k], label=NAMES[k] if j == 0 else None)
+                ax.bar(j * 4 + i, v * 1e3, color=COLORS[k], label=NAMES[k] if j == 0 and ax is axes[0] else None)
                 table.append(["rails" if rails else "one link", f"{cap:g} MiB", NAMES[k], _ms(v),
                               f"{values['ddp'] / v:.2f}×"])
         ax.set_xticks([j * 4 + 1 for j in range(len(caps))], [f"buckets of {c:g} MiB" for c in caps], fontsize=9)
         ax.set_title(LINK[rails], fontsize=10)
     axes[0].set_ylabel("ms per step (median of 5)", fontsize=9)
-    axes[0].legend(fontsize=9)
+    fig.legend(fontsize=9, loc="outside lower center", ncols=3)
     record.table = {"head": ["links", "buckets", "variant", "step", "DDP's default ÷ this"], "rows": table}
     record.caption = record.text()
     print(plots.save(fig, out / "07-bench-train", record))
