@@ -269,7 +269,7 @@ def check_lesson_page(item, seen: dict, base: str) -> list[str]:
         problems.append(f"lesson {item.nn}: no exercise task table with difficulty (★)")
     elif not any(any(re.search(r"min|time", h) for h in t["head"]) for t in task_tables):
         problems.append(f"lesson {item.nn}: the task table has no minutes column")
-    if "torchrun --nproc-per-node" not in seen["text"]:
+    if ".venv/bin/torchrun --nproc-per-node" not in seen["text"]:
         problems.append(f"lesson {item.nn}: no torchrun command for the exercise")
     if not re.search(rf"make grade LESSON=0?{item.number}\b", seen["text"]):
         problems.append(f"lesson {item.nn}: no 'make grade LESSON={item.nn}' command")

@@ -3,7 +3,7 @@
     .venv/bin/python tools/lesson07_figures.py --records docs/data/bench-hier   # the measured figures
     .venv/bin/python tools/lesson07_figures.py                                   # the two timelines (a local run)
 
-``--records DIR`` reads the ``bench-hier-<suite>.json`` records that ``python -m collectives
+``--records DIR`` reads the ``bench-hier-<suite>.json`` records that ``.venv/bin/python -m collectives
 bench-hier <suite> --out DIR`` wrote on a quiet 16-core host (``sizes --rails`` under
 ``DIR/rails``) and draws from them, each as ``docs/img/07-bench-<suite>.svg`` with its
 record (:mod:`collectives.course.claims`; device, versions, date and the bench commands in

@@ -107,7 +107,7 @@ def details_command(number: int, impl: str = "exercise") -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m collectives grade", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=".venv/bin/python -m collectives grade", description=__doc__.splitlines()[0])
     parser.add_argument("--lesson", action="append", default=[],
                         help="grade only this lesson (e.g. 04); may be repeated")
     parser.add_argument("--impl", choices=["exercise", "reference"], default="exercise",
