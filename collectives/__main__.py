@@ -1,4 +1,4 @@
-"""``python -m collectives <command>``: see :mod:`collectives.course.cli`."""
+"""``.venv/bin/python -m collectives <command>``: see :mod:`collectives.course.cli`."""
 
 import sys
 

@@ -622,7 +622,7 @@ def test_a_bench_record_holds_machine_versions_date_command_and_its_comparisons(
     assert one["faster"] == "hierarchical" and one["by"] == pytest.approx(1.5)
     path = record.write("crossover", ["--quick"], {"rows": rows, "comparisons": [one]}, None, tmp_path)
     saved = json.loads(path.read_text())
-    assert saved["command"] == "python -m collectives bench-hier crossover --quick"
+    assert saved["command"] == ".venv/bin/python -m collectives bench-hier crossover --quick"
     assert {"cpu", "cores"} <= set(saved["machine"]) and saved["versions"]["torch"] == torch.__version__
     assert saved["date"][:4].isdigit() and saved["comparisons"][0]["by"] == pytest.approx(1.5)
 

@@ -34,6 +34,7 @@ from collectives.course.tasks import tasks_of
 
 ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
 NUMBERS = [item.number for item in LESSONS]
+PARTIAL_WORLD = 4
 LINE = re.compile(r"^task (\d+) .*?: (PASS|FAIL)(?:: (.*))?$")
 
 
@@ -72,12 +73,12 @@ def _parse(stdout: str, stderr: str) -> dict[int, tuple[bool, str]]:
 
 
 def _grader(number: int, impl: str = "exercise", exercises: Path | None = None,
-            tasks: list[int] | None = None) -> dict[int, tuple[bool, str]]:
+            tasks: list[int] | None = None, world: int | None = None) -> dict[int, tuple[bool, str]]:
     before = os.environ.get("COLLECTIVES_EXERCISE_DIR")
     if exercises is not None:
         os.environ["COLLECTIVES_EXERCISE_DIR"] = str(exercises)
     try:
-        _, _, scores = grading.grade([number], impl, tasks=tasks)
+        _, _, scores = grading.grade([number], impl, tasks=tasks, world=world)
     finally:
         if exercises is not None:
             if before is None:
@@ -129,9 +130,10 @@ def test_check_and_grade_agree_on_the_reference_the_stubs_and_every_partial_solu
         if set(tasks[k].functions) <= {name for t in tasks[:k] for name in t.functions}:
             continue                         # task k + 1 asks more of a function already solved
         copy = partial_solution(number, k, tmp_path / f"solved{k}")
-        chosen = [str(a) for t in (k, k + 1) for a in ("--task", t)]
+        # the reference's full judging is above; a partial is judged on worlds of 4 by both routes
+        chosen = [str(a) for t in (k, k + 1) for a in ("--task", t)] + ["--world", str(PARTIAL_WORLD)]
         check = _runner_here(number, copy, *chosen)
-        grade = _grader(number, exercises=copy, tasks=[k, k + 1])
+        grade = _grader(number, exercises=copy, tasks=[k, k + 1], world=PARTIAL_WORLD)
         for route, verdicts in (("make check", check), ("make grade", grade)):
             assert verdicts[k][0], f"lesson {number}, tasks 1..{k} solved, {route}: task {k} failed: {verdicts[k][1]}"
             assert not verdicts[k + 1][0], f"lesson {number}, tasks 1..{k} solved, {route}: task {k + 1} passed"

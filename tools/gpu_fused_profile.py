@@ -1,6 +1,6 @@
 """Where the host time of one fused all-reduce goes, on one GPU (a world of one rank).
 
-    python tools/gpu_fused_profile.py [--count 1000 --numel 4096]
+    .venv/bin/python tools/gpu_fused_profile.py [--count 1000 --numel 4096]
 
 Times, on the host (perf_counter; the GPU work of these calls is microseconds), each piece
 of FusedAllReducer's hot path for ``count`` tensors, then the whole call; then the time

@@ -111,7 +111,7 @@ def main() -> int:
               f"NCCL {r['nccl'] * 1e3:8.2f} ms   ratio to NCCL {r['nccl'] / r['seconds']:.2f}{extra}")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(
-            command="python tools/gpu_hierarchical.py " + " ".join(sys.argv[1:]), device=device,
+            command=".venv/bin/python tools/gpu_hierarchical.py " + " ".join(sys.argv[1:]), device=device,
             torch=torch.__version__, nccl=".".join(map(str, torch.cuda.nccl.version())),
             date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), rows=rows), indent=1))
     return 0 if all(r["exact"] for r in rows) else 1

@@ -1,6 +1,6 @@
 """What one GPU can check: the GPU tests' workers in a world of one NCCL rank.
 
-    python tools/gpu_one.py [--out DIR]
+    .venv/bin/python tools/gpu_one.py [--out DIR]
 
 The `gpu` tests need two GPUs (NCCL between them). On a machine with one, this runs the
 same worker functions in a world of one rank: every code path that touches CUDA streams,

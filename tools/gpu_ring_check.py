@@ -1,6 +1,6 @@
 """The library's ring against NCCL's all_reduce on registered memory: exactness, then speed.
 
-    torchrun --nproc-per-node 4 tools/gpu_ring_check.py --size 256M
+    .venv/bin/torchrun --nproc-per-node 4 tools/gpu_ring_check.py --size 256M
 
 Prints one JSON line (rank 0). One size per process: NCCL registration is once per
 process (see nccl_memory.register). Both tensors come from collectives.core.nccl_memory; the

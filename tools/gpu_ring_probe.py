@@ -1,7 +1,7 @@
 """Probe: which ring layout gets closest to NCCL's all_reduce on this machine's GPUs?
 
 Run with torchrun (one process per GPU):
-    torchrun --nproc-per-node 4 tools/gpu_ring_probe.py --sizes 64M,256M --out results.json
+    .venv/bin/torchrun --nproc-per-node 4 tools/gpu_ring_probe.py --sizes 64M,256M --out results.json
 
 Variants: one ring; a bidirectional ring (half the tensor each way); several rings over
 different Hamiltonian cycles of a fully connected node, both directions. Every step of

@@ -17,7 +17,7 @@ it shows, which the page's caption is generated from:
 * **sweep** -- every algorithm of the lesson from 1 KiB to 64 MiB on the simulated
   cluster (``--machines`` machines of one rank, every link shaped to ``--link``, default
   1 Gbit/s: slow enough that α/β falls inside the sweep), measured with the runner of
-  ``python -m collectives bench`` against the α–β–γ model fitted on the same link: α from
+  ``.venv/bin/python -m collectives bench`` against the α–β–γ model fitted on the same link: α from
   the one-way time of the smallest messages, β from the slope between 1 and 4 MiB (the
   link's token bucket lets the first 256 KiB through at once, which a least-squares line
   through every size would read as a smaller α), γ from a timed add. Needs root and

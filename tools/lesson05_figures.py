@@ -9,7 +9,7 @@ The plain reducer of the lesson (:class:`collectives.fused.FusedAllReducer`) all
 ranks, with one buffer (SINGA's order) and with two (double buffering). Drawn: rank 0's
 trace of one call of each, the flushes' all-reduces from issue to landing, on one time
 axis. Recorded: the median of interleaved timed calls of each, which the caption states.
-The table: ``python -m collectives bench-fused``'s cases (its defaults: 1000 tensors of 1000
+The table: ``.venv/bin/python -m collectives bench-fused``'s cases (its defaults: 1000 tensors of 1000
 float32 on 4 ranks, 40 runs in 4 interleaved rounds), each against one flat all-reduce of
 the same bytes.
 """

@@ -9,7 +9,7 @@ Both come from 2 local gloo ranks running the lab's transformer
 typical step, the sweep from full training steps at each bucket cap, once with backward on
 the CPU alone and once with ``--device-ms`` of off-CPU time per layer. Panels that compare
 share their axes; the records hold the numbers the captions state. The table is
-``python -m collectives bench-ddp``'s comparison (its defaults: the transformer, 2 ranks,
+``.venv/bin/python -m collectives bench-ddp``'s comparison (its defaults: the transformer, 2 ranks,
 25 MiB buckets, 20 rounds of one step of each variant).
 """
 

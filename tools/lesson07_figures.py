@@ -1,26 +1,32 @@
-"""Lesson 7's figures, and its Measured section from the benchmarks' records.
+"""Lesson 7's figures, each with the record of what it shows, into docs/img/.
 
-    .venv/bin/python tools/lesson07_figures.py                  # the two timelines (a local run)
-    .venv/bin/python tools/lesson07_figures.py --records build/bench   # the Measured section
+    .venv/bin/python tools/lesson07_figures.py --records docs/data/bench-hier   # the measured figures
+    .venv/bin/python tools/lesson07_figures.py                                   # the two timelines (a local run)
 
-Timelines, from real runs on 4 local gloo ranks as 2 machines × 2 (``layout=(2, 2)``):
+``--records DIR`` reads the ``bench-hier-<suite>.json`` records that ``.venv/bin/python -m collectives
+bench-hier <suite> --out DIR`` wrote on a quiet 16-core host (``sizes --rails`` under
+``DIR/rails``) and draws from them, each as ``docs/img/07-bench-<suite>.svg`` with its
+record (:mod:`collectives.course.claims`; device, versions, date and the bench commands in
+its ``meta``): ``train`` (a DDP step, DDP's default hook against the hierarchical hook),
+``inflight`` (buckets in flight), ``crossover`` (16 KiB to 16 MiB against the flat
+all-reduces), ``sizes`` (every algorithm at 64 MiB, one link and rails), ``machines`` (M = 2, 4
+with D = 1, 2). It also writes ``docs/snippets/bench-hier-results.md``, every comparison
+each bench computed, for the notes page. Nothing is typed by hand: the sentences are made
+from the values.
+
+Timelines, from real runs on 4 local gloo ranks as 2 machines × 2 (``layout=(2, 2)``), which
+show an order of events, not a speed (PNGs without a record: the lesson page does not place
+them; its lab draws both from its own run, §3 and §4):
 
 * ``docs/img/07-timeline.png``: 16 MiB of float32 in 8 slices through the blocking
   pipeline, ranks 0 and 2; each bar runs from the moment a stage of a slice was issued to
   the moment the next stage of that slice waited for it;
 * ``docs/img/07-inflight.png``: six buckets handed to the in-flight reducer at once, from its
   own timeline (one row per stage lane, one colour per bucket).
-
-``--records DIR`` reads the ``bench-hier-<suite>.json`` records that ``python -m collectives
-bench-hier <suite>`` wrote there (on the quiet host), copies their figures to
-``docs/img/07-bench-<suite>.png`` and writes ``docs/snippets/bench-hier-results.md``: for
-each record its command, machine, versions and date, its figure, and the comparisons it
-computed -- nothing typed by hand.
 """
 
 import argparse
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -31,8 +37,8 @@ import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 
-from collectives import launch  # noqa: E402
-from collectives.course import plots  # noqa: E402
+from collectives import launch, timing  # noqa: E402
+from collectives.course import claims, plots  # noqa: E402
 
 SUITES = ("train", "inflight", "crossover", "machines", "sizes")
 RESULTS = ROOT / "docs" / "snippets" / "bench-hier-results.md"
@@ -58,18 +64,14 @@ def timelines() -> None:
 def results(folder: Path) -> None:
     """The Measured section from the records in ``folder``."""
     lines = []
-    for suite in SUITES:
-        path = folder / f"bench-hier-{suite}.json"
+    for suite, path in [(s, folder / f"bench-hier-{s}.json") for s in SUITES] + [
+            ("sizes --rails", folder / "rails" / "bench-hier-sizes.json")]:
         if not path.exists():
             continue
         rec = json.loads(path.read_text())
         machine = rec["machine"]
         lines += [f"**`bench-hier {suite}`**: `{rec['command']}`, {machine['cpu']} ({machine['cores']} cores), "
                   f"torch {rec['versions']['torch']}, {rec['date'][:10]}.", ""]
-        if rec.get("figure"):
-            image = f"07-bench-{suite}.png"
-            shutil.copy(folder / rec["figure"], ROOT / "docs" / "img" / image)
-            lines += [f"![bench-hier {suite}](../img/{image})", ""]
         lines += ["| comparison | faster | by |", "|---|---|---|"]
         lines += [f"| {c['what']} | {c['faster']} | {c['by']:.2f}× |" for c in rec.get("comparisons", [])]
         for key, value in (rec.get("crossover") or {}).items():
@@ -81,11 +83,254 @@ def results(folder: Path) -> None:
     print(f"wrote {RESULTS.relative_to(ROOT)}")
 
 
+
+# --------------------------------------------------------------------------- records from bench-hier
+
+KEYS = {"flat ring": "flat", "dist.all_reduce": "gloo", "rail ring": "rail_ring", "root-based": "root",
+        "rail all-reduce": "rail_ar", "hierarchical, one slice": "one_slice",
+        "hierarchical, pipelined": "hier", "hierarchical, library inside": "library_inside",
+        "dist.all_reduce per bucket (DDP's default)": "gloo",
+        "DDP, default hook": "ddp", "DDP, hierarchical hook": "hook", "lesson 6 reducer, hierarchical": "reducer"}
+NAMES = {"flat": "lesson 4's ring", "gloo": "dist.all_reduce", "rail_ring": "the flat ring over every rail",
+         "root": "the root-based hierarchy", "rail_ar": "the rail all-reduce",
+         "one_slice": "the hierarchy in one slice", "hier": "the pipelined hierarchy",
+         "library_inside": "the hierarchy with gloo's collectives inside",
+         "ddp": "DDP's default hook", "hook": "the hierarchical hook",
+         "reducer": "lesson 6's reducer on the hierarchy",
+         "in1": "one bucket in flight", "in2": "2 buckets in flight", "in4": "4 buckets in flight",
+         "in8": "8 buckets in flight"}
+ALIASES = {"hier": ["the hierarchy", "hierarchical, pipelined"], "rail_ring": ["the rail ring", "rail-aware flat ring"],
+           "gloo": ["gloo's all-reduce", "the library"], "flat": ["the flat ring"],
+           "hook": ["the hook"], "ddp": ["DDP's own", "DDP's all-reduce"]}
+LINK = {False: "one 1 Gbit/s link per machine", True: "a 1 Gbit/s link per rail"}
+COLORS = {"flat": "#8c8c8c", "gloo": "#4c72b0", "rail_ring": "#55a868", "root": "#8172b3", "rail_ar": "#64b5cd",
+          "one_slice": "#dd8452", "hier": "#c44e52", "library_inside": "#da8bc3",
+          "ddp": "#4c72b0", "hook": "#c44e52", "reducer": "#dd8452"}
+
+
+def _load(folder: Path, suite: str, rails_folder: bool = False) -> dict | None:
+    path = folder / ("rails" if rails_folder else "") / f"bench-hier-{suite}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _meta(recs: list[dict], machines: str) -> dict:
+    first = recs[0]
+    return {"device": f"16-core host ({first['machine']['cpu']}), simulated cluster of {machines}, 1 Gbit/s links, "
+                      f"queue {first.get('config', {}).get('queue', '50ms')}",
+            "torch": first["versions"]["torch"], "python": first["versions"].get("python", ""),
+            "backend": "gloo", "cpus": first["machine"]["cores"], "date": max(r["date"] for r in recs),
+            "command": "; ".join(r["command"] for r in recs),
+            "drawn_by": ".venv/bin/python tools/lesson07_figures.py --records docs/data/bench-hier"}
+
+
+def _runs(rec: dict, rails: bool | None = None) -> list[dict]:
+    return [r for r in rec["runs"] if rails is None or bool(r.get("rails")) == rails]
+
+
+def _ms(seconds: float) -> str:
+    return claims.human(seconds)
+
+
+def sizes_record(folder: Path, out: Path) -> None:
+    recs = [r for r in (_load(folder, "sizes"), _load(folder, "sizes", True)) if r]
+    if not recs:
+        return
+    runs = [run for rec in recs for run in rec["runs"]]
+    record = claims.Record("07-bench-sizes", names=NAMES, aliases=ALIASES, meta=_meta(recs, "2 machines × 2 ranks"),
+                           title="Every algorithm at 64 MiB, 2 × 2, one link per machine and a link per rail")
+    fig = plots._figure(9.5, 3.6)
+    axes = fig.subplots(1, len(runs), sharey=True, squeeze=False)[0]
+    table = {}
+    for ax, run in zip(axes, runs):
+        rails = bool(run.get("rails"))
+        rows = [r for r in run["rows"] if r["name"] in KEYS]
+        values = {KEYS[r["name"]]: r["seconds"] for r in rows}
+        size = timing.human_bytes(rows[0]["nbytes"])
+        record.times("rails" if rails else "one-link", values, baseline="gloo",
+                     where=f"{size}, 2 × 2, {LINK[rails]}, median of {run['iters']}")
+        keys = list(values)
+        ax.barh(range(len(keys)), [values[k] * 1e3 for k in keys], color=[COLORS[k] for k in keys])
+        ax.plot([r["model_seconds"] * 1e3 for r in rows], range(len(keys)), "k|", markersize=12, label="model")
+        ax.set_yticks(range(len(keys)), [NAMES[k] for k in keys], fontsize=9)
+        ax.set_xlabel(f"ms, {size} ({LINK[rails]})", fontsize=9)
+        ax.legend(fontsize=9, loc="lower right")
+        for r in rows:
+            table.setdefault(KEYS[r["name"]], {})[rails] = (r["seconds"], r["model_seconds"])
+    axes[0].invert_yaxis()
+    record.table = {"head": ["algorithm", "one link", "model", "rails", "model"],
+                    "rows": [[NAMES[k]] + [x for rails in (False, True) for x in
+                                           ((_ms(v[rails][0]), _ms(v[rails][1])) if rails in v else ("", ""))]
+                             for k, v in table.items()]}
+    if "rail_ring" in table and len(table["rail_ring"]) == 2:
+        one, rail = table["rail_ring"][False], table["rail_ring"][True]
+        record.fact("rail-ring", f"The flat ring over every rail took {_ms(one[0])} on one link and {_ms(rail[0])} "
+                    f"with a link per rail; the model gives it {_ms(rail[1])} with rails: on this cluster it "
+                    f"ran {one[0] / rail[0]:.2f}× as fast with the rails.", measured=[one[0], rail[0]],
+                    model=[one[1], rail[1]])
+    record.caption = "Bars: median; |: the per-message model. " + record.text()
+    print(plots.save(fig, out / "07-bench-sizes", record))
+
+
+def crossover_record(folder: Path, out: Path) -> None:
+    rec = _load(folder, "crossover")
+    if not rec:
+        return
+    record = claims.Record("07-bench-crossover", names=NAMES, aliases=ALIASES,
+                           meta=_meta([rec], "2 machines × 2 ranks"),
+                           title="The pipelined hierarchy against the flat all-reduces, 16 KiB to 16 MiB")
+    fig = plots._figure(9.5, 3.8)
+    axes = fig.subplots(1, len(rec["runs"]), sharey=True, sharex=True, squeeze=False)[0]
+    rows_out = []
+    for ax, run in zip(axes, rec["runs"]):
+        rails = bool(run.get("rails"))
+        tag = "rails" if rails else "one-link"
+        series: dict[str, list] = {}
+        for r in run["rows"]:
+            series.setdefault(KEYS[r["name"]], []).append(r)
+        sizes = [r["nbytes"] for r in series["hier"]]
+        values = {k: [r["seconds"] for r in rs] for k, rs in series.items()}
+        record.sweep(tag, sizes, values, label=f"measured, {LINK[rails]}")
+        for other in ("gloo", "rail_ring"):
+            record.crossover(f"{tag}-{other}", sizes, other, "hier", values,
+                             label=f"measured, {LINK[rails]}")
+        for k, rs in series.items():
+            ax.plot(sizes, [r["seconds"] * 1e3 for r in rs], "o-", color=COLORS[k], label=NAMES[k], markersize=4)
+        ax.plot(sizes, [r["model_seconds"] * 1e3 for r in series["hier"]], ":", color=COLORS["hier"],
+                label="model, the pipelined hierarchy")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ticks = sizes[::2] if len(sizes) > 5 else sizes
+        ax.set_xticks(ticks, [timing.human_bytes(n) for n in ticks], fontsize=9)
+        ax.minorticks_off()
+        ax.set_title(LINK[rails], fontsize=10)
+        ax.set_xlabel("bytes", fontsize=9)
+        for i, n in enumerate(sizes):
+            rows_out.append([timing.human_bytes(n), "rails" if rails else "one link"]
+                            + [_ms(values[k][i]) for k in ("gloo", "flat", "rail_ring", "hier")])
+    axes[0].set_ylabel("ms (median of 5)", fontsize=9)
+    axes[-1].legend(fontsize=9)
+    record.table = {"head": ["size", "links", "dist.all_reduce", "lesson 4's ring", "ring over every rail",
+                             "pipelined hierarchy"], "rows": rows_out}
+    record.caption = record.text()
+    print(plots.save(fig, out / "07-bench-crossover", record))
+
+
+def machines_record(folder: Path, out: Path) -> None:
+    rec = _load(folder, "machines")
+    if not rec:
+        return
+    record = claims.Record("07-bench-machines", names=NAMES, aliases=ALIASES,
+                           meta=_meta([rec], "2 and 4 machines of 1 and 2 ranks"),
+                           title="More machines: D ranks per machine, M machines, one link per machine")
+    fig = plots._figure(9.5, 3.4)
+    axes = fig.subplots(1, 2, squeeze=False)[0]
+    table = []
+    for ax, nbytes in zip(axes, sorted({r["nbytes"] for run in rec["runs"] for r in run["rows"]})):
+        labels, gloo, hier, model = [], [], [], []
+        for run in rec["runs"]:
+            d, m = run["ranks_per_machine"], run["machines"]
+            by = {KEYS[r["name"]]: r for r in run["rows"] if r["nbytes"] == nbytes}
+            size = timing.human_bytes(nbytes)
+            record.times(f"D{d}-M{m}-{size.replace(' ', '')}", {k: r["seconds"] for k, r in by.items()},
+                         baseline="gloo", where=f"{m} machines × {d}, {size}")
+            labels.append(f"{m} × {d}")
+            gloo.append(by["gloo"]["seconds"] * 1e3)
+            hier.append(by["hier"]["seconds"] * 1e3)
+            model.append(by["hier"]["model_seconds"] * 1e3)
+            table.append([f"{m} × {d}", size, _ms(by["gloo"]["seconds"]), _ms(by["hier"]["seconds"]),
+                          _ms(by["hier"]["model_seconds"])])
+        xs = range(len(labels))
+        ax.bar([x - 0.2 for x in xs], gloo, 0.4, color=COLORS["gloo"], label=NAMES["gloo"])
+        ax.bar([x + 0.2 for x in xs], hier, 0.4, color=COLORS["hier"], label=NAMES["hier"])
+        ax.plot([x + 0.2 for x in xs], model, "k_", markersize=14, label="model, the pipelined hierarchy")
+        ax.set_xticks(list(xs), labels, fontsize=9)
+        ax.set_xlabel(f"machines × ranks per machine, {timing.human_bytes(nbytes)}", fontsize=9)
+        ax.set_ylabel("ms (median of 5)", fontsize=9)
+    axes[0].legend(fontsize=9)
+    record.table = {"head": ["machines × ranks", "size", "dist.all_reduce", "pipelined hierarchy", "model"],
+                    "rows": table}
+    record.caption = record.text()
+    print(plots.save(fig, out / "07-bench-machines", record))
+
+
+def inflight_record(folder: Path, out: Path) -> None:
+    rec = _load(folder, "inflight")
+    if not rec:
+        return
+    cfg = rec["config"]
+    record = claims.Record("07-bench-inflight", names=NAMES, aliases=ALIASES, meta=_meta([rec], "2 machines × 2 ranks"),
+                           title=f"{cfg['buckets']} buckets of {timing.human_bytes(cfg['bucket_bytes'])}, "
+                                 "handed over at once")
+    fig = plots._figure(9.5, 3.4)
+    axes = fig.subplots(1, len(rec["runs"]), sharey=True, squeeze=False)[0]
+    table = []
+    for ax, run in zip(axes, rec["runs"]):
+        rails = bool(run.get("rails"))
+        values = {("gloo" if "dist" in r["name"] else f"in{r['in_flight']}"): r["seconds"] for r in run["rows"]}
+        model = {("gloo" if "dist" in r["name"] else f"in{r['in_flight']}"): r["model_seconds"] for r in run["rows"]}
+        record.times("rails" if rails else "one-link", values, baseline="in1",
+                     where=f"{run['buckets']} buckets of {timing.human_bytes(run['bucket_bytes'])}, 2 × 2, "
+                           f"{LINK[rails]}")
+        keys = list(values)
+        ax.bar(range(len(keys)), [values[k] * 1e3 for k in keys],
+               color=[COLORS["gloo"] if k == "gloo" else COLORS["hier"] for k in keys])
+        ax.plot(range(len(keys)), [model[k] * 1e3 for k in keys], "k_", markersize=14, label="model")
+        ax.set_xticks(range(len(keys)), ["all_reduce\nper bucket" if k == "gloo" else f"{k[2:]} in\nflight"
+                                         for k in keys], fontsize=9)
+        ax.set_title(LINK[rails], fontsize=10)
+        table += [["rails" if rails else "one link", NAMES[k], _ms(v), _ms(model[k])] for k, v in values.items()]
+    axes[0].set_ylabel("ms for all buckets (median of 5)", fontsize=9)
+    axes[0].legend(fontsize=9)
+    record.table = {"head": ["links", "how", "all buckets", "model"], "rows": table}
+    record.caption = record.text()
+    print(plots.save(fig, out / "07-bench-inflight", record))
+
+
+def train_record(folder: Path, out: Path) -> None:
+    rec = _load(folder, "train")
+    if not rec:
+        return
+    record = claims.Record("07-bench-train", names=NAMES, aliases=ALIASES, meta=_meta([rec], "2 machines × 2 ranks"),
+                           title="One DDP training step of lesson 6's MLP, 2 × 2")
+    fig = plots._figure(9.5, 3.4)
+    axes = fig.subplots(1, len(rec["runs"]), sharey=True, squeeze=False)[0]
+    table = []
+    for ax, run in zip(axes, rec["runs"]):
+        rails = bool(run.get("rails"))
+        caps = sorted({r["bucket_cap_mb"] for r in run["rows"]})
+        for j, cap in enumerate(caps):
+            values = {KEYS[r["name"]]: r["seconds"] for r in run["rows"] if r["bucket_cap_mb"] == cap}
+            record.times(f"{'rails' if rails else 'one-link'}-{cap:g}M", values, baseline="ddp",
+                         where=f"{timing.human_bytes(run['grad_bytes'])} of gradients in buckets of {cap:g} MiB, "
+                               f"2 × 2, {LINK[rails]}")
+            for i, (k, v) in enumerate(values.items()):
+                ax.bar(j * 4 + i, v * 1e3, color=COLORS[k], label=NAMES[k] if j == 0 and ax is axes[0] else None)
+                table.append(["rails" if rails else "one link", f"{cap:g} MiB", NAMES[k], _ms(v),
+                              f"{values['ddp'] / v:.2f}×"])
+        ax.set_xticks([j * 4 + 1 for j in range(len(caps))], [f"buckets of {c:g} MiB" for c in caps], fontsize=9)
+        ax.set_title(LINK[rails], fontsize=10)
+    axes[0].set_ylabel("ms per step (median of 5)", fontsize=9)
+    fig.legend(fontsize=9, loc="outside lower center", ncols=3)
+    record.table = {"head": ["links", "buckets", "variant", "step", "DDP's default ÷ this"], "rows": table}
+    record.caption = record.text()
+    print(plots.save(fig, out / "07-bench-train", record))
+
+
+def records(folder: Path, out: Path) -> None:
+    """Lesson 7's measured figures, each with its record, from the bench-hier records in ``folder``."""
+    if not (folder / "bench-hier-sizes.json").exists() and not list(folder.glob("bench-hier-*.json")):
+        raise SystemExit(f"no bench-hier-*.json records in {folder}")
+    for draw in (train_record, inflight_record, crossover_record, sizes_record, machines_record):
+        draw(folder, out)
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--records", default="", help="folder of bench-hier-<suite>.json records")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--records", default="", help="folder of bench-hier-<suite>.json records "
+                        "(docs/data/bench-hier): draw the measured figures from them")
     args = parser.parse_args()
     if args.records:
+        records(Path(args.records), ROOT / "docs" / "img")
         results(Path(args.records))
     else:
         timelines()

@@ -20,7 +20,7 @@
   is rebuilt from the rendered headings, so a heading with code keeps it and links to the
   anchor the page really has.
 * **Trace players from real runs.** While the pages are built, every player of
-  ``collectives.course.trace_player`` is recorded in a subprocess (``python -m collectives
+  ``collectives.course.trace_player`` is recorded in a subprocess (``.venv/bin/python -m collectives
   trace --players``: small worlds, a few seconds; kept under ``build/trace-players/``, keyed
   on the code, so a rebuild of unchanged code reuses them) and copied to ``traces/`` in the
   site. A page shows one with ``<div class="trace-player" data-trace="ring"></div>``

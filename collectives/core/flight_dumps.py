@@ -103,4 +103,4 @@ def dump_world(directory: str | os.PathLike, procs, where, failure: BaseExceptio
     (directory / "world.json").write_text(json.dumps(record, indent=1))
     if failure is not None and failure.args:
         failure.args = (f"{failure.args[0]}\nflight recorder dumps in {directory}: "
-                        f"python -m collectives diagnose {directory}",) + failure.args[1:]
+                        f".venv/bin/python -m collectives diagnose {directory}",) + failure.args[1:]

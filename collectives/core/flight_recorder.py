@@ -37,7 +37,7 @@ recorded without a change to their code)::
 On NCCL, the calls of one ``batch_isend_irecv`` are waited on through the batch's handles,
 not their own: they stay ``scheduled``.
 
-``python -m collectives diagnose DIR`` reads them (:mod:`collectives.debugging`).
+``.venv/bin/python -m collectives diagnose DIR`` reads them (:mod:`collectives.debugging`).
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ What it promises:
   rank 0"), read from the trace.
 * **a flight recorder** -- with ``flight_recorder=DIR`` every rank records its last calls
   (:mod:`collectives.core.flight_recorder`) and, however the world ends, dumps them to
-  ``DIR`` before it is stopped: ``python -m collectives diagnose DIR`` names the culprit.
+  ``DIR`` before it is stopped: ``.venv/bin/python -m collectives diagnose DIR`` names the culprit.
 * **nothing left behind** -- every child is killed and reaped on every way out, and a
   child dies with its parent.
 

@@ -1,12 +1,12 @@
-"""``python -m collectives bench``: all-reduce algorithms against ``dist.all_reduce``, nccl-tests style.
+"""``.venv/bin/python -m collectives bench``: all-reduce algorithms against ``dist.all_reduce``, nccl-tests style.
 
 ::
 
-    python -m collectives bench                                   # every lesson 3-4 algorithm, 4 ranks, 1K..64M
-    python -m collectives bench --algo ring,pipelined_ring --sizes 64M --iters 20
-    python -m collectives bench --backend nccl --world 4 --algo ring,multi_ring --channels 4
-    python -m collectives bench --algo ring --impl exercise       # your lessons/04_ring/exercise.py beside it
-    python -m collectives bench --json                            # the rows as JSON on stdout
+    .venv/bin/python -m collectives bench                                 # every lesson 3-4 algorithm, 4 ranks, 1K..64M
+    .venv/bin/python -m collectives bench --algo ring,pipelined_ring --sizes 64M --iters 20
+    .venv/bin/python -m collectives bench --backend nccl --world 4 --algo ring,multi_ring --channels 4
+    .venv/bin/python -m collectives bench --algo ring --impl exercise       # your lessons/04_ring/exercise.py beside it
+    .venv/bin/python -m collectives bench --json                            # the rows as JSON on stdout
 
 One world runs everything: at each size, ``dist.all_reduce`` (the baseline, named after
 the backend: "gloo" or "nccl") and every chosen algorithm all-reduce the same tensor,
@@ -300,7 +300,7 @@ def render(rows: list[dict], title: str, file=None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m collectives bench",
+    parser = argparse.ArgumentParser(prog=".venv/bin/python -m collectives bench",
                                      description=__doc__.splitlines()[0].split(": ", 1)[1])
     parser.add_argument("--algo", default=DEFAULT_ALGOS,
                         help=f"comma-separated, from: {', '.join(ALGORITHMS)} (default: {DEFAULT_ALGOS})")
@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = dict(command="python -m collectives bench " + " ".join(argv if argv is not None else []),
+    meta = dict(command=".venv/bin/python -m collectives bench " + " ".join(argv if argv is not None else []),
                 date=started.isoformat(timespec="seconds"), torch=torch.__version__,
                 backend=backend, world_size=args.world, dtype=args.dtype, iters=args.iters,
                 warmup=args.warmup, host=platform.node(), cpus=os.cpu_count(),

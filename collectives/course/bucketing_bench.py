@@ -1,11 +1,11 @@
-"""``python -m collectives bench-ddp``: one training step with the bucketed reducer, with
+"""``.venv/bin/python -m collectives bench-ddp``: one training step with the bucketed reducer, with
 torch DDP, and with one all-reduce per gradient after backward.
 
 ::
 
-    python -m collectives bench-ddp                       # 2 gloo ranks, the transformer
-    python -m collectives bench-ddp --model mlp --bucket-cap-mb 4
-    python -m collectives bench-ddp --backend nccl        # one GPU per rank
+    .venv/bin/python -m collectives bench-ddp                       # 2 gloo ranks, the transformer
+    .venv/bin/python -m collectives bench-ddp --model mlp --bucket-cap-mb 4
+    .venv/bin/python -m collectives bench-ddp --backend nccl        # one GPU per rank
 
 All three train the same model from the same weights on the same per-rank batches (SGD),
 so their parameters must agree; the table says how closely. ``--impl exercise`` adds a
@@ -174,7 +174,8 @@ def paired_ratios(times: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m collectives bench-ddp", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=".venv/bin/python -m collectives bench-ddp",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=2, help="ranks (default 2)")
     parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                        median={v: timing.median(xs) for v, xs in result["times"].items()},
                        torch=torch.__version__, python=platform.python_version(),
                        date=datetime.datetime.now().isoformat(timespec="seconds"),
-                       command="python -m collectives bench-ddp "
+                       command=".venv/bin/python -m collectives bench-ddp "
                        + " ".join(argv if argv is not None else sys.argv[1:])),
                   f, indent=1)
     print(f"wrote {path}")

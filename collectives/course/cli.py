@@ -1,4 +1,4 @@
-"""``python -m collectives <command>``: the course's command line.
+"""``.venv/bin/python -m collectives <command>``: the course's command line.
 
   tour         every lesson's algorithm on a local world, verified and timed (make tour)
   grade        score the exercises (make grade [LESSON=04])
@@ -47,7 +47,7 @@ def check(argv: list[str]) -> int:
     from . import verify
     from .tour import TOUR
 
-    parser = argparse.ArgumentParser(prog="python -m collectives check")
+    parser = argparse.ArgumentParser(prog=".venv/bin/python -m collectives check")
     parser.add_argument("target", help='"module:function" or "path/to/file.py:function"')
     parser.add_argument("--world", default="1,2,3,4", help="world sizes, comma-separated")
     args = parser.parse_args(argv)

@@ -1,8 +1,8 @@
-"""``python -m collectives bench-cluster``: the two tiers measured, and the flat ring predicted.
+"""``.venv/bin/python -m collectives bench-cluster``: the two tiers measured, and the flat ring predicted.
 
 ::
 
-    python -m collectives bench-cluster --machines 2 --ranks-per-machine 2 --link 1gbit --sizes 4M,16M
+    .venv/bin/python -m collectives bench-cluster --machines 2 --ranks-per-machine 2 --link 1gbit --sizes 4M,16M
 
 1. fits α and β *inside* a machine (lesson 1's ping-pong between two ranks on one machine,
    over loopback) and γ (the add);
@@ -87,7 +87,7 @@ def measure_flat(cluster: Cluster, nbytes: int, which: str = "dist", iters: int 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m collectives bench-cluster",
+    parser = argparse.ArgumentParser(prog=".venv/bin/python -m collectives bench-cluster",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--machines", type=int, default=2)
     parser.add_argument("--ranks-per-machine", type=int, default=2)
@@ -115,6 +115,6 @@ def main(argv: list[str] | None = None) -> int:
                     row += f" {timing.human_seconds(measured):>{width}} {measured / predicted:6.2f}"
                 print(row, flush=True)
     except ClusterUnavailable as exc:
-        print(f"python -m collectives bench-cluster: {exc}", file=sys.stderr)
+        print(f".venv/bin/python -m collectives bench-cluster: {exc}", file=sys.stderr)
         return 2
     return 0

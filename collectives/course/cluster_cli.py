@@ -1,14 +1,14 @@
-"""``python -m collectives cluster``: one real ``torchrun`` per machine of a simulated cluster.
+"""``.venv/bin/python -m collectives cluster``: one real ``torchrun`` per machine of a simulated cluster.
 
 ::
 
-    python -m collectives cluster --machines 2 --ranks-per-machine 2 --link 1gbit -- \\
+    .venv/bin/python -m collectives cluster --machines 2 --ranks-per-machine 2 --link 1gbit -- \\
         lessons/04_ring/exercise.py
 
 makes a :class:`~collectives.core.cluster.Cluster` and starts, inside machine N's network
 namespace::
 
-    torchrun --nnodes M --nproc-per-node D --node-rank N \\
+    .venv/bin/torchrun --nnodes M --nproc-per-node D --node-rank N \\
              --master-addr 198.18.0.1 --master-port 29500  CMD...
 
 which is exactly what one types on M real machines (static rendezvous: machine 0's agent
@@ -105,7 +105,7 @@ def run_on_cluster(command: list[str], machines: int = 2, ranks_per_machine: int
                    link: str = "1gbit", burst: str = "256kb", port: int = 29500,
                    rdzv: str = "static", timeout: float = 600.0, env: dict[str, str] | None = None,
                    out=None) -> int:
-    """Make a cluster, run ``torchrun ... command`` on every machine, return the exit status."""
+    """Make a cluster, run ``.venv/bin/torchrun ... command`` on every machine, return the exit status."""
     out = out or sys.stdout
     if not command:
         raise ValueError("no command: give the script and its arguments after --")
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         cut = argv.index("--")
         argv, command = argv[:cut], argv[cut + 1:]
     parser = argparse.ArgumentParser(
-        prog="python -m collectives cluster",
+        prog=".venv/bin/python -m collectives cluster",
         description="run CMD under one torchrun per machine of a simulated cluster "
                     "(network namespaces joined by a shaped link; needs root and iproute2)",
         usage="%(prog)s [options] -- CMD [ARGS...]")
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_on_cluster(command, args.machines, args.ranks_per_machine, args.link, args.burst,
                               args.port, args.rdzv, args.timeout, env)
     except ClusterUnavailable as exc:
-        print(f"python -m collectives cluster: {exc}", file=sys.stderr)
+        print(f".venv/bin/python -m collectives cluster: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:      # the cluster's __exit__ has removed everything by now
         print("interrupted: the cluster and every process in it were removed", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""``python -m collectives bench-recorder``: what lesson 9's flight recorder costs per call.
+"""``.venv/bin/python -m collectives bench-recorder``: what lesson 9's flight recorder costs per call.
 
 Three measurements, printed as a table and written as JSON (with the device, versions,
 date and command) to ``--out``:
@@ -167,7 +167,8 @@ def _row_text(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m collectives bench-recorder", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=".venv/bin/python -m collectives bench-recorder",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=2, help="ranks (default 2)")
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help=f"bytes per call (default {DEFAULT_SIZES})")
     parser.add_argument("--iters", type=int, default=200, help="calls per timed block (default 200)")

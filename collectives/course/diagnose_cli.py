@@ -1,10 +1,10 @@
-"""``python -m collectives diagnose``: read every rank's flight recorder dump and name the culprit.
+"""``.venv/bin/python -m collectives diagnose``: read every rank's flight recorder dump and name the culprit.
 
 ::
 
-    python -m collectives diagnose DIR                 # DIR: where launch.run(..., flight_recorder=DIR) dumped
-    python -m collectives diagnose --run skip          # inject lesson 9's fault "skip" (the lab's), then diagnose
-    python -m collectives diagnose --run order --seed 3 --timeout 2 DIR
+    .venv/bin/python -m collectives diagnose DIR                # DIR: where launch.run(..., flight_recorder=DIR) dumped
+    .venv/bin/python -m collectives diagnose --run skip      # inject lesson 9's fault "skip" (the lab's), then diagnose
+    .venv/bin/python -m collectives diagnose --run order --seed 3 --timeout 2 DIR
 
 Prints one numbered finding per problem -- a rank that never entered collective #k, a
 mismatch at #k, a cycle of waits, a dead rank, a link down, a straggler -- each naming
@@ -24,7 +24,8 @@ from ..debugging import KINDS, LAB, diagnose, draw, load_dumps, report, run_scen
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m collectives diagnose", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=".venv/bin/python -m collectives diagnose",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("directory", nargs="?", help="the dump directory (rank<r>.json, world.json)")
     parser.add_argument("--run", choices=KINDS, help="first run this fault with the flight recorder on")
     parser.add_argument("--seed", type=int, default=None, help="with --run: a scenario drawn from this seed "

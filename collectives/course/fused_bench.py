@@ -1,4 +1,4 @@
-"""``python -m collectives bench-fused``: the fused all-reducer against its alternatives.
+"""``.venv/bin/python -m collectives bench-fused``: the fused all-reducer against its alternatives.
 
 Many tensors of one size (1000 float32 tensors of 1000 elements by default), all-reduced
 in one world, every way this lesson discusses:
@@ -304,7 +304,7 @@ def figures(directory: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m collectives bench-fused",
+    parser = argparse.ArgumentParser(prog=".venv/bin/python -m collectives bench-fused",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=4, help="ranks (default 4)")
     parser.add_argument("--count", type=int, default=1000, help="tensors (default 1000)")

@@ -68,15 +68,18 @@ def render(tasks: list[TaskScore]) -> tuple[int, int]:
 
 
 def grade(lessons: list[int] | None = None, impl: str = "exercise", quiet: bool = True,
-          tasks: list[int] | None = None, timeout: float | None = None) -> tuple[int, int, list[TaskScore]]:
+          tasks: list[int] | None = None, timeout: float | None = None,
+          world: int | None = None) -> tuple[int, int, list[TaskScore]]:
     """Judge the graded tasks of ``lessons`` (all by default) on ``impl``; return (earned, total, scores).
 
-    ``tasks``: grade only these task numbers (of every chosen lesson).
+    ``tasks``: grade only these task numbers (of every chosen lesson). ``world``: judge every
+    task on worlds of this size only (the runner's ``--world``), not on the sizes it names.
     """
     chosen = [lesson(n) for n in lessons] if lessons else LESSONS
     scores = []
     for item in chosen:
-        grading = Grading(spec_for(item.number, impl), timeout=timeout or world_timeout(), check=False)
+        grading = Grading(spec_for(item.number, impl), timeout=timeout or world_timeout(), check=False,
+                          world_size=world)
         for task in tasks_of(item.number):
             if tasks and task.number not in tasks:
                 continue
@@ -107,7 +110,7 @@ def details_command(number: int, impl: str = "exercise") -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m collectives grade", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=".venv/bin/python -m collectives grade", description=__doc__.splitlines()[0])
     parser.add_argument("--lesson", action="append", default=[],
                         help="grade only this lesson (e.g. 04); may be repeated")
     parser.add_argument("--impl", choices=["exercise", "reference"], default="exercise",
@@ -120,14 +123,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=None,
                         help=f"seconds a world may run before it counts as hung (default {DEFAULT_TIMEOUT:g}, "
                              "or COLLECTIVES_TIMEOUT)")
+    parser.add_argument("--world", type=int, default=None,
+                        help="judge on worlds of this size only (a quick look; full marks need every size)")
     args = parser.parse_args(argv)
     if args.exercises:
         os.environ["COLLECTIVES_EXERCISE_DIR"] = os.path.abspath(args.exercises)
     if args.timeout is not None:
         os.environ["COLLECTIVES_TIMEOUT"] = str(args.timeout)
-    _, _, tasks = grade([int(x) for x in args.lesson] or None, args.impl, tasks=args.task)
+    _, _, tasks = grade([int(x) for x in args.lesson] or None, args.impl, tasks=args.task, world=args.world)
     earned, total = render(tasks)
-    print(f"SCORE {earned}/{total}")
+    print(f"SCORE {earned}/{total}" + (f"  (judged on worlds of {args.world} only: a quick look, not a grade)"
+                                         if args.world else ""))
     failing = sorted({t.lesson for t in tasks if not t.passed})
     if failing:
         print("Details of the failures, lesson by lesson (run from the repository root):")

@@ -136,7 +136,7 @@ def calls_of(path: Path) -> dict[str, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     from .catalog import lesson
 
-    parser = argparse.ArgumentParser(prog="python -m collectives helpers",
+    parser = argparse.ArgumentParser(prog=".venv/bin/python -m collectives helpers",
                                      description="print an exercise's helper sheet, written from the code")
     parser.add_argument("--lesson", type=int, required=True)
     args = parser.parse_args(argv)

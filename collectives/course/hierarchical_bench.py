@@ -1,15 +1,15 @@
-"""``python -m collectives bench-hier``: lesson 7 measured on the simulated cluster.
+"""``.venv/bin/python -m collectives bench-hier``: lesson 7 measured on the simulated cluster.
 
 ::
 
-    python -m collectives bench-hier                       # sizes: 2 machines x 2 ranks, 1 Gbit/s, 64 MiB
-    python -m collectives bench-hier sizes --rails         # one link per local rank
-    python -m collectives bench-hier inflight              # Fairring's benchmark: 16 buckets, 1-8 in flight
-    python -m collectives bench-hier train                 # a DDP step: hierarchical hook against DDP's own
-    python -m collectives bench-hier crossover             # where the flat ring wins: small messages
-    python -m collectives bench-hier machines              # M = 2, 4 with D = 1, 2 against the model
-    python -m collectives bench-hier <suite> --quick       # small and fast (a minute or two on 2 cores)
-    python -m collectives bench-hier <suite> --impl exercise   # your lessons/07_hierarchical/exercise.py
+    .venv/bin/python -m collectives bench-hier                       # sizes: 2 machines x 2 ranks, 1 Gbit/s, 64 MiB
+    .venv/bin/python -m collectives bench-hier sizes --rails         # one link per local rank
+    .venv/bin/python -m collectives bench-hier inflight              # Fairring's benchmark: 16 buckets, 1-8 in flight
+    .venv/bin/python -m collectives bench-hier train                 # a DDP step: hierarchical hook against DDP's own
+    .venv/bin/python -m collectives bench-hier crossover             # where the flat ring wins: small messages
+    .venv/bin/python -m collectives bench-hier machines              # M = 2, 4 with D = 1, 2 against the model
+    .venv/bin/python -m collectives bench-hier <suite> --quick       # small and fast (a minute or two on 2 cores)
+    .venv/bin/python -m collectives bench-hier <suite> --impl exercise   # your lessons/07_hierarchical/exercise.py
 
 Each run makes a :class:`~collectives.core.cluster.Cluster` (needs root and iproute2),
 starts a world on it (the layout comes from the environment each rank gets, as under
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     if suite not in SUITES:
         print(f"unknown suite {suite!r}; one of: {', '.join(SUITES)}")
         return 2
-    parser = argparse.ArgumentParser(prog=f"python -m collectives bench-hier {suite}",
+    parser = argparse.ArgumentParser(prog=f".venv/bin/python -m collectives bench-hier {suite}",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, few runs: a minute or two on 2 cores")
     parser.add_argument("--impl", choices=("reference", "exercise"), default="reference",

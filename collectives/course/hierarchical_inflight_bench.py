@@ -1,9 +1,9 @@
-"""``python -m collectives bench-hier inflight``: Fairring's own benchmark on the simulated cluster.
+"""``.venv/bin/python -m collectives bench-hier inflight``: Fairring's own benchmark on the simulated cluster.
 
 ::
 
-    python -m collectives bench-hier inflight            # 16 buckets of 4 MiB, 2 x 2 at 1 Gbit/s, one link and rails
-    python -m collectives bench-hier inflight --quick    # 8 buckets of 1 MiB, 1 and 4 in flight
+    .venv/bin/python -m collectives bench-hier inflight     # 16 buckets of 4 MiB, 2 x 2 at 1 Gbit/s, one link and rails
+    .venv/bin/python -m collectives bench-hier inflight --quick    # 8 buckets of 1 MiB, 1 and 4 in flight
 
 Fairring's benchmark hands many buckets to the all-reduce and keeps a few of them in flight.
 Here: 16 buckets of 4 MiB of float32, with 1, 2, 4 and 8 in flight (a call is made as soon

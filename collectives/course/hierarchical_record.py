@@ -45,7 +45,7 @@ def versions() -> dict:
 def command(suite: str, argv: list[str]) -> str:
     """The command line that reruns this record."""
     rest = [a for a in argv if a != suite]
-    return " ".join(["python -m collectives bench-hier", suite, *rest]).strip()
+    return " ".join([".venv/bin/python -m collectives bench-hier", suite, *rest]).strip()
 
 
 def ratio(slower: float, faster: float) -> float:

@@ -1,10 +1,10 @@
-"""``python -m collectives bench-hier train``: a DDP training step with the hierarchical hook.
+"""``.venv/bin/python -m collectives bench-hier train``: a DDP training step with the hierarchical hook.
 
 ::
 
-    python -m collectives bench-hier train                     # 2 x 2 at 1 Gbit/s, one link and rails
-    python -m collectives bench-hier train --model transformer # lesson 6's transformer instead of its MLP
-    python -m collectives bench-hier train --quick             # one bucket cap, two timed steps
+    .venv/bin/python -m collectives bench-hier train                     # 2 x 2 at 1 Gbit/s, one link and rails
+    .venv/bin/python -m collectives bench-hier train --model transformer # lesson 6's transformer instead of its MLP
+    .venv/bin/python -m collectives bench-hier train --quick             # one bucket cap, two timed steps
 
 Lesson 6's models (:mod:`collectives.bucketing.models`) trained data-parallel on 2 machines
 × 2 ranks, three ways from the same weights on the same per-rank batches: torch DDP with

@@ -330,7 +330,7 @@ def plot_times(sizes: Sequence[int], measured: dict[str, Sequence[float]] | None
 
 def plot_busbw(rows: Sequence[dict], title: str = ""):
     """Bus bandwidth against size, one line per algorithm (rows: ``algo``, ``nbytes``, ``busbw``
-    in bytes/s, as ``python -m collectives bench`` writes them)."""
+    in bytes/s, as ``.venv/bin/python -m collectives bench`` writes them)."""
     fig = _figure(7, 4.2)
     ax = fig.subplots()
     by_algo: dict[str, list[tuple[int, float]]] = defaultdict(list)

@@ -23,7 +23,7 @@ Check mode is on in the runner's worlds (``COLLECTIVES_CHECK=1``, see
 :mod:`collectives.core.checkmode`): ranks that call a course collective with different
 arguments get an error naming them. The grader runs without it.
 
-``python -m collectives.course.runner --all`` runs every lesson's tasks in one torchrun
+``.venv/bin/python -m collectives.course.runner --all`` runs every lesson's tasks in one torchrun
 world (or a local one), after checking that ``dist.all_reduce`` itself agrees across it.
 """
 
@@ -220,7 +220,7 @@ def _exit_without_teardown(failed: bool) -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# Every lesson in one world: ``python -m collectives.course.runner --all``
+# Every lesson in one world: ``.venv/bin/python -m collectives.course.runner --all``
 
 def check_all_reduce_agrees() -> list[str]:
     """``dist.all_reduce`` of integer data equals its closed form, bit for bit, on every rank."""
@@ -259,10 +259,10 @@ def _run_all(numbers: list[int], impl: str, timeout: float) -> list[tuple[int, s
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m collectives.course.runner --all [--impl reference] [--lesson N ...]``."""
+    """``.venv/bin/python -m collectives.course.runner --all [--impl reference] [--lesson N ...]``."""
     from .catalog import LESSONS
 
-    parser = argparse.ArgumentParser(prog="python -m collectives.course.runner",
+    parser = argparse.ArgumentParser(prog=".venv/bin/python -m collectives.course.runner",
                                      description="run the exercises' graded tasks, every lesson in one world")
     parser.add_argument("--all", action="store_true", help="every lesson (default when no --lesson)")
     parser.add_argument("--lesson", action="append", default=[], help="a lesson number (repeatable)")

@@ -1,4 +1,4 @@
-"""``python -m collectives bench-sparse``: lesson 8's sparse all-reduce against ``dist.all_reduce``.
+"""``.venv/bin/python -m collectives bench-sparse``: lesson 8's sparse all-reduce against ``dist.all_reduce``.
 
 Three measurements, each printed as a table:
 
@@ -335,7 +335,8 @@ def model_crossover(result: dict, link: core_cost.AlphaBeta, with_compute: bool 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m collectives bench-sparse", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=".venv/bin/python -m collectives bench-sparse",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="64M", help="bytes of float32 per all-reduce (default 64M = 16 Mi floats)")
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--world", type=int, default=4)
@@ -356,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     n = timing.parse_size(args.size) // 4
     sweep = [float(s) for s in args.sweep.split(",") if s]
     results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
-               "torch": torch.__version__, "command": "python -m collectives bench-sparse " + " ".join(
+               "torch": torch.__version__, "command": ".venv/bin/python -m collectives bench-sparse " + " ".join(
                    argv if argv is not None else sys.argv[1:]), "impl": args.impl}
     if not args.no_selection:
         x = torch.randn(n, generator=torch.Generator().manual_seed(0))
@@ -371,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     where = (f"cluster 2 machines, {args.link}" if args.cluster
              else "NVLink (NCCL)" if backend == "nccl" else "loopback")
     results["device"] = _device(backend)
-    results.update(command="python -m collectives bench-sparse " + " ".join(argv if argv is not None else sys.argv[1:]),
+    command = ".venv/bin/python -m collectives bench-sparse " + " ".join(argv if argv is not None else sys.argv[1:])
+    results.update(command=command,
                    torch=torch.__version__, python=sys.version.split()[0],
                    date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
     t0 = time.time()

@@ -1,4 +1,4 @@
-"""``python -m collectives bench-sparse-train``: time to accuracy on the simulated cluster.
+"""``.venv/bin/python -m collectives bench-sparse-train``: time to accuracy on the simulated cluster.
 
 Lesson 8's question asked of training itself: does sending 1 % of the gradient get a model
 to a given accuracy sooner than sending all of it -- and sooner than what torch users pick
@@ -347,7 +347,7 @@ def run_link(link: str | None, configs: list[dict], common: dict, overlap: bool,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m collectives bench-sparse-train",
+    parser = argparse.ArgumentParser(prog=".venv/bin/python -m collectives bench-sparse-train",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--links", default="1gbit,10gbit", help="the cluster's link rates, first one full runs")
     parser.add_argument("--seeds", type=int, default=5)
@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
                   warmup_epochs=SETTINGS["warmup_epochs"], evals_per_epoch=SETTINGS["evals_per_epoch"],
                   bucket_cap_mb=SETTINGS["bucket_cap_mb"], data=lab.load_digits_split(0))
     configs = _configs(args.quick, seeds)
-    record = dict(command="python -m collectives bench-sparse-train " + " ".join(argv if argv is not None
+    record = dict(command=".venv/bin/python -m collectives bench-sparse-train " + " ".join(argv if argv is not None
                                                                                  else sys.argv[1:]),
                   device=machine(), torch=torch.__version__, python=platform.python_version(),
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),

@@ -1,4 +1,4 @@
-"""``python -m collectives tour``: every lesson's algorithm on a local world, verified and timed.
+"""``.venv/bin/python -m collectives tour``: every lesson's algorithm on a local world, verified and timed.
 
 The tour finds the lessons, not the other way round: :data:`TOUR` below lists what each
 lesson contributes, by "module:function" strings, and a lesson module knows nothing of
@@ -210,7 +210,7 @@ def render(rows: list[TourRow], world_size: int, backend: str, console=None) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m collectives tour", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=".venv/bin/python -m collectives tour", description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=4, help="ranks (default 4)")
     parser.add_argument("--size", default="4M", help="bytes per all-reduce, e.g. 4M (default)")
     parser.add_argument("--backend", choices=["gloo", "nccl"], default=None,

@@ -1,4 +1,4 @@
-"""``python -m collectives trace ALGO``: one traced run of an all-reduce, as a Chrome trace.
+"""``.venv/bin/python -m collectives trace ALGO``: one traced run of an all-reduce, as a Chrome trace.
 
 ::
 
@@ -154,12 +154,12 @@ def record(name: str, world: int = 4, nbytes: int = 1 << 20, *, impl: str = "ref
                 host=platform.node(), cpus=os.cpu_count(), backend=backend,
                 nccl=".".join(map(str, torch.cuda.nccl.version())) if backend == "nccl" else "",
                 date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                command=command or f"python -m collectives trace {slug(entry.name)} --world {world}")
+                command=command or f".venv/bin/python -m collectives trace {slug(entry.name)} --world {world}")
     return trace_export.chrome_trace(traces, metadata=meta)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m collectives trace", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=".venv/bin/python -m collectives trace", description=__doc__.splitlines()[0])
     parser.add_argument("algo", nargs="?", help="an all-reduce of the course (--list names them)")
     parser.add_argument("--world", type=int, default=4, help="ranks (default 4)")
     parser.add_argument("--size", default="1M", help="bytes reduced, e.g. 64K, 1M (default 1M)")
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("name an algorithm (--list names them)")
     if args.world < 1 or (args.machines and args.world % args.machines):
         parser.error(f"--world {args.world} does not split over --machines {args.machines}")
-    command = "python -m collectives trace " + " ".join(sys.argv[2:] if argv is None else argv)
+    command = ".venv/bin/python -m collectives trace " + " ".join(sys.argv[2:] if argv is None else argv)
     doc = record(args.algo, args.world, timing.parse_size(args.size), impl=args.impl, machines=args.machines,
                  link=args.link, backend=args.backend or launch.auto_backend(args.world), command=command)
     problems = trace_export.validate(doc)

@@ -215,7 +215,7 @@ def build(pl: Player, per_rank: list[dict]) -> tuple[dict, dict]:
     meta = dict(player=pl.name, target=pl.target, world_size=p, numel=pl.numel, backend="gloo",
                 device=platform.processor() or platform.machine() or "cpu", torch=torch.__version__,
                 date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                command="python -m collectives trace --players DIR")
+                command=".venv/bin/python -m collectives trace --players DIR")
     doc["meta"] = meta
     return doc, trace_export.chrome_trace(traces, metadata=meta)
 

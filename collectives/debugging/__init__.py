@@ -12,7 +12,7 @@ when the world is stopped. This lesson reads the dumps of all ranks side by side
                        collective #k, the first collective whose calls differ, a cycle of
                        waits, a straggler;
 * :mod:`.diagnose`  -- all of them together, with dead ranks and a link down, as a report
-                       (``python -m collectives diagnose DIR``);
+                       (``.venv/bin/python -m collectives diagnose DIR``);
 * :mod:`.faults`    -- the bugs, as small training loops, and scenarios drawn from seeds;
 * :mod:`.scenarios` -- a fault run for real, ended by the watchdog, a death or itself;
 * :mod:`.synth`     -- the same scenarios' dumps without a world, in a millisecond;

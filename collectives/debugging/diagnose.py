@@ -1,6 +1,6 @@
 """The whole diagnosis: the four checks of :mod:`.analyze`, dead ranks, a link down, and what is left.
 
-``python -m collectives diagnose DIR`` prints :func:`report` of :func:`diagnose`::
+``.venv/bin/python -m collectives diagnose DIR`` prints :func:`report` of :func:`diagnose`::
 
     Diagnosis of 4 ranks (dumped on timeout), 1 finding:
     1. missing: rank 2 never entered all_reduce #5 of the world; ranks 0, 1, 3 wait in it.

@@ -23,7 +23,7 @@ DGC, the momentum moves into the hook) and Adam.
 
 :func:`train` returns, per run, the test accuracy at regular steps with the training time
 spent until then (evaluation not counted), and the bytes each rank puts on the wire per
-step. scikit-learn is the ``lab`` extra (``pip install -e '.[lab]'``; ``make test``
+step. scikit-learn is the ``lab`` extra (``.venv/bin/pip install -e '.[lab]'``; ``make test``
 installs it).
 """
 

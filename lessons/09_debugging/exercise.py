@@ -25,7 +25,7 @@ A dump is one rank's ``rank<r>.json`` as a dict: ``dump["rank"]``, ``dump["reaso
 ``p2p_seq_id``, ``profiling_name``, ``process_group``, ``pg_ranks``, ``is_p2p``, ``peer``,
 ``input_sizes``, ``input_dtypes``, ``state``, ``time_created_ns``, ``frames``, ...).
 ``collectives.debugging.scenario_dumps(kind, seed)`` makes every rank's dumps of a fault in
-a millisecond; ``python -m collectives diagnose --run skip`` runs one for real.
+a millisecond; ``.venv/bin/python -m collectives diagnose --run skip`` runs one for real.
 
 Course functions you may call (the sheet is checked against the code):
 
