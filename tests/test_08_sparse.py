@@ -960,3 +960,40 @@ def test_a_time_to_accuracy_run_trains_past_its_epochs_and_stops_at_its_target()
     plain, unreached, stopped = res["plain"], res["unreached"], res["stopped"]
     assert unreached["steps"] == 2 * plain["steps"] and unreached["final"] == plain["final"] is not None
     assert stopped["steps"] == plain["steps_per_epoch"] // 2 and stopped["final"] is None
+
+
+def test_bench_sparse_train_records_say_what_the_json_says(tmp_path):
+    """The figures' records are made from a bench-sparse-train JSON: the measurement's meta,
+    each link's times with their winner, the ratios to dense, the Measured table; and a
+    sentence that compares the runs the other way round is caught."""
+    import matplotlib
+    matplotlib.use("Agg")
+    from collectives.course import claims, sparse_record
+    from collectives.course import sparse_train_bench as stb
+
+    def run(name, seed, curve):
+        return dict(run=name, model="wide", optimizer="sgd", seed=seed, curve=curve, steps=30, steps_per_epoch=10,
+                    seconds=curve[-1][1], final=curve[-1][2], bytes_per_step=1000.0, complete=True)
+    runs = [run("dense", s, [(10, 1.0, 0.80), (20, 2.0, 0.95), (30, 3.0, 0.97)]) for s in (0, 1)]
+    runs += [run("topk_ef", s, [(10, 0.5, 0.80), (20, 1.0, 0.90), (30, 1.5, 0.96)]) for s in (0, 1)]
+    targets = stb.targets_from(runs)
+    summary = stb.summarize(runs, targets)
+    record = dict(command=".venv/bin/python -m collectives bench-sparse-train", device="Some CPU, 16 cores",
+                  torch="2.x", date="2026-01-01T00:00+00:00", settings=dict(stb.SETTINGS, seeds=2),
+                  links={"1gbit": dict(runs=runs)}, targets=targets, summary={"1gbit": summary},
+                  winner={"1gbit": stb.winner(summary)})
+    sparse_record.train_figures(record, tmp_path, "draw")
+    made = claims.load("08-time-to-accuracy", tmp_path)
+    assert made["meta"]["device"] == "16-core x86 host (Some CPU)" and made["meta"]["command"] == record["command"]
+    assert not claims.record_problems(made) and (tmp_path / made["image"]).exists()
+    one = next(c for c in made["comparisons"] if c["id"] == "1gbit")
+    assert one["values"] == {"dense": pytest.approx(3.0), "topk_ef": pytest.approx(1.5)}
+    assert one["order"][0] == "topk_ef"
+    assert "top-k with error feedback 2.00×" not in one["text"] and "ran 2.00× as fast as dense fp32" in one["text"]
+    ratios = next(c for c in made["comparisons"] if c["id"] == "1gbit-ratios")["text"]
+    assert ratios.endswith("top-k with error feedback 0.50×.")
+    assert made["table"]["rows"][1][:4] == ["top-k with error feedback", "1 kB", "1.5 s", "0.50×"]
+    assert claims.contradictions("Dense fp32 is faster than top-k with error feedback.", [made])
+    assert not claims.contradictions("Top-k with error feedback is faster than dense.", [made])
+    final = claims.load("08-convergence", tmp_path)["comparisons"][0]
+    assert final["accuracy"]["topk_ef"] == pytest.approx(0.96) and "dense fp32 0.970" in final["text"]

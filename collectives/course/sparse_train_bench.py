@@ -45,9 +45,8 @@ from ..core import launch, netns
 from ..sparse import lab
 from .catalog import ROOT
 
-PUBLISHED = dict(json=ROOT / "docs" / "data" / "08-sparse-train.json",
-                 figure=ROOT / "docs" / "img" / "08-time-to-accuracy.png",
-                 convergence=ROOT / "docs" / "img" / "08-convergence.png",
+# --publish: the figures as SVG with their records (:mod:`.sparse_record`), where the page reads them
+PUBLISHED = dict(json=ROOT / "docs" / "data" / "08-sparse-train.json", records=ROOT / "docs" / "img",
                  snippet=ROOT / "docs" / "snippets" / "sparse-train.md")
 SETTINGS = dict(epochs=12, batch=32, density=0.01, warmup_epochs=1.0, evals_per_epoch=4, bucket_cap_mb=1.0)
 LR = {"sgd": 0.05, "adam": 1e-3}
@@ -423,19 +422,23 @@ def _write(record: dict, paths: dict, write_json: bool) -> int:
     import matplotlib
     matplotlib.use("Agg")
     from .plots import DPI
-    for key in ("json", "figure", "convergence"):
-        paths[key].parent.mkdir(parents=True, exist_ok=True)
+    paths["json"].parent.mkdir(parents=True, exist_ok=True)
     if write_json:
         paths["json"].write_text(json.dumps(record, indent=1))
-    plot_time_to_accuracy(record).savefig(paths["figure"], dpi=DPI)
-    plot_convergence(record).savefig(paths["convergence"], dpi=DPI)
+    if paths.get("records"):
+        from .sparse_record import train_figures
+        figures = train_figures(record, paths["records"], ".venv/bin/python -m collectives bench-sparse-train "
+                                "--publish")
+    else:
+        figures = [paths["figure"], paths["convergence"]]
+        figures[0].parent.mkdir(parents=True, exist_ok=True)
+        plot_time_to_accuracy(record).savefig(figures[0], dpi=DPI)
+        plot_convergence(record).savefig(figures[1], dpi=DPI)
     if paths.get("snippet"):
-        rel = {"time to accuracy": "../img/" + paths["figure"].name,
-               "convergence": "../img/" + paths["convergence"].name}
         paths["snippet"].parent.mkdir(parents=True, exist_ok=True)
-        paths["snippet"].write_text(snippet(record, rel if paths["snippet"] == PUBLISHED["snippet"] else None))
+        paths["snippet"].write_text(snippet(record))
     print(snippet(record))
-    print(f"wrote {paths['json']}, {paths['figure']}, {paths['convergence']}"
+    print(f"wrote {paths['json']}, " + ", ".join(map(str, figures))
           + (f", {paths['snippet']}" if paths.get("snippet") else ""))
     return 0
 
