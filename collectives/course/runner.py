@@ -178,9 +178,12 @@ def _in_world(number: int, grading: InWorldGrading, chosen: list[int],
         grading.reset_costs()
         try:
             verdict = run_task(task, grading)
-        except Exception as exc:  # noqa: BLE001 - a gloo timeout: this world can do no more
+        except (RuntimeError, TimeoutError, dist.DistBackendError) as exc:  # a gloo timeout: this world can do no more
             hung = trace.current_context() or f"lesson {number} task {task.number}"
             verdict = Verdict([f"the world hung in {hung}: {str(exc).splitlines()[0][:200]}"])
+        except Exception as exc:  # noqa: BLE001 - the judge's own failure is not the world's
+            verdict = Verdict([f"the grader could not judge this task ({type(exc).__name__}: "
+                               f"{str(exc).splitlines()[0][:160] if str(exc) else ''}): please report it"])
         out.append((task, verdict, _costs(grading, i) if costs and not hung else ""))
     return out
 

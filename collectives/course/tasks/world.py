@@ -28,6 +28,7 @@ The same code runs in three places:
 
 from __future__ import annotations
 
+import itertools
 import os
 import pickle
 import time
@@ -196,7 +197,6 @@ class InWorldGrading(Grading):
 
     def __init__(self, spec: str, **kwargs):
         super().__init__(spec, check=True, **kwargs)
-        self._rounds = 0
         self.probe_seconds = 0.0    # this rank's time in probes (the student's code), since reset
         self.probe_link_bytes = 0   # bytes this rank's link to other machines sent in them
 
@@ -218,8 +218,9 @@ class InWorldGrading(Grading):
         self.probe_link_bytes += after - before if before is not None and after is not None else 0
         _tap.install(lambda item: None)       # the exchange below is the course's own
         store = dist.distributed_c10d._get_default_store()
-        self._rounds += 1
-        base = f"collectives/tasks/{self._rounds}/"
+        # one count for the process, not per grading: every lesson of ``runner --all`` grades in
+        # the same store, and a key of an earlier lesson's round would hand back its records
+        base = f"collectives/tasks/{next(_ROUNDS)}/"
         rank, size = dist.get_rank(), dist.get_world_size()
         store.set(base + str(rank), pickle.dumps((secret, result, mine)))
         keys = [base + str(r) for r in range(size)]
@@ -228,6 +229,9 @@ class InWorldGrading(Grading):
         split = [_split(calls) for _, _, calls in gathered]
         return Run(size, [g[0] for g in gathered], [g[1] for g in gathered], [c for c, _ in split],
                    [lo for _, lo in split], [], check_traffic=True)
+
+
+_ROUNDS = itertools.count(1)     # the store keys of in-world rounds (the same on every rank)
 
 
 def link_bytes_sent() -> int | None:
