@@ -255,8 +255,8 @@ def _run_all(numbers: list[int], impl: str, timeout: float) -> list[tuple[int, s
         spec = lesson(number).module if impl == "reference" else str(lesson(number).exercise)
         for task, verdict, _ in _in_world(number, InWorldGrading(spec, timeout=timeout), []):
             lines.append((number, f"task {task.number} {task.title}", verdict.ok, verdict.first_line()))
-            if rank == 0:
-                _say(f"[lesson {number}] task {task.number} {task.title}: "
+            if rank == 0 or not verdict.ok:      # another rank speaks only when it judged otherwise
+                _say(f"{'' if rank == 0 else f'[rank {rank}] '}[lesson {number}] task {task.number} {task.title}: "
                      + ("PASS" if verdict.ok else "FAIL: " + verdict.first_line()))
     return lines
 

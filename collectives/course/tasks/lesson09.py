@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import os
 
+import torch.distributed as dist
+
 from ...debugging import KINDS, draw, expected, scenario_dumps
 from . import GradedTask
-from .world import Grading, Probe, Verdict, outcome_problem
+from .world import Grading, InWorldGrading, Probe, Verdict, outcome_problem
 
 HERE = __name__
 SEEDS_PER_FAULT = 3
@@ -71,7 +73,9 @@ def _judge(task: int):
         run = grading.world(f"{HERE}:probe_analysis", 1, task, scenarios, timeout=TIMEOUT)
         for problem in run.problems():
             verdict.add(problem)
-        for (label, _), want, outcome in zip(scenarios, wanted, run.results[0]):
+        # in one torchrun world every rank draws, probes and judges its own scenarios
+        mine = dist.get_rank() if isinstance(grading, InWorldGrading) else 0
+        for (label, _), want, outcome in zip(scenarios, wanted, run.results[mine]):
             where = f"{name}, a {label}"
             if outcome_problem(where, outcome, verdict):
                 continue
