@@ -22,7 +22,7 @@ from ...core.ops import ReduceOp
 from .. import verify
 from ..verify import SENTINEL, Case
 from .tap import Call
-from .world import Outcome, Probe, Run, Verdict, outcome_problem
+from .world import Grading, Outcome, Probe, Run, Verdict, outcome_problem
 
 
 @dataclass
@@ -259,3 +259,25 @@ class CountDivisions:
                 sink(Call("divide", None, first.numel(), "", 0.0, 0.0, ()))
             return original(first, *args, **kwargs)
         return divide
+
+
+# ---- an expanded tensor: refused ------------------------------------------------------------
+
+def probe_expanded(probe: Probe, name: str) -> Outcome:
+    return probe.call("expanded", probe.student(name), torch.ones(1).expand(8))
+
+
+def judge_expanded(grading: Grading, name: str, verdict: Verdict) -> None:
+    """An expanded tensor (elements sharing memory) on the whole world of 2: ValueError, and
+    not a crash (gloo's own all_reduce crashes on one)."""
+    try:
+        run = grading.world(f"{__name__}:probe_expanded", 2, name)
+    except Exception as exc:  # noqa: BLE001 - a crash or a hang on an expanded tensor is this check's failure
+        verdict.add(f"{name} on an expanded tensor: {str(exc).splitlines()[0]}")
+        return
+    for rank, outcome in enumerate(run.results):
+        if outcome.not_written:
+            verdict.not_written = verdict.not_written or outcome.not_written
+        elif "ValueError" not in outcome.error:
+            verdict.add(f"{name}, world of 2, rank {rank}, case expanded tensor: an expanded tensor (elements "
+                        f"sharing memory) must be refused with ValueError, got {outcome.error or 'no error'}")

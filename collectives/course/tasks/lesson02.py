@@ -18,7 +18,7 @@ from ...core.ops import ReduceOp
 from .. import verify
 from ..verify import ALL_DTYPES, SENTINEL, Case
 from . import GradedTask
-from .allreduce import expected_output, judge_cases, messages_only, probe_cases
+from .allreduce import expected_output, judge_cases, judge_expanded, messages_only, probe_cases
 from .lesson01_messages import holds, refused
 from .tap import Call
 from .world import Grading, Probe, Verdict, outcome_problem, same, seed_of
@@ -302,26 +302,6 @@ def _reduce_broadcast_pattern(run):
 
 def probe_all_reduce(probe: Probe, cases: list[Case]) -> dict:
     return probe_cases(probe, "all_reduce_via_reduce_broadcast", cases)
-
-
-def probe_expanded(probe: Probe, name: str):
-    return probe.call("expanded", probe.student(name), torch.ones(1).expand(8))
-
-
-def judge_expanded(grading: Grading, name: str, verdict: Verdict) -> None:
-    """An expanded tensor (elements sharing memory) on the whole world of 2: ValueError, and
-    not a crash (gloo's own all_reduce crashes on one)."""
-    try:
-        run = grading.world(f"{HERE}:probe_expanded", 2, name)
-    except Exception as exc:  # noqa: BLE001 - a crash or a hang on an expanded tensor is this check's failure
-        verdict.add(f"{name} on an expanded tensor: {str(exc).splitlines()[0]}")
-        return
-    for rank, outcome in enumerate(run.results):
-        if outcome.not_written:
-            verdict.not_written = verdict.not_written or outcome.not_written
-        elif "ValueError" not in outcome.error:
-            verdict.add(f"{name}, world of 2, rank {rank}, case expanded tensor: an expanded tensor (elements "
-                        f"sharing memory) must be refused with ValueError, got {outcome.error or 'no error'}")
 
 
 def _judge_reduce_broadcast(grading: Grading) -> Verdict:

@@ -19,9 +19,8 @@ from ...core.ops import ReduceOp
 from .. import verify
 from ..verify import Case
 from . import GradedTask
-from .allreduce import judge_cases, messages_only, probe_cases
+from .allreduce import judge_cases, judge_expanded, messages_only, probe_cases
 from .lesson01_messages import fingerprint_of
-from .lesson02 import judge_expanded
 from .world import Grading, Probe, Verdict
 
 HERE = __name__

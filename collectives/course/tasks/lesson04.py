@@ -17,7 +17,15 @@ from ...core.ops import ReduceOp, chunk_bounds
 from .. import verify
 from ..verify import Case
 from . import GradedTask
-from .allreduce import carried_result, expected_output, judge_cases, messages_only, probe_cases, ring_pattern
+from .allreduce import (
+    carried_result,
+    expected_output,
+    judge_cases,
+    judge_expanded,
+    messages_only,
+    probe_cases,
+    ring_pattern,
+)
 from .world import Grading, Probe, Run, Verdict, outcome_problem, same
 
 HERE = __name__
@@ -220,12 +228,6 @@ def probe_all_reduce(probe: Probe, name: str, cases: list[Case], kwargs: dict | 
     return out
 
 
-def probe_expanded(probe: Probe, name: str) -> tuple:
-    fn = probe.student(name)
-    outcome = probe.call("expanded", fn, torch.ones(1).expand(8))
-    return outcome
-
-
 def _ring_task_pattern(pipelined: bool):
     counted_n = PIPELINE_N if pipelined else RING_N
 
@@ -240,20 +242,6 @@ def _ring_task_pattern(pipelined: bool):
                        f"finished ({large} at most), before the all-gather")
         return problem
     return pattern
-
-
-def _judge_expanded(grading: Grading, name: str, verdict: Verdict) -> None:
-    try:
-        run = grading.world(f"{HERE}:probe_expanded", 2, name)
-    except Exception as exc:  # noqa: BLE001 - a crash on an expanded tensor is this check's failure
-        verdict.add(f"{name} on an expanded tensor: {str(exc).splitlines()[0]}")
-        return
-    for rank, outcome in enumerate(run.results):
-        if outcome.not_written:
-            verdict.not_written = verdict.not_written or outcome.not_written
-        elif "ValueError" not in outcome.error:
-            verdict.add(f"{name}, rank {rank}: an expanded tensor (elements sharing memory) must be "
-                        f"refused with ValueError, got {outcome.error or 'no error'}")
 
 
 def _judge_all_reduce(grading: Grading, name: str, sizes, cases_for, pattern, *,
@@ -275,7 +263,7 @@ def _judge_all_reduce(grading: Grading, name: str, sizes, cases_for, pattern, *,
         if verdict.not_written or verdict.problems:
             break
     if not verdict.not_written and not verdict.problems:
-        _judge_expanded(grading, name, verdict)
+        judge_expanded(grading, name, verdict)
     return verdict
 
 
