@@ -44,6 +44,7 @@ import torch.distributed as dist
 from ..core import launch, netns
 from ..sparse import lab
 from .catalog import ROOT
+from .sparse_record import HEADLINE, plot_convergence, plot_time_to_accuracy
 
 # --publish: the figures as SVG with their records (:mod:`.sparse_record`), where the page reads them
 PUBLISHED = dict(json=ROOT / "docs" / "data" / "08-sparse-train.json", records=ROOT / "docs" / "img",
@@ -54,7 +55,6 @@ LR = {"sgd": 0.05, "adam": 1e-3}
 # whole way (its final accuracy, the target from dense's); on a later link it stops at the
 # target. The first is the one the winner is named for.
 PLAN = (("wide", "sgd", lab.RUNS, 0), ("mlp", "sgd", lab.RUNS, 0), ("wide", "adam", ("dense", "topk_ef", "dgc"), 1))
-HEADLINE = ("wide", "sgd")
 
 
 def machine() -> str:
@@ -201,72 +201,6 @@ def winner(summary: dict, key: str = "/".join(HEADLINE)) -> dict:
 
 
 # ---- figures and the page's tables --------------------------------------------------------------
-
-COLORS = dict(dense="black", bf16="tab:gray", powersgd1="tab:olive", powersgd4="tab:green",
-              topk_ef="tab:blue", topk_no_ef="tab:cyan", dgc="tab:red")
-
-
-def _mean_curve(seeds: list[dict]) -> tuple[list, list, list, list]:
-    """(steps, mean seconds, mean accuracy, std accuracy) over the evaluations all seeds have."""
-    length = min(len(r["curve"]) for r in seeds)
-    steps = [seeds[0]["curve"][i][0] for i in range(length)]
-    secs = [statistics.fmean(r["curve"][i][1] for r in seeds) for i in range(length)]
-    accs = [[r["curve"][i][2] for r in seeds] for i in range(length)]
-    return steps, secs, [statistics.fmean(a) for a in accs], [statistics.pstdev(a) for a in accs]
-
-
-def plot_time_to_accuracy(record: dict, key: str = "/".join(HEADLINE)):
-    """Test accuracy against training time, one panel per link on shared axes, mean of the
-    seeds; the dashed line is the target, a dot where each run's mean reaches it."""
-    from .plots import _figure
-    links = list(record["links"])
-    fig = _figure(5.2 * len(links), 4.2)
-    axes = fig.subplots(1, len(links), sharex=True, sharey=True, squeeze=False)[0]
-    target = record["targets"].get(key)
-    for ax, link in zip(axes, links):
-        runs = [r for r in record["links"][link]["runs"] if f"{r['model']}/{r['optimizer']}" == key]
-        for run in dict.fromkeys(r["run"] for r in runs):
-            seeds = [r for r in runs if r["run"] == run]
-            _, secs, acc, _ = _mean_curve(seeds)
-            ax.plot(secs, acc, color=COLORS.get(run), lw=1.4, label=run)
-            row = record["summary"][link][key]["runs"][run]
-            if "time_mean" in row and row["reached"] == row["seeds"]:
-                ax.plot([row["time_mean"]], [target], "o", color=COLORS.get(run), ms=5)
-        if target is not None:
-            ax.axhline(target, color="k", ls="--", lw=0.8)
-        best = record["winner"].get(link, {}).get("fastest")
-        ax.set(title=f"{link}: fastest to the target {best or 'none'}", xlabel="training seconds (mean of seeds)")
-        ax.set_ylim(max(0.0, (target or 0.5) - 0.35), 1.0)
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel(f"test accuracy ({key.replace('/', ', ')})")
-    axes[-1].legend(fontsize=8, loc="lower right")
-    return fig
-
-
-def plot_convergence(record: dict):
-    """Test accuracy against steps, mean ± one standard deviation over the seeds, per model
-    and optimizer (the runs trained to the end)."""
-    from .plots import _figure
-    epochs = record["settings"]["epochs"]
-    first = [dict(r, curve=[c for c in r["curve"] if c[0] <= epochs * r["steps_per_epoch"]])
-             for link in record["links"].values() for r in link["runs"] if r.get("complete", True)]
-    keys = list(dict.fromkeys(f"{r['model']}/{r['optimizer']}" for r in first))
-    fig = _figure(4.6 * len(keys), 3.8)
-    axes = fig.subplots(1, len(keys), sharey=True, squeeze=False)[0]
-    for ax, key in zip(axes, keys):
-        runs = [r for r in first if f"{r['model']}/{r['optimizer']}" == key]
-        for run in dict.fromkeys(r["run"] for r in runs):
-            steps, _, acc, spread = _mean_curve([r for r in runs if r["run"] == run])
-            ax.plot(steps, acc, color=COLORS.get(run), lw=1.3, label=run)
-            ax.fill_between(steps, [a - s for a, s in zip(acc, spread)], [a + s for a, s in zip(acc, spread)],
-                            color=COLORS.get(run), alpha=0.15, lw=0)
-        ax.set(title=key.replace("/", ", "), xlabel="step")
-        ax.set_ylim(0.5, 1.0)
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel(f"test accuracy, mean ± std of {record['settings']['seeds']} seeds")
-    axes[-1].legend(fontsize=8, loc="lower right")
-    return fig
-
 
 def _seconds(mean, std) -> str:
     return f"{mean:.2f} ± {std:.2f} s"
