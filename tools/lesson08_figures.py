@@ -5,7 +5,7 @@
 Nothing is measured here: the JSON records are written on a quiet 16-core host with the
 simulated cluster (as root, ~3 min for training with 2 seeds, ~2 min for the sweeps):
 
-    sudo .venv/bin/python -m collectives bench-sparse-train --seeds 2 --publish
+    sudo .venv/bin/python -m collectives bench-sparse-train --seeds 5 --publish
     sudo .venv/bin/python -m collectives bench-sparse --cluster --iters 3 \\
         --sweep 0.001,0.01,0.05,0.1,0.25,0.5 --json docs/data/08-sparse-bench.json
 
