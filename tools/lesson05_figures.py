@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,26 +40,14 @@ def _flushes(count: int, numel: int, buffer_bytes: int, iters: int) -> dict:
     """On every rank: one traced call with each setting, then ``iters`` rounds timing one
     call of each in turn."""
     import torch
-    import torch.distributed as dist
 
-    from collectives import trace
+    from collectives.course.fused_bench import traced_reducer_call
     from collectives.fused import FusedAllReducer
 
     tensors = [torch.randn(numel) for _ in range(count)]
     reducers = {double: FusedAllReducer(count * numel * 4 + 1, buffer_bytes, double_buffer=double)
                 for double in (False, True)}
-    drawn = {}
-    for double, reducer in reducers.items():
-        for _ in range(3):                      # warm-up: buffers, layout, first touch
-            reducer.all_reduce(tensors)
-            reducer.wait()
-        dist.barrier()
-        with trace.recording() as t:
-            start = time.perf_counter()
-            reducer.all_reduce(tensors)
-            reducer.wait()
-            end = time.perf_counter()
-        drawn[double] = ([(e.t0 - start, e.t1 - start) for e in t.collectives()], end - start)
+    drawn = {double: traced_reducer_call(reducer, tensors) for double, reducer in reducers.items()}
     times = {double: [] for double in reducers}
     for _ in range(iters):
         for double, reducer in reducers.items():

@@ -256,20 +256,23 @@ def plot(rows: list[dict], title: str, path: str) -> None:
 def _flush_timeline(count: int, numel: int, buffer_bytes: int) -> dict:
     """On every rank: when each flush's all-reduce was issued and landed, one and two buffers."""
     tensors = [torch.randn(numel) for _ in range(count)]
-    out = {}
-    for double in (False, True):
-        reducer = FastFusedAllReducer(count * numel * 4 + 1, buffer_bytes, double_buffer=double)
-        for _ in range(3):                      # warm-up: buffers, layout, first touch
-            reducer.all_reduce(tensors)
-            reducer.wait()
-        dist.barrier()
-        with trace.recording() as t:
-            start = time.perf_counter()
-            reducer.all_reduce(tensors)
-            reducer.wait()
-            end = time.perf_counter()
-        out[double] = ([(e.t0 - start, e.t1 - start) for e in t.collectives()], end - start)
-    return out
+    return {double: traced_reducer_call(FastFusedAllReducer(count * numel * 4 + 1, buffer_bytes, double_buffer=double),
+                                tensors) for double in (False, True)}
+
+
+def traced_reducer_call(reducer, tensors) -> tuple[list[tuple[float, float]], float]:
+    """After three warm-up calls, one traced call of ``reducer``: each flush's all-reduce
+    (issued, landed) in seconds from the call's start, and the call's length."""
+    for _ in range(3):                      # warm-up: buffers, layout, first touch
+        reducer.all_reduce(tensors)
+        reducer.wait()
+    dist.barrier()
+    with trace.recording() as t:
+        start = time.perf_counter()
+        reducer.all_reduce(tensors)
+        reducer.wait()
+        end = time.perf_counter()
+    return [(e.t0 - start, e.t1 - start) for e in t.collectives()], end - start
 
 
 def figures(directory: str) -> str:

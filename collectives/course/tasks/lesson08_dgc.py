@@ -20,7 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .lesson08_hook import LR, STEPS, batches, make_model
+from .lesson08_hook import LR, STEPS, batches, make_model, sgd_step
 from .lesson08_inputs import draw
 from .world import Grading, Outcome, Probe, Verdict, outcome_problem, same
 
@@ -116,11 +116,7 @@ def simulate(seed_of, p: int, settings: dict) -> list[torch.Tensor]:
             if masking:
                 velocity[r] = torch.where(keep, torch.zeros_like(v), velocity[r])
         for model in models:
-            start = 0
-            with torch.no_grad():
-                for q in model.parameters():
-                    q.add_(total[start:start + q.numel()].view_as(q), alpha=-LR)
-                    start += q.numel()
+            sgd_step(model, total)
     return [q.detach() for q in models[0].parameters()]
 
 

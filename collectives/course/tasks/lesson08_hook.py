@@ -199,12 +199,17 @@ def simulate(secrets_seed, p: int, density: float) -> list[torch.Tensor]:
             residuals[r] = x - sent
             total += sent
         for model in models:
-            start = 0
-            with torch.no_grad():
-                for q in model.parameters():
-                    q.add_(total[start:start + q.numel()].view_as(q), alpha=-LR)
-                    start += q.numel()
+            sgd_step(model, total)
     return [q.detach() for q in models[0].parameters()]
+
+
+def sgd_step(model, flat_update: torch.Tensor) -> None:
+    """Plain SGD on every parameter of ``model`` from one flat update (the ranks' sum)."""
+    start = 0
+    with torch.no_grad():
+        for q in model.parameters():
+            q.add_(flat_update[start:start + q.numel()].view_as(q), alpha=-LR)
+            start += q.numel()
 
 
 def judge_hook(grading: Grading, verdict: Verdict, size: int = 2) -> None:
