@@ -59,12 +59,13 @@ rank enters its machine's network namespace before it opens a socket, gets
 The same promises hold (needs root and iproute2). Its ranks log C++ messages from ERROR up
 (``TORCH_CPP_LOG_LEVEL=ERROR``, unless the environment or ``env=`` names another level):
 c10d warns once per connection that 198.18.x.x has no host name, which says nothing.
+
+What each rank's process does, from its start to its end, is :mod:`collectives.core.worker`.
 """
 
 from __future__ import annotations
 
 import ctypes
-import datetime
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -74,15 +75,14 @@ import signal
 import sys
 import tempfile
 import time
-import traceback
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
-from . import channels, flight_dumps, rankio, trace
+from . import channels, flight_dumps, rankio
 from . import cluster as _cluster
 from . import flight_recorder as _recorder
+from .worker import _worker
 
 __all__ = ["run", "run_world", "World", "RankError", "WorldTimeout", "auto_backend"]
 
@@ -133,102 +133,6 @@ def auto_backend(world_size: int) -> str:
     """What the command line picks: ``"nccl"`` when there is a GPU for every rank, else
     ``"gloo"``. :func:`run` itself defaults to gloo, so tests and notebooks stay on CPU."""
     return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
-
-
-def _worker(rank, world_size, local_world_size, fn, args, kwargs, backend, port_box, conn,
-            board, pg_timeout, init_timeout, threads, env, machine, stderr_path, store_path,
-            secret_conn=None, stream_conn=None):
-    rankio.die_with_parent(env.get(rankio.LAUNCHER_ENV))
-    status = board.slot(rank)
-    try:
-        rankio.capture_stderr(stderr_path)
-        channels._install(secret_conn, stream_conn)
-        store_addr = "127.0.0.1"
-        if machine is not None:
-            # A rank of a simulated cluster: move into its machine's network namespace
-            # before any socket exists, so everything it opens lives there.
-            netns_path, cluster_env = machine
-            status.set("starting: entering its machine's network namespace")
-            _cluster.enter_namespace(netns_path)
-            os.environ.update(cluster_env)
-            # c10d looks up a name for every peer's address, for its messages; 198.18.x.x has
-            # none and each connection warns so. Real errors are still printed.
-            rankio.set_cpp_log_level(env.get("TORCH_CPP_LOG_LEVEL")
-                               or os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"))
-            store_addr = cluster_env["MASTER_ADDR"]
-        os.environ.update(env)
-        if "TORCH_DISTRIBUTED_DEBUG" in env:    # torch read it at import, in the parent
-            dist.set_debug_level_from_env()
-        if threads:
-            torch.set_num_threads(threads)
-        _recorder.start_from_env(rank, world_size)     # before gloo's threads: see its serve()
-        status.set("starting: joining the store")
-        init = datetime.timedelta(seconds=init_timeout)
-        if machine is None:
-            # One machine: the ranks rendezvous through a file of this world's own. A TCP
-            # store would do as well but for one thing: c10d looks up a host name for every
-            # address it connects to or accepts, ::ffff:127.0.0.1 is not in /etc/hosts, and
-            # the lookup goes to the DNS resolver -- which, offline or slow, answered after
-            # its 5 s timeout one world in eight (docs/benchmarks.md, "worlds back to back").
-            store = dist.FileStore(store_path, world_size)
-            store.set_timeout(init)
-            rendezvous = dict(MASTER_ADDR=store_addr)
-            os.environ.pop("MASTER_PORT", None)      # no port: an inherited one would mislead
-        else:
-            # Several machines: a TCP store on machine 0, as torchrun's static rendezvous.
-            # Rank 0 hosts it on a port the kernel picks and publishes the port; the parent
-            # runs no store thread, so nothing it holds is forked mid-operation.
-            if rank == 0:
-                store = dist.TCPStore(store_addr, 0, world_size, is_master=True,
-                                      wait_for_workers=False, timeout=init)
-                port_box.value = store.port
-            else:
-                deadline = time.monotonic() + init_timeout
-                while port_box.value == 0:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"rank 0 did not open the store within {init_timeout:g} s")
-                    time.sleep(0.002)
-                store = dist.TCPStore(store_addr, port_box.value, world_size, is_master=False,
-                                      timeout=init)
-            rendezvous = dict(MASTER_ADDR=store_addr, MASTER_PORT=str(port_box.value))
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size),
-                          LOCAL_RANK=str(rank % local_world_size),
-                          LOCAL_WORLD_SIZE=str(local_world_size),
-                          GROUP_RANK=str(rank // local_world_size), **rendezvous)
-        store.set_timeout(datetime.timedelta(seconds=pg_timeout))
-        device_id = None
-        if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-            device_id = torch.device("cuda", torch.cuda.current_device())
-        status.set("starting: init_process_group")
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=pg_timeout),
-                                device_id=device_id)
-        trace.install(rank, status)
-        status.set("running")
-        result = fn(*args, **(kwargs or {}))
-        board.done[rank] = 1
-        status.set("finished")
-        payload = pickle.dumps(("ok", result, "", channels.sent()))
-    except BaseException as exc:  # noqa: BLE001 - everything goes back to the caller
-        summary = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
-        payload = pickle.dumps(("error", summary, traceback.format_exc(), channels.sent()))
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        conn.send_bytes(payload)
-        conn.close()
-        if world_size > 1:
-            # Stay up until the launcher has every result and ends the world. Exiting now
-            # would close this rank's connections while a slower peer may still be
-            # completing gloo's handshake with it (it fails with "Connection closed by
-            # peer"), and on a simulated cluster rank 0 hosts the store late ranks
-            # rendezvous through.
-            while True:
-                time.sleep(3600)
-    finally:
-        # No destroy_process_group(): it can wait on peers. The parent reaps us.
-        os._exit(0)
 
 
 class World:
