@@ -16,9 +16,11 @@ $(STAMP): pyproject.toml constraints.txt
 tour: $(STAMP)
 	$(PY) -m collectives tour $(TOUR_ARGS)
 
-## make test: the whole suite (unit, grader, notebooks, site)
+## make test [JOBS=2]: the whole suite (unit, grader, notebooks, site), on JOBS pytest workers
+## (the notebooks and the site share one worker, in order, and so do the simulated clusters)
+JOBS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(if $(filter-out 0 1,$(JOBS)),-n $(JOBS) --dist loadgroup) $(PYTEST_ARGS)
 
 ## make grade [LESSON=04] [TASK=3] [TIMEOUT=30]: score the exercises in lessons/*/exercise.py
 grade: $(STAMP)

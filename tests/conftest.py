@@ -28,6 +28,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and gpus < 2:
             item.add_marker(skip)
+    _mark_groups(items)
 
 
 @pytest.fixture(scope="session")
@@ -42,3 +43,24 @@ def impl(request, impl_kind) -> str:
     if number is None:
         raise RuntimeError(f"{request.module.__name__} must set LESSON = <lesson number>")
     return spec_for(number, impl_kind)
+
+
+# Under ``pytest -n`` (pytest-xdist, ``--dist loadgroup``; ``make test`` runs two workers) a
+# group runs on one worker, in file order: the notebooks before the site that shows their
+# executed copies, and every test that builds a simulated cluster one after another.
+_GROUPS = {"test_notebooks.py": "site", "test_site.py": "site",
+           "test_cluster.py": "cluster", "test_09_debugging.py": "cluster"}
+_CLUSTER_TESTS = {"test_on_the_simulated_cluster_with_the_layout_from_the_environment"}
+
+
+def _group(item) -> str | None:
+    if item.path.name in _GROUPS:
+        return _GROUPS[item.path.name]
+    return "cluster" if item.originalname in _CLUSTER_TESTS else None
+
+
+def _mark_groups(items) -> None:
+    for item in items:
+        group = _group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))

@@ -170,25 +170,27 @@ CHEAT_TARGETS = {
 }
 
 
-def test_every_cheat_scores_zero_on_its_tasks_and_a_hang_costs_only_its_task(tmp_path):
-    seen = {}
-    for name, (number, targets, control) in CHEAT_TARGETS.items():
-        student = tmp_path / name
-        shutil.copytree(ROOT / "lessons", student)
-        shutil.copy(CHEATS / f"{name}.py", student / LESSONS[number - 1].exercise.parent.name / "exercise.py")
-        os.environ["COLLECTIVES_TIMEOUT"] = "10"
-        try:
-            verdicts = _grader(number, exercises=student, tasks=sorted(targets))
-            if control is not None:          # the fixture leaves the reference's task whole (worlds of 4 show it)
-                verdicts.update(_grader(number, exercises=student, tasks=[control], world=PARTIAL_WORLD))
-        finally:
-            os.environ.pop("COLLECTIVES_TIMEOUT")
-        for task in targets:
-            assert not verdicts[task][0], f"{name}: task {task} scored: {verdicts[task][1]}"
-        if control is not None:
-            assert verdicts[control][0], f"{name}: task {control} (the reference's) scores: {verdicts[control][1]}"
-        seen[name] = verdicts
-    assert "hung in pipelined_ring_all_reduce" in seen["replaced_verdict_and_a_hang"][4][1]
+@pytest.mark.parametrize("name", CHEAT_TARGETS)
+def test_every_cheat_scores_zero_on_its_tasks_and_a_hang_costs_only_its_task(name, tmp_path, monkeypatch):
+    number, targets, control = CHEAT_TARGETS[name]
+    student = tmp_path / name
+    shutil.copytree(ROOT / "lessons", student)
+    shutil.copy(CHEATS / f"{name}.py", student / LESSONS[number - 1].exercise.parent.name / "exercise.py")
+    monkeypatch.setenv("COLLECTIVES_TIMEOUT", "10")
+    verdicts = _grader(number, exercises=student, tasks=sorted(targets))
+    if control is not None:                  # the fixture leaves the reference's task whole (worlds of 4 show it)
+        verdicts.update(_grader(number, exercises=student, tasks=[control], world=PARTIAL_WORLD))
+    for task in targets:
+        assert not verdicts[task][0], f"{name}: task {task} scored: {verdicts[task][1]}"
+    if control is not None:
+        assert verdicts[control][0], f"{name}: task {control} (the reference's) scores: {verdicts[control][1]}"
+    if name == "replaced_verdict_and_a_hang":
+        assert "hung in pipelined_ring_all_reduce" in verdicts[4][1], verdicts[4][1]
+
+
+def test_every_cheat_fixture_is_listed():
+    on_disk = {p.stem for p in CHEATS.glob("*.py")} - {"__init__", "zeros", "avg_divides_the_whole_tensor"}
+    assert on_disk == set(CHEAT_TARGETS), on_disk ^ set(CHEAT_TARGETS)
 
 
 def test_lesson_7_stages_written_with_library_collectives_pass(tmp_path):

@@ -258,9 +258,11 @@ def slot_cases(seed: int) -> list[tuple[str, torch.Tensor, list[tuple]]]:
     cases = []
     for k in range(8):
         shapes = [_shape(g) for _ in range(_draw(g, 1, 7))]
+        if k % 2:                            # a buffer at an offset always carries elements
+            shapes.insert(_draw(g, 0, len(shapes)), (_draw(g, 1, 9),))
         total = sum(math.prod(s) for s in shapes)
         dtype = (torch.float32, torch.int64, torch.float16)[k % 3]
-        start = _draw(g, 0, 3) if k % 2 else 0
+        start = _draw(g, 1, 3) if k % 2 else 0
         whole = torch.randint(-1000, 1000, (start + total + _draw(g, 0, 5),), generator=g).to(dtype)
         cases.append((f"slots {k} ({len(shapes)} shapes{', buffer at an offset' if start else ''})",
                       whole[start:], shapes))
