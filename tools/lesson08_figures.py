@@ -6,11 +6,12 @@ Nothing is measured here: the JSON records are written on a quiet 16-core host w
 simulated cluster (as root, ~3 min for training with 2 seeds, ~2 min for the sweeps):
 
     sudo .venv/bin/python -m collectives bench-sparse-train --seeds 5 --publish
+    sudo .venv/bin/python -m collectives bench-sparse-train --plan cnn --seeds 5 --publish
     sudo .venv/bin/python -m collectives bench-sparse --cluster --iters 3 \\
         --sweep 0.001,0.01,0.05,0.1,0.25,0.5 --json docs/data/08-sparse-bench.json
 
-and this script draws ``docs/img/08-time-to-accuracy``, ``08-convergence`` and
-``08-density-sweep`` (SVG and record, :mod:`collectives.course.sparse_record`), and writes
+and this script draws ``docs/img/08-time-to-accuracy``, ``08-convergence`` (and their
+``-cnn`` twins) and ``08-density-sweep`` (SVG and record, :mod:`collectives.course.sparse_record`), and writes
 every row of the ``bench-sparse`` records to ``docs/snippets/bench-sparse-runs.md``.
 """
 
@@ -41,9 +42,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     load = lambda name: json.loads((data / name).read_text()) if (data / name).exists() else None  # noqa: E731
     written = []
-    train = load("08-sparse-train.json")
-    if train:
-        written += sparse_record.train_figures(train, out, COMMAND)
+    for name in ("08-sparse-train.json", "08-sparse-train-cnn.json"):
+        train = load(name)
+        if train:
+            written += sparse_record.train_figures(train, out, COMMAND)
     bench = load("08-sparse-bench.json")
     if bench:
         written.append(sparse_record.sweep_figure(bench, out, COMMAND, load("08-sparse-loopback.json")))

@@ -30,6 +30,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import html
 import importlib.metadata
@@ -140,13 +141,24 @@ def _players_key() -> str:
 
 def start_recording_players() -> None:
     """Record the players for this code in a subprocess that runs while the pages are built
-    (small worlds; a few seconds), unless an earlier build of the same code did."""
+    (small worlds; a few seconds), unless an earlier build of the same code did.
+
+    Two processes may want them at once (the site's build and the trace tests, on two pytest
+    workers): the first takes the cache's lock until its recording is in place, the second
+    waits for it and then finds the recording done."""
     folder = PLAYERS_CACHE / _players_key()
-    _players.update(folder=folder, recording=None, wanted={})
+    _players.update(folder=folder, recording=None, wanted={}, lock=None)
+    PLAYERS_CACHE.mkdir(parents=True, exist_ok=True)
+    lock = open(PLAYERS_CACHE / ".lock", "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)
     if (folder / "done").exists():
+        lock.close()
         return
-    shutil.rmtree(PLAYERS_CACHE, ignore_errors=True)          # older code's recordings
+    for old in PLAYERS_CACHE.iterdir():                      # older code's recordings
+        if old.name != ".lock":
+            shutil.rmtree(old, ignore_errors=True)
     partial = PLAYERS_CACHE / (folder.name + ".partial")
+    _players["lock"] = lock
     _players["recording"] = subprocess.Popen(
         [sys.executable, "-m", "collectives", "trace", "--players", str(partial)], cwd=ROOT,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
@@ -154,15 +166,20 @@ def start_recording_players() -> None:
 
 def finish_recording_players() -> Path:
     """Wait for the recording; the folder of players."""
-    folder, proc = _players["folder"], _players["recording"]
-    if proc is not None:
-        output, _ = proc.communicate()
-        _players["recording"] = None
-        if proc.returncode != 0:
-            raise PluginError("recording the trace players failed:\n" + output[-3000:])
-        partial = folder.with_name(folder.name + ".partial")
-        (partial / "done").write_text(output)
-        partial.rename(folder)
+    folder, proc, lock = _players["folder"], _players["recording"], _players.get("lock")
+    try:
+        if proc is not None:
+            output, _ = proc.communicate()
+            _players["recording"] = None
+            if proc.returncode != 0:
+                raise PluginError("recording the trace players failed:\n" + output[-3000:])
+            partial = folder.with_name(folder.name + ".partial")
+            (partial / "done").write_text(output)
+            partial.rename(folder)
+    finally:
+        if lock is not None:
+            lock.close()
+            _players["lock"] = None
     return folder
 
 

@@ -53,9 +53,25 @@ def _legible(fig):
     return fig
 
 
+MODEL_NAMES = {"wide": "the wide MLP", "mlp": "the lab’s MLP", "cnn": "the convolutional network"}
+
+
 def _model(model_opt: str) -> str:
     model, opt = model_opt.split("/")
-    return f"{'the wide MLP' if model == 'wide' else 'the lab’s MLP'}, {'SGD' if opt == 'sgd' else 'Adam'}"
+    return f"{MODEL_NAMES.get(model, model)}, {'SGD' if opt == 'sgd' else 'Adam'}"
+
+
+def headline(train: dict) -> str:
+    """The ``model/optimizer`` a ``bench-sparse-train`` record names its winner for."""
+    return train.get("headline", "/".join(HEADLINE))
+
+
+def figure_names(train: dict) -> tuple[str, str]:
+    """The time-to-accuracy and convergence figures' names: the MLPs' plain, another plan's
+    with the plan's name (``08-time-to-accuracy-cnn``)."""
+    plan = train.get("plan", "mlps")
+    suffix = "" if plan == "mlps" else f"-{plan}"
+    return f"08-time-to-accuracy{suffix}", f"08-convergence{suffix}"
 
 
 def _ratios(runs: dict, label: str) -> str:
@@ -68,10 +84,11 @@ def train_figures(train: dict, img: Path, drawn_by: str) -> list[Path]:
     """``08-time-to-accuracy`` and ``08-convergence`` (SVG and record) from a
     ``bench-sparse-train`` JSON record."""
 
-    key = "/".join(HEADLINE)
+    key = headline(train)
+    tta_name, conv_name = figure_names(train)
     meta = _meta(train, drawn_by)
     seeds = train["settings"]["seeds"]
-    record = claims.Record("08-time-to-accuracy", names=RUN_NAMES, aliases=RUN_ALIASES, meta=meta,
+    record = claims.Record(tta_name, names=RUN_NAMES, aliases=RUN_ALIASES, meta=meta,
                            title="Time to accuracy, dense against bf16, PowerSGD and sparse top-k",
                            alt="test accuracy against training seconds, one panel per link")
     shown = []
@@ -129,9 +146,9 @@ def train_figures(train: dict, img: Path, drawn_by: str) -> list[Path]:
         head += [f"time to target, {LINKS.get(link, link)}", "× dense"]
     record.table = {"head": head + ["final accuracy"], "rows": rows}
     record.caption = record.text(*shown)
-    out = [plots.save(_legible(plot_time_to_accuracy(train)), img / "08-time-to-accuracy", record)]
+    out = [plots.save(_legible(plot_time_to_accuracy(train)), img / tta_name, record)]
 
-    conv = claims.Record("08-convergence", names=RUN_NAMES, aliases=RUN_ALIASES, meta=meta,
+    conv = claims.Record(conv_name, names=RUN_NAMES, aliases=RUN_ALIASES, meta=meta,
                          title="Test accuracy against steps, mean ± std over the seeds",
                          alt="test accuracy against steps for each model and optimizer")
     finals = {}
@@ -146,7 +163,7 @@ def train_figures(train: dict, img: Path, drawn_by: str) -> list[Path]:
         conv.fact(f"final-{model_opt.replace('/', '-')}",
                   f"Final test accuracy ({_model(model_opt)}, mean of {seeds} seeds): {said}.",
                   accuracy=values)
-    out.append(plots.save(_legible(plot_convergence(train)), img / "08-convergence", conv))
+    out.append(plots.save(_legible(plot_convergence(train)), img / conv_name, conv))
     return out
 
 
@@ -244,10 +261,11 @@ def _mean_curve(seeds: list[dict]) -> tuple[list, list, list, list]:
     return steps, secs, [statistics.fmean(a) for a in accs], [statistics.pstdev(a) for a in accs]
 
 
-def plot_time_to_accuracy(record: dict, key: str = "/".join(HEADLINE)):
+def plot_time_to_accuracy(record: dict, key: str | None = None):
     """Test accuracy against training time, one panel per link on shared axes, mean of the
     seeds; the dashed line is the target, a dot where each run's mean reaches it."""
     from .plots import _figure
+    key = key or headline(record)
     links = list(record["links"])
     fig = _figure(5.2 * len(links), 4.2)
     axes = fig.subplots(1, len(links), sharex=True, sharey=True, squeeze=False)[0]

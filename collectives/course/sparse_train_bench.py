@@ -44,17 +44,27 @@ import torch.distributed as dist
 from ..core import launch, netns
 from ..sparse import lab
 from .catalog import ROOT
-from .sparse_record import HEADLINE, plot_convergence, plot_time_to_accuracy
+from .sparse_record import HEADLINE, headline, plot_convergence, plot_time_to_accuracy
+
 
 # --publish: the figures as SVG with their records (:mod:`.sparse_record`), where the page reads them
-PUBLISHED = dict(json=ROOT / "docs" / "data" / "08-sparse-train.json", records=ROOT / "docs" / "img",
-                 snippet=ROOT / "docs" / "snippets" / "sparse-train.md")
+def published(plan: str = "mlps") -> dict:
+    """Where ``--publish`` writes a plan's record, figures and tables (the MLPs' unsuffixed)."""
+    suffix = "" if plan == "mlps" else f"-{plan}"
+    return dict(json=ROOT / "docs" / "data" / f"08-sparse-train{suffix}.json", records=ROOT / "docs" / "img",
+                snippet=ROOT / "docs" / "snippets" / f"sparse-train{suffix}.md")
+
+
+PUBLISHED = published()
 SETTINGS = dict(epochs=12, batch=32, density=0.01, warmup_epochs=1.0, evals_per_epoch=4, bucket_cap_mb=1.0)
 LR = {"sgd": 0.05, "adam": 1e-3}
 # (model, optimizer, runs, the link it trains to the end on): on that link every run goes the
 # whole way (its final accuracy, the target from dense's); on a later link it stops at the
 # target. The first is the one the winner is named for.
 PLAN = (("wide", "sgd", lab.RUNS, 0), ("mlp", "sgd", lab.RUNS, 0), ("wide", "adam", ("dense", "topk_ef", "dgc"), 1))
+# ``--plan``: the MLPs (above) or the convolutional network, each a record of its own (the
+# first entry's model and optimizer is the one its winner is named for)
+PLANS = {"mlps": PLAN, "cnn": (("cnn", "sgd", lab.RUNS, 0),)}
 
 
 def machine() -> str:
@@ -146,7 +156,7 @@ def _mean_std(xs: list[float]) -> tuple[float, float]:
 def targets_from(runs: list[dict]) -> dict[str, float]:
     """``"model/optimizer"`` -> dense's final accuracy, mean over seeds, less one point."""
     out = {}
-    for model, optimizer, _, _ in PLAN:
+    for model, optimizer in dict.fromkeys((r["model"], r["optimizer"]) for r in runs):
         finals = [r["final"] for r in runs if (r["model"], r["optimizer"], r["run"]) == (model, optimizer, "dense")
                   and r["final"] is not None]
         if finals:
@@ -209,8 +219,9 @@ def _seconds(mean, std) -> str:
 def snippet(record: dict, figures: dict[str, str] | None = None) -> str:
     """The page's tables, written from the record: every number here is the JSON's."""
     s = record["settings"]
+    where = "4 ranks on loopback" if list(record["links"]) == ["loopback"] else "2 simulated machines × 2 ranks"
     lines = [f"`{record['command']}` on {record['device']}, torch {record['torch']}, {record['date']}: "
-             f"2 simulated machines × 2 ranks, {s['seeds']} seeds, {s['epochs']} epochs of {s['batch']} "
+             f"{where}, {s['seeds']} seeds, {s['epochs']} epochs of {s['batch']} "
              "examples per rank per step, density 1 %.", ""]
     finals = {}                              # model/optimizer -> run -> row with the final accuracy
     for summary in record["summary"].values():
@@ -224,9 +235,10 @@ def snippet(record: dict, figures: dict[str, str] | None = None) -> str:
         cells = [f"{rows[run]['final_mean']:.3f} ± {rows[run]['final_std']:.3f}" if run in rows else "--"
                  for rows in finals.values()]
         lines.append(f"| {run} | " + " | ".join(cells) + " |")
+    head = headline(record)
     for link, summary in record["summary"].items():
         for key, v in summary.items():
-            if v["target"] is None or not (key == "/".join(HEADLINE) or key.endswith("/adam")):
+            if v["target"] is None or not (key == head or key.endswith("/adam")):
                 continue
             lines += ["", f"**Time to {v['target']:.3f} test accuracy at {link}** ({key.replace('/', ', ')}; "
                       "training seconds, mean ± std of the seeds that reach it):", "",
@@ -261,8 +273,8 @@ def snippet(record: dict, figures: dict[str, str] | None = None) -> str:
 
 # ---- the command ------------------------------------------------------------------------------------
 
-def _configs(quick: bool, seeds: int) -> list[dict]:
-    plan = PLAN[:1] if quick else PLAN
+def _configs(quick: bool, seeds: int, plan_name: str = "mlps") -> list[dict]:
+    plan = PLANS[plan_name][:1] if quick else PLANS[plan_name]
     return [dict(model=model, optimizer=opt, run=run, seed=seed, lr=LR[opt], full_on=full_on)
             for model, opt, runs, full_on in plan for run in runs for seed in range(seeds)]
 
@@ -286,8 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--links", default="1gbit,10gbit", help="the cluster's link rates, first one full runs")
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--epochs", type=int, default=SETTINGS["epochs"])
+    parser.add_argument("--plan", choices=sorted(PLANS), default="mlps",
+                        help="the lab's MLP and the wide MLP (default), or the convolutional network")
     parser.add_argument("--quick", action="store_true",
-                        help="the wide model with SGD only, one seed, two epochs: to see it run")
+                        help="the plan's first model and optimizer only, one seed, two epochs: to see it run")
     parser.add_argument("--loopback", action="store_true", help="no cluster (no root needed): one link, loopback")
     parser.add_argument("--json", default="build/bench/sparse-train.json")
     parser.add_argument("--figure", default="build/bench/08-time-to-accuracy.png")
@@ -300,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
                  convergence=Path(args.figure).with_name("08-convergence.png"),
                  snippet=Path(args.snippet) if args.snippet else None)
     if args.publish:
-        paths = dict(PUBLISHED)
+        paths = published(args.plan)
     if args.render:
         record = json.loads(Path(args.render).read_text())
         return _write(record, paths, write_json=False)
@@ -314,12 +328,14 @@ def main(argv: list[str] | None = None) -> int:
     common = dict(epochs=epochs, batch=SETTINGS["batch"], density=SETTINGS["density"],
                   warmup_epochs=SETTINGS["warmup_epochs"], evals_per_epoch=SETTINGS["evals_per_epoch"],
                   bucket_cap_mb=SETTINGS["bucket_cap_mb"], data=lab.load_digits_split(0))
-    configs = _configs(args.quick, seeds)
+    configs = _configs(args.quick, seeds, args.plan)
+    model, optimizer, _, _ = PLANS[args.plan][0]
     record = dict(command=".venv/bin/python -m collectives bench-sparse-train " + " ".join(argv if argv is not None
                                                                                  else sys.argv[1:]),
                   device=machine(), torch=torch.__version__, python=platform.python_version(),
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
-                  settings=settings, links={}, summary={}, winner={})
+                  settings=settings, plan=args.plan, headline=f"{model}/{optimizer}", links={}, summary={},
+                  winner={})
     t0 = time.time()
     targets: dict[str, float] = {}
     for i, link in enumerate(links):
@@ -337,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
                 plan.append(config if c["run"] == "dense" else dict(config, target="dense", max_epochs=2 * epochs))
             elif full_on < i and key in targets:
                 plan.append(dict(config, target=targets[key], stop_at_target=True, max_epochs=2 * epochs))
-        result = run_link(link, plan, common, overlap=i == 0, timeout=1800)
+        result = run_link(link, plan, common, overlap=i == 0 and model == "wide", timeout=1800)
         for r, c in zip(result["runs"], plan):
             r["complete"] = not c.get("stop_at_target", False)
         record["links"][name] = dict(runs=result["runs"], seconds=time.time() - start)
@@ -345,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
             record["overlap"] = result["overlap"]
         targets.update(targets_from([r for r in result["runs"] if r["complete"]]))
         record["summary"][name] = summarize(result["runs"], targets)
-        record["winner"][name] = winner(record["summary"][name])
+        record["winner"][name] = winner(record["summary"][name], record["headline"])
         print(f"{name}: {len(plan)} runs in {time.time() - start:.0f} s; winner {record['winner'][name]}", flush=True)
     record["targets"] = targets
     record["seconds"] = time.time() - t0
