@@ -997,3 +997,23 @@ def test_bench_sparse_train_records_say_what_the_json_says(tmp_path):
     assert not claims.contradictions("Top-k with error feedback is faster than dense.", [made])
     final = claims.load("08-convergence", tmp_path)["comparisons"][0]
     assert final["accuracy"]["topk_ef"] == pytest.approx(0.96) and "dense fp32 0.970" in final["text"]
+
+
+def test_a_final_accuracy_comes_only_from_runs_trained_to_the_end():
+    """On a later link a run stops at the target; one seed that needed more than the epochs
+    to get there also has a final accuracy. The summary must not let that one seed stand for
+    the runs trained to the end (the published tables once did: ``± 0.000`` from one seed)."""
+    from collectives.course import sparse_train_bench as stb
+
+    def run(seed, final, complete):
+        return dict(run="topk_ef", model="cnn", optimizer="sgd", seed=seed, curve=[(10, 1.0, 0.6)], steps=10,
+                    steps_per_epoch=10, seconds=1.0, final=final, bytes_per_step=1.0, complete=complete)
+    full = [run(0, 0.90, True), run(1, 0.94, True)]
+    stopped = [run(0, None, False), run(1, 0.99, False)]       # seed 1 ran past the epochs to its target
+    record = dict(links={"1gbit": dict(runs=full), "10gbit": dict(runs=stopped)}, targets={"cnn/sgd": 0.5},
+                  summary={}, winner={}, headline="cnn/sgd", settings=dict(stb.SETTINGS, seeds=2),
+                  command="x", device="d", torch="t", date="2026-01-01")
+    stb.refresh(record)
+    assert record["summary"]["1gbit"]["cnn/sgd"]["runs"]["topk_ef"]["final_mean"] == pytest.approx(0.92)
+    assert "final_mean" not in record["summary"]["10gbit"]["cnn/sgd"]["runs"]["topk_ef"]
+    assert "| topk_ef | 0.920 ± 0.028 |" in stb.snippet(record)

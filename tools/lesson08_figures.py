@@ -27,7 +27,7 @@ import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 
-from collectives.course import sparse_record  # noqa: E402
+from collectives.course import sparse_record, sparse_train_bench  # noqa: E402
 
 DATA = ROOT / "docs" / "data"
 COMMAND = ".venv/bin/python tools/lesson08_figures.py"
@@ -44,8 +44,8 @@ def main() -> None:
     written = []
     for name in ("08-sparse-train.json", "08-sparse-train-cnn.json"):
         train = load(name)
-        if train:
-            written += sparse_record.train_figures(train, out, COMMAND)
+        if train:                            # summaries from the runs themselves, as bench-sparse-train makes them
+            written += sparse_record.train_figures(sparse_train_bench.refresh(train), out, COMMAND)
     bench = load("08-sparse-bench.json")
     if bench:
         written.append(sparse_record.sweep_figure(bench, out, COMMAND, load("08-sparse-loopback.json")))

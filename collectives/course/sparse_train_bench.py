@@ -175,7 +175,10 @@ def summarize(runs: list[dict], targets: dict[str, float]) -> dict:
         target = targets.get(key)
         rows = {}
         for run, seeds in by_run.items():
-            finals = [r["final"] for r in seeds if r["final"] is not None]
+            # a final accuracy only from runs trained to the end (a later link's runs stop at
+            # the target; one that needed more than the epochs to get there has a final too,
+            # which would stand for all the seeds)
+            finals = [r["final"] for r in seeds if r["final"] is not None and r.get("complete", True)]
             times = [time_to(r["curve"], target) for r in seeds] if target is not None else []
             reached = [t for t in times if t is not None]
             row = dict(seeds=len(seeds), reached=len(reached), bytes_per_step=seeds[0]["bytes_per_step"],
@@ -191,6 +194,15 @@ def summarize(runs: list[dict], targets: dict[str, float]) -> dict:
                 row["vs_dense"] = row["time_mean"] / dense
         out[key] = dict(target=target, runs=rows)
     return out
+
+
+def refresh(record: dict) -> dict:
+    """``record``'s summaries and winners computed again from its runs (``--render``: a record
+    written by an older summary gets today's)."""
+    for link, measured in record["links"].items():
+        record["summary"][link] = summarize(measured["runs"], record["targets"])
+        record["winner"][link] = winner(record["summary"][link], headline(record))
+    return record
 
 
 def winner(summary: dict, key: str = "/".join(HEADLINE)) -> dict:
@@ -252,7 +264,7 @@ def snippet(record: dict, figures: dict[str, str] | None = None) -> str:
             w = winner(summary, key)
             if w.get("fastest"):
                 text = f"Fastest to the target at {link} ({key.replace('/', ', ')}): **{w['fastest']}**"
-                if w.get("best_sparse"):
+                if w.get("best_sparse") and w.get("best_sparse_vs_dense") is not None:
                     text += (f"; the best sparse run, {w['best_sparse']}, takes "
                              f"{w['best_sparse_vs_dense']:.2f}× dense's time")
                     if w.get("best_sparse_vs_bf16") is not None:
@@ -316,8 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.publish:
         paths = published(args.plan)
     if args.render:
-        record = json.loads(Path(args.render).read_text())
-        return _write(record, paths, write_json=False)
+        record = refresh(json.loads(Path(args.render).read_text()))
+        return _write(record, paths, write_json=Path(args.render).resolve() == paths["json"].resolve())
     seeds, epochs = (1, 2) if args.quick else (args.seeds, args.epochs)
     links = [None] if args.loopback else args.links.split(",")
     if not args.loopback and netns.unavailable_reason():
