@@ -47,7 +47,8 @@ def impl(request, impl_kind) -> str:
 
 # Under ``pytest -n`` (pytest-xdist, ``--dist loadgroup``; ``make test`` runs two workers) a
 # group runs on one worker, in file order: the notebooks before the site that shows their
-# executed copies, and every test that builds a simulated cluster one after another.
+# executed copies, and every test that builds a simulated cluster one after another. Both
+# groups are collected first (sort is stable: the rest keep their order).
 _GROUPS = {"test_notebooks.py": "site", "test_site.py": "site",
            "test_cluster.py": "cluster", "test_09_debugging.py": "cluster"}
 _CLUSTER_TESTS = {"test_on_the_simulated_cluster_with_the_layout_from_the_environment"}
@@ -59,8 +60,12 @@ def _group(item) -> str | None:
     return "cluster" if item.originalname in _CLUSTER_TESTS else None
 
 
+_FIRST = ("site", "cluster")   # the longest chains start first, so no worker waits on them at the end
+
+
 def _mark_groups(items) -> None:
     for item in items:
         group = _group(item)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: _FIRST.index(_group(item)) if _group(item) in _FIRST else len(_FIRST))
