@@ -5,11 +5,10 @@ and the grader (``make grade``) are run on
 
 * the reference solution -- every task PASS in the runner, full points in the grader;
 * the pristine stubs -- every task FAIL "not written yet" in both, 0 points;
-* every partial solution, tasks 1..k solved and the rest stubs -- task k full marks, task
-  k + 1 zero (judged by the grader alone: both routes read the one table, and the two ends
-  above show them agreeing task by task). With the two ends this proves the whole matrix:
-  a task that needed a later task's function would fail at its own boundary, and one that
-  did not call its own function would pass on the stubs.
+* every partial solution, tasks 1..k solved and the rest stubs -- task k PASS and full,
+  task k + 1 FAIL and zero, in both. With the two ends above this proves the whole
+  matrix: a task that needed a later task's function would fail at its own boundary, and
+  one that did not call its own function would pass on the stubs.
 
 Both read one task table (:mod:`collectives.course.tasks`); the runner's worlds run in
 check mode and the grader's do not, so this also shows check mode changes no verdict of
@@ -124,12 +123,13 @@ def test_check_and_grade_agree_on_the_reference_the_stubs_and_every_partial_solu
         if set(tasks[k].functions) <= {name for t in tasks[:k] for name in t.functions}:
             continue                         # task k + 1 asks more of a function already solved
         copy = partial_solution(number, k, tmp_path / f"solved{k}")
-        # The routes' agreement is shown above, task by task, at every size; what a partial
-        # shows -- no task needs a later task's function -- is the table's, which both routes
-        # read: it is judged once, by the grader, on worlds of 4.
-        verdicts = _grader(number, exercises=copy, tasks=[k, k + 1], world=PARTIAL_WORLD)
-        assert verdicts[k][0], f"lesson {number}, tasks 1..{k} solved: task {k} failed: {verdicts[k][1]}"
-        assert not verdicts[k + 1][0], f"lesson {number}, tasks 1..{k} solved: task {k + 1} passed"
+        # the reference's full judging is above; a partial is judged on worlds of 4 by both routes
+        chosen = [str(a) for t in (k, k + 1) for a in ("--task", t)] + ["--world", str(PARTIAL_WORLD)]
+        check = _runner_here(number, copy, *chosen)
+        grade = _grader(number, exercises=copy, tasks=[k, k + 1], world=PARTIAL_WORLD)
+        for route, verdicts in (("make check", check), ("make grade", grade)):
+            assert verdicts[k][0], f"lesson {number}, tasks 1..{k} solved, {route}: task {k} failed: {verdicts[k][1]}"
+            assert not verdicts[k + 1][0], f"lesson {number}, tasks 1..{k} solved, {route}: task {k + 1} passed"
 
 
 def test_the_grade_command_prints_the_table_and_fails_below_full_marks(tmp_path):
