@@ -22,7 +22,11 @@ NOTEBOOK_DIR = ROOT / "notebooks"
 # build/executed/notebooks/: the folder is named like the original one, so the site
 # plugin's pattern "notebooks/*.ipynb" matches an executed copy as it does the notebook.
 CACHE_DIR = ROOT / "build" / "executed" / "notebooks"
-CELL_TIMEOUT = 120     # seconds per cell; a whole notebook is meant to run in under 40 s
+# Seconds per cell; a whole notebook is meant to run in under 40 s. Longer than a world's own
+# limit (``launch.run``'s 120 s): a world that hangs in a cell is stopped by the launcher's
+# watchdog, which says where each rank waited, before the cell's limit ends the notebook
+# with nothing but "timed out".
+CELL_TIMEOUT = 180    # (and inside pytest-timeout's 300 s per test)
 KEY = "collectives_executed_key"   # where the key is kept in the executed copy's metadata
 
 
