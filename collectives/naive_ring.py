@@ -92,6 +92,9 @@ def tutorial_all_reduce(send: torch.Tensor, recv: torch.Tensor) -> None:
     * a transposed view fails (the clones keep its strides, and ``isend`` rejects a
       non-contiguous tensor); a 0-d tensor fails on ``[:]``;
     * it holds three extra copies of the tensor (two buffers and the accumulator).
+
+    One change from the tutorial: the isend is waited for even when the addition fails, so
+    the lab's failing cases end with their error on every rank instead of a hung neighbour.
     """
     rank, size = dist.get_rank(), dist.get_world_size()
     left, right = (rank - 1) % size, (rank + 1) % size
@@ -101,6 +104,10 @@ def tutorial_all_reduce(send: torch.Tensor, recv: torch.Tensor) -> None:
         outgoing, arriving = buffers[i % 2], buffers[(i + 1) % 2]
         request = dist.isend(outgoing, right)
         dist.recv(arriving, left)
-        accum[:] += arriving[:]
-        request.wait()
+        try:
+            accum[:] += arriving[:]
+        finally:
+            # Not the tutorial's: a rank that fails on ``[:]`` still waits for its message
+            # to leave. Dropped in flight, it may never arrive, and its neighbour's recv hangs.
+            request.wait()
     recv[:] = accum[:]
