@@ -54,6 +54,7 @@ def published(plan: str = "mlps") -> dict:
     return dict(json=ROOT / "docs" / "data" / f"08-sparse-train{suffix}.json", records=ROOT / "docs" / "img",
                 snippet=ROOT / "docs" / "snippets" / f"sparse-train{suffix}.md")
 
+
 SETTINGS = dict(epochs=12, batch=32, density=0.01, warmup_epochs=1.0, evals_per_epoch=4, bucket_cap_mb=1.0)
 LR = {"sgd": 0.05, "adam": 1e-3}
 # (model, optimizer, runs, the link it trains to the end on): on that link every run goes the
