@@ -587,6 +587,39 @@ def test_the_chunked_filter_finds_what_the_one_line_filter_finds():
     assert "threshold" in state
 
 
+def test_the_word_filter_finds_what_nonzero_finds():
+    """``true_indices`` reads eight flags as one int64 word: it must return exactly
+    ``nonzero``'s ascending indices -- few flags or many, a length that is no multiple of 8
+    (the tail looked at alone), a view that does not start on a word, nothing set, all set."""
+    from collectives.sparse.select import true_indices
+
+    g = torch.Generator().manual_seed(9)
+    for n in (0, 1, 7, 8, 9, 4093, 262144, 262151):
+        for share in (0.0, 0.001, 0.01, 0.3, 1.0):
+            mask = torch.rand(n, generator=g) < share
+            if n:
+                mask[-1] = share > 0.2                  # the tail's last element, set or not
+            assert torch.equal(true_indices(mask), torch.nonzero(mask).view(-1)), (n, share)
+            if n > 3:                                   # a view starting off a word boundary
+                assert torch.equal(true_indices(mask[3:]), torch.nonzero(mask[3:]).view(-1)), (n, share)
+
+
+def test_a_bucket_sized_tensor_is_filtered_by_a_sample():
+    """A DDP bucket of 1 MiB (262,144 floats) is below 4 × 64 Ki: ``sample`` estimates its
+    threshold from every 8th element and still picks the exact top-k -- and a tensor below
+    8 Ki elements gets no estimate (a plain top-k)."""
+    from collectives.sparse.select import sample_threshold, topk_indices
+
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(262144, generator=g)
+    k = 2622
+    t = sample_threshold(x, k)
+    assert t is not None and k <= int((x.abs() >= t).sum()) <= 2 * k
+    picked = topk_indices(x, k, "sample")
+    assert set(picked.tolist()) == set(torch.topk(x.abs(), k).indices.tolist())
+    assert sample_threshold(torch.randn(8191, generator=g), 82) is None
+
+
 def test_a_rank_outside_the_group_touches_nothing(worlds):
     for rank, problems in enumerate(_ok(worlds(2), "outside_the_group_is_a_no_op")):
         assert not problems, f"rank {rank}: {problems}"

@@ -56,6 +56,12 @@ def published(plan: str = "mlps") -> dict:
 
 
 SETTINGS = dict(epochs=12, batch=32, density=0.01, warmup_epochs=1.0, evals_per_epoch=4, bucket_cap_mb=1.0)
+RANKS = 4
+# Intra-op threads per rank (``--threads``): one by default. The processor's share matters
+# to the answer -- selection is processor work the other hooks do not have -- so the record
+# says which share it ran with. Leave cores for gloo's own threads, which move the bytes:
+# ranks × threads up to half the machine's cores.
+THREADS = 1
 LR = {"sgd": 0.05, "adam": 1e-3}
 # (model, optimizer, runs, the link it trains to the end on): on that link every run goes the
 # whole way (its final accuracy, the target from dense's); on a later link it stops at the
@@ -232,7 +238,9 @@ def snippet(record: dict, figures: dict[str, str] | None = None) -> str:
     s = record["settings"]
     where = "4 ranks on loopback" if list(record["links"]) == ["loopback"] else "2 simulated machines × 2 ranks"
     lines = [f"`{record['command']}` on {record['device']}, torch {record['torch']}, {record['date']}: "
-             f"{where}, {s['seeds']} seeds, {s['epochs']} epochs of {s['batch']} "
+             f"{where}" + (f" ({s['threads_per_rank']} thread{'s' * (s['threads_per_rank'] > 1)} each)"
+                           if s.get("threads_per_rank") else "")
+             + f", {s['seeds']} seeds, {s['epochs']} epochs of {s['batch']} "
              "examples per rank per step, density 1 %.", ""]
     finals = {}                              # model/optimizer -> run -> row with the final accuracy
     for summary in record["summary"].values():
@@ -295,12 +303,13 @@ def _world(configs: list[dict], common: dict, overlap: bool) -> dict:
     return dict(runs=results, overlap=measure_overlap() if overlap else None)
 
 
-def run_link(link: str | None, configs: list[dict], common: dict, overlap: bool, timeout: float) -> dict:
+def run_link(link: str | None, configs: list[dict], common: dict, overlap: bool, timeout: float,
+             threads: int = THREADS) -> dict:
     """One world on ``link`` (None: loopback, no cluster): every configuration; rank 0's results."""
-    kwargs = dict(timeout=timeout)
+    kwargs = dict(timeout=timeout, threads=threads)
     if link is not None:
         kwargs.update(machines=2, link=link)
-    return launch.run(_world, 4, args=(configs, common, overlap), **kwargs)[0]
+    return launch.run(_world, RANKS, args=(configs, common, overlap), **kwargs)[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -311,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=SETTINGS["epochs"])
     parser.add_argument("--plan", choices=sorted(PLANS), default="mlps",
                         help="the lab's MLP and the wide MLP (default), or the convolutional network")
+    parser.add_argument("--threads", type=int, default=THREADS,
+                        help="intra-op threads per rank (default %(default)s): the processor's share")
     parser.add_argument("--quick", action="store_true",
                         help="the plan's first model and optimizer only, one seed, two epochs: to see it run")
     parser.add_argument("--loopback", action="store_true", help="no cluster (no root needed): one link, loopback")
@@ -321,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="write the JSON, the figures and the snippet where the site reads them")
     parser.add_argument("--render", default="", help="only redraw figures and snippet from this JSON")
     args = parser.parse_args(argv)
+    if args.threads < 1:
+        parser.error(f"--threads must be at least 1, got {args.threads}")
     paths = dict(json=Path(args.json), figure=Path(args.figure),
                  convergence=Path(args.figure).with_name("08-convergence.png"),
                  snippet=Path(args.snippet) if args.snippet else None)
@@ -335,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"the simulated cluster is unavailable: {netns.unavailable_reason()} (try --loopback)", file=sys.stderr)
         return 2
     from torch.nn.parallel import DistributedDataParallel  # noqa: F401 - its first import takes seconds: once, here
-    settings = dict(SETTINGS, epochs=epochs, seeds=seeds, lr=LR)
+    settings = dict(SETTINGS, epochs=epochs, seeds=seeds, lr=LR, threads_per_rank=args.threads)
     common = dict(epochs=epochs, batch=SETTINGS["batch"], density=SETTINGS["density"],
                   warmup_epochs=SETTINGS["warmup_epochs"], evals_per_epoch=SETTINGS["evals_per_epoch"],
                   bucket_cap_mb=SETTINGS["bucket_cap_mb"], data=lab.load_digits_split(0))
@@ -364,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
                 plan.append(config if c["run"] == "dense" else dict(config, target="dense", max_epochs=2 * epochs))
             elif full_on < i and key in targets:
                 plan.append(dict(config, target=targets[key], stop_at_target=True, max_epochs=2 * epochs))
-        result = run_link(link, plan, common, overlap=i == 0 and model == "wide", timeout=1800)
+        result = run_link(link, plan, common, overlap=i == 0 and model == "wide", timeout=1800,
+                          threads=args.threads)
         for r, c in zip(result["runs"], plan):
             r["complete"] = not c.get("stop_at_target", False)
         record["links"][name] = dict(runs=result["runs"], seconds=time.time() - start)

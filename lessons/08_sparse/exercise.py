@@ -128,9 +128,11 @@ def threshold_in(threshold: float, dtype: torch.dtype):
 
 def sample_threshold(x: torch.Tensor, k: int) -> float | None:
     """Given: a magnitude that a few more than k elements of ``x`` reach, estimated from an
-    evenly spaced sample of 64 Ki elements; None when ``x`` is too small to sample."""
-    n, sample_size = x.numel(), 1 << 16
-    if n <= 4 * sample_size:
+    evenly spaced sample of up to 64 Ki elements (every 8th at most); None when ``x`` is too
+    small to sample (under 8 Ki elements)."""
+    n = x.numel()
+    sample_size = min(1 << 16, n // 8)
+    if sample_size < 1 << 10:
         return None
     sample = x[:: n // sample_size][:sample_size]
     sample = (sample.abs() if sample.is_floating_point() else sample.double().abs()).float()
