@@ -97,50 +97,56 @@ def _train_plan(plan: list[dict], common: dict) -> list[dict]:
     return out
 
 
-def _step_seconds(ddp, opt, x, y, steps: int) -> float:
-    """Median seconds of a training step (forward, backward with its communication, optimizer)."""
+def _step(ddp, opt, x, y) -> float:
+    """Seconds of one training step (forward, backward with its communication, optimizer)."""
     import torch.nn.functional as F
-    times = []
-    for _ in range(steps + 2):
-        dist.barrier()
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        F.cross_entropy(ddp(x), y).backward()
-        opt.step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[2:])
+    t0 = time.perf_counter()
+    opt.zero_grad()
+    F.cross_entropy(ddp(x), y).backward()
+    opt.step()
+    return time.perf_counter() - t0
 
 
-def measure_overlap(steps: int = 8, batch: int = 32, seed: int = 0) -> dict:
+def measure_overlap(steps: int = 30, batch: int = 32, seed: int = 0) -> dict:
     """On every rank: the wide model's step with the plain and the asynchronous hook, at
     density 1 % and with everything kept (all communication, no selection), and the step
     without any communication (``no_sync``). ``hidden``: the share of the plain hook's
-    communication time the asynchronous one takes off the step."""
+    communication time the asynchronous one takes off the step.
+
+    The three models take their steps in turn -- plain, asynchronous, none, plain, ... each
+    after a barrier -- so that whatever else the host does in a while weighs on all three
+    alike; each one's time is the median of its ``steps`` steps (after two of warm-up)."""
     from torch.nn.parallel import DistributedDataParallel
 
     from ..sparse import SparseHookState, register_sparse_hook, sparse_hook, sparse_hook_async
     x_train, y_train, _, _ = lab.load_digits_split(seed)
     rank, p = dist.get_rank(), dist.get_world_size()
     x, y = x_train[rank::p][:batch], y_train[rank::p][:batch]
+
+    def model(hook=None, density=None):
+        torch.manual_seed(seed)
+        ddp = DistributedDataParallel(lab.WideMLP(), bucket_cap_mb=SETTINGS["bucket_cap_mb"])
+        if hook is not None:
+            register_sparse_hook(ddp, SparseHookState(density=density), hook)
+        return ddp, torch.optim.SGD(ddp.parameters(), lr=0.01)
+
     out = {}
     for density in (0.01, 1.0):
-        row = {}
-        for name, hook in (("plain", sparse_hook), ("async", sparse_hook_async)):
-            torch.manual_seed(seed)
-            ddp = DistributedDataParallel(lab.WideMLP(), bucket_cap_mb=SETTINGS["bucket_cap_mb"])
-            register_sparse_hook(ddp, SparseHookState(density=density), hook)
-            opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-            row[name] = _step_seconds(ddp, opt, x, y, steps)
-        out[f"density {density:g}"] = row
-    torch.manual_seed(seed)
-    ddp = DistributedDataParallel(lab.WideMLP(), bucket_cap_mb=SETTINGS["bucket_cap_mb"])
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-    with ddp.no_sync():
-        alone = _step_seconds(ddp, opt, x, y, steps)
-    for row in out.values():
-        row["no_communication"] = alone
-        communication = row["plain"] - alone
+        runs = {"plain": model(sparse_hook, density), "async": model(sparse_hook_async, density),
+                "no_communication": model()}
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        for _ in range(steps + 2):
+            for name, (ddp, opt) in runs.items():
+                dist.barrier()
+                if name == "no_communication":
+                    with ddp.no_sync():
+                        times[name].append(_step(ddp, opt, x, y))
+                else:
+                    times[name].append(_step(ddp, opt, x, y))
+        row = {name: statistics.median(ts[2:]) for name, ts in times.items()}
+        communication = row["plain"] - row["no_communication"]
         row["hidden"] = (row["plain"] - row["async"]) / communication if communication > 0 else None
+        out[f"density {density:g}"] = row
     return out
 
 
