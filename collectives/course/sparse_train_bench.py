@@ -59,8 +59,8 @@ SETTINGS = dict(epochs=12, batch=32, density=0.01, warmup_epochs=1.0, evals_per_
 RANKS = 4
 # Intra-op threads per rank (``--threads``): one by default. The processor's share matters
 # to the answer -- selection is processor work the other hooks do not have -- so the record
-# says which share it ran with. Leave cores for gloo's own threads, which move the bytes:
-# ranks × threads up to half the machine's cores.
+# says which share it ran with. The published records use one: with more, the ranks'
+# arithmetic competes with gloo's own threads, which move the bytes.
 THREADS = 1
 LR = {"sgd": 0.05, "adam": 1e-3}
 # (model, optimizer, runs, the link it trains to the end on): on that link every run goes the
