@@ -29,6 +29,7 @@ to see it run, not to measure.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -138,10 +139,7 @@ def measure_overlap(steps: int = 30, batch: int = 32, seed: int = 0) -> dict:
         for _ in range(steps + 2):
             for name, (ddp, opt) in runs.items():
                 dist.barrier()
-                if name == "no_communication":
-                    with ddp.no_sync():
-                        times[name].append(_step(ddp, opt, x, y))
-                else:
+                with ddp.no_sync() if name == "no_communication" else contextlib.nullcontext():
                     times[name].append(_step(ddp, opt, x, y))
         row = {name: statistics.median(ts[2:]) for name, ts in times.items()}
         communication = row["plain"] - row["no_communication"]

@@ -148,11 +148,10 @@ def at_least(x: torch.Tensor, threshold: float) -> torch.Tensor:
 def true_indices(mask: torch.Tensor) -> torch.Tensor:
     """``torch.nonzero(mask).view(-1)`` for a 1-D CPU bool tensor, faster when few are true.
 
-    A CPU ``nonzero`` looks at every byte on its own (about 1 ms for 256 Ki of them on one
-    core). Seen as int64, eight flags are one word: ``nonzero`` of the words finds the few
-    words with a flag set, and only their bytes are looked at one by one -- 0.2-0.4 ms when
-    1 % are true. Mostly true (more than one word in eight has a flag), the plain ``nonzero``
-    is faster, and that is what runs. Ascending, as ``nonzero``'s."""
+    A CPU ``nonzero`` looks at every byte on its own. Seen as int64, eight flags are one
+    word: ``nonzero`` of the words finds the few words with a flag set, and only their bytes
+    are looked at one by one. Mostly true (more than one word in eight has a flag), the plain
+    ``nonzero`` is faster, and that is what runs. Ascending, as ``nonzero``'s."""
     n = mask.numel()
     whole = n - n % 8
     if mask.is_cuda or whole == 0 or not mask.is_contiguous() or mask.storage_offset() % 8:
