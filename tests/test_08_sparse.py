@@ -382,6 +382,43 @@ def hook_reduces_over_the_state_group(impl, group):
 
 
 @check
+def hook_on_a_thread(impl, group):
+    """``on_a_thread(hook)``: several buckets in flight, each selected on the hook's own
+    thread, and the model trains to the hook's bits on backward's thread; an exception in
+    the hook reaches backward (no hang)."""
+    from collectives.bucketing import SmallMLP
+    from collectives.sparse import on_a_thread
+    state_cls, register = resolve(impl + ":SparseHookState"), resolve(impl + ":register_sparse_hook")
+    hook = resolve(impl + ":sparse_hook_async")
+    torch.manual_seed(3)
+    base = SmallMLP().double()
+    plain, threaded = copy.deepcopy(base), copy.deepcopy(base)
+    cap = 544 / (1 << 20)
+    d_plain, d_thread = (_ddp(m, bucket_cap_mb=cap) for m in (plain, threaded))
+    calls = []
+
+    def counted(state, bucket):
+        calls.append(bucket.index())
+        return hook(state, bucket)
+    counted.__annotations__ = hook.__annotations__
+    register(d_plain, state_cls(density=0.3), hook)
+    register(d_thread, state_cls(density=0.3), on_a_thread(counted))
+    _steps((d_plain, d_thread), momentum=0.9)
+
+    def broken(state, bucket):
+        raise ValueError("a broken hook")
+    d_broken = _ddp(copy.deepcopy(base), bucket_cap_mb=cap)
+    register(d_broken, state_cls(density=0.3), on_a_thread(broken))
+    try:
+        F.mse_loss(d_broken(torch.rand(4, 8, dtype=torch.float64)), torch.rand(4, 4, dtype=torch.float64)).backward()
+        raised = "nothing raised"
+    except Exception as exc:            # noqa: BLE001 - DDP re-raises what the future holds
+        raised = str(exc)
+    return dict(same=_same(plain, threaded), moved=not _same(base, threaded), buckets=len(set(calls)),
+                raised=raised)
+
+
+@check
 def sparse_reducer(impl, group):
     from collectives.bucketing import SmallMLP
     from collectives.sparse.hooks import SparseBucketedReducer
@@ -459,7 +496,7 @@ PLAN = {
     1: ["residuals_follow_their_parameters"],
     2: ["bytes_on_the_wire", "sparse_reducer", "outside_the_group_is_a_no_op", "split_with_sizes_that_differ_raises",
         "int_min_is_the_largest_magnitude", "async_returns_while_the_pairs_travel",
-        "hook_reduces_over_the_state_group", "dgc_corrections"],
+        "hook_reduces_over_the_state_group", "dgc_corrections", "hook_on_a_thread"],
     3: ["bytes_on_the_wire", "split_with_balanced_pieces"],
 }
 
@@ -541,9 +578,9 @@ def test_threshold_is_compared_exactly_in_the_tensors_dtype(impl):
 
 
 def test_sampled_threshold_selection_is_the_exact_top_k():
-    """``sample`` (the default): a threshold from an evenly spaced sample filters, top-k of
-    the candidates; where the sample misleads it (too few pass) it falls back to a full top-k."""
-    from collectives.sparse.select import SAMPLE, topk_indices
+    """``sample`` (the default): a threshold from a sample at random positions filters, top-k
+    of the candidates; where the sample misleads it (too few pass) it falls back to a full top-k."""
+    from collectives.sparse.select import SAMPLE, _sample_positions, topk_indices
 
     n, k = 5 * SAMPLE, 400                          # above 4·SAMPLE: the filter is used
     g = torch.Generator().manual_seed(5)
@@ -552,13 +589,30 @@ def test_sampled_threshold_selection_is_the_exact_top_k():
     specials = torch.randn(n, generator=g)
     specials[[7, 11, 13]] = torch.tensor([float("nan"), float("inf"), -float("inf")])
     misled = torch.rand(n, generator=g) * 1e-3
-    misled[::5][:300] = 10.0                        # the sample sees 300 big ones; k is 400
+    seen = _sample_positions(n, SAMPLE, misled.device).unique()
+    misled[seen[::len(seen) // 300][:300]] = 10.0  # the sample sees 300 big ones, all there are; k is 400
     for name, x in (("normal", torch.randn(n, generator=g)), ("spiky", spiky), ("specials", specials),
                     ("misled", misled)):
         picked = topk_indices(x, k, "sample")
         assert picked.numel() == k and picked.unique().numel() == k, name
         assert set(picked.tolist()) == set(torch.topk(x.abs(), k).indices.tolist()), name
     assert {7, 11, 13} <= set(topk_indices(specials, k, "sample").tolist())
+
+
+def test_the_sample_is_not_fooled_by_a_layer_s_rows():
+    """A first layer of 64 inputs whose every 8th input is blank (the digits' left edge) has
+    every 8th gradient zero. Evenly spaced every 8th element, a sample saw only those zeros:
+    a threshold of 0, every element a candidate. At random positions it sees the layer as
+    it is: a few more than k candidates."""
+    from collectives.sparse.select import at_least, sample_threshold
+
+    g = torch.Generator().manual_seed(11)
+    grad = torch.randn(512, 64, generator=g)
+    grad[:, ::8] = 0.0
+    x, k = grad.view(-1), 328
+    t = sample_threshold(x, k)
+    assert t is not None and t > 0
+    assert k <= at_least(x, t).numel() <= 2 * k
 
 
 def test_the_chunked_filter_finds_what_the_one_line_filter_finds():
@@ -587,10 +641,10 @@ def test_the_chunked_filter_finds_what_the_one_line_filter_finds():
     assert "threshold" in state
 
 
-def test_the_word_filter_finds_what_nonzero_finds():
-    """``true_indices`` reads eight flags as one int64 word: it must return exactly
-    ``nonzero``'s ascending indices -- few flags or many, a length that is no multiple of 8
-    (the tail looked at alone), a view that does not start on a word, nothing set, all set."""
+def test_the_numpy_filter_finds_what_nonzero_finds():
+    """``true_indices`` finds the flags with NumPy: it must return exactly ``nonzero``'s
+    ascending int64 indices -- few flags or many, any length, a view that does not start at
+    the storage's beginning, nothing set, all set."""
     from collectives.sparse.select import true_indices
 
     g = torch.Generator().manual_seed(9)
@@ -705,6 +759,14 @@ def test_the_hook_reduces_over_the_group_its_state_carries(worlds):
     for rank, res in enumerate(_ok(worlds(2), "hook_reduces_over_the_state_group")):
         assert res["same"], f"rank {rank}: DDP on a group of one must train as if alone"
         assert "process group" in res["refused"], f"rank {rank}: {res['refused']}"
+
+
+def test_a_hook_on_a_thread_of_its_own_trains_to_the_same_bits(worlds):
+    for rank, res in enumerate(_ok(worlds(2), "hook_on_a_thread")):
+        assert res["buckets"] > 1, f"rank {rank}: several buckets in flight were meant, got {res['buckets']}"
+        assert res["same"] and res["moved"], f"rank {rank}: on a thread the model must train to the same bits"
+        assert "a broken hook" in res["raised"], f"rank {rank}: the hook's exception must reach backward: " \
+                                                 f"{res['raised']}"
 
 
 def test_lesson6_reducer_with_sparse_buckets_at_density_one_is_dense_ddp(worlds):
@@ -968,6 +1030,9 @@ def test_the_labs_switch_runs_the_exercises_hooks_and_names_an_unwritten_task():
     assert isinstance(state, Mine) and hook is my_hook and state.kwargs["error_feedback"]
     state, hook, momentum = lab.hook_for("dgc", hooks=SimpleNamespace(DGCState=Mine, dgc_hook=my_hook))
     assert isinstance(state, Mine) and hook is my_hook and momentum == 0.0
+    assert state.kwargs["factor_masking"] and state.kwargs["momentum"] == 0.9
+    state, _, momentum = lab.hook_for("dgc_no_mask", hooks=SimpleNamespace(DGCState=Mine, dgc_hook=my_hook))
+    assert not state.kwargs["factor_masking"] and state.kwargs["momentum"] == 0.9 and momentum == 0.0
     exercise = Lab(8, "exercise")                      # the pristine stubs
     for name, task in (("sparse_hook_async", 5), ("split_sum_", 4)):
         with pytest.raises(TaskNotWritten, match=f"{name} is not written yet .Lesson 8, task {task}"):

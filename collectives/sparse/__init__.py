@@ -31,8 +31,8 @@ from .allgather import add_gathered_, allgather_sum_, allgather_sum_async, excha
 from .cost import (TRANSPORTS, SparseCompute, SparseProfile, choose_transport, sparse_cost, sparse_crossover,
                    sparse_seconds)
 from .dgc import DGCState, dgc_hook
-from .hooks import (ParameterMemory, SparseBucketedReducer, SparseHookState, register_sparse_hook, sparse_hook,
-                    sparse_hook_async)
+from .hooks import (ParameterMemory, SparseBucketedReducer, SparseHookState, on_a_thread, register_sparse_hook,
+                    sparse_hook, sparse_hook_async)
 from .profile import measure_profile, profile_for, set_profile
 from .select import (INDEX_DTYPE, MAX_NUMEL, SELECTIONS, keep_count, magnitude, sample_threshold,
                      threshold_in, threshold_indices, time_selection, topk_indices, topk_per_segment,
@@ -44,7 +44,8 @@ __all__ = ["sparse_all_reduce", "sparse_all_reduce_async", "SparseInfo", "Sparse
            "pack_pairs", "unpack_pairs", "keep_count", "magnitude", "threshold_in", "sample_threshold",
            "threshold_indices", "topk_indices", "topk_per_segment",
            "truncated_magnitude_topk", "time_selection", "piece_bounds", "SplitInfo",
-           "SparseHookState", "ParameterMemory", "sparse_hook", "sparse_hook_async", "register_sparse_hook",
+           "SparseHookState", "ParameterMemory", "sparse_hook", "sparse_hook_async", "on_a_thread",
+           "register_sparse_hook",
            "SparseBucketedReducer", "DGCState", "dgc_hook",
            "TRANSPORTS", "TRANSPORT_CHOICES", "SELECTIONS", "SELECTION_CHOICES", "MAX_NUMEL", "INDEX_DTYPE",
            "SparseCompute", "SparseProfile", "sparse_cost", "sparse_seconds", "choose_transport",

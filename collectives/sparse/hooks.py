@@ -32,6 +32,7 @@ holds averaged units.
 # (no `from __future__ import annotations`: DDP checks the hook's annotations as objects)
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -154,6 +155,44 @@ def sparse_hook_async(state: SparseHookState, bucket: dist.GradBucket) -> torch.
     flat = bucket.buffer()
     flat.div_(dist.get_world_size(state.group))
     return state.start_(bucket.parameters(), flat).get_future()
+
+
+def on_a_thread(hook):
+    """``hook`` with its own work moved off backward's thread: a CPU's stream.
+
+    On a GPU a hook's selection is kernels queued on a stream: the hook returns at once and
+    backward goes on. On a CPU the hook *is* the work -- the selection reads the whole
+    bucket -- and DDP calls it on the thread that computes backward, which stops until it
+    returns. The hook returned here hands each call to one thread of its own (first in,
+    first out, so every rank starts its collectives in the same order) and returns a future
+    at once, completed with the inner hook's future; backward computes the next bucket's
+    gradients on its core while the selection runs on another. Same calls, same order, same
+    bits; an exception in the hook reaches DDP through the future. It costs a core per rank.
+    """
+    worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hook")
+
+    def threaded(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        result: torch.futures.Future = torch.futures.Future()
+
+        def deliver(done):
+            try:
+                result.set_result(done.value())
+            except BaseException as error:               # noqa: BLE001 - DDP raises it from the future
+                result.set_exception(error)
+
+        def work():
+            try:
+                hook(state, bucket).add_done_callback(deliver)
+            except BaseException as error:               # noqa: BLE001
+                result.set_exception(error)
+
+        worker.submit(work)
+        return result
+
+    threaded.__name__ = f"{getattr(hook, '__name__', 'hook')}_on_a_thread"
+    threaded.__annotations__ = {"state": object, "bucket": dist.GradBucket,
+                                "return": torch.futures.Future[torch.Tensor]}
+    return threaded
 
 
 def register_sparse_hook(ddp, state: SparseHookState, hook=sparse_hook_async) -> SparseHookState:

@@ -14,6 +14,7 @@ one communication hook per run:
 ``topk_no_ef``  the same without a residual: what is not sent is lost
 ``dgc``         top-k 1 % with DGC's corrections (:mod:`.dgc`): per layer, momentum
                 correction and factor masking (SGD), warm-up of the density
+``dgc_no_mask`` the same but for factor masking: a sent entry keeps its velocity
 ==============  ===========================================================================
 
 Three models: :class:`DigitsMLP` (4,810 parameters: messages are latency, not bytes),
@@ -39,10 +40,10 @@ from torch import nn
 
 from ..core import launch, trace
 from .dgc import DGCState, dgc_hook
-from .hooks import SparseHookState, register_sparse_hook, sparse_hook_async
+from .hooks import SparseHookState, on_a_thread, register_sparse_hook, sparse_hook_async
 
-RUNS = ("dense", "bf16", "powersgd1", "powersgd4", "topk_ef", "topk_no_ef", "dgc")
-SPARSE_RUNS = ("topk_ef", "topk_no_ef", "dgc")
+RUNS = ("dense", "bf16", "powersgd1", "powersgd4", "topk_ef", "topk_no_ef", "dgc", "dgc_no_mask")
+SPARSE_RUNS = ("topk_ef", "topk_no_ef", "dgc", "dgc_no_mask")
 OPTIMIZERS = ("sgd", "adam")
 
 
@@ -149,10 +150,10 @@ def hook_for(run: str, optimizer: str = "sgd", density: float = 0.01, momentum: 
     if run in ("topk_ef", "topk_no_ef"):
         return (state_cls(density=density, error_feedback=run == "topk_ef"),
                 getattr(hooks, "sparse_hook_async", sparse_hook_async), momentum)
-    if run == "dgc":
+    if run in ("dgc", "dgc_no_mask"):
         corrected = optimizer == "sgd"
         state = dgc_cls(density=density, per_parameter=True, momentum=momentum if corrected else 0.0,
-                        factor_masking=True, warmup_steps=warmup_steps)
+                        factor_masking=run == "dgc", warmup_steps=warmup_steps)
         return state, getattr(hooks, "dgc_hook", dgc_hook), 0.0 if corrected else momentum
     raise ValueError(f"unknown run {run!r}; runs are {', '.join(RUNS)}")
 
@@ -194,7 +195,7 @@ def train(run: str = "dense", model: str = "mlp", optimizer: str = "sgd", epochs
           lr: float = 0.05, momentum: float = 0.9, density: float = 0.01, warmup_epochs: float = 1.0,
           seed: int = 0, data=None, evals_per_epoch: int = 4, target: float | None = None,
           stop_at_target: bool = False, max_epochs: int | None = None, bucket_cap_mb: float = 1.0,
-          hooks=None) -> dict:
+          hook_thread: bool = True, hooks=None) -> dict:
     """On every rank of a world: train ``model`` with ``run``'s hook; return the curve and bytes.
 
     Each rank takes every p-th training example; a step uses ``batch`` examples per rank
@@ -209,6 +210,8 @@ def train(run: str = "dense", model: str = "mlp", optimizer: str = "sgd", epochs
     on, up to ``max_epochs``, until it does -- the time to an accuracy is not bounded by
     another run's schedule; with ``stop_at_target`` it stops at the first evaluation that
     reaches it. ``data``: :func:`load_digits_split`'s four tensors, if already loaded.
+    ``hook_thread``: the sparse hooks select on a thread of their own (:func:`~.hooks.on_a_thread`),
+    so backward goes on meanwhile; torch's hooks run as torch ships them.
     ``hooks``: the sparse hooks' source (:func:`hook_for`).
     """
     from torch.nn.parallel import DistributedDataParallel
@@ -227,14 +230,15 @@ def train(run: str = "dense", model: str = "mlp", optimizer: str = "sgd", epochs
     ddp = DistributedDataParallel(net, bucket_cap_mb=bucket_cap_mb)
     state, hook, opt_momentum = hook_for(run, optimizer, density, momentum,
                                          int(warmup_epochs * steps_per_epoch), seed=seed, hooks=hooks)
-    if run in ("topk_ef", "topk_no_ef", "dgc"):
-        getattr(hooks, "register_sparse_hook", register_sparse_hook)(ddp, state, hook)
+    if run in SPARSE_RUNS:
+        getattr(hooks, "register_sparse_hook", register_sparse_hook)(ddp, state,
+                                                                     on_a_thread(hook) if hook_thread else hook)
     elif hook is not None:
         ddp.register_comm_hook(state, hook)
     opt = _optimizer(optimizer, ddp.parameters(), lr, opt_momentum)
     every = max(1, steps_per_epoch // evals_per_epoch)
     curve, seconds, step, wire, final = [], 0.0, 0, None, None
-    count_at = 4 + int(warmup_epochs * steps_per_epoch) * (run == "dgc")
+    count_at = 4 + int(warmup_epochs * steps_per_epoch) * run.startswith("dgc")
     shuffle = torch.Generator().manual_seed(seed + 1)
     reached = False
     for epoch in range(max(epochs, max_epochs or epochs)):

@@ -13,7 +13,7 @@ indices (ties broken arbitrarily, never by dropping a larger magnitude for a sma
 ``reuse``      Ok-Topk's trick: last step's k-th magnitude as a filter. Gradients change
                slowly, so ``|x| ≥ t_prev`` keeps a few times k candidates; top-k of the
                candidates is the top-k of the whole. Too few candidates: a plain top-k.
-``sample``     DGC's trick: the threshold estimated from up to 64 Ki evenly spaced elements,
+``sample``     DGC's trick: the threshold estimated from up to 64 Ki elements at random places,
                set a little low, then the same filter and top-k of the candidates as
                ``reuse``. One comparison pass, no state; too few candidates: a plain top-k.
 =============  ==========================================================================
@@ -42,6 +42,7 @@ import math
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 SELECTIONS = ("topk", "sort", "kthvalue", "reuse", "sample")   # the values of ``selection=`` besides "auto"
@@ -49,6 +50,7 @@ SAMPLE = 1 << 16                  # elements ``sample`` looks at to estimate the
 MIN_SAMPLE = 1 << 10              # ... and at least: a tensor under 8 Ki elements takes a plain top-k)
 INDEX_DTYPE = torch.int32         # what travels: 4 bytes per index
 MAX_NUMEL = 2**31 - 1             # the largest tensor int32 indices can address
+NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)   # dtypes NumPy compares natively
 
 
 def magnitude(x: torch.Tensor) -> torch.Tensor:
@@ -120,50 +122,50 @@ def at_least(x: torch.Tensor, threshold: float) -> torch.Tensor:
     """Indices (int64, ascending) of ``not (|x| < threshold)`` in the 1-D ``x``: one read of ``x``.
 
     The plain version is one line -- ``torch.nonzero(x.abs().lt(t).logical_not_())`` --
-    and on a GPU that is what runs. On a CPU it is written chunk by chunk, for the memory:
-    ``x.abs()`` of 16 Mi floats is a fresh 64 MiB tensor, and a fresh tensor that large
-    costs more in page faults (the kernel zeroing every new page on first touch) than the
-    arithmetic: 31 ms against 5 ms for the same ``abs`` into memory that exists (one core,
-    ``docs/benchmarks.md``). Two small buffers, reused for every chunk, stay in the cache.
+    and on a GPU that is what runs. On a CPU two things make it slow, and both are avoided:
+
+    * **memory**: ``x.abs()`` of 16 Mi floats is a fresh 64 MiB tensor, and a fresh tensor
+      that large costs more in page faults (the kernel zeroing every new page on first
+      touch) than the arithmetic. The comparison runs a chunk at a time in two small
+      buffers, reused for every chunk, which stay in the cache.
+    * **one element at a time**: torch's CPU ``nonzero``, and its comparisons that write
+      ``bool``, look at each element on its own. NumPy's ``abs``, ``less`` and
+      ``flatnonzero`` are vectorised, and a CPU tensor *is* a NumPy array (``x.numpy()``
+      shares its memory): the same comparison, the same indices, several times sooner
+      (``python -m collectives bench-sparse`` times the selections).
+
+    For the dtypes NumPy lacks (bfloat16) or ranks differently (integers, see
+    :func:`magnitude`), torch compares and NumPy only finds the flags (:func:`true_indices`).
     """
     n = x.numel()
     bound = threshold_in(threshold, x.dtype)
     if x.is_cuda:
         return torch.nonzero(_below(magnitude(x), bound).logical_not_()).view(-1)
-    if n <= CHUNK or not x.is_floating_point():
+    if x.dtype not in NUMPY_FLOATS:
         return true_indices(_below(magnitude(x), bound).logical_not_())
-    mag = torch.empty(CHUNK, dtype=x.dtype)
-    below = torch.empty(CHUNK, dtype=torch.bool)
+    a = x.detach().numpy()
+    limit = a.dtype.type(bound)                  # exactly representable: threshold_in put it on the grid
+    mag = np.empty(min(n, CHUNK), dtype=a.dtype)
+    below = np.empty(min(n, CHUNK), dtype=bool)
     found = []
     for lo in range(0, n, CHUNK):
-        part = x[lo:lo + CHUNK]
-        m, b = mag[:part.numel()], below[:part.numel()]
-        _below(torch.abs(part, out=m), bound, out=b)
-        hits = true_indices(b.logical_not_())
-        if hits.numel():
-            found.append(hits.add_(lo))
-    return torch.cat(found) if found else torch.empty(0, dtype=torch.int64)
+        part = a[lo:lo + CHUNK]
+        m, b = mag[:part.size], below[:part.size]
+        np.less(np.abs(part, out=m), limit, out=b)   # NaN < t is false: NaN is kept, as on a GPU
+        hits = np.flatnonzero(np.logical_not(b, out=b))
+        if hits.size:
+            found.append(hits + lo if lo else hits)
+    hits = np.concatenate(found) if len(found) > 1 else found[0] if found else np.empty(0, dtype=np.int64)
+    return torch.from_numpy(hits.astype(np.int64, copy=False))
 
 
 def true_indices(mask: torch.Tensor) -> torch.Tensor:
-    """``torch.nonzero(mask).view(-1)`` for a 1-D CPU bool tensor, faster when few are true.
-
-    A CPU ``nonzero`` looks at every byte on its own. Seen as int64, eight flags are one
-    word: ``nonzero`` of the words finds the few words with a flag set, and only their bytes
-    are looked at one by one. Mostly true (more than one word in eight has a flag), the plain
-    ``nonzero`` is faster, and that is what runs. Ascending, as ``nonzero``'s."""
-    n = mask.numel()
-    whole = n - n % 8
-    if mask.is_cuda or whole == 0 or not mask.is_contiguous() or mask.storage_offset() % 8:
+    """``torch.nonzero(mask).view(-1)`` for a 1-D bool tensor: on a CPU by NumPy's
+    ``flatnonzero`` (vectorised; torch's CPU ``nonzero`` looks at one flag at a time).
+    Ascending, as ``nonzero``'s."""
+    if mask.is_cuda:
         return torch.nonzero(mask).view(-1)
-    words = torch.nonzero(mask[:whole].view(torch.int64)).view(-1)
-    if words.numel() * 8 > whole // 8:
-        return torch.nonzero(mask).view(-1)
-    rows, cols = torch.nonzero(mask[:whole].view(-1, 8).index_select(0, words), as_tuple=True)
-    found = words.index_select(0, rows).mul_(8).add_(cols)
-    if whole < n:
-        found = torch.cat([found, torch.nonzero(mask[whole:]).view(-1).add_(whole)])
-    return found
+    return torch.from_numpy(np.flatnonzero(mask.numpy()).astype(np.int64, copy=False))
 
 
 def _sort_desc(mag: torch.Tensor) -> torch.Tensor:
@@ -253,25 +255,49 @@ def _float_magnitude(x: torch.Tensor) -> torch.Tensor:
 
 
 def sample_threshold(x: torch.Tensor, k: int) -> float | None:
-    """A magnitude that a few more than k elements reach, estimated from an evenly spaced
-    sample of s = min(:data:`SAMPLE`, n/8) elements (None under :data:`MIN_SAMPLE`: a tensor
-    that small takes a plain top-k).
+    """A magnitude that a few more than k elements reach, estimated from a sample of
+    s = min(:data:`SAMPLE`, n/8) elements at random positions (None under :data:`MIN_SAMPLE`:
+    a tensor that small takes a plain top-k).
 
     Of the sample, about e = s·k/n elements lie above the k-th largest magnitude, give or
     take √e (a binomial count); the threshold is the sample's (e + 4√e)-th largest, so that
-    fewer than k candidates pass only on a 4σ bad draw -- or on data whose large entries hide
-    between the sampled positions, which the fallback to a full top-k covers.
+    fewer than k candidates pass only on a 4σ bad draw, which the fallback to a full top-k
+    covers. The count is binomial because the positions are random: evenly spaced ones are
+    not, for a gradient laid out in rows. Every 8th element of a bucket whose first layer
+    has 64 inputs is one column of 8×8 pixels, the digits' blank left edge: a sample of
+    zeros, a threshold of 0, and every element a candidate.
     """
     n = x.numel()
-    size = min(SAMPLE, n // 8)                    # every 8th element at most
+    size = min(SAMPLE, n // 8)                    # an eighth of the tensor at most
     if size < MIN_SAMPLE:
         return None
-    sample = _float_magnitude(x[:: n // size][:size]).float()
+    sample = _float_magnitude(x.index_select(0, _sample_positions(n, size, x.device))).float()
     expected = size * k / n                       # sample elements above the k-th largest
     rank = int(expected + 4 * expected ** 0.5) + 1
     if rank >= size:
         return None
-    return float(torch.topk(sample, rank, sorted=True).values[-1])
+    if sample.is_cuda:
+        return float(torch.topk(sample, rank, sorted=True).values[-1])
+    # the rank-th largest: NumPy's partition, one pass (NaN sorts last, as the largest)
+    return float(np.partition(sample.numpy(), size - rank)[size - rank])
+
+
+_POSITIONS: dict[tuple, torch.Tensor] = {}
+
+
+def _sample_positions(n: int, size: int, device: torch.device) -> torch.Tensor:
+    """``size`` positions in ``range(n)``, drawn once per (n, size, device) with a seed of
+    their own and kept (ascending: the gather reads memory in order). The same on every
+    rank and every call: the sample's randomness is against the data's layout, not between
+    calls."""
+    key = (n, size, str(device))
+    positions = _POSITIONS.get(key)
+    if positions is None:
+        if len(_POSITIONS) >= 256:                # bounded: a model has a few bucket sizes
+            _POSITIONS.clear()
+        drawn = torch.randint(n, (size,), generator=torch.Generator().manual_seed(n))
+        positions = _POSITIONS[key] = torch.sort(drawn).values.to(device)
+    return positions
 
 
 def _filtered_topk(x: torch.Tensor, mag: "_Magnitudes", k: int, t: float | None) -> torch.Tensor:

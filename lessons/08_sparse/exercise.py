@@ -127,14 +127,16 @@ def threshold_in(threshold: float, dtype: torch.dtype):
 
 
 def sample_threshold(x: torch.Tensor, k: int) -> float | None:
-    """Given: a magnitude that a few more than k elements of ``x`` reach, estimated from an
-    evenly spaced sample of up to 64 Ki elements (every 8th at most); None when ``x`` is too
-    small to sample (under 8 Ki elements)."""
+    """Given: a magnitude that a few more than k elements of ``x`` reach, estimated from a
+    sample of up to 64 Ki elements (an eighth at most) at random positions -- evenly spaced
+    ones can fall on one column of a layer; None when ``x`` is too small to sample (under
+    8 Ki elements)."""
     n = x.numel()
     sample_size = min(1 << 16, n // 8)
     if sample_size < 1 << 10:
         return None
-    sample = x[:: n // sample_size][:sample_size]
+    positions = torch.randint(n, (sample_size,), generator=torch.Generator().manual_seed(n)).sort().values
+    sample = x.index_select(0, positions.to(x.device))
     sample = (sample.abs() if sample.is_floating_point() else sample.double().abs()).float()
     expected = sample_size * k / n
     rank = int(expected + 4 * expected ** 0.5) + 1
