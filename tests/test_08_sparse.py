@@ -615,47 +615,66 @@ def test_the_sample_is_not_fooled_by_a_layer_s_rows():
     assert k <= at_least(x, t).numel() <= 2 * k
 
 
+def _on_threads(check):
+    """Run ``check()`` on one intra-op thread (NumPy finds the flags) and on two (torch does)."""
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            check(threads)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_chunked_filter_finds_what_the_one_line_filter_finds():
     """On a CPU ``at_least`` compares a chunk at a time (no tensor the size of the input is
-    made): across chunk boundaries, with NaN and ±inf at them, it returns what the plain
-    ``nonzero(not |x| < t)`` returns, ascending; and the filters built on it (``sample``,
-    ``reuse``) still pick the exact top-k of a tensor several chunks long."""
+    made), in NumPy on one thread and in torch on several: across chunk boundaries, with NaN
+    and ±inf at them, it returns what the plain ``nonzero(not |x| < t)`` returns, ascending;
+    and the filters built on it (``sample``, ``reuse``) still pick the exact top-k of a
+    tensor several chunks long."""
     from collectives.sparse.select import CHUNK, at_least, topk_indices
 
     n = 2 * CHUNK + 12345
     g = torch.Generator().manual_seed(8)
     x = torch.randn(n, generator=g)
     x[[0, CHUNK - 1, CHUNK, 2 * CHUNK, n - 1]] = torch.tensor([float("nan"), 5.0, -float("inf"), float("nan"), -3.0])
-    for t in (0.0, 2.5, 4.0, float("inf")):
-        plain = torch.nonzero(x.abs().lt(t).logical_not_()).view(-1)
-        assert torch.equal(at_least(x, t), plain), f"threshold {t}"
     k = n // 100
     # compared as magnitudes: of two equal magnitudes at the k-th place, either is right
     finite = torch.nan_to_num(x.abs(), nan=float("inf"))
     truth = torch.sort(torch.topk(finite, k).values).values
-    state: dict = {}
-    for method in ("sample", "reuse", "reuse"):     # reuse: cold (a full top-k), then filtered
-        picked = topk_indices(x, k, method, state)
-        assert picked.unique().numel() == k, method
-        assert torch.equal(torch.sort(finite[picked]).values, truth), method
-    assert "threshold" in state
+
+    def check(threads):
+        for t in (0.0, 2.5, 4.0, float("inf")):
+            plain = torch.nonzero(x.abs().lt(t).logical_not_()).view(-1)
+            assert torch.equal(at_least(x, t), plain), f"threshold {t}, {threads} threads"
+            assert torch.equal(at_least(x[:4093].half(), t), plain[plain < 4093]), f"half, {t}, {threads} threads"
+        state: dict = {}
+        for method in ("sample", "reuse", "reuse"):     # reuse: cold (a full top-k), then filtered
+            picked = topk_indices(x, k, method, state)
+            assert picked.unique().numel() == k, (method, threads)
+            assert torch.equal(torch.sort(finite[picked]).values, truth), (method, threads)
+        assert "threshold" in state
+    _on_threads(check)
 
 
-def test_the_numpy_filter_finds_what_nonzero_finds():
-    """``true_indices`` finds the flags with NumPy: it must return exactly ``nonzero``'s
-    ascending int64 indices -- few flags or many, any length, a view that does not start at
-    the storage's beginning, nothing set, all set."""
+def test_the_flag_finder_finds_what_nonzero_finds():
+    """``true_indices`` -- NumPy's ``flatnonzero`` on one thread, eight flags as one int64
+    word on several -- must return exactly ``nonzero``'s ascending int64 indices: few flags
+    or many, a length that is no multiple of 8, a view that does not start on a word,
+    nothing set, all set."""
     from collectives.sparse.select import true_indices
 
-    g = torch.Generator().manual_seed(9)
-    for n in (0, 1, 7, 8, 9, 4093, 262144, 262151):
-        for share in (0.0, 0.001, 0.01, 0.3, 1.0):
-            mask = torch.rand(n, generator=g) < share
-            if n:
-                mask[-1] = share > 0.2                  # the tail's last element, set or not
-            assert torch.equal(true_indices(mask), torch.nonzero(mask).view(-1)), (n, share)
-            if n > 3:                                   # a view starting off a word boundary
-                assert torch.equal(true_indices(mask[3:]), torch.nonzero(mask[3:]).view(-1)), (n, share)
+    def check(threads):
+        g = torch.Generator().manual_seed(9)
+        for n in (0, 1, 7, 8, 9, 4093, 262144, 262151):
+            for share in (0.0, 0.001, 0.01, 0.3, 1.0):
+                mask = torch.rand(n, generator=g) < share
+                if n:
+                    mask[-1] = share > 0.2                  # the tail's last element, set or not
+                assert torch.equal(true_indices(mask), torch.nonzero(mask).view(-1)), (n, share, threads)
+                if n > 3:                                   # a view starting off a word boundary
+                    assert torch.equal(true_indices(mask[3:]), torch.nonzero(mask[3:]).view(-1)), (n, share)
+    _on_threads(check)
 
 
 def test_a_bucket_sized_tensor_is_filtered_by_a_sample():

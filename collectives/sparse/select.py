@@ -128,22 +128,41 @@ def at_least(x: torch.Tensor, threshold: float) -> torch.Tensor:
       that large costs more in page faults (the kernel zeroing every new page on first
       touch) than the arithmetic. The comparison runs a chunk at a time in two small
       buffers, reused for every chunk, which stay in the cache.
-    * **one element at a time**: torch's CPU ``nonzero``, and its comparisons that write
-      ``bool``, look at each element on its own. NumPy's ``abs``, ``less`` and
-      ``flatnonzero`` are vectorised, and a CPU tensor *is* a NumPy array (``x.numpy()``
-      shares its memory): the same comparison, the same indices, several times sooner
-      (``python -m collectives bench-sparse`` times the selections).
+    * **one element at a time**: on one thread, torch's CPU ``nonzero`` and its comparisons
+      that write ``bool`` look at each element on its own, where NumPy's ``abs``, ``less``
+      and ``flatnonzero`` are vectorised -- and a CPU tensor *is* a NumPy array
+      (``x.numpy()`` shares its memory). A rank computing on one intra-op thread (several
+      ranks to a host, as in training) compares and finds in NumPy. With several threads
+      torch shares its passes among them and NumPy does not: torch compares, and finds the
+      flags eight at a time (:func:`true_indices`). ``bench-sparse`` times both cases.
 
     For the dtypes NumPy lacks (bfloat16) or ranks differently (integers, see
-    :func:`magnitude`), torch compares and NumPy only finds the flags (:func:`true_indices`).
+    :func:`magnitude`), torch compares.
     """
     n = x.numel()
     bound = threshold_in(threshold, x.dtype)
     if x.is_cuda:
         return torch.nonzero(_below(magnitude(x), bound).logical_not_()).view(-1)
-    if x.dtype not in NUMPY_FLOATS:
+    if x.dtype in NUMPY_FLOATS and torch.get_num_threads() == 1:
+        return _at_least_numpy(x.detach().numpy(), bound)
+    if n <= CHUNK or not x.is_floating_point():
         return true_indices(_below(magnitude(x), bound).logical_not_())
-    a = x.detach().numpy()
+    mag = torch.empty(CHUNK, dtype=x.dtype)
+    below = torch.empty(CHUNK, dtype=torch.bool)
+    found = []
+    for lo in range(0, n, CHUNK):
+        part = x[lo:lo + CHUNK]
+        m, b = mag[:part.numel()], below[:part.numel()]
+        _below(torch.abs(part, out=m), bound, out=b)
+        hits = true_indices(b.logical_not_())
+        if hits.numel():
+            found.append(hits.add_(lo))
+    return torch.cat(found) if found else torch.empty(0, dtype=torch.int64)
+
+
+def _at_least_numpy(a: np.ndarray, bound: float) -> torch.Tensor:
+    """:func:`at_least` of the array ``a`` (float16/32/64, 1-D), a chunk at a time in NumPy."""
+    n = a.size
     limit = a.dtype.type(bound)                  # exactly representable: threshold_in put it on the grid
     mag = np.empty(min(n, CHUNK), dtype=a.dtype)
     below = np.empty(min(n, CHUNK), dtype=bool)
@@ -160,12 +179,28 @@ def at_least(x: torch.Tensor, threshold: float) -> torch.Tensor:
 
 
 def true_indices(mask: torch.Tensor) -> torch.Tensor:
-    """``torch.nonzero(mask).view(-1)`` for a 1-D bool tensor: on a CPU by NumPy's
-    ``flatnonzero`` (vectorised; torch's CPU ``nonzero`` looks at one flag at a time).
-    Ascending, as ``nonzero``'s."""
-    if mask.is_cuda:
+    """``torch.nonzero(mask).view(-1)`` for a 1-D bool tensor, faster on a CPU. Ascending,
+    as ``nonzero``'s.
+
+    A CPU ``nonzero`` looks at every byte on its own. On one thread NumPy's ``flatnonzero``
+    (vectorised) does it. On several, eight flags are read as one int64 word: ``nonzero``
+    of the words finds the few words with a flag set, and only their bytes are looked at
+    one by one. Mostly true (more than one word in eight has a flag), the plain ``nonzero``
+    is faster, and that is what runs."""
+    n = mask.numel()
+    if not mask.is_cuda and torch.get_num_threads() == 1:
+        return torch.from_numpy(np.flatnonzero(mask.numpy()).astype(np.int64, copy=False))
+    whole = n - n % 8
+    if mask.is_cuda or whole == 0 or not mask.is_contiguous() or mask.storage_offset() % 8:
         return torch.nonzero(mask).view(-1)
-    return torch.from_numpy(np.flatnonzero(mask.numpy()).astype(np.int64, copy=False))
+    words = torch.nonzero(mask[:whole].view(torch.int64)).view(-1)
+    if words.numel() * 8 > whole // 8:
+        return torch.nonzero(mask).view(-1)
+    rows, cols = torch.nonzero(mask[:whole].view(-1, 8).index_select(0, words), as_tuple=True)
+    found = words.index_select(0, rows).mul_(8).add_(cols)
+    if whole < n:
+        found = torch.cat([found, torch.nonzero(mask[whole:]).view(-1).add_(whole)])
+    return found
 
 
 def _sort_desc(mag: torch.Tensor) -> torch.Tensor:
@@ -187,9 +222,9 @@ def topk_indices(x: torch.Tensor, k: int, selection: str = "auto", state: dict |
     """Indices (int64) of the k largest magnitudes of the 1-D tensor ``x``.
 
     ``selection`` is one of :data:`SELECTIONS`, or ``"auto"``: the fastest measured on the
-    tensor's device -- ``torch.topk`` on a GPU (a radix select: 0.38 ms for 1 % of 16 Mi
-    floats on an H200, where the filters take 0.6-0.7 ms and read a threshold back to the
-    host), ``sample`` on a CPU (13 ms against 456 ms; ``docs/benchmarks.md``). ``state``
+    tensor's device -- ``torch.topk`` on a GPU (a radix select, where the filters read a
+    threshold back to the host), ``sample`` on a CPU (``bench-sparse`` times each method;
+    its records are on ``docs/benchmarks.md``). ``state``
     carries ``reuse``'s threshold from one call to the next (a dict the caller keeps, one
     per tensor; ``reuse`` refuses to run without it); the other selections ignore it.
     """
@@ -276,9 +311,9 @@ def sample_threshold(x: torch.Tensor, k: int) -> float | None:
     rank = int(expected + 4 * expected ** 0.5) + 1
     if rank >= size:
         return None
-    if sample.is_cuda:
+    if sample.is_cuda or torch.get_num_threads() > 1:
         return float(torch.topk(sample, rank, sorted=True).values[-1])
-    # the rank-th largest: NumPy's partition, one pass (NaN sorts last, as the largest)
+    # one thread: NumPy's partition, one pass (NaN sorts last, as the largest)
     return float(np.partition(sample.numpy(), size - rank)[size - rank])
 
 
