@@ -118,7 +118,7 @@ def measure_overlap(steps: int = 30, batch: int = 32, seed: int = 0) -> dict:
     ``hidden_thread``: the same on a thread.
 
     The four models take their steps in turn -- plain, asynchronous, thread, none, ... each
-    after a barrier -- so that whatever else the host does in a while weighs on all three
+    after a barrier -- so that whatever else the host does in a while weighs on all four
     alike; each one's time is the median of its ``steps`` steps (after two of warm-up)."""
     from torch.nn.parallel import DistributedDataParallel
 
