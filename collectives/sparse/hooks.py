@@ -17,6 +17,9 @@ holding the averaged gradients. Two hooks, the plain one first:
   (:func:`~collectives.sparse.sparse_all_reduce_async`), as torch's PowerSGD hook chains
   its collectives: backward computes the next buckets while the pairs travel. Same bits.
 
+:func:`on_a_thread` wraps a hook so that its own work -- the selection -- runs on a thread
+of its own while backward goes on: on a CPU, what a stream is on a GPU.
+
 Error feedback needs memory that outlives the step, and it belongs to **parameters**, not
 to buckets: DDP rebuilds its buckets once, after the first iteration, in the order the
 gradients really arrived. On the lab's ``DigitsMLP`` bucket 0 goes from ``[fc1.w, fc1.b,
