@@ -143,7 +143,7 @@ def at_least(x: torch.Tensor, threshold: float) -> torch.Tensor:
     bound = threshold_in(threshold, x.dtype)
     if x.is_cuda:
         return torch.nonzero(_below(magnitude(x), bound).logical_not_()).view(-1)
-    if x.dtype in NUMPY_FLOATS and torch.get_num_threads() == 1:
+    if x.dtype in NUMPY_FLOATS and _one_thread(x):
         return _at_least_numpy(x.detach().numpy(), bound)
     if n <= CHUNK or not x.is_floating_point():
         return true_indices(_below(magnitude(x), bound).logical_not_())
@@ -178,6 +178,13 @@ def _at_least_numpy(a: np.ndarray, bound: float) -> torch.Tensor:
     return torch.from_numpy(hits.astype(np.int64, copy=False))
 
 
+def _one_thread(t: torch.Tensor) -> bool:
+    """A CPU tensor in a process computing on one intra-op thread: NumPy's vectorised loops
+    beat torch's there (torch's CPU ``nonzero`` and ``bool`` comparisons go an element at a
+    time); with several threads torch shares its passes among them and NumPy does not."""
+    return not t.is_cuda and torch.get_num_threads() == 1
+
+
 def true_indices(mask: torch.Tensor) -> torch.Tensor:
     """``torch.nonzero(mask).view(-1)`` for a 1-D bool tensor, faster on a CPU. Ascending,
     as ``nonzero``'s.
@@ -188,7 +195,7 @@ def true_indices(mask: torch.Tensor) -> torch.Tensor:
     one by one. Mostly true (more than one word in eight has a flag), the plain ``nonzero``
     is faster, and that is what runs."""
     n = mask.numel()
-    if not mask.is_cuda and torch.get_num_threads() == 1:
+    if _one_thread(mask):
         return torch.from_numpy(np.flatnonzero(mask.numpy()).astype(np.int64, copy=False))
     whole = n - n % 8
     if mask.is_cuda or whole == 0 or not mask.is_contiguous() or mask.storage_offset() % 8:
@@ -311,7 +318,7 @@ def sample_threshold(x: torch.Tensor, k: int) -> float | None:
     rank = int(expected + 4 * expected ** 0.5) + 1
     if rank >= size:
         return None
-    if sample.is_cuda or torch.get_num_threads() > 1:
+    if not _one_thread(sample):
         return float(torch.topk(sample, rank, sorted=True).values[-1])
     # one thread: NumPy's partition, one pass (NaN sorts last, as the largest)
     return float(np.partition(sample.numpy(), size - rank)[size - rank])

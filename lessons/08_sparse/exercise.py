@@ -82,6 +82,7 @@ from collectives.ring import ring_all_gather  # noqa: F401 - task 4 may use it
 from collectives.sparse.cost import SparseProfile, choose_transport  # noqa: F401 - task 4 uses them
 from collectives.sparse.hooks import ParameterMemory
 from collectives.sparse.profile import profile_for  # noqa: F401 - task 4 uses it
+from collectives.sparse.select import sample_threshold  # noqa: F401 - given: task 1's "sample" threshold
 
 LESSON = 8
 INDEX_DTYPE = torch.int32         # indices travel as int32: 4 bytes each
@@ -124,23 +125,6 @@ def threshold_in(threshold: float, dtype: torch.dtype):
     if math.isinf(threshold):
         return math.inf
     return math.ceil(threshold) - (1 if dtype.is_signed else 0)
-
-
-def sample_threshold(x: torch.Tensor, k: int) -> float | None:
-    """Given: a magnitude that a few more than k elements of ``x`` reach, estimated from a
-    sample of up to 64 Ki elements (an eighth at most) at random positions -- evenly spaced
-    ones can fall on one column of a layer; None when ``x`` is too small to sample (under
-    8 Ki elements)."""
-    n = x.numel()
-    sample_size = min(1 << 16, n // 8)
-    if sample_size < 1 << 10:
-        return None
-    positions = torch.randint(n, (sample_size,), generator=torch.Generator().manual_seed(n)).sort().values
-    sample = x.index_select(0, positions.to(x.device))
-    sample = (sample.abs() if sample.is_floating_point() else sample.double().abs()).float()
-    expected = sample_size * k / n
-    rank = int(expected + 4 * expected ** 0.5) + 1
-    return None if rank >= sample_size else float(torch.topk(sample, rank, sorted=True).values[-1])
 
 
 def threshold_indices(x: torch.Tensor, threshold: float) -> torch.Tensor:
