@@ -6,7 +6,7 @@ Three layers, one folder each, imports going one way (tooling -> lessons -> infr
       core/      the infrastructure: launch, ops, trace, streams, timing, cost, nccl_memory, cluster
       p2p.py basics.py naive_ring.py ring.py topologies.py fused/ bucketing/
                  the lessons' reference code, each importing only earlier lessons and core
-      course/    the tooling: lesson map, verify, runner, grading, tour, bench, plots, cli
+      course/    the tooling: lesson map, verify, tour; site/, benchmarks/, grading/, cli/
 
 ``from collectives import launch, ops, trace, verify`` (and ``streams``, ``timing``,
 ``cost``, ``nccl_memory``, ``cluster``) is the short form: the infrastructure is imported with the
@@ -19,7 +19,7 @@ from .core import cluster, cost, launch, nccl_memory, ops, streams, timing, trac
 
 __version__ = "0.1.0"
 
-_LAZY = {"verify": "collectives.course.verify", "plots": "collectives.course.plots"}
+_LAZY = {"verify": "collectives.course.verify", "plots": "collectives.course.site.plots"}
 
 
 def __getattr__(name):

@@ -1,8 +1,8 @@
-"""``.venv/bin/python -m collectives <command>``: see :mod:`collectives.course.cli`."""
+"""``.venv/bin/python -m collectives <command>``: see :mod:`collectives.course.cli.main`."""
 
 import sys
 
-from collectives.course.cli import main
+from collectives.course.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,7 +1,7 @@
 """Lesson 1, point-to-point: the demos of what goes wrong, and the helpers on GPUs.
 
 The graded tasks (pass_token, exchange, ping_pong, measure_alpha_beta) are judged by
-collectives/course/tasks/lesson01.py (and lesson01_timing.py), outside the ranks, on the reference as on a
+collectives/course/grading/tasks/lesson01.py (and lesson01_timing.py), outside the ranks, on the reference as on a
 student's exercise; what is left here is what the lesson shows rather than grades.
 """
 
@@ -72,8 +72,8 @@ def test_gloo_send_refuses_a_non_contiguous_tensor(demos):
 # --------------------------------------------------------------------------- the timed tasks' judge
 
 def _round_trip_run(echo_host):
-    from collectives.course.tasks.tap import Call
-    from collectives.course.tasks.world import Outcome, Run
+    from collectives.course.grading.tasks.tap import Call
+    from collectives.course.grading.tasks.world import Outcome, Run
 
     def message(kind, peer, t):
         return Call(kind, peer, 8, "uint8", 0.0, 0.0, (0, 1), "", t)
@@ -85,7 +85,7 @@ def _round_trip_run(echo_host):
 
 
 def test_a_round_trip_lies_between_its_messages_and_the_calls_around_them():
-    from collectives.course.tasks.lesson01_timing import round_trips
+    from collectives.course.grading.tasks.lesson01_timing import round_trips
 
     # trip 1: sent at 10.0, echoed at 10.3, so at least 0.3 s; after the probe's 9.9 and
     # before the next send at 10.5, so at most 0.6 s. Trip 2: from 10.5 to its receive at

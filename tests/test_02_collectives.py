@@ -2,7 +2,7 @@
 hand-built ones on GPUs.
 
 The graded tasks (broadcast, reduce, scatter, gather, all_gather, reduce + broadcast, the
-binomial tree) are judged by collectives/course/tasks/lesson02.py, outside the ranks, on
+binomial tree) are judged by collectives/course/grading/tasks/lesson02.py, outside the ranks, on
 the reference as on a student's exercise: values against the twins' results, every
 message against the algorithm's pattern, bad input.
 """

@@ -1,7 +1,7 @@
 """Lesson 3, the naive ring: what the lesson page says of the tutorial's version.
 
 The graded tasks (the loop, every op and dtype, the rest of the contract) are judged by
-collectives/course/tasks/lesson03.py, outside the ranks, on the reference as on a
+collectives/course/grading/tasks/lesson03.py, outside the ranks, on the reference as on a
 student's exercise: values against the reduction of the inputs on worlds of 1 to 4
 ranks, and every call's messages against the ring's pattern.
 """

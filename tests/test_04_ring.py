@@ -1,7 +1,7 @@
 """Lesson 4, the ring and its rivals: what the graded tasks do not cover, and the judges' own edges.
 
 The graded tasks (the ring's halves, the ring, the pipelined ring, recursive doubling,
-halving-doubling, the tree) are judged by :mod:`collectives.course.tasks.lesson04`, outside
+halving-doubling, the tree) are judged by :mod:`collectives.course.grading.tasks.lesson04`, outside
 the ranks; ``tests/test_grader.py`` runs those judges on the reference, on the stubs and on
 every partial solution. Here: the reference's multi-ring, which is not an exercise, and
 the ring judge failing the mistakes it exists to catch -- each a small exercise file.
@@ -13,8 +13,8 @@ import torch.distributed as dist
 from collectives import launch, trace, verify
 from collectives.core.ops import ReduceOp
 from collectives.course.catalog import world_timeout
-from collectives.course.tasks import Grading, Verdict, lesson04
-from collectives.course.tasks.allreduce import judge_cases
+from collectives.course.grading.tasks import Grading, Verdict, lesson04
+from collectives.course.grading.tasks.allreduce import judge_cases
 
 LESSON = 4
 WORLD_TIMEOUT = world_timeout()

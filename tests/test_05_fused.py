@@ -1,7 +1,7 @@
 """Lesson 5: fused buffers -- the reference's own extras, beyond the graded tasks.
 
 The graded tasks (plan_layout, the copies, fused_all_reduce, FusedAllReducer) are judged
-outside the student's process by :mod:`collectives.course.tasks.lesson05`. Here: float16
+outside the student's process by :mod:`collectives.course.grading.tasks.lesson05`. Here: float16
 on the wire and its error bound, ``bind``, the fast reducer's reuse of a known list, a
 training loop, the stream checker catching a mis-ordered reducer, the host row copies;
 everything that communicates runs in one world of 4 ranks (``reference_extras``).
@@ -56,7 +56,7 @@ def _assert_ok(results, name):
 
 # ---------------------------------------------------------------------------------------
 # The reference's extras: float16 on the wire, bind(), the fast reducer. Not graded (the graded
-# tasks are judged by collectives.course.tasks.lesson05).
+# tasks are judged by collectives.course.grading.tasks.lesson05).
 
 def _fp16_bound(p, abs_sum, avg=False):
     """The bound stated in collectives.fused: γ_k·Σ|x| (/p for AVG) + p·2⁻²⁵."""
@@ -369,7 +369,7 @@ def test_tour_entry_names_the_runner():
     from collectives.course.tour import entries
 
     assert [(e.name, e.runner) for e in entries() if e.lesson == 5] == [
-        ("fused", "collectives.course.fused_bench:tour_runner")]
+        ("fused", "collectives.course.benchmarks.fused:tour_runner")]
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Lesson 6: the reference's bucketed reducer trains exactly like torch DDP and like one process.
 
 The graded tasks are judged outside the student's process by
-:mod:`collectives.course.tasks.lesson06`, against a rank-by-rank simulation of what DDP
+:mod:`collectives.course.grading.tasks.lesson06`, against a rank-by-rank simulation of what DDP
 promises; the checks here hold the reference to torch DDP itself, which is what that
 simulation stands in for: several SGD steps, the division of a gradient inside its bucket
 bit for bit, buffers broadcast from rank 0, sparse gradients refused.
@@ -245,7 +245,7 @@ WORLDS = pytest.mark.parametrize("p", [2, 3])
 
 @WORLDS
 def test_the_reference_trains_like_torch_ddp_and_a_single_process(worlds, p):
-    # what the graded tasks' simulation (collectives.course.tasks.lesson06) stands in for
+    # what the graded tasks' simulation (collectives.course.grading.tasks.lesson06) stands in for
     for res in _ok(worlds(p), "several_steps_like_ddp_and_one_process"):
         _assert_like_ddp_and_one_process(res)
         r = res["2 buckets, gradient_as_bucket_view"]
@@ -277,7 +277,7 @@ def test_sparse_gradients_are_refused_at_construction(worlds, p):
 
 @pytest.mark.gpu
 def test_nccl_reducer_matches_torch_ddp_on_two_gpus():
-    from collectives.course import bucketing_bench
+    from collectives.course.benchmarks import bucketing as bucketing_bench
     cfg = dict(world=2, backend="nccl", bucket_cap_mb=1.0, first_bucket_cap_mb=1.0, steps=2, warmup=2,
                model="transformer", sizes=dict(vocab=512, d_model=64, nhead=4, ff=128, layers=2, seq=16),
                batch=4)

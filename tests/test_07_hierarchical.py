@@ -2,7 +2,7 @@
 
 The six graded tasks (the hierarchies' values and their messages by tier, the stages, the
 pipelined slices, the asynchronous call, the DDP hook) are judged by the task table
-(:mod:`collectives.course.tasks.lesson07`, run on the reference, the stubs and partial
+(:mod:`collectives.course.grading.tasks.lesson07`, run on the reference, the stubs and partial
 solutions by tests/test_grader.py). Here, in two worlds (4 and 6 gloo ranks) pretending
 to be several machines with ``layout=(D, M)``: the in-flight reducer's own promises
 (several buckets in flight inside the memory budget, a failing stage naming its rank),
@@ -608,8 +608,8 @@ def test_on_two_gpus_with_nccl(layout):
 def test_a_bench_record_holds_machine_versions_date_command_and_its_comparisons(tmp_path):
     import json
 
-    from collectives.course import hierarchical_record as record
-    from collectives.course.hierarchical_bench import crossover
+    from collectives.course.benchmarks import hierarchical_record as record
+    from collectives.course.benchmarks.hierarchical import crossover
 
     rows = [dict(name=name, nbytes=n, seconds=s, verified=True)
             for name, n, s in [("dist.all_reduce", 1 << 16, 0.002), ("hierarchical, pipelined", 1 << 16, 0.005),
@@ -631,14 +631,14 @@ def test_a_bench_record_holds_machine_versions_date_command_and_its_comparisons(
 
 def _timing_lines():
     from collectives.course.catalog import ROOT
-    from collectives.course.tasks import lesson07
+    from collectives.course.grading.tasks import lesson07
 
     spec = str(ROOT / "tests" / "solutions" / "lesson07_library.py")
     return lesson07.in_world_timing(spec, {4: True}), lesson07.in_world_timing(spec, {4: False})
 
 
 def test_the_check_on_several_machines_times_yours_beside_the_flat_ring_and_the_reference(monkeypatch):
-    from collectives.course.tasks import lesson07
+    from collectives.course.grading.tasks import lesson07
 
     monkeypatch.setattr(lesson07, "TIMED_BYTES", 64 << 10)      # the ranks are forked: they see it
     passed, unwritten = launch.run(_timing_lines, 4, local_world_size=2, timeout=TIMEOUT)[0]
@@ -650,7 +650,7 @@ def test_the_check_on_several_machines_times_yours_beside_the_flat_ring_and_the_
 
 
 def test_an_unwritten_function_is_named_and_not_timed_by_bench_hier():
-    from collectives.course.hierarchical_bench import why_not_timed
+    from collectives.course.benchmarks.hierarchical import why_not_timed
 
     stub = verify.Report([verify.CaseResult("n=0 float32 SUM", 0, False,
                                             "raised NotImplementedError: Lesson 7, task 4: hierarchical_all_reduce")])

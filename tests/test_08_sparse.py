@@ -2,7 +2,7 @@
 
 The graded contract -- selection, the all-gather of pairs, every transport's sums and
 residuals, refusals, the asynchronous all-reduce and hook -- is judged outside the
-student's process by collectives/course/tasks/lesson08*.py (run by tests/test_grader.py on
+student's process by collectives/course/grading/tasks/lesson08*.py (run by tests/test_grader.py on
 the reference, the stubs and every partial solution). Here, in one world per world size:
 
 * **the bytes** the trace sees equal what ``collectives.sparse.cost`` says each transport sends;
@@ -32,8 +32,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from collectives import launch, trace, verify
+from collectives.course.benchmarks.sparse import event_bytes
 from collectives.course.impl import resolve
-from collectives.course.sparse_bench import event_bytes
 from collectives.sparse import cost
 
 from . import workers
@@ -98,7 +98,7 @@ def _mode_name(mode: dict) -> str:
 MODES = ({"density": DENSITY}, {"threshold": THRESHOLD})
 
 
-# ---- the transports: what the graded tasks (collectives/course/tasks/lesson08*.py) do not cover --
+# ---- the transports: what the graded tasks (collectives/course/grading/tasks/lesson08*.py) do not cover --
 
 def _fixed_profile(impl, link=None, compute=None):
     """Give the world a profile for transport="auto" instead of measuring one: the same on
@@ -491,7 +491,7 @@ def _run_checks(impl: str, names: list[str]) -> dict:
     return workers.run_named_checks(CHECKS, impl, names)
 
 
-# Which checks run in which world (the contract itself is the task table's: collectives/course/tasks).
+# Which checks run in which world (the contract itself is the task table's: collectives/course/grading/tasks).
 PLAN = {
     1: ["residuals_follow_their_parameters"],
     2: ["bytes_on_the_wire", "sparse_reducer", "outside_the_group_is_a_no_op", "split_with_sizes_that_differ_raises",
@@ -971,7 +971,7 @@ def test_time_to_accuracy_targets_and_the_winner_from_a_record():
     """The target is dense's final accuracy (mean of seeds) less one point; time to accuracy is
     the training time at the first evaluation that reaches it, averaged over the seeds that
     do; the winner is the fastest run every seed of which reaches it."""
-    from collectives.course import sparse_train_bench as stb
+    from collectives.course.benchmarks import sparse_train as stb
 
     def run(name, seed, curve, steps=30):
         return dict(run=name, model="wide", optimizer="sgd", seed=seed, curve=curve, steps=steps,
@@ -1085,8 +1085,9 @@ def test_bench_sparse_train_records_say_what_the_json_says(tmp_path):
     sentence that compares the runs the other way round is caught."""
     import matplotlib
     matplotlib.use("Agg")
-    from collectives.course import claims, sparse_record
-    from collectives.course import sparse_train_bench as stb
+    from collectives.course.benchmarks import sparse_record
+    from collectives.course.benchmarks import sparse_train as stb
+    from collectives.course.site import claims
 
     def run(name, seed, curve):
         return dict(run=name, model="wide", optimizer="sgd", seed=seed, curve=curve, steps=30, steps_per_epoch=10,
@@ -1120,7 +1121,7 @@ def test_a_final_accuracy_comes_only_from_runs_trained_to_the_end():
     """On a later link a run stops at the target; one seed that needed more than the epochs
     to get there also has a final accuracy. The summary must not let that one seed stand for
     the runs trained to the end (the published tables once did: ``± 0.000`` from one seed)."""
-    from collectives.course import sparse_train_bench as stb
+    from collectives.course.benchmarks import sparse_train as stb
 
     def run(seed, final, complete):
         return dict(run="topk_ef", model="cnn", optimizer="sgd", seed=seed, curve=[(10, 1.0, 0.6)], steps=10,

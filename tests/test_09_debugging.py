@@ -402,7 +402,7 @@ def test_a_straggler_needs_enough_collectives_and_a_clear_lag(checks):
 # ---- the command line ----------------------------------------------------------------------------
 
 def test_diagnose_reads_a_dump_directory_and_says_what_it_found(tmp_path, capsys):
-    from collectives.course.diagnose_cli import main
+    from collectives.course.cli.diagnose import main
 
     for dump in scenario_dumps("order", 4):
         (tmp_path / f"rank{dump['rank']}.json").write_text(json.dumps(dump))
@@ -416,7 +416,7 @@ def test_diagnose_reads_a_dump_directory_and_says_what_it_found(tmp_path, capsys
 
 
 def test_bench_recorder_writes_its_measurements_with_device_versions_date_and_command(tmp_path):
-    from collectives.course.debugging_bench import main
+    from collectives.course.benchmarks.debugging import main
 
     assert main(["--iters", "5", "--blocks", "1", "--sizes", "4", "--no-detail", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "recorder.json").read_text())

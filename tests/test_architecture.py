@@ -116,3 +116,52 @@ def test_the_checks_see_a_broken_layer(tmp_path):
     found = _imports(fake, "collectives.ring", known)
     assert found == {"collectives.course.tour", "collectives.core.ops", "collectives.course.verify"}
     assert [_layer(m)[0] for m in sorted(found)] == ["core", "course", "course"]
+
+
+# The tooling's own order, by concern (collectives/course/__init__.py states it): the command
+# line may import anything below it; grading and the benchmarks import the site and the top
+# modules but not each other; the site imports only the top modules; the top modules (the
+# lesson map, the implementation switch, the harness and the tour) import no concern folder.
+CONCERNS = {"cli": 3, "grading": 2, "benchmarks": 2, "site": 1}
+
+
+def _concern(module: str) -> tuple[str, int]:
+    """("cli", 3) ... ("top", 0) for a tooling module: its folder under collectives/course."""
+    parts = module.split(".")
+    if module == "collectives.course.runner":     # the old name of grading's runner, kept for old copies
+        return "grading", CONCERNS["grading"]
+    if len(parts) > 2 and parts[2] in CONCERNS:
+        return parts[2], CONCERNS[parts[2]]
+    return "top", 0
+
+
+@pytest.mark.parametrize("module", sorted(m for m in GRAPH if _layer(m)[0] == "course"))
+def test_the_tooling_imports_only_down_its_concerns(module):
+    name, rank = _concern(module)
+    for dep in GRAPH[module]:
+        if _layer(dep)[0] != "course":
+            continue
+        other, other_rank = _concern(dep)
+        if other == name:
+            continue
+        assert other_rank < rank, (
+            f"{module} ({name}) imports {dep} ({other}): the tooling's folders import only downwards "
+            "(cli -> grading, benchmarks -> site -> the top modules)")
+
+
+def test_every_concern_folder_exists_and_the_top_stays_small():
+    """The tooling's top holds the shared modules only; each concern has its folder."""
+    course = PACKAGE / "course"
+    for folder in CONCERNS:
+        assert (course / folder / "__init__.py").is_file(), f"collectives/course/{folder}/ is missing"
+    top = sorted(p.stem for p in course.glob("*.py") if p.stem != "__init__")
+    assert top == ["cases", "catalog", "impl", "runner", "tour", "verify"], (
+        f"collectives/course/ holds {top}: a benchmark, a grading task, a site helper or a command "
+        "belongs in its concern's folder")
+
+
+def test_the_concern_check_sees_a_benchmark_imported_by_the_site():
+    assert _concern("collectives.course.site.claims") == ("site", 1)
+    assert _concern("collectives.course.benchmarks.fused") == ("benchmarks", 2)
+    assert _concern("collectives.course.verify") == ("top", 0)
+    assert not CONCERNS["benchmarks"] < CONCERNS["site"]

@@ -4,7 +4,7 @@ import json
 
 import torch._dynamo  # noqa: F401 - torch DDP imports it on first use (seconds): once, before the worlds fork
 
-from collectives.course import bench
+from collectives.course.benchmarks import allreduce as bench
 from collectives.course.impl import resolve
 
 
@@ -88,7 +88,7 @@ def test_json_and_the_exercise_beside_the_reference(tmp_path, capsys, monkeypatc
 
 def test_a_stub_reducer_is_listed_as_not_written_in_bench_ddp():
     from collectives import launch
-    from collectives.course import bucketing_bench
+    from collectives.course.benchmarks import bucketing as bucketing_bench
 
     cfg = dict(world=2, backend="gloo", bucket_cap_mb=0.01, first_bucket_cap_mb=0.01, steps=1, warmup=1,
                model="mlp", sizes=dict(width=16, depth=2), batch=4, impl="exercise")
@@ -98,7 +98,7 @@ def test_a_stub_reducer_is_listed_as_not_written_in_bench_ddp():
 
 
 def test_a_tiny_fused_run_prints_every_case_and_writes_the_json_and_the_plot(tmp_path, capsys):
-    from collectives.course import fused_bench
+    from collectives.course.benchmarks import fused as fused_bench
 
     # 40 tensors of 100 elements on 2 ranks, 4 runs a case (one per round): a few seconds
     code = fused_bench.main(["--world", "2", "--count", "40", "--numel", "100", "--split", "4K",
@@ -131,7 +131,7 @@ def test_the_sparse_benchmark_model_adds_the_measured_processor_time_to_the_wire
     wire's alone, where the model's best sparse time meets the dense ring's."""
     import pytest
 
-    from collectives.course import sparse_bench as sb
+    from collectives.course.benchmarks import sparse as sb
     from collectives.sparse import cost
 
     n, p = 16 << 20, 4

@@ -249,12 +249,12 @@ def test_every_exercise_reference_passes_under_one_torchrun_per_machine():
     dist.all_reduce agrees and every lesson's graded task passes against the reference, judged
     in that world by the grader's own judges."""
     from collectives.course.catalog import LESSONS, ROOT
-    from collectives.course.tasks import tasks_of
+    from collectives.course.grading.tasks import tasks_of
 
     expected = {(item.number, task.number): task.title for item in LESSONS for task in tasks_of(item.number)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "collectives", "cluster", "--machines", "2", "--ranks-per-machine", "2",
-         "--link", "10gbit", "--reference", "--", "-m", "collectives.course.runner", "--all"],
+         "--link", "10gbit", "--reference", "--", "-m", "collectives.course.grading.runner", "--all"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = proc.communicate(timeout=300)
     assert not _owned_by(proc.pid)            # its cluster is gone with it
@@ -327,7 +327,7 @@ def test_the_tier_aware_model_predicts_a_flat_all_reduce_on_the_cluster():
     """Ping-pong across a 200 Mbit/s link fits its rate; the flat ring predicted on the
     slowest link lands within 20 % of a measured 4 MiB dist.all_reduce on 2 × 2 ranks.
     (A slow link keeps the CPU's share small: the ranks share two cores.)"""
-    from collectives.course import cluster_bench
+    from collectives.course.benchmarks import cluster as cluster_bench
 
     with Cluster(machines=2, ranks_per_machine=2, link="200mbit") as slow:
         # fastest round trips and fastest all-reduce: the runs the other ranks' and the

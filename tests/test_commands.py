@@ -23,8 +23,8 @@ import shlex
 
 import pytest
 
-from collectives.course import cli
 from collectives.course.catalog import ROOT
+from collectives.course.cli import main as cli
 
 PREFIXES = (".venv/bin/python", ".venv/bin/torchrun", "make ", "python ", "python3 ", "torchrun ",
             "pytest ", "pip ")

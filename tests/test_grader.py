@@ -10,7 +10,7 @@ and the grader (``make grade``) are run on
   matrix: a task that needed a later task's function would fail at its own boundary, and
   one that did not call its own function would pass on the stubs.
 
-Both read one task table (:mod:`collectives.course.tasks`); the runner's worlds run in
+Both read one task table (:mod:`collectives.course.grading.tasks`); the runner's worlds run in
 check mode and the grader's do not, so this also shows check mode changes no verdict of
 working code. Cheating exercises (``tests/cheats/``) score 0 on the tasks they target.
 """
@@ -28,9 +28,10 @@ from pathlib import Path
 
 import pytest
 
-from collectives.course import grading, runner
 from collectives.course.catalog import LESSONS, ROOT
-from collectives.course.tasks import tasks_of
+from collectives.course.grading import grade as grading
+from collectives.course.grading import runner
+from collectives.course.grading.tasks import tasks_of
 
 ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
 NUMBERS = [item.number for item in LESSONS]

@@ -1,7 +1,7 @@
 """The helper sheet in every exercise is what the code says today, and every stub names what it may call.
 
 Each exercise's docstring lists the course functions its tasks may call, with their
-signatures and first docstring lines (``collectives.course.helpers``); a renamed argument
+signatures and first docstring lines (``collectives.course.grading.helpers``); a renamed argument
 or a changed default in ``collectives.core`` must show up there, or students are told to
 call something that no longer exists. Each stub's ``CALLS:`` line names the entries its
 task needs, all of them on the sheet.
@@ -11,8 +11,8 @@ import ast
 
 import pytest
 
-from collectives.course import helpers
 from collectives.course.catalog import LESSONS
+from collectives.course.grading import helpers
 
 
 def _doc(item) -> str:

@@ -118,7 +118,7 @@ def test_a_lab_run_on_the_stubs_stops_at_the_first_task_with_its_name(monkeypatc
     # setup and the first world run, the first cell that needs task 1 stops with its name
     import nbformat
 
-    from collectives.course import labs
+    from collectives.course.site import labs
 
     monkeypatch.chdir(labs.NOTEBOOK_DIR)
     monkeypatch.setenv("MPLBACKEND", "Agg")
@@ -141,7 +141,7 @@ def test_a_lab_run_on_the_stubs_stops_at_the_first_task_with_its_name(monkeypatc
 
 
 def test_lab_6s_timelines_and_sweeps_run_the_switchs_reducer():
-    from collectives.course import bucketing_bench
+    from collectives.course.benchmarks import bucketing as bucketing_bench
 
     lab = Lab(6, "exercise")
     tiny = dict(vocab=16, d_model=8, nhead=2, ff=16, layers=1, seq=4)

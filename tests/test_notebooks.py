@@ -4,7 +4,7 @@ Every ``notebooks/*.ipynb`` (and every lesson's notebook named in the lesson map
 executed with nbclient on the ``python3`` kernel of this interpreter, from
 ``notebooks/`` as the working directory, the way a student runs it. The notebook is read
 into memory and executed there: outputs are never written back to the file. The executed
-copy is kept under ``build/executed/`` (``collectives.course.labs``), where the site
+copy is kept under ``build/executed/`` (``collectives.course.site.labs``), where the site
 build finds it: the lab pages show these outputs without running the notebooks again.
 """
 
@@ -44,7 +44,7 @@ def test_notebook_is_stored_without_outputs(path):
 def test_notebook_runs_top_to_bottom(path):
     from nbclient.exceptions import CellExecutionError, CellTimeoutError
 
-    from collectives.course import labs
+    from collectives.course.site import labs
 
     _read(path)
     try:

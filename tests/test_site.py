@@ -178,7 +178,7 @@ def _plant_a_wrong_player(site):
 
 def _planted_site(tmp_path, caption: str, meta: dict | None = None, placed: bool = True):
     """A docs folder of one lesson page showing one recorded figure, and no labs."""
-    from collectives.course import claims
+    from collectives.course.site import claims
 
     img = tmp_path / "docs" / "img"
     img.mkdir(parents=True)
@@ -226,7 +226,7 @@ def test_a_figure_needs_a_complete_record_and_its_placeholder(tmp_path):
 
 
 def test_a_placeholder_becomes_the_records_figure_or_says_what_draws_it(tmp_path):
-    from collectives.course import claims
+    from collectives.course.site import claims
 
     page = "{{ figure: 04-pipelining | .venv/bin/python tools/lesson04_figures.py }}"
     assert "no recorded run is in this build" in claims.expand(page, img=tmp_path)

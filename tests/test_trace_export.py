@@ -18,10 +18,11 @@ import torch._dynamo  # noqa: F401 - torch.profiler imports it on first use (sec
 import torch.distributed as dist
 
 from collectives import launch, trace
-from collectives.core import trace_export
-from collectives.course import trace_cli, trace_player
+from collectives.core import trace_export, trace_steps
 from collectives.course.catalog import ROOT
+from collectives.course.cli import trace as trace_cli
 from collectives.course.impl import resolve
+from collectives.course.site import trace_player
 
 RUNS = {   # name -> (target, world, keyword arguments)
     "ring": ("collectives.ring:ring_all_reduce", 4, {}),
@@ -49,7 +50,7 @@ def _traced_runs(names: list[str]) -> dict:
             call(x.clone())
         dist.barrier()
         buf = x.clone()
-        with trace.recording() as t, trace_export.Capture(buf, t) as cap:
+        with trace.recording() as t, trace_steps.Capture(buf, t) as cap:
             call(buf)
         out[name] = (t.to_dicts(), cap.log)
     return out
@@ -169,17 +170,17 @@ def test_the_format_check_finds_what_perfetto_would_reject():
 
 def test_causal_steps_number_the_rounds_as_the_algorithms_draw_them(exported):
     traces, _, logs = exported["ring"]
-    levels = trace_export.step_levels(traces, logs)
+    levels = trace_steps.step_levels(traces, logs)
     for t in traces:   # the ring: its k-th message in step k, 2(p - 1) of them, each taken in its step
         assert [levels[(t.rank, e.seq)] for e in t.sends()] == list(range(1, 7))
         assert [levels[(t.rank, e.seq)] for e in t.recvs()] == list(range(1, 7))
     traces, _, logs = exported["tree"]
-    levels = trace_export.step_levels(traces, logs)
+    levels = trace_steps.step_levels(traces, logs)
     sends = {(t.rank, e.peer): levels[(t.rank, e.seq)] for t in traces for e in t.sends()}
     # up: leaves 2 and 3 first, then rank 1 with 3's sum; down: 0 to its children, then 1 to 3
     assert sends == {(2, 0): 1, (3, 1): 1, (1, 0): 2, (0, 1): 3, (0, 2): 3, (1, 3): 4}
     traces, _, logs = exported["sparse split"]
-    levels = trace_export.step_levels(traces, logs)
+    levels = trace_steps.step_levels(traces, logs)
     for t in traces:   # a collective is one step on all its members
         steps = [levels[(t.rank, e.seq)] for e in t.collectives()]
         assert steps == sorted(steps) and len(set(steps)) == len(steps)
@@ -318,7 +319,7 @@ def test_labels_are_ranges_in_a_profile_of_an_nccl_run():
 def test_the_labs_profiler_cell_shows_the_ranges_and_no_log_lines():
     """Lab 6's last cell, as the site shows it (the copy tests/test_notebooks.py or the site
     build executed for this code): the reducer's ranges, and no stderr (Kineto's log lines)."""
-    from collectives.course import labs
+    from collectives.course.site import labs
 
     notebook = ROOT / "notebooks" / "06_bucketing.ipynb"
     nb = labs._cached(notebook, labs.source_key(notebook))

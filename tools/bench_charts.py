@@ -5,7 +5,7 @@
 Reads the markdown tables the benchmark runs were recorded in (docs/snippets/bench-ring.md
 for CPU, docs/snippets/bench-gpu-sweep.md for GPUs) and draws each algorithm's ratio to the
 library's ``dist.all_reduce`` against the tensor size: the figures are the recorded ones,
-nothing is measured here. Each chart's record (:mod:`collectives.course.claims`) carries the
+nothing is measured here. Each chart's record (:mod:`collectives.course.site.claims`) carries the
 recorded run's device, versions, date and command (:data:`RUNS`) and the fastest algorithm at
 each size, which the page's caption states. Rerun after recording a new run, and update
 :data:`RUNS` with it.
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from collectives import timing  # noqa: E402
-from collectives.course import claims, plots  # noqa: E402
+from collectives.course.site import claims, plots  # noqa: E402
 
 IMG = ROOT / "docs" / "img"
 # Where each recorded table came from, as its snippet says.

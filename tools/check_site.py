@@ -58,8 +58,8 @@ from urllib.parse import urljoin, urlparse
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from collectives.course import claims, labs  # noqa: E402
 from collectives.course.catalog import LESSONS  # noqa: E402
+from collectives.course.site import claims, labs  # noqa: E402
 
 CHROMIUM_CANDIDATES = ("/usr/bin/chromium", "chromium", "chromium-browser", "google-chrome")
 CHROMIUM_FLAGS = [
@@ -323,7 +323,7 @@ def check_notebook_page(item, seen: dict, fetch) -> list[str]:
                 problems.append(f"code cell {i + 1} does not show its source (expected {first[:40]!r})")
                 break
     # Each lab shows a real run: every code cell that printed or drew something when the
-    # notebook was executed (the copy the build renders, collectives.course.labs) shows it,
+    # notebook was executed (the copy the build renders, collectives.course.site.labs) shows it,
     # and none shows a traceback. Without an executed copy, every cell that looks as if it
     # prints must show something.
     shown = seen["cellOutput"]
@@ -469,7 +469,7 @@ def claim_problems(docs: Path = DOCS, notebooks: Path | None = None) -> list[str
       excepted);
     * the sentences of a page's sections that show a record, and every markdown cell of a
       lab, agree with the records they show or their lesson's records
-      (:func:`collectives.course.claims.contradictions`).
+      (:func:`collectives.course.site.claims.contradictions`).
     """
     img = docs / "img"
     notebooks = notebooks or ROOT / "notebooks"

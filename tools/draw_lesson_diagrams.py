@@ -13,7 +13,7 @@
   α–β model fitted by a ping-pong in the same world.
 
 Lesson 4's figures are drawn by ``tools/lesson04_figures.py``. Every image goes with a record
-(``NAME.json``, :mod:`collectives.course.claims`) that the page's caption comes from.
+(``NAME.json``, :mod:`collectives.course.site.claims`) that the page's caption comes from.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")
 
 from collectives import cost, launch, plots, timing  # noqa: E402
-from collectives.course import claims  # noqa: E402
+from collectives.course.site import claims  # noqa: E402
 
 COLLECTIVES = ["broadcast", "tree_broadcast", "reduce", "scatter", "gather", "all_gather"]
 

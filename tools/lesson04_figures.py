@@ -6,7 +6,7 @@
     sudo .venv/bin/python tools/lesson04_figures.py --only sweep     # predicted against measured
     sudo .venv/bin/python tools/lesson04_figures.py --quick --out /tmp/fig   # a small run, to try it
 
-Every image goes with a record (``NAME.json``, :mod:`collectives.course.claims`) of what
+Every image goes with a record (``NAME.json``, :mod:`collectives.course.site.claims`) of what
 it shows, which the page's caption is generated from:
 
 * **steps** -- one real call of each algorithm on a local gloo world, drawn from its trace,
@@ -39,7 +39,7 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")
 
 from collectives import cost, launch, plots, timing  # noqa: E402
-from collectives.course import claims  # noqa: E402
+from collectives.course.site import claims  # noqa: E402
 
 ALGOS = ["naive_ring", "ring", "pipelined_ring", "recursive_doubling", "halving_doubling", "tree"]
 NAMES = {"naive_ring": "the naive ring", "ring": "the ring", "pipelined_ring": "the pipelined ring",
@@ -137,7 +137,7 @@ def _sweep_rank(names: list[str], sizes: list[int], iters: int, warmup: int, fit
     import torch.distributed as dist
 
     from collectives import p2p
-    from collectives.course import bench
+    from collectives.course.benchmarks import allreduce as bench
 
     small, large = [8, 64, 512], [1 << 20, 2 << 20, 4 << 20]
     p2p.ping_pong(8, iters=3)                                    # connection set-up, not timed

@@ -29,7 +29,7 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")
 
 from collectives import launch, plots, timing  # noqa: E402
-from collectives.course import claims  # noqa: E402
+from collectives.course.site import claims  # noqa: E402
 
 NAMES = {"one_buffer": "one buffer", "two_buffers": "two buffers"}
 ALIASES = {"two_buffers": ["double buffering", "double-buffering", "double-buffered", "the overlap", "overlap"],
@@ -41,7 +41,7 @@ def _flushes(count: int, numel: int, buffer_bytes: int, iters: int) -> dict:
     call of each in turn."""
     import torch
 
-    from collectives.course.fused_bench import traced_reducer_call
+    from collectives.course.benchmarks.fused import traced_reducer_call
     from collectives.fused import FusedAllReducer
 
     tensors = [torch.randn(numel) for _ in range(count)]
@@ -94,7 +94,7 @@ BENCH_CASES = {"separate calls": "one all-reduce per tensor", "flat all_reduce":
 
 
 def bench_table(out: Path, count: int, numel: int, iters: int) -> None:
-    from collectives.course import fused_bench
+    from collectives.course.benchmarks import fused as fused_bench
 
     rows = launch.run(fused_bench.bench, 4, args=(count, numel, 1 << 20, iters, 2), timeout=900)[0]
     by_case = {r["case"]: r for r in rows}

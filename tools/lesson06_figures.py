@@ -5,7 +5,7 @@ shows: docs/img/06-timeline.svg/.json, docs/img/06-sweep.svg/.json, docs/img/06-
     .venv/bin/python tools/lesson06_figures.py --only sweep --steps 4 --out /tmp/fig   # to try it
 
 Both come from 2 local gloo ranks running the lab's transformer
-(``collectives.course.bucketing_bench.LAB_SIZES``): the timeline from ``reducer.stats`` of a
+(``collectives.course.benchmarks.bucketing.LAB_SIZES``): the timeline from ``reducer.stats`` of a
 typical step, the sweep from full training steps at each bucket cap, once with backward on
 the CPU alone and once with ``--device-ms`` of off-CPU time per layer. Panels that compare
 share their axes; the records hold the numbers the captions state. The table is
@@ -28,8 +28,8 @@ matplotlib.use("Agg")
 
 from collectives import launch, plots, timing  # noqa: E402
 from collectives.bucketing.models import plot_timeline  # noqa: E402
-from collectives.course import claims  # noqa: E402
-from collectives.course.bucketing_bench import LAB_SIZES, sweep_rank, timeline_rank  # noqa: E402
+from collectives.course.benchmarks.bucketing import LAB_SIZES, sweep_rank, timeline_rank  # noqa: E402
+from collectives.course.site import claims  # noqa: E402
 
 CAPS = [0.02, 0.1, 0.5, 2, 8, 100]
 
@@ -115,7 +115,7 @@ def sweep(out: Path, device_ms: float, steps: int) -> None:
 def ddp_table(out: Path, steps: int) -> None:
     import importlib
 
-    from collectives.course import bucketing_bench as bb
+    from collectives.course.benchmarks import bucketing as bb
 
     importlib.import_module("torch._dynamo")     # DDP imports it on first use: once, before forking
     model = bb.MODELS["transformer"]

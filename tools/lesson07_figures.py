@@ -6,7 +6,7 @@
 ``--records DIR`` reads the ``bench-hier-<suite>.json`` records that ``.venv/bin/python -m collectives
 bench-hier <suite> --out DIR`` wrote on a quiet 16-core host (``sizes --rails`` under
 ``DIR/rails``) and draws from them, each as ``docs/img/07-bench-<suite>.svg`` with its
-record (:mod:`collectives.course.claims`; device, versions, date and the bench commands in
+record (:mod:`collectives.course.site.claims`; device, versions, date and the bench commands in
 its ``meta``): ``train`` (a DDP step, DDP's default hook against the hierarchical hook),
 ``inflight`` (buckets in flight), ``crossover`` (16 KiB to 16 MiB against the flat
 all-reduces), ``sizes`` (every algorithm at 64 MiB, one link and rails), ``machines`` (M = 2, 4
@@ -38,15 +38,15 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")
 
 from collectives import launch, timing  # noqa: E402
-from collectives.course import claims, plots  # noqa: E402
+from collectives.course.site import claims, plots  # noqa: E402
 
 SUITES = ("train", "inflight", "crossover", "machines", "sizes")
 RESULTS = ROOT / "docs" / "snippets" / "bench-hier-results.md"
 
 
 def timelines() -> None:
-    from collectives.course.hierarchical_bench import plot_slices, traced_slices
-    from collectives.course.hierarchical_inflight_bench import plot_timeline, timeline_in_rank
+    from collectives.course.benchmarks.hierarchical import plot_slices, traced_slices
+    from collectives.course.benchmarks.hierarchical_inflight import plot_timeline, timeline_in_rank
 
     numel = 4 << 20
     rows = launch.run(traced_slices, 4, args=((2, 2), numel, numel // 8), timeout=120)

@@ -11,7 +11,8 @@ simulated cluster (as root, ~3 min for training with 2 seeds, ~2 min for the swe
         --sweep 0.001,0.01,0.05,0.1,0.25,0.5 --json docs/data/08-sparse-bench.json
 
 and this script draws ``docs/img/08-time-to-accuracy``, ``08-convergence`` (and their
-``-cnn`` twins) and ``08-density-sweep`` (SVG and record, :mod:`collectives.course.sparse_record`), and writes
+``-cnn`` twins) and ``08-density-sweep`` (SVG and record,
+:mod:`collectives.course.benchmarks.sparse_record`), and writes
 every row of the ``bench-sparse`` records to ``docs/snippets/bench-sparse-runs.md``.
 """
 
@@ -27,7 +28,8 @@ import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 
-from collectives.course import sparse_record, sparse_train_bench  # noqa: E402
+from collectives.course.benchmarks import sparse_record  # noqa: E402
+from collectives.course.benchmarks import sparse_train as sparse_train_bench  # noqa: E402
 
 DATA = ROOT / "docs" / "data"
 COMMAND = ".venv/bin/python tools/lesson08_figures.py"

@@ -2,7 +2,7 @@
 
 * **Lab pages show a real run.** Notebooks are stored without outputs. Before
   mkdocs-jupyter renders a notebook page, its source is pointed at the executed copy that
-  ``collectives.course.labs`` keeps under ``build/executed/`` (the test suite makes it;
+  ``collectives.course.site.labs`` keeps under ``build/executed/`` (the test suite makes it;
   when it is missing or stale the notebook is executed here, once). The download link
   still serves the clean notebook from git.
 * **Lesson N, lab N, lesson N + 1.** The nav must list each lesson's page followed at once
@@ -14,13 +14,13 @@
   files, no Django needed): the site reads offline.
 * **Figures from their records.** ``{{ figure: NAME | COMMAND }}``, ``{{ claim: NAME ID }}``
   and ``{{ table: NAME }}`` on any page become the image, caption, sentence or table that
-  ``docs/img/NAME.json`` records (:func:`collectives.course.claims.expand`); without a
+  ``docs/img/NAME.json`` records (:func:`collectives.course.site.claims.expand`); without a
   record the figure and its claims are absent, and the page names the command that draws it.
 * **Lab headings in the sidebar as they are on the page**: a notebook's table of contents
   is rebuilt from the rendered headings, so a heading with code keeps it and links to the
   anchor the page really has.
 * **Trace players from real runs.** While the pages are built, every player of
-  ``collectives.course.trace_player`` is recorded in a subprocess (``.venv/bin/python -m collectives
+  ``collectives.course.site.trace_player`` is recorded in a subprocess (``.venv/bin/python -m collectives
   trace --players``: small worlds, a few seconds; kept under ``build/trace-players/``, keyed
   on the code, so a rebuild of unchanged code reuses them) and copied to ``traces/`` in the
   site. A page shows one with ``<div class="trace-player" data-trace="ring"></div>``
@@ -50,8 +50,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from collectives.course import claims, labs  # noqa: E402
 from collectives.course.catalog import LESSONS  # noqa: E402
+from collectives.course.site import claims, labs  # noqa: E402
 
 MATHJAX_TARGET = "javascripts/mathjax/tex-svg.js"   # named in mkdocs.yml's extra_javascript
 
@@ -245,7 +245,7 @@ _CODE = re.compile(r"^( *)(```|~~~).*?^\1\2[ \t]*$|`[^`\n]+`", re.S | re.M)
 
 
 def expand_records(markdown: str, img_url: str) -> str:
-    """:func:`collectives.course.claims.expand` on the page's prose; code blocks and code
+    """:func:`collectives.course.site.claims.expand` on the page's prose; code blocks and code
     spans are left as written (a page about placeholders shows them, it does not fill them)."""
     kept: list[str] = []
 

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from collectives import cost, ops  # noqa: F401
-from collectives.course.runner import run_tasks
+from collectives.course.grading.runner import run_tasks
 
 LESSON = 1
 

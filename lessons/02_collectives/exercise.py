@@ -61,7 +61,7 @@ import torch.distributed as dist
 
 from collectives import ops
 from collectives.core.ops import ReduceOp
-from collectives.course.runner import run_tasks
+from collectives.course.grading.runner import run_tasks
 from collectives.p2p import exchange  # noqa: F401  (lesson 1's reference: use it in task 5)
 
 LESSON = 2

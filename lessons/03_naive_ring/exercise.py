@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from collectives import ops  # noqa: F401  (for your solution)
 from collectives.core.ops import ReduceOp
-from collectives.course.runner import run_tasks
+from collectives.course.grading.runner import run_tasks
 
 LESSON = 3
 

@@ -48,7 +48,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from collectives import ops, trace
-from collectives.course.runner import run_tasks
+from collectives.course.grading.runner import run_tasks
 
 LESSON = 6
 MiB = 1 << 20

@@ -63,7 +63,7 @@ import torch.distributed as dist  # noqa: F401 - what the tasks use
 
 from collectives import ops  # noqa: F401 - what the tasks use
 from collectives.core.ops import ReduceOp
-from collectives.course.runner import run_tasks
+from collectives.course.grading.runner import run_tasks
 from collectives.hierarchical.layout import StageGroups, resolve, stage_groups
 
 LESSON = 7

@@ -77,7 +77,7 @@ import torch.distributed as dist
 
 from collectives import ops, trace  # noqa: F401 - the tasks use ops and trace
 from collectives.core.ops import ReduceOp
-from collectives.course.runner import run_tasks
+from collectives.course.grading.runner import run_tasks
 from collectives.ring import ring_all_gather  # noqa: F401 - task 4 may use it
 from collectives.sparse.cost import SparseProfile, choose_transport  # noqa: F401 - task 4 uses them
 from collectives.sparse.hooks import ParameterMemory

@@ -75,7 +75,7 @@ from __future__ import annotations
 
 import statistics  # noqa: F401 - task 4 needs a median
 
-from collectives.course.runner import run_tasks
+from collectives.course.grading.runner import run_tasks
 from collectives.debugging import KINDS, LAB, draw, dumps_for, scenario_dumps  # noqa: F401 - to try your code
 from collectives.debugging.dumps import (  # noqa: F401
     Mismatch,

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from collectives import cost, ops, verify
-from collectives.course.runner import run_tasks
+from collectives.course.grading.runner import run_tasks
 from collectives.p2p import DEFAULT_SIZES
 from collectives.p2p import ping_pong as _real_ping_pong
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from collectives import basics, ops, trace
 from collectives.core.ops import ReduceOp
-from collectives.course.runner import run_tasks
+from collectives.course.grading.runner import run_tasks
 from collectives.p2p import exchange  # noqa: F401
 
 LESSON = 2

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from collectives import ops, trace
 from collectives.core.ops import ReduceOp
-from collectives.course.runner import run_tasks
+from collectives.course.grading.runner import run_tasks
 
 LESSON = 3
 

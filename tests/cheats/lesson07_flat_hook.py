@@ -22,6 +22,6 @@ def hierarchical_hook(state, bucket):
 
 
 if __name__ == "__main__":
-    from collectives.course.runner import run_tasks
+    from collectives.course.grading.runner import run_tasks
 
     run_tasks(LESSON)

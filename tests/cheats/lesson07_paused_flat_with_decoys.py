@@ -84,6 +84,6 @@ def hierarchical_all_reduce_async(tensor, op=ReduceOp.SUM, group=None, layout=No
 
 
 if __name__ == "__main__":
-    from collectives.course.runner import run_tasks
+    from collectives.course.grading.runner import run_tasks
 
     run_tasks(LESSON)

@@ -56,6 +56,6 @@ def hierarchical_all_reduce(tensor, op=ReduceOp.SUM, group=None, layout=None, sl
 
 
 if __name__ == "__main__":
-    from collectives.course.runner import run_tasks
+    from collectives.course.grading.runner import run_tasks
 
     run_tasks(LESSON)

@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 from collectives import verify
 from collectives.core.ops import ReduceOp
-from collectives.course.tasks import allreduce as _allreduce
-from collectives.course.tasks import lesson07_tiers as _tiers
+from collectives.course.grading.tasks import allreduce as _allreduce
+from collectives.course.grading.tasks import lesson07_tiers as _tiers
 from collectives.hierarchical import *  # noqa: F401,F403
 from collectives.hierarchical import HierarchicalHookState, hierarchical_hook  # noqa: F401 - task 6: the reference's
 from collectives.hierarchical import layout as _layout
@@ -43,6 +43,6 @@ root_based_all_reduce = rail_all_reduce = one_slice_all_reduce = hierarchical_al
 
 
 if __name__ == "__main__":
-    from collectives.course.runner import run_tasks
+    from collectives.course.grading.runner import run_tasks
 
     run_tasks(LESSON)

@@ -114,6 +114,6 @@ def pipelined_ring_all_reduce(tensor, op=ReduceOp.SUM, group=None, pieces=4):
 
 
 if __name__ == "__main__":
-    from collectives.course.runner import run_tasks
+    from collectives.course.grading.runner import run_tasks
 
     run_tasks(LESSON)

@@ -79,6 +79,6 @@ def one_slice_all_reduce(tensor, op=ReduceOp.SUM, group=None, layout=None):
 
 
 if __name__ == "__main__":
-    from collectives.course.runner import run_tasks
+    from collectives.course.grading.runner import run_tasks
 
     run_tasks(LESSON)
