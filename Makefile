@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PIP_FLAGS ?= -q
 
-.PHONY: tour test grade check docs docs-build bench lint clean
+.PHONY: tour test grade check docs docs-build bench gpu lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,13 @@ bench: $(STAMP)
 	$(PY) -m collectives bench $(BENCH_ARGS)
 	$(PY) -m collectives bench-fused $(FUSED_ARGS)
 	$(PY) -m collectives bench-ddp $(DDP_ARGS)
+
+## make gpu [GPU_OUT=build/gpu] [GPU_PARTS="tests tour ..."]: the GPU lane on a machine with 2 or more
+## GPUs, with its own CUDA torch (python3, or PYTHON=...): gpu tests, the tour at every GPU count, every
+## benchmark and runner on NCCL, gathered into GPU_OUT/lane.json (tools/gpu_suite.sh)
+GPU_OUT ?= build/gpu
+gpu:
+	PYTHON=$(PYTHON) tools/gpu_suite.sh $(GPU_OUT) $(GPU_PARTS)
 
 clean:
 	rm -rf $(VENV) site bench-results

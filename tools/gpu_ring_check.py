@@ -33,6 +33,7 @@ def main():
     ap.add_argument("--pieces", type=int, default=2, help="pieces per chunk of the pipelined ring")
     ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds of every variant")
     ap.add_argument("--iters", type=int, default=10, help="timed runs per variant and round")
+    ap.add_argument("--json", default="", help="also write the result here (rank 0)")
     args = ap.parse_args()
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
@@ -80,16 +81,24 @@ def main():
     host = host_time(cases["ring"])
     t_nccl, t_ring = t["nccl"], t["ring"]
     if rank == 0:
-        print(json.dumps(dict(p=p, bytes=nbytes, memory="plain" if args.plain else "registered",
-                              exact=exact, nccl_s=t_nccl, ring_s=t_ring,
-                              nccl_busbw=timing.busbw(nbytes, t_nccl, p) / 1e9,
-                              ring_busbw=timing.busbw(nbytes, t_ring, p) / 1e9,
-                              ratio=t_nccl / t_ring, ring_host_s=host,
-                              rounds=args.rounds, iters_per_round=args.iters,
-                              pipelined_pieces=args.pieces, pipelined_exact=exact_pipelined,
-                              pipelined_ratio=t_nccl / t["pipelined"],
-                              env={k: v for k, v in os.environ.items() if k.startswith("NCCL_")})),
-              flush=True)
+        result = dict(p=p, bytes=nbytes, memory="plain" if args.plain else "registered",
+                      exact=exact, nccl_s=t_nccl, ring_s=t_ring,
+                      nccl_busbw=timing.busbw(nbytes, t_nccl, p) / 1e9,
+                      ring_busbw=timing.busbw(nbytes, t_ring, p) / 1e9,
+                      ratio=t_nccl / t_ring, ring_host_s=host,
+                      rounds=args.rounds, iters_per_round=args.iters,
+                      pipelined_pieces=args.pieces, pipelined_exact=exact_pipelined,
+                      pipelined_ratio=t_nccl / t["pipelined"],
+                      env={k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
+                      device=torch.cuda.get_device_name(device), torch=torch.__version__,
+                      nccl=".".join(map(str, torch.cuda.nccl.version())),
+                      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                      command="torchrun --nproc-per-node %d tools/gpu_ring_check.py %s" % (p, " ".join(sys.argv[1:])),
+                      commit=os.environ.get("COLLECTIVES_COMMIT", "unknown"))
+        print(json.dumps(result), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
     # No destroy_process_group() and no interpreter teardown: with registered memory alive,
     # either aborts (the pool is freed after its communicator). The launcher does the same.
     sys.stdout.flush()

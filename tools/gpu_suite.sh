@@ -1,56 +1,95 @@
 #!/usr/bin/env bash
-# Everything the course tests and measures on GPUs (one process per GPU, NCCL).
-#   tools/gpu_suite.sh OUTDIR [PART...]     PART: ringcheck | allreduce | registered | tests | fused | ddp | tour
-#                                           (default: all)
-# Every step has a time limit of its own, and the log is written to OUTDIR/log.txt as it
-# goes, so one hang costs one step. Tables, JSON and plots are packed into OUTDIR/gpu.tar.gz.
+# The GPU lane: the course on every GPU count the machine has, through NCCL, into JSON records.
+#
+#   make gpu [GPU_OUT=DIR] [GPU_PARTS="tests tour ..."]      (or tools/gpu_suite.sh DIR [PART...])
+#
+# Runs with the machine's own CUDA torch (python3, or $PYTHON) and the runtime dependencies plus
+# pytest: no virtual environment, no docs extras. PARTS (default: all, in this order):
+#   env       the machine: GPUs, their links, torch, NCCL, the commit
+#   tests     the gpu-marked tests (pytest -m gpu)
+#   tour      the tour, every row verified, at 2 GPUs and at every larger count the machine has
+#   runners   every lesson's exercise runner on the reference, --backend nccl, 2 GPUs
+#   bench     lessons 3-4: every algorithm 4 KiB .. 1 GiB against NCCL (plain memory), and the
+#             ring on registered memory with its host time (tools/gpu_ring_check.py)
+#   fused     lesson 5      ddp    lesson 6      hier   lesson 7 (tools/gpu_hierarchical.py)
+#   sparse    lesson 8      recorder  lesson 9   lessons   lessons 10-12's GPU scripts, where they exist
+# Every step has its own time limit and writes its output under DIR/steps/; a hang costs that
+# step alone (the launcher's watchdog names where each rank waited). Last,
+# tools/gpu_record.py gathers every step into DIR/lane.json: the record the benchmarks page reads.
 set -uo pipefail
-OUT=${1:-gpu-results}; shift || true
-PARTS=${*:-ringcheck allreduce registered tests fused ddp hier tour}
-mkdir -p "$OUT"
-WORK=$(mktemp -d)
+OUT=${1:-build/gpu}; shift || true
+PARTS=${*:-env tests tour runners bench fused ddp hier sparse recorder lessons}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT/steps"
 LOG="$OUT/log.txt"
-export PYTHONUNBUFFERED=1
-n=$(python3 -c "import torch; print(torch.cuda.device_count())")
-four=$(( n >= 4 ? 4 : 2 ))
-{
-  date -u +"%Y-%m-%d %H:%M UTC"
-  python3 -c "import torch; print('torch', torch.__version__, 'nccl', '.'.join(map(str, torch.cuda.nccl.version())), torch.cuda.device_count(), 'x', torch.cuda.get_device_name(0))"
-  env | grep -E '^NCCL_|MULTICAST|NVSHMEM' | sort
-} 2>&1 | tee -a "$LOG"
-step() {  # step SECONDS command...
-  local limit=$1; shift
-  echo "=== $* (limit ${limit}s)" | tee -a "$LOG"
-  timeout -k 10 "$limit" "$@" 2>&1 | grep --line-buffered -v -E "Warning|warnings.warn" | tee -a "$LOG"
-  echo "=== exit ${PIPESTATUS[0]}" | tee -a "$LOG"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# The GPUs may be shared: NVLink multicast stays off everywhere.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export COLLECTIVES_COMMIT=${COLLECTIVES_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+n=$($PY -c "import torch; print(torch.cuda.device_count())")
+if [ "$n" -lt 2 ]; then echo "the GPU lane needs at least 2 GPUs (found $n)"; exit 2; fi
+COUNTS=$(seq 2 2 "$n" | tr '\n' ' ')     # 2, 4, ...: every even count up to the machine's
+STATUS="$OUT/steps/status.tsv"
+: >"$STATUS"
+
+step() {  # step NAME SECONDS command...: run it with a limit; its output into steps/NAME.txt
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  echo "=== $name: $* (limit ${limit}s)" | tee -a "$LOG"
+  timeout -k 10 "$limit" "$@" >"$OUT/steps/$name.txt" 2>&1
+  local rc=$?
+  grep -v -E "Warning|warnings.warn" "$OUT/steps/$name.txt" | tail -n 40 | tee -a "$LOG"
+  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" "$*" >>"$STATUS"
+  echo "=== $name: exit $rc in $((SECONDS - t0)) s" | tee -a "$LOG"
 }
+on2() { CUDA_VISIBLE_DEVICES=0,1 "$@"; }
+
 for part in $PARTS; do case $part in
-  ringcheck)   # the library ring on registered memory: exactness, ratio, host time
-    export PYTHONPATH=$PWD
-    for size in ${RING_SIZES:-64M 256M}; do   # one process per size: registration is once per process
-      step 90 torchrun --nproc-per-node "$four" tools/gpu_ring_check.py --size $size
-      CUDA_VISIBLE_DEVICES=0,1 step 90 torchrun --nproc-per-node 2 tools/gpu_ring_check.py --size $size
-    done ;;
-  allreduce)   # plain memory
-    step 200 python3 -m collectives bench --backend nccl --world "$four" --algo ring,multi_ring,halving_doubling \
-         --sizes 1M..256M --iters 20 --warmup 5 --timeout 150 --out "$WORK/allreduce-p$four"
-    CUDA_VISIBLE_DEVICES=0,1 step 160 python3 -m collectives bench --backend nccl --world 2 \
-         --algo ring,halving_doubling --sizes 1M..256M --iters 20 --warmup 5 --timeout 120 --out "$WORK/allreduce-p2" ;;
-  registered)  # the sweep on NCCL-registered memory: one world per size
-    step 200 python3 -m collectives bench --backend nccl --world "$four" --algo ring,halving_doubling \
-         --sizes 64M,256M --iters 20 --warmup 5 --registered-memory --timeout 90 --out "$WORK/registered-p$four"
-    CUDA_VISIBLE_DEVICES=0,1 step 160 python3 -m collectives bench --backend nccl --world 2 \
-         --algo ring,halving_doubling --sizes 64M,256M --iters 20 --warmup 5 --registered-memory \
-         --timeout 90 --out "$WORK/registered-p2" ;;
+  env)
+    { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+      nvidia-smi topo -m; } >"$OUT/steps/topology.txt" 2>&1 ;;
   tests)
-    step 300 python3 -m pytest -m gpu -q -p no:cacheprovider -x --timeout 200 tests ;;
-  fused)
-    step 150 python3 -m collectives bench-fused --backend nccl --world "$four" --numel 4096 --out "$WORK/fused-p$four" ;;
-  ddp)
-    CUDA_VISIBLE_DEVICES=0,1 step 150 python3 -m collectives bench-ddp --backend nccl --world 2 --out "$WORK/ddp-p2" ;;
-  hier)        # lesson 7: hierarchical all-reduce against NCCL, layouts (1, 2) and (2, 1), 256 MiB
-    CUDA_VISIBLE_DEVICES=0,1 step 200 python3 tools/gpu_hierarchical.py --world 2 --size 256M ;;
+    step tests 420 $PY -m pytest -m gpu -q -p no:cacheprovider --timeout 240 tests ;;
   tour)
-    step 200 python3 -m collectives tour --backend nccl --world "$four" --size 64M --json "$WORK/tour-p$four.json" ;;
+    for p in $COUNTS; do
+      step "tour-p$p" 300 $PY -m collectives tour --backend nccl --world "$p" --size 64M --json "$OUT/steps/tour-p$p.json"
+    done ;;
+  runners)
+    for ex in lessons/[0-9][0-9]_*/exercise.py; do
+      nn=$(basename "$(dirname "$ex")" | cut -c1-2)
+      on2 step "runner-$nn" 240 $PY "$ex" --impl reference --backend nccl --world 2 --timeout 60
+    done ;;
+  bench)
+    for p in $COUNTS; do
+      pin=$([ "$p" = 2 ] && echo on2)
+      $pin step "bench-p$p" 420 $PY -m collectives bench --backend nccl --world "$p" --sizes 4K..1G \
+           --iters 10 --warmup 3 --timeout 360 --json "$OUT/steps/bench-p$p.json" --out "$OUT/steps/bench-p$p"
+      for size in 256M; do
+        $pin step "ringcheck-p$p-$size" 120 torchrun --nproc-per-node "$p" tools/gpu_ring_check.py \
+             --size "$size" --json "$OUT/steps/ringcheck-p$p-$size.json"
+      done
+    done ;;
+  fused)
+    on2 step fused-p2 200 $PY -m collectives bench-fused --backend nccl --world 2 --count 1000 --numel 4096 \
+        --out "$OUT/steps/fused-p2" ;;
+  ddp)
+    on2 step ddp-p2 200 $PY -m collectives bench-ddp --backend nccl --world 2 --out "$OUT/steps/ddp-p2" ;;
+  hier)
+    for p in $COUNTS; do
+      pin=$([ "$p" = 2 ] && echo on2)
+      $pin step "hier-p$p" 300 $PY tools/gpu_hierarchical.py --world "$p" --size 256M --json "$OUT/steps/hier-p$p.json"
+    done ;;
+  sparse)
+    on2 step sparse-p2 300 $PY -m collectives bench-sparse --backend nccl --world 2 --size 256M \
+        --sweep --json "$OUT/steps/sparse-p2.json" ;;
+  recorder)
+    on2 step recorder-p2 200 $PY -m collectives bench-recorder --backend nccl --world 2 --no-detail \
+        --out "$OUT/steps/recorder-p2" ;;
+  lessons)
+    for nn in 10 11 12; do
+      [ -f "tools/gpu_lesson$nn.py" ] || continue
+      step "lesson$nn" 420 $PY "tools/gpu_lesson$nn.py" --out "$OUT/steps/lesson$nn"
+    done ;;
+  *) echo "unknown part: $part"; exit 2 ;;
 esac; done
-tar -czf "$OUT/gpu-$(echo $PARTS | tr ' ' '-').tar.gz" -C "$WORK" .
+$PY tools/gpu_record.py "$OUT" | tee -a "$LOG"

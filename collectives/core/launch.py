@@ -168,7 +168,8 @@ def run_world(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwa
     Args:
         fn: a module-level function (with fork, a function defined in a notebook works too).
         world_size: number of ranks.
-        backend: ``"gloo"`` (default) or ``"nccl"`` (one GPU per rank, spawned ranks).
+        backend: ``"gloo"`` (default), ``"nccl"`` (one GPU per rank, spawned ranks), or both,
+            ``"cpu:gloo,cuda:nccl"``: GPU tensors through NCCL, CPU tensors through gloo.
         timeout: seconds before the watchdog stops the world and raises :class:`WorldTimeout`.
         start_method: ``"fork"`` (default for gloo) or ``"spawn"`` (default for NCCL).
         local_world_size: ranks per simulated machine (``LOCAL_WORLD_SIZE``); default all.
@@ -200,10 +201,10 @@ def run_world(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwa
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     backend = backend or "gloo"
-    if backend == "nccl" and torch.cuda.device_count() < world_size:
-        raise RuntimeError(f"backend='nccl' needs {world_size} GPUs, found {torch.cuda.device_count()}")
+    if "nccl" in backend and torch.cuda.device_count() < world_size:
+        raise RuntimeError(f"backend={backend!r} needs {world_size} GPUs, found {torch.cuda.device_count()}")
     if start_method is None:
-        start_method = "spawn" if backend == "nccl" else "fork"
+        start_method = "spawn" if "nccl" in backend else "fork"
     if cluster is None and machines is not None:
         if machines < 2 or world_size % machines:
             raise ValueError(f"world_size {world_size} does not split over {machines} machines "

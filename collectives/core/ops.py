@@ -246,6 +246,6 @@ def post_exchange(recvs: list[tuple[torch.Tensor, int]], sends: list[tuple[torch
 
 def rank_device() -> torch.device:
     """The device this rank's tensors belong on: its GPU under NCCL, else the CPU."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+    if dist.is_initialized() and "nccl" in str(dist.get_backend()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from . import trace
+from .ops import rank_device
 
 
 def measure(fn: Callable[[], object], *, warmup: int = 2, iters: int = 5, group=None,
@@ -23,8 +24,11 @@ def measure(fn: Callable[[], object], *, warmup: int = 2, iters: int = 5, group=
 
     Each run starts after a barrier so that no rank's time includes waiting for a late peer.
     Not traced: the barriers and the max-reduction are the harness's, not the algorithm's.
+    ``device`` defaults to the rank's own (its GPU under NCCL): a GPU's work is timed with
+    CUDA events, never with the host's clock, which sees only the launches.
     """
-    cuda = device is not None and device.type == "cuda"
+    device = device if device is not None else rank_device()
+    cuda = device.type == "cuda"
     for _ in range(warmup):
         fn()
     if cuda:
@@ -45,7 +49,7 @@ def measure(fn: Callable[[], object], *, warmup: int = 2, iters: int = 5, group=
                 t0 = time.perf_counter()
                 fn()
                 times.append(time.perf_counter() - t0)
-        slowest = torch.tensor(times, dtype=torch.float64, device=device or "cpu")
+        slowest = torch.tensor(times, dtype=torch.float64, device=device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     return slowest.cpu().tolist()
 
@@ -82,6 +86,14 @@ def measure_back_to_back(fn: Callable[[], object], *, iters: int = 100, group=No
         slowest = torch.tensor([seconds], dtype=torch.float64, device=device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     return slowest.item()
+
+
+def max_over_ranks(value: float, group=None) -> float:
+    """The largest ``value`` of any rank (a host number, reduced on the rank's own device)."""
+    box = torch.tensor([float(value)], dtype=torch.float64, device=rank_device())
+    with trace.paused():
+        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=group)
+    return box.item()
 
 
 def median(xs: list[float]) -> float:

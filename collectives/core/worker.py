@@ -95,7 +95,7 @@ def _worker(rank, world_size, local_world_size, fn, args, kwargs, backend, port_
                           GROUP_RANK=str(rank // local_world_size), **rendezvous)
         store.set_timeout(datetime.timedelta(seconds=pg_timeout))
         device_id = None
-        if backend == "nccl":
+        if "nccl" in backend:
             torch.cuda.set_device(rank % torch.cuda.device_count())
             device_id = torch.device("cuda", torch.cuda.current_device())
         status.set("starting: init_process_group")

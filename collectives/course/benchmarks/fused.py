@@ -148,7 +148,7 @@ def bench(count: int, numel: int, split_bytes: int, iters: int, separate_iters: 
     The fast cases are measured in ``rounds`` interleaved rounds, so that a change in the
     machine's load while the benchmark runs falls on every case alike."""
     device = (torch.device("cuda", torch.cuda.current_device())
-              if dist.get_backend() == "nccl" else torch.device("cpu"))
+              if "nccl" in str(dist.get_backend()) else torch.device("cpu"))
     tensors = [torch.randn(numel, device=device) for _ in range(count)]
     flat = torch.randn(count * numel, device=device)
     cases = _cases(count, numel, split_bytes, cuda=device.type == "cuda")

@@ -370,7 +370,7 @@ def tour_runner(nbytes: int) -> dict:
     fn = functools.partial(hierarchical_all_reduce, layout=layout)
     cases = [c for c in verify.default_cases(p, quick=True, large=False) if c.group is None]
     report = verify.check_all_reduce(fn, cases)
-    x = torch.randn(max(nbytes // 4, 1))
+    x = torch.randn(max(nbytes // 4, 1), device=verify.rank_device())
     y = x.clone()
     with trace.recording() as t:
         fn(x)

@@ -236,7 +236,7 @@ def tour_runner(nbytes: int) -> dict:
     fn = functools.partial(_wait_for, reducer)
     cases = [c for c in verify.default_cases(p, quick=True, large=False) if c.group is None]
     report = verify.check_all_reduce(fn, cases)
-    buckets = [torch.randn(max(nbytes // 16, 1)) for _ in range(4)]
+    buckets = [torch.randn(max(nbytes // 16, 1), device=verify.rank_device()) for _ in range(4)]
     with trace.recording() as t:
         for h in [reducer.all_reduce(b) for b in buckets]:
             h.wait()

@@ -53,6 +53,9 @@ class Task:
     check: object = None
 
 
+WORLD_BACKENDS = {"gloo": "gloo", "nccl": "cpu:gloo,cuda:nccl"}
+"""What ``--backend`` starts: on GPUs both, so that the probes' CPU tensors still have a backend."""
+
 IMPL_ENV = "COLLECTIVES_EXERCISE_IMPL"
 """``reference``: exercise scripts check the reference solution instead of the stubs."""
 
@@ -117,13 +120,16 @@ def run_tasks(number: int, tasks=None, argv: list[str] | None = None) -> None:
     parser.add_argument("--verbose", "-v", action="store_true", help="every problem, not only the first")
     parser.add_argument("--impl", choices=("exercise", "reference"), default=os.environ.get(IMPL_ENV, "exercise"),
                         help="check the exercise (default) or the reference solution")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
+                        help="nccl: one GPU per rank; the cases drawn on a rank's device run on its GPU "
+                             "through NCCL, the rest through gloo")
     args = parser.parse_args(argv)
     spec = exercise_spec(number, args.impl)
     timeout = args.timeout if args.timeout is not None else world_timeout()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
         _under_torchrun(number, spec, args.task, timeout, args.verbose)
     passed = total = 0
-    grading = Grading(spec, timeout=timeout, check=True, world_size=args.world)
+    grading = Grading(spec, timeout=timeout, check=True, world_size=args.world, backend=WORLD_BACKENDS[args.backend])
     for task in _pick(tasks_of(number), args.task):
         verdict = run_task(task, grading)
         passed += verdict.ok

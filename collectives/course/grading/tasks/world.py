@@ -167,15 +167,18 @@ class Grading:
 
     ``check`` turns check mode on in the worlds (the exercise runner does; the grader does
     not, so that no honest call touches the store). ``world_size`` forces one size on every
-    task that lets it choose (``--world``).
+    task that lets it choose (``--world``). ``backend`` is the worlds' (``--backend``): gloo,
+    or ``"cpu:gloo,cuda:nccl"`` on GPUs, where the cases the probes draw on the rank's device
+    (``verify.rank_device()``) run through NCCL and the rest through gloo.
     """
 
     def __init__(self, spec: str, *, timeout: float = 30.0, check: bool = False,
-                 world_size: int | None = None):
+                 world_size: int | None = None, backend: str = "gloo"):
         self.spec = spec
         self.timeout = timeout
         self.check = check
         self.world_size = world_size
+        self.backend = backend
 
     def sizes(self, *preferred: int) -> list[int]:
         """The world sizes a task runs: its own, or the one ``--world`` asked for."""
@@ -185,7 +188,7 @@ class Grading:
               timeout: float | None = None) -> Run:
         world = launch.run_world(probe_rank, world_size, args=(probe_target, self.spec, args),
                                  timeout=timeout or self.timeout, check=self.check, secrets=True,
-                                 stream=True, machines=machines)
+                                 stream=True, machines=machines, backend=self.backend)
         split = [_split(s) for s in world.streams]
         return Run(world_size, world.secrets, world.results, [c for c, _ in split], [lo for _, lo in split],
                    world.complete, check_traffic=self.check)
