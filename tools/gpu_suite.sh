@@ -34,6 +34,7 @@ STATUS="$OUT/steps/status.tsv"
 
 step() {  # step NAME SECONDS command...: run it with a limit; its output into steps/NAME.txt
   local name=$1 limit=$2; shift 2
+  limit=$(( limit < ${GPU_STEP_LIMIT:-100000} ? limit : ${GPU_STEP_LIMIT:-100000} ))   # a cap for short runs
   local t0=$SECONDS
   echo "=== $name: $* (limit ${limit}s)" | tee -a "$LOG"
   timeout -k 10 "$limit" "$@" >"$OUT/steps/$name.txt" 2>&1
