@@ -489,11 +489,11 @@ def claim_problems(docs: Path = DOCS, notebooks: Path | None = None) -> list[str
         markdown = re.sub(r"^( *)(```|~~~).*?^\1\2[ \t]*$|`[^`\n]+`", " ", page.read_text(encoding="utf-8"),
                           flags=re.S | re.M)              # code shows placeholders, it does not use them
         lesson = _lesson_number(page) if rel.startswith("lessons/") else None
-        understood = claims._PLACEHOLDER.sub("", re.sub(r"\{\{\s*(if|unless):\s*[\w.-]+\s*\}\}|\{\{\s*end\s*\}\}",
+        understood = claims._PLACEHOLDER.sub("", re.sub(r"\{\{\s*(if|unless|records):\s*[\w.-]+\s*\}\}|\{\{\s*end\s*\}\}",
                                                        "", markdown))
         for stray in re.findall(r"\{\{[^}]*\}\}", understood):
             problems.append(f"{rel}: {stray} is not a placeholder the build understands "
-                            "(figure:, claim:, table:, if:, unless:, end; names and ids are [\\w.-]+)")
+                            "(figure:, claim:, table:, records:, if:, unless:, end; names and ids are [\\w.-]+)")
         for kind, name, claim_id in claims.placeholders(markdown):
             record = records.get(name)
             if kind == "figure" and not re.search(r"\{\{\s*figure:\s*" + re.escape(name) + r"\s*\|", markdown):

@@ -86,12 +86,45 @@ def expand(markdown: str, img_url: str = "../img", img: Path | None = None) -> s
                     return c["text"]
             return ""
         table = record.get("table")
-        if not table:
-            return ""
-        lines = ["| " + " | ".join(table["head"]) + " |", "|" + "---|" * len(table["head"])]
-        lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in table["rows"]]
-        return "\n".join(lines)
-    return _PLACEHOLDER.sub(replace, _CONDITION.sub(condition, markdown))
+        return "\n".join(_table_lines(table)) if table else ""
+    return _PLACEHOLDER.sub(replace, _CONDITION.sub(condition, expand_records(markdown)))
+
+
+# {{ records: DIR }}: every record under docs/data/DIR/ (runs added as files, GPU runs say)
+_RECORDS = re.compile(r"\{\{\s*records:\s*([\w.-]+)\s*\}\}")
+DATA = ROOT / "docs" / "data"
+
+
+def _table_lines(table: dict) -> list[str]:
+    lines = ["| " + " | ".join(table["head"]) + " |", "|" + "---|" * len(table["head"])]
+    return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in table["rows"]]
+
+
+def expand_records(markdown: str, data: Path | None = None) -> str:
+    """``{{ records: DIR }}``: for every record ``docs/data/DIR/*.json`` (a
+    :class:`~collectives.course.site.claims.Record` written by its script), its title, its
+    sentences, its table and the line naming its device, versions, date and command; one line
+    saying that none is recorded yet when the folder is empty or absent."""
+    def replace(m: re.Match) -> str:
+        folder = Path(data or DATA) / m.group(1)
+        parts = []
+        for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+            try:
+                record = json.loads(path.read_text(encoding="utf-8"))
+            except ValueError:
+                continue
+            if not isinstance(record, dict) or "meta" not in record:
+                continue
+            head = f"**{record.get('title') or record.get('figure') or path.stem}** "
+            text = record.get("caption") or " ".join(c.get("text", "") for c in record.get("comparisons", []))
+            parts.append(head + text + " " + _source_line(record))
+            if record.get("table"):
+                parts.append("\n".join(_table_lines(record["table"])))
+        if not parts:
+            return (f"*No run of this kind is recorded in this build: its records go under "
+                    f"`docs/data/{m.group(1)}/`.*")
+        return "\n\n".join(parts)
+    return _RECORDS.sub(replace, markdown)
 
 
 def placeholders(markdown: str) -> list[tuple[str, str, str | None]]:
