@@ -59,7 +59,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from collectives.course.catalog import LESSONS  # noqa: E402
-from collectives.course.site import claims, labs  # noqa: E402
+from collectives.course.site import claims, labs, numbers  # noqa: E402
 
 CHROMIUM_CANDIDATES = ("/usr/bin/chromium", "chromium", "chromium-browser", "google-chrome")
 CHROMIUM_FLAGS = [
@@ -862,6 +862,7 @@ def check(site: Path | None = None, chromium: str | None = None, jobs: int = 4) 
         start = time.perf_counter()
         pages = browse(Path(site), exe, jobs=jobs)
         pages.append(PageResult("(claims and records)", problems=claim_problems()))
+        pages.append(PageResult("(hand-written numbers)", problems=numbers.problems()))
         return SiteResult(pages, build_seconds, time.perf_counter() - start)
 
 
