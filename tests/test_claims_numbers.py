@@ -94,3 +94,22 @@ def test_the_scan_is_fast():
     start = time.perf_counter()
     numbers.problems()
     assert time.perf_counter() - start < 5
+
+
+def test_gpu_records_show_when_their_files_exist_and_the_page_builds_without_them(tmp_path):
+    from collectives.course.site import claim_pages, claims
+
+    page = "## On GPUs\n\n{{ records: gpu }}\n"
+    assert "No run of this kind is recorded in this build" in claim_pages.expand_records(page, tmp_path)
+    (tmp_path / "gpu").mkdir()
+    record = claims.Record("gpu-ring", names={"ring": "the ring", "nccl": "NCCL's all_reduce"},
+                           title="The ring against NCCL, 256 MiB",
+                           meta={"device": "4x NVIDIA H200", "torch": "2.11.0+cu130", "nccl": "2.28.9",
+                                 "date": "2026-11-28", "command": "tools/gpu_suite.sh out", "commit": "abc123"})
+    record.times("256M", {"ring": 0.0016, "nccl": 0.0012}, baseline="nccl", where="256 MiB, 4 ranks")
+    record.table = {"head": ["size", "ring"], "rows": [["256 MiB", "1.6 ms"]]}
+    record.save(tmp_path / "gpu" / "gpu-ring.json")
+    shown = claim_pages.expand_records(page, tmp_path)
+    assert "**The ring against NCCL, 256 MiB**" in shown and "ran 1.33× as fast as the ring" in shown
+    assert "4x NVIDIA H200, torch 2.11.0+cu130, NCCL 2.28.9, 2026-11-28, commit abc123" in shown
+    assert "| 256 MiB | 1.6 ms |" in shown

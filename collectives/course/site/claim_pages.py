@@ -35,7 +35,8 @@ def _source_line(record: dict) -> str:
     meta = record.get("meta", {})
     date = str(meta.get("date", ""))[:10]
     versions = f"torch {meta.get('torch', '?')}" + (f", NCCL {meta['nccl']}" if meta.get("nccl") else "")
-    return (f"Recorded on a {meta.get('device', 'machine not recorded')}, {versions}, {date}: "
+    commit = f", commit {meta['commit']}" if meta.get("commit") else ""
+    return (f"Recorded on a {meta.get('device', 'machine not recorded')}, {versions}, {date}{commit}: "
             f"`{meta.get('command', '')}`.")
 
 
