@@ -1,4 +1,4 @@
-"""Every measured number on the site from a record: ``python -m collectives claims``.
+"""Every measured number on the site from a record: ``.venv/bin/python -m collectives claims``.
 
 A page states a measurement -- a time (ns, µs, ms, s), a rate (GB/s, Gbit/s, TFLOP/s), a
 multiple (``×``) or a share (``%``) -- in one of two ways:
