@@ -162,7 +162,7 @@ def run_tour(world_size: int = 4, nbytes: int = 4 << 20, backend: str | None = N
                                    timeout=300)[0] for _ in range(max(repeat, 1))]
                 made = [TourRow(entry.lesson, entry.name, **fields) for fields in runs]
                 ratios = sorted(r.ratio for r in made)
-                row = sorted(made, key=lambda r: r.ratio)[len(made) // 2]
+                row = sorted(made, key=lambda r: r.ratio)[(len(made) - 1) // 2]     # the median run
                 row.verified = all(r.verified for r in made)
                 row.detail = next((r.detail for r in made if r.detail), "")
                 if len(made) > 1:
@@ -197,7 +197,7 @@ def render(rows: list[TourRow], world_size: int, backend: str, console=None) -> 
     sizes = sorted({r.nbytes for r in rows if r.nbytes})
     size = ", ".join(timing.human_bytes(n) for n in sizes) or "no size"
     table = Table(title=f"the tour: {world_size} ranks, {backend}; bytes per call: {size}", box=box.SIMPLE_HEAD,
-                  padding=(0, 1), collapse_padding=True, pad_edge=False)
+                  padding=0, pad_edge=False)
     spread = any("ratios" in r.extra for r in rows)
     for col in ("#", "algorithm", "ok", "time", "busbw", "speed") + (("range",) if spread else ()) + ("sent/theory",):
         table.add_column(col, justify="left" if col in ("algorithm", "ok") else "right", no_wrap=True)
