@@ -35,18 +35,18 @@ from ..catalog import ROOT
 
 HAND_CLAIMS = ROOT / "docs" / "data" / "hand-claims.json"
 
-_NUM = r"\d+(?:\.\d+)?"
+_NUM = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"        # 7, 0.82, 1,024
 _UNITS = {  # unit -> (kind, factor to the base unit: seconds, bytes/s, ratio, percent)
     "ns": ("time", 1e-9), "µs": ("time", 1e-6), "μs": ("time", 1e-6), "us": ("time", 1e-6),
     "ms": ("time", 1e-3), "s": ("time", 1.0),
-    "GB/s": ("rate", 1e9), "MB/s": ("rate", 1e6), "GiB/s": ("rate", 2.0 ** 30), "MiB/s": ("rate", 2.0 ** 20),
+    "TB/s": ("rate", 1e12), "GB/s": ("rate", 1e9), "Gb/s": ("rate", 1.25e8), "MB/s": ("rate", 1e6), "GiB/s": ("rate", 2.0 ** 30), "MiB/s": ("rate", 2.0 ** 20),
     "Gbit/s": ("rate", 1.25e8), "Mbit/s": ("rate", 1.25e5),
     "TFLOP/s": ("flops", 1e12), "GFLOP/s": ("flops", 1e9),
     "%": ("percent", 1.0), "×": ("ratio", 1.0),
 }
 _UNIT = "|".join(re.escape(u) for u in sorted(_UNITS, key=len, reverse=True))
 NUMBER = re.compile(rf"(?<![\w.,/]){_NUM}(?:\s?[–-]\s?{_NUM})?\s?(?:{_UNIT})(?![\w/])")
-_PRODUCT = re.compile(rf"{_NUM}\s×\s\d")                                    # 2 × 2 machines
+_PRODUCT = re.compile(rf"{_NUM}\s×\s\d|{_NUM}\s?×\s?(?:NVIDIA|H100|H200|A100|GPUs?)\b")   # 2 × 2, 4× H200
 _EXERCISE = re.compile(r"^#{2,3} +(worked problems|check your understanding)", re.I | re.M)
 _ADMONITION = re.compile(r'^( *)(\?\?\?\+?|!!!) *(\w+)(?: *"[^"]*")? *$')
 _INCLUDE = re.compile(r'--8<--\s*"([^"]+)"')
@@ -159,6 +159,7 @@ def _parse(text: str) -> tuple[list[float], str, list[int]]:
     """"0.82–1.04×" -> ([0.82, 1.04], "×", [2, 2]): the values, the unit, their decimals."""
     values = re.findall(_NUM, text)
     unit = re.search(rf"(?:{_UNIT})$", text.strip()).group(0)
+    values = [v.replace(",", "") for v in values]
     return [float(v) for v in values], unit, [len(v.split(".")[1]) if "." in v else 0 for v in values]
 
 
