@@ -113,3 +113,10 @@ def test_gpu_records_show_when_their_files_exist_and_the_page_builds_without_the
     assert "**The ring against NCCL, 256 MiB**" in shown and "ran 1.33× as fast as the ring" in shown
     assert "4x NVIDIA H200, torch 2.11.0+cu130, NCCL 2.28.9, 2026-11-28, commit abc123" in shown
     assert "| 256 MiB | 1.6 ms |" in shown
+    # a flat record (meta at the top, rows of dicts) shows too
+    (tmp_path / "gpu" / "gpu-tour.json").write_text(json.dumps(
+        {"device": "2x NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130", "nccl": "2.28.9", "date": "2026-11-28",
+         "command": "tools/gpu_suite.sh out tour", "rows": [{"algorithm": "ring", "speed": 0.771}]}))
+    shown = claim_pages.expand_records(page, tmp_path)
+    assert "2x NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, NCCL 2.28.9, 2026-11-28" in shown
+    assert "| algorithm | speed |" in shown and "| ring | 0.771 |" in shown
