@@ -248,7 +248,7 @@ def _matches(entry: dict, number: Number) -> bool:
 
 def _definition(defs: list[dict], number: Number) -> bool:
     for d in defs:
-        if not fnmatch.fnmatch(number.page, d.get("page", "*")):
+        if not any(fnmatch.fnmatch(number.page, glob) for glob in d.get("pages", ["*"])):
             continue
         for m in re.finditer(d["pattern"], number.context):
             if _norm(number.text) in _norm(m.group(0)):
