@@ -131,7 +131,7 @@ def numbers(markdown: str, page: str, exempt: set[int] = frozenset()) -> list[Nu
     """Every number with a unit of time, rate, ``×`` or ``%`` written by hand in ``markdown``."""
     raw = markdown.split("\n")
     plain = _plain(markdown).split("\n")
-    headers = _headers(plain)
+    headers = _headers(raw)         # as written: "× `dist.all_reduce`" names its baseline
     found = []
     for i, line in enumerate(plain, 1):
         if i in exempt:
