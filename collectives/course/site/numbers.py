@@ -295,6 +295,7 @@ def problems(docs: Path | None = None, notebooks: Path | None = None, hand_claim
     docs = Path(docs or ROOT / "docs")
     notebooks = Path(notebooks or docs.parent / "notebooks")
     hand = json.loads(Path(hand_claims or HAND_CLAIMS).read_text(encoding="utf-8"))
+    _RECORDS.clear()                    # records read afresh on every run
     generated = {g["page"] for g in hand.get("generated", [])}
     pages = sorted(p for p in docs.rglob("*.md") if "reference" not in p.relative_to(docs).parts)
     found: list[Number] = []
