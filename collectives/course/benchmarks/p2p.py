@@ -39,13 +39,13 @@ def tour_runner(nbytes: int) -> dict:
     right, left = (me + 1) % p, (me - 1) % p
     problems = [_ring_check(exchange, n, device) for n in (1, 1001, max(nbytes // 8, 1))]
     detail = next((d for d in problems if d), "")
-    flags = torch.tensor([0.0 if detail else 1.0])
+    flags = torch.tensor([0.0 if detail else 1.0], device=device)      # on the backend's device (NCCL: GPU)
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)            # every rank's verdict
     x = torch.randn(max(nbytes // 4, 1), device=device)
     y = torch.empty_like(x)
     with trace.recording() as t:
         exchange(x, y, right, left)
-    sent = torch.tensor([float(t.bytes_sent())])
+    sent = torch.tensor([float(t.bytes_sent())], device=device)
     with trace.paused():
         dist.all_reduce(sent, op=dist.ReduceOp.MAX)
 
