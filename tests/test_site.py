@@ -269,6 +269,20 @@ def test_every_lesson_page_links_its_notes_page_and_the_nav_lists_it():
             f"{item.page.name} does not link {notes.name}"
 
 
+def test_every_lessons_notes_page_follows_one_rule_in_the_nav():
+    # one rule for every lesson: its notes page, where it has one, is listed under "Engineering
+    # notes" and nowhere else, in lesson order (never between a lab and the next lesson)
+    nav = _mkdocs_yml()["nav"]
+    groups = {next(iter(item)): next(iter(item.values())) for item in nav if isinstance(item, dict)}
+    reading = _nav_files(groups["Lessons and labs"])
+    notes = _nav_files(groups["Engineering notes"])
+    assert not [f for f in reading if f.endswith("-notes.md")], reading
+    lesson_notes = [f for f in notes if f.startswith("lessons/")]
+    have = [f"lessons/{item.page.stem}-notes.md" for item in LESSONS
+            if item.page.with_name(f"{item.page.stem}-notes.md").exists()]
+    assert lesson_notes == have, (lesson_notes, have)
+
+
 # --------------------------------------------------------------------------- one way to write things
 
 def _pages_and_labs():

@@ -59,7 +59,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from collectives.course.catalog import LESSONS  # noqa: E402
-from collectives.course.site import claims, labs  # noqa: E402
+from collectives.course.site import claims, labs, numbers  # noqa: E402
 
 CHROMIUM_CANDIDATES = ("/usr/bin/chromium", "chromium", "chromium-browser", "google-chrome")
 CHROMIUM_FLAGS = [
@@ -489,11 +489,11 @@ def claim_problems(docs: Path = DOCS, notebooks: Path | None = None) -> list[str
         markdown = re.sub(r"^( *)(```|~~~).*?^\1\2[ \t]*$|`[^`\n]+`", " ", page.read_text(encoding="utf-8"),
                           flags=re.S | re.M)              # code shows placeholders, it does not use them
         lesson = _lesson_number(page) if rel.startswith("lessons/") else None
-        understood = claims._PLACEHOLDER.sub("", re.sub(r"\{\{\s*(if|unless):\s*[\w.-]+\s*\}\}|\{\{\s*end\s*\}\}",
+        understood = claims._PLACEHOLDER.sub("", re.sub(r"\{\{\s*(if|unless|records):\s*[\w.-]+\s*\}\}|\{\{\s*end\s*\}\}",
                                                        "", markdown))
         for stray in re.findall(r"\{\{[^}]*\}\}", understood):
             problems.append(f"{rel}: {stray} is not a placeholder the build understands "
-                            "(figure:, claim:, table:, if:, unless:, end; names and ids are [\\w.-]+)")
+                            "(figure:, claim:, table:, records:, if:, unless:, end; names and ids are [\\w.-]+)")
         for kind, name, claim_id in claims.placeholders(markdown):
             record = records.get(name)
             if kind == "figure" and not re.search(r"\{\{\s*figure:\s*" + re.escape(name) + r"\s*\|", markdown):
@@ -862,6 +862,7 @@ def check(site: Path | None = None, chromium: str | None = None, jobs: int = 4) 
         start = time.perf_counter()
         pages = browse(Path(site), exe, jobs=jobs)
         pages.append(PageResult("(claims and records)", problems=claim_problems()))
+        pages.append(PageResult("(hand-written numbers)", problems=numbers.problems()))
         return SiteResult(pages, build_seconds, time.perf_counter() - start)
 
 

@@ -231,8 +231,8 @@ def post_exchange(recvs: list[tuple[torch.Tensor, int]], sends: list[tuple[torch
     are posted first, and it matters: gloo moves a message's bytes only once the receiver
     has announced its buffer, and when two ranks each post "send to you, then receive from
     you", the two directions of their connection mostly take turns instead of flowing at
-    once -- measured on the simulated cluster, 16 MiB each way over a 1 Gbit/s link: 277 ms
-    sends first, 143 ms receives first (``docs/benchmarks.md``).
+    once -- on the simulated cluster, 16 MiB each way over one link took markedly longer
+    posted sends first (the runs: ``docs/lessons/07-hierarchical-notes.md``).
     """
     recvs = [(buf, src) for buf, src in recvs if buf.numel()]
     sends = [(buf, dst) for buf, dst in sends if buf.numel()]

@@ -67,7 +67,7 @@ def _worker(rank, world_size, local_world_size, fn, args, kwargs, backend, port_
             # store would do as well but for one thing: c10d looks up a host name for every
             # address it connects to or accepts, ::ffff:127.0.0.1 is not in /etc/hosts, and
             # the lookup goes to the DNS resolver -- which, offline or slow, answered after
-            # its 5 s timeout one world in eight (docs/benchmarks.md, "worlds back to back").
+            # its 5 s timeout one world in eight (docs/benchmarks-notes.md, "worlds back to back").
             store = dist.FileStore(store_path, world_size)
             store.set_timeout(init)
             rendezvous = dict(MASTER_ADDR=store_addr)

@@ -12,6 +12,7 @@ returns the same fields.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -31,6 +32,7 @@ class TourEntry:
     runner: str | None = None     # "module:function" run on every rank: runner(nbytes) -> dict
     identical_bits: bool = True   # every rank ends with the same bits (the naive ring: not)
     loses: str = ""               # why it can be slower than its baseline, in a few words
+    wins: str = ""                # why it can be faster than its baseline, in a few words
 
 
 @dataclass
@@ -59,43 +61,49 @@ class TourRow:
 
 
 TOUR = [
+    TourEntry(1, "exchange (a ring step)", "collectives.p2p:exchange",
+              runner="collectives.course.benchmarks.p2p:tour_runner",
+              loses="Python around the same two calls", wins="the same two messages, no list of ops"),
     TourEntry(2, "reduce+broadcast", "collectives.basics:all_reduce_via_reduce_broadcast",
-              model="reduce_broadcast", loses="the root sends p − 1 copies"),
+              model="reduce_broadcast", loses="the root sends p − 1 copies", wins="2 messages per rank, not 6"),
     TourEntry(3, "naive ring", "collectives.naive_ring:naive_ring_all_reduce", model="naive_ring",
-              identical_bits=False, loses="sends (p − 1)·n per rank"),
+              identical_bits=False, loses="sends (p − 1)·n per rank", wins="p − 1 messages, not 2(p − 1)"),
     TourEntry(4, "ring", "collectives.ring:ring_all_reduce", model="ring",
-              loses="gloo's ring is C++, pipelined"),
+              loses="gloo's ring is C++, pipelined", wins="the same schedule as gloo's ring"),
     TourEntry(4, "pipelined ring", "collectives.ring:pipelined_ring_all_reduce", model="pipelined_ring",
-              loses="4× the messages"),
+              loses="4× the messages", wins="adds hidden under transfers"),
     TourEntry(4, "multi-ring (2 channels)", "collectives.ring:multi_ring_all_reduce", model="multi_ring",
-              loses="2× the messages, one link"),
+              loses="2× the messages, one link", wins="two rings share the work"),
     TourEntry(4, "recursive doubling", "collectives.topologies:recursive_doubling_all_reduce",
-              model="recursive_doubling", loses="sends n·log2 p per rank"),
+              model="recursive_doubling", loses="sends n·log2 p per rank", wins="log2 p messages: wins small sizes"),
     TourEntry(4, "halving-doubling", "collectives.topologies:halving_doubling_all_reduce",
-              model="halving_doubling", loses="gloo's ring is C++, pipelined"),
+              model="halving_doubling", loses="gloo's ring is C++, pipelined", wins="ring's bytes, 2·log2 p messages"),
     TourEntry(4, "tree", "collectives.topologies:tree_all_reduce", model="tree",
-              loses="the whole tensor on every edge"),
+              loses="the whole tensor on every edge", wins="2·log2 p messages: wins small sizes"),
     TourEntry(5, "fused", target="collectives.fused:fused_all_reduce",
-              runner="collectives.course.benchmarks.fused:tour_runner", loses="copies in and back out"),
+              runner="collectives.course.benchmarks.fused:tour_runner",
+              loses="copies in and back out", wins="one call instead of many"),
     TourEntry(6, "bucketed reducer", target="collectives.bucketing:BucketedReducer",
-              runner="collectives.course.benchmarks.bucketing:tour_fields", loses="Python per gradient hook"),
+              runner="collectives.course.benchmarks.bucketing:tour_fields",
+              loses="Python per gradient hook", wins="buckets overlap backward"),
     TourEntry(7, "hierarchical (2 machines)", target="collectives.hierarchical:hierarchical_all_reduce",
               runner="collectives.course.benchmarks.hierarchical:tour_runner",
-              loses="one machine: no slow tier"),
+              loses="one machine: no slow tier", wins="fewer messages per rank"),
     TourEntry(7, "hierarchical (in flight)", target="collectives.hierarchical:HierarchicalAllReducer",
               runner="collectives.course.benchmarks.hierarchical_inflight:tour_runner",
-              loses="one machine: no slow tier"),
+              loses="one machine: no slow tier", wins="buckets overlap one another"),
     TourEntry(8, "sparse top-k 1% (all-gather)", target="collectives.sparse:sparse_all_reduce",
               runner="collectives.course.benchmarks.sparse:tour_topk_allgather",
-              loses="selection reads all n; fast link"),
+              loses="selection reads all n; fast link", wins="a hundredth of the bytes"),
     TourEntry(8, "sparse top-k 1% (split)", target="collectives.sparse:sparse_all_reduce",
               runner="collectives.course.benchmarks.sparse:tour_topk_split",
-              loses="selection reads all n; fast link"),
+              loses="selection reads all n; fast link", wins="a hundredth of the bytes"),
     TourEntry(8, "sparse threshold 1% (all-gather)", target="collectives.sparse:sparse_all_reduce",
               runner="collectives.course.benchmarks.sparse:tour_threshold_allgather",
-              loses="selection reads all n; fast link"),
+              loses="selection reads all n; fast link", wins="a hundredth of the bytes"),
     TourEntry(9, "ring with flight recorder", target="collectives.ring:ring_all_reduce",
-              runner="collectives.course.benchmarks.debugging:tour_runner", loses="a record per message"),
+              runner="collectives.course.benchmarks.debugging:tour_runner",
+              loses="a record per message", wins="(noise: the same ring)"),
 ]
 
 
@@ -134,8 +142,11 @@ def _run_entry(entry: TourEntry, nbytes: int) -> dict:
 
 
 def run_tour(world_size: int = 4, nbytes: int = 4 << 20, backend: str | None = None,
-             only: list[str] | None = None, progress: bool = True) -> list[TourRow]:
-    """Run every entry in its own world (fork start-up is ~0.1 s); return the rows."""
+             only: list[str] | None = None, progress: bool = True, repeat: int = 1) -> list[TourRow]:
+    """Run every entry in its own world (fork start-up is ~0.1 s); return the rows.
+
+    ``repeat``: run each entry that many times, each in a world of its own; the row keeps the
+    run of median speed, and ``extra["ratios"]`` every run's speed, for the spread."""
     from rich.progress import Progress
 
     todo = [e for e in entries() if not only or e.name in only]
@@ -145,9 +156,16 @@ def run_tour(world_size: int = 4, nbytes: int = 4 << 20, backend: str | None = N
         for entry in todo:
             bar.update(task, description=f"lesson {entry.lesson}: {entry.name}")
             try:
-                fields = launch.run(_run_entry, world_size, args=(entry, nbytes), backend=backend,
-                                    timeout=300)[0]
-                rows.append(TourRow(entry.lesson, entry.name, **fields))
+                runs = [launch.run(_run_entry, world_size, args=(entry, nbytes), backend=backend,
+                                   timeout=300)[0] for _ in range(max(repeat, 1))]
+                made = [TourRow(entry.lesson, entry.name, **fields) for fields in runs]
+                ratios = sorted(r.ratio for r in made)
+                row = sorted(made, key=lambda r: r.ratio)[(len(made) - 1) // 2]     # the median run
+                row.verified = all(r.verified for r in made)
+                row.detail = next((r.detail for r in made if r.detail), "")
+                if len(made) > 1:
+                    row.extra["ratios"] = ratios
+                rows.append(row)
             except (launch.RankError, launch.WorldTimeout) as exc:
                 rows.append(TourRow(entry.lesson, entry.name, False, str(exc).splitlines()[0]))
             bar.advance(task)
@@ -175,13 +193,15 @@ def render(rows: list[TourRow], world_size: int, backend: str, console=None) -> 
     from rich.table import Table
 
     sizes = sorted({r.nbytes for r in rows if r.nbytes})
-    size = timing.human_bytes(sizes[0]) if len(sizes) == 1 else "several sizes"
-    table = Table(title=f"the tour: {world_size} ranks, {backend}, {size} per call", box=box.SIMPLE_HEAD,
-                  padding=(0, 1), collapse_padding=True, pad_edge=False)
-    for col in ("#", "algorithm", "ok", "time", "busbw", "speed", "sent/theory"):
+    size = ", ".join(timing.human_bytes(n) for n in sizes) or "no size"
+    table = Table(title=f"the tour: {world_size} ranks, {backend}; bytes per call: {size}", box=box.SIMPLE_HEAD,
+                  padding=0, pad_edge=False)
+    spread = any("ratios" in r.extra for r in rows)
+    for col in ("#", "algorithm", "ok", "time", "busbw", "speed") + (("range",) if spread else ()) + ("sent/theory",):
         table.add_column(col, justify="left" if col in ("algorithm", "ok") else "right", no_wrap=True)
-    table.add_column("why slower", min_width=18)      # the one column that wraps
-    reasons = {e.name: e.loses for e in TOUR}
+    table.add_column("why", min_width=18)      # the one column that wraps
+    loses = {e.name: e.loses for e in TOUR}
+    wins = {e.name: getattr(e, "wins", "") for e in TOUR}
     for r in rows:
         ok = "[green]yes[/]" if r.verified else "[red]NO[/]"
         timed = r.seconds == r.seconds
@@ -189,13 +209,16 @@ def render(rows: list[TourRow], world_size: int, backend: str, console=None) -> 
         why = ""
         if not r.verified:
             why = r.detail[:40]
-        elif r.ratio == r.ratio and r.ratio < 1:
-            why = reasons.get(r.algorithm, "")
-        if r.baseline != "dist.all_reduce" and not why:
-            why = f"vs {r.baseline}"
-        table.add_row(str(r.lesson), r.algorithm, ok,
-                      timing.human_seconds(r.seconds) if timed else "-",
-                      f"{r.busbw / 1e9:.2f}" if timed else "-", speed,
+        elif r.ratio == r.ratio:
+            why = loses.get(r.algorithm, "") if r.ratio < 1 else wins.get(r.algorithm, "")
+        if r.baseline != "dist.all_reduce":
+            why = f"vs {r.baseline}" + (f": {why}" if why else "")
+        cells = [timing.human_seconds(r.seconds) if timed else "-",
+                 f"{r.busbw / 1e9:.2f}" if timed else "-", speed]
+        if spread:
+            ratios = r.extra.get("ratios") or []
+            cells.append(f"{ratios[0]:.2f}–{ratios[-1]:.2f}" if ratios else "-")
+        table.add_row(str(r.lesson), r.algorithm, ok, *cells,
                       f"{_short(r.bytes_sent)}/{_short(r.bytes_theory)}", why)
     if console is None:
         console = Console()
@@ -204,13 +227,23 @@ def render(rows: list[TourRow], world_size: int, backend: str, console=None) -> 
     console.print(table)
     console.print("busbw in GB/s; speed = baseline time / algorithm time (above 1: faster than "
                   "dist.all_reduce, or the baseline named); sent/theory: the bytes each rank sent, "
-                  "from the trace, against the cost model's.", width=WIDTH)
+                  "from the trace, against the cost model's; why: what makes the row faster or slower."
+                  + (" range: the slowest and fastest of the repeats." if spread else
+                     " One run each: rerun with --repeat 5 to see how much a speed moves."), width=WIDTH)
+    cores = os.cpu_count() or 1
+    if world_size > cores:
+        console.print(f"[yellow]warning:[/] {world_size} ranks share {cores} cores: the ranks wait for a core, "
+                      "speeds swing from run to run and any row's reason may not hold in the next run.",
+                      width=WIDTH)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=".venv/bin/python -m collectives tour", description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=4, help="ranks (default 4)")
-    parser.add_argument("--size", default="4M", help="bytes per all-reduce, e.g. 4M (default)")
+    parser.add_argument("--size", default="4M",
+                        help="BYTES per all-reduce (K = KiB, M = MiB; e.g. 4M, the default, is 4 MiB of float32)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run each algorithm N times, each in its own world, and show the spread")
     parser.add_argument("--backend", choices=["gloo", "nccl"], default=None,
                         help="default: nccl when there is a GPU per rank, else gloo")
     parser.add_argument("--only", default="", help="comma-separated algorithm names")
@@ -218,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     backend = args.backend or launch.auto_backend(args.world)
     rows = run_tour(args.world, timing.parse_size(args.size), backend,
-                    [s for s in args.only.split(",") if s] or None)
+                    [s for s in args.only.split(",") if s] or None, repeat=args.repeat)
     render(rows, args.world, backend)
     if args.json:
         import json

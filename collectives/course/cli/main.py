@@ -14,6 +14,7 @@
   diagnose     lesson 9: read every rank's flight recorder dump and name the culprit: diagnose DIR
   cluster      one torchrun per machine of a simulated cluster: cluster --machines 2 -- CMD...
   helpers      an exercise's helper sheet, written from the code: helpers --lesson 4
+  claims       every hand-written number on the site held to its record (docs/data/hand-claims.json)
   trace        one traced run of an all-reduce as a Chrome trace (Perfetto): trace ring --out run.json
 """
 
@@ -38,6 +39,7 @@ COMMANDS = {
     "cluster": "collectives.course.cli.cluster:main",
     "trace": "collectives.course.cli.trace:main",
     "helpers": "collectives.course.grading.helpers:main",
+    "claims": "collectives.course.site.numbers:main",
 }
 
 

@@ -15,7 +15,9 @@ with the course's own checks, and a rank that reaches the store scores 0.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import sys
 from dataclasses import dataclass
 
@@ -37,22 +39,46 @@ class TaskScore:
         return self.verdict.ok
 
     @property
+    def needs(self) -> int | None:
+        """The earlier task of the same lesson this one failed for (its stub stopped this task)."""
+        m = re.search(r"Lesson (\d+), task (\d+)", self.verdict.first_line())
+        if m and int(m.group(1)) == self.lesson and int(m.group(2)) != self.task:
+            return int(m.group(2))
+        return None
+
+    @property
     def result(self) -> str:
-        return "pass" if self.passed else "fail: " + self.verdict.first_line()
+        if self.passed:
+            return "pass"
+        if self.needs is not None:
+            return f"fail: needs task {self.needs}, {self.verdict.first_line()}"
+        return "fail: " + self.verdict.first_line()
+
+    def as_dict(self) -> dict:
+        return {"lesson": self.lesson, "task": self.task, "title": self.title, "points": self.points,
+                "earned": self.earned, "passed": self.passed, "needs_task": self.needs, "result": self.result}
 
     @property
     def earned(self) -> int:
         return self.points if self.passed else 0
 
 
-def render(tasks: list[TaskScore]) -> tuple[int, int]:
+WIDTH = 100     # the table fits a 100-column terminal, one line per task
+
+
+def render(tasks: list[TaskScore], console=None) -> tuple[int, int]:
+    from rich import box
     from rich.console import Console
     from rich.markup import escape as rich_escape
     from rich.table import Table
 
-    table = Table(title="Collectives from Scratch — grade")
+    table = Table(title="Collectives from Scratch — grade", box=box.SIMPLE_HEAD, padding=(0, 1),
+                  collapse_padding=True, pad_edge=False)
     for col in ("lesson", "task", "title", "points", "result"):
-        table.add_column(col, justify="right" if col in ("lesson", "task", "points") else "left")
+        right = col in ("lesson", "task", "points")
+        table.add_column(col, justify="right" if right else "left", no_wrap=True, overflow="ellipsis",
+                         max_width={"title": 34, "result": 46}.get(col),
+                         min_width={"lesson": 6, "task": 4, "points": 6}.get(col))
     for t in sorted(tasks, key=lambda t: (t.lesson, t.task)):
         result = "[green]pass[/]" if t.passed else "[red]fail[/]" + rich_escape(t.result[4:])
         table.add_row(f"{t.lesson:02d}", str(t.task), t.title, f"{t.earned}/{t.points}", result)
@@ -60,10 +86,10 @@ def render(tasks: list[TaskScore]) -> tuple[int, int]:
     total = sum(t.points for t in tasks)
     table.add_section()
     table.add_row("", "", "[bold]total[/]", f"[bold]{earned}/{total}[/]", "")
-    console = Console()
-    if not console.is_terminal:  # a log or a pipe: don't squeeze the table into 80 columns
-        console = Console(width=120)
-    console.print(table)
+    if console is None:
+        console = Console()
+        console = Console(width=min(console.width, WIDTH) if console.is_terminal else WIDTH)
+    console.print(table, width=min(console.width, WIDTH))
     return earned, total
 
 
@@ -115,9 +141,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="grade only this lesson (e.g. 04); may be repeated")
     parser.add_argument("--impl", choices=["exercise", "reference"], default="exercise",
                         help="what to grade: your exercises (default) or the reference solution")
-    parser.add_argument("--exercises", default="",
+    parser.add_argument("--exercises", action="append", default=[],
                         help="grade another copy of lessons/ (a student's submission): the folder "
-                             "holding 01_p2p/exercise.py, 02_collectives/exercise.py, ...")
+                             "holding 01_p2p/exercise.py, 02_collectives/exercise.py, ...; repeat it "
+                             "for a class, one folder per student")
+    parser.add_argument("--json", default="",
+                        help="also write one record per student (folder, score, every task) to this file")
     parser.add_argument("--task", action="append", default=[], type=int,
                         help="grade only this task number (of each chosen lesson); may be repeated")
     parser.add_argument("--timeout", type=float, default=None,
@@ -126,12 +155,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world", type=int, default=None,
                         help="judge on worlds of this size only (a quick look; full marks need every size)")
     args = parser.parse_args(argv)
-    if args.exercises:
-        os.environ["COLLECTIVES_EXERCISE_DIR"] = os.path.abspath(args.exercises)
     if args.timeout is not None:
         os.environ["COLLECTIVES_TIMEOUT"] = str(args.timeout)
+    students = [os.path.abspath(d) for d in args.exercises] or [""]
+    records, code = [], 0
+    for folder in students:
+        if folder:
+            os.environ["COLLECTIVES_EXERCISE_DIR"] = folder
+            print(f"== {folder}")
+        code = max(code, _grade_one(args, records, folder))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(records, f, indent=1, ensure_ascii=False)
+    return code
+
+
+def _grade_one(args, records: list[dict], folder: str) -> int:
     _, _, tasks = grade([int(x) for x in args.lesson] or None, args.impl, tasks=args.task, world=args.world)
     earned, total = render(tasks)
+    records.append({"student": os.path.basename(folder) if folder else args.impl, "exercises": folder or None,
+                    "impl": args.impl, "earned": earned, "total": total, "world": args.world,
+                    "tasks": [t.as_dict() for t in sorted(tasks, key=lambda t: (t.lesson, t.task))]})
     print(f"SCORE {earned}/{total}" + (f"  (judged on worlds of {args.world} only: a quick look, not a grade)"
                                          if args.world else ""))
     failing = sorted({t.lesson for t in tasks if not t.passed})

@@ -35,7 +35,8 @@ def _source_line(record: dict) -> str:
     meta = record.get("meta", {})
     date = str(meta.get("date", ""))[:10]
     versions = f"torch {meta.get('torch', '?')}" + (f", NCCL {meta['nccl']}" if meta.get("nccl") else "")
-    return (f"Recorded on a {meta.get('device', 'machine not recorded')}, {versions}, {date}: "
+    commit = f", commit {meta['commit']}" if meta.get("commit") else ""
+    return (f"Recorded on a {meta.get('device', 'machine not recorded')}, {versions}, {date}{commit}: "
             f"`{meta.get('command', '')}`.")
 
 
@@ -86,12 +87,66 @@ def expand(markdown: str, img_url: str = "../img", img: Path | None = None) -> s
                     return c["text"]
             return ""
         table = record.get("table")
-        if not table:
-            return ""
-        lines = ["| " + " | ".join(table["head"]) + " |", "|" + "---|" * len(table["head"])]
-        lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in table["rows"]]
-        return "\n".join(lines)
-    return _PLACEHOLDER.sub(replace, _CONDITION.sub(condition, markdown))
+        return "\n".join(_table_lines(table)) if table else ""
+    return _PLACEHOLDER.sub(replace, _CONDITION.sub(condition, expand_records(markdown)))
+
+
+# {{ records: DIR }}: every record under docs/data/DIR/ (runs added as files, GPU runs say)
+_RECORDS = re.compile(r"\{\{\s*records:\s*([\w.-]+)\s*\}\}")
+DATA = ROOT / "docs" / "data"
+
+
+def _table_lines(table: dict) -> list[str]:
+    lines = ["| " + " | ".join(table["head"]) + " |", "|" + "---|" * len(table["head"])]
+    return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in table["rows"]]
+
+
+def _rows_table(rows: list) -> dict | None:
+    """A list of flat dicts as a table (the keys of the first row as its head), or None."""
+    if not rows or not all(isinstance(r, dict) for r in rows):
+        return None
+    head = [k for k, v in rows[0].items() if isinstance(v, (str, int, float, bool))][:8]
+    cells = [[_cell(r.get(k, "")) for k in head] for r in rows]
+    return {"head": head, "rows": cells} if head else None
+
+
+def _cell(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def expand_records(markdown: str, data: Path | None = None) -> str:
+    """``{{ records: DIR }}``: for every JSON record ``docs/data/DIR/*.json``, its title, its
+    sentences, its table and the line naming its device, versions, date, commit and command;
+    one line saying that none is recorded yet when the folder is empty or absent.
+
+    A record is a :class:`~collectives.course.site.claims.Record` (``meta``, ``comparisons``,
+    ``caption``, ``table``) or a flat one (``device``, ``torch``, ``date``, ``command`` at the
+    top, and ``rows``, a list of flat dicts, shown as a table)."""
+    def replace(m: re.Match) -> str:
+        folder = Path(data or DATA) / m.group(1)
+        parts = []
+        for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+            try:
+                record = json.loads(path.read_text(encoding="utf-8"))
+            except ValueError:
+                parts.append(f"*`{path.name}` is not JSON.*")
+                continue
+            if not isinstance(record, dict):
+                continue
+            meta = record.get("meta") if isinstance(record.get("meta"), dict) else record
+            title = record.get("title") or record.get("figure") or record.get("bench") or path.stem
+            text = record.get("caption") or " ".join(c.get("text", "") for c in record.get("comparisons", [])
+                                                      if isinstance(c, dict))
+            parts.append(f"**{title}** " + (text + " " if text else "") + _source_line({"meta": meta})
+                         + f" (`docs/data/{m.group(1)}/{path.name}`)")
+            table = record.get("table") if isinstance(record.get("table"), dict) else _rows_table(record.get("rows"))
+            if table and table.get("head"):
+                parts.append("\n".join(_table_lines(table)))
+        if not parts:
+            return (f"*No run of this kind is recorded in this build: its records go under "
+                    f"`docs/data/{m.group(1)}/`.*")
+        return "\n\n".join(parts)
+    return _RECORDS.sub(replace, markdown)
 
 
 def placeholders(markdown: str) -> list[tuple[str, str, str | None]]:

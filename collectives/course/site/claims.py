@@ -84,6 +84,19 @@ def _command() -> str:
     return sudo + " ".join([python] + args)
 
 
+def _commit() -> str:
+    """The course's git commit (with "+dirty" when the tree has changes), or "" outside a checkout."""
+    import subprocess
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return head + ("+dirty" if head and dirty else "")
+
+
 def environment(backend: str = "gloo", command: str | None = None, **extra) -> dict:
     """Where and how a measurement was made: the record's ``meta``.
 
@@ -93,7 +106,7 @@ def environment(backend: str = "gloo", command: str | None = None, **extra) -> d
 
     cpus = os.cpu_count() or 1
     device = f"{cpus}-core {platform.machine()} host ({_cpu_model()})"
-    meta = {"command": command or _command(),
+    meta = {"command": command or _command(), "commit": _commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
             "device": device, "torch": torch.__version__, "python": platform.python_version(),
             "backend": backend, "cpus": cpus}

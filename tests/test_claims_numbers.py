@@ -1,0 +1,122 @@
+"""Every hand-written number on the site from a record: ``python -m collectives claims``.
+
+The scan reads pages, snippets and labs as text (no world, no build): it takes well under a
+second. The planted pages below show what it fails on."""
+
+import json
+import shutil
+
+import pytest
+
+from collectives.course.catalog import ROOT
+from collectives.course.site import numbers
+
+pytestmark = pytest.mark.timeout(60)
+
+RECORD = {"meta": {"device": "16-core host", "torch": "2.13.0", "date": "2026-11-24", "command": "x"},
+          "comparisons": [{"id": "one-link", "kind": "times",
+                           "values": {"gloo": 0.8631, "hier": 0.5644}, "baseline": "gloo"}]}
+
+
+def _site(tmp_path, page: str, claims: list[dict], definitions=(), name="lessons/07-notes.md"):
+    docs = tmp_path / "docs"
+    (docs / "lessons").mkdir(parents=True)
+    (docs / "data").mkdir()
+    (tmp_path / "notebooks").mkdir()
+    record = docs / "data" / "rec.json"
+    record.write_text(json.dumps(RECORD))
+    (docs / name).write_text(page)
+    for c in claims:
+        c.setdefault("record", str(record))
+    hand = docs / "data" / "hand-claims.json"
+    hand.write_text(json.dumps({"claims": claims, "definitions": list(definitions), "generated": []}))
+    return numbers.problems(docs, tmp_path / "notebooks", hand)
+
+
+def test_the_course_agrees_with_its_records():
+    problems = numbers.problems()
+    assert not problems, "\n".join(problems)
+
+
+def test_the_command_exits_0_when_all_agree_and_1_with_each_disagreement(tmp_path, capsys):
+    assert numbers.main([]) == 0
+    shutil.copytree(ROOT / "docs", tmp_path / "docs", ignore=shutil.ignore_patterns("img", "*.svg", "*.png"))
+    page = tmp_path / "docs" / "benchmarks.md"
+    hand = tmp_path / "docs" / "data" / "hand-claims.json"
+    # a wrong number planted on the page and in the reviewed list alike: the record still says 1.53
+    page.write_text(page.read_text(encoding="utf-8").replace("1.53× as fast", "1.63× as fast"), encoding="utf-8")
+    hand.write_text(hand.read_text(encoding="utf-8").replace('"1.53×"', '"1.63×"'), encoding="utf-8")
+    capsys.readouterr()
+    assert numbers.main(["--docs", str(tmp_path / "docs"), "--hand-claims", str(hand)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and out[0].startswith("benchmarks.md:") and \
+        "'1.63×' disagrees with docs/img/07-bench-sizes.json" in out[0] and "1.529" in out[0], out
+
+
+def test_a_planted_wrong_number_fails_and_the_right_one_passes(tmp_path):
+    claim = {"page": "lessons/07-notes.md", "text": "564 ms", "field": "comparisons[id=one-link].values.hier"}
+    assert _site(tmp_path / "a", "The hierarchy took 564 ms.\n", [dict(claim)]) == []
+    wrong = _site(tmp_path / "b", "The hierarchy took 577 ms.\n", [dict(claim, text="577 ms")])
+    assert len(wrong) == 1 and "lessons/07-notes.md:1: '577 ms' disagrees" in wrong[0] and "564.4" in wrong[0]
+    orphan = _site(tmp_path / "c", "The hierarchy took 0.6 s.\n", [])
+    assert any("'0.6 s' has no record behind it" in p for p in orphan)
+    assert any("matches no number" in p for p in _site(tmp_path / "d", "Nothing.\n", [dict(claim)]))
+
+
+def test_a_header_cannot_contradict_its_values(tmp_path):
+    # the record's ratio is a speed-up: 0.8631 / 0.5644 = 1.53
+    claim = {"page": "lessons/07-notes.md", "text": "1.53×", "field": "comparisons[id=one-link].values.gloo",
+             "of": "comparisons[id=one-link].values.hier", "as": "speed-up"}
+    table = "| algorithm | {} |\n|---|---|\n| hierarchy | 1.53× |\n"
+    assert _site(tmp_path / "a", table.format("speed-up over `dist.all_reduce`"), [dict(claim)]) == []
+    wrong = _site(tmp_path / "b", table.format("× `dist.all_reduce`"), [dict(claim)])
+    assert len(wrong) == 1 and "0.6539 × read as a time-multiple" in wrong[0], wrong
+    # in prose: "N× X's time" is a multiple of time, "N× as fast as X" a speed ratio
+    assert _site(tmp_path / "c", "It ran 1.53× as fast as gloo.\n", [dict(claim)]) == []
+    assert _site(tmp_path / "d", "It took 1.53× gloo's time.\n", [dict(claim)])
+
+
+def test_settings_exercises_products_and_marked_history_are_not_measurements(tmp_path):
+    page = ("# Notes\n\nTwo machines over 1 Gbit/s, 2 × 2 ranks.\n\n"
+            "## Worked problems\n\n1. With α = 1 ms, how long does 4 KiB take?\n\n"
+            "## Runs\n\n!!! unrecorded \"Unrecorded history\"\n\n    It took 812 ms once.\n\n"
+            "## After\n\nIt took 3 ms.\n")
+    problems = _site(tmp_path / "a", page, [], [{"pattern": r"\d+ Gbit/s", "why": "a link setting"}])
+    assert [p.split(": ")[0] for p in problems] == ["lessons/07-notes.md:17"], problems   # only "3 ms"
+    # history is marked only on a notes page
+    problems = _site(tmp_path / "b", page.replace("It took 3 ms.", ""), [],
+                     [{"pattern": r"\d+ Gbit/s", "why": "a link setting"}], name="lessons/07-hier.md")
+    assert any("unrecorded block belongs on a notes page" in p for p in problems)
+
+
+def test_the_scan_is_fast():
+    import time
+    start = time.perf_counter()
+    numbers.problems()
+    assert time.perf_counter() - start < 5
+
+
+def test_gpu_records_show_when_their_files_exist_and_the_page_builds_without_them(tmp_path):
+    from collectives.course.site import claim_pages, claims
+
+    page = "## On GPUs\n\n{{ records: gpu }}\n"
+    assert "No run of this kind is recorded in this build" in claim_pages.expand_records(page, tmp_path)
+    (tmp_path / "gpu").mkdir()
+    record = claims.Record("gpu-ring", names={"ring": "the ring", "nccl": "NCCL's all_reduce"},
+                           title="The ring against NCCL, 256 MiB",
+                           meta={"device": "4x NVIDIA H200", "torch": "2.11.0+cu130", "nccl": "2.28.9",
+                                 "date": "2026-11-28", "command": "tools/gpu_suite.sh out", "commit": "abc123"})
+    record.times("256M", {"ring": 0.0016, "nccl": 0.0012}, baseline="nccl", where="256 MiB, 4 ranks")
+    record.table = {"head": ["size", "ring"], "rows": [["256 MiB", "1.6 ms"]]}
+    record.save(tmp_path / "gpu" / "gpu-ring.json")
+    shown = claim_pages.expand_records(page, tmp_path)
+    assert "**The ring against NCCL, 256 MiB**" in shown and "ran 1.33× as fast as the ring" in shown
+    assert "4x NVIDIA H200, torch 2.11.0+cu130, NCCL 2.28.9, 2026-11-28, commit abc123" in shown
+    assert "| 256 MiB | 1.6 ms |" in shown
+    # a flat record (meta at the top, rows of dicts) shows too
+    (tmp_path / "gpu" / "gpu-tour.json").write_text(json.dumps(
+        {"device": "2x NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130", "nccl": "2.28.9", "date": "2026-11-28",
+         "command": "tools/gpu_suite.sh out tour", "rows": [{"algorithm": "ring", "speed": 0.771}]}))
+    shown = claim_pages.expand_records(page, tmp_path)
+    assert "2x NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, NCCL 2.28.9, 2026-11-28" in shown
+    assert "| algorithm | speed |" in shown and "| ring | 0.771 |" in shown
