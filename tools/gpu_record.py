@@ -14,6 +14,7 @@ import datetime
 import json
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -28,6 +29,54 @@ def _links(topology: str) -> str:
     return ", ".join(sorted(kinds)) or "unknown"
 
 
+def _ratio_at(rows: list, algo: str, nbytes: int) -> float | None:
+    for r in rows:
+        if r.get("algo") == algo and r.get("nbytes") == nbytes:
+            return r.get("ratio")
+    return None
+
+
+def headline(step: str, data, tail: list[str]) -> tuple[str, str]:
+    """(what the step measured in one line, the target it is held to) -- from its JSON."""
+    if step == "tests":
+        last = next((line for line in reversed(tail) if " passed" in line or " failed" in line), "")
+        return last.strip(), "every gpu test passes"
+    if step.startswith("tour-") and isinstance(data, list):
+        ok = sum(bool(r.get("verified")) for r in data)
+        return f"{ok} of {len(data)} rows verified against dist.all_reduce", "every row verified"
+    if step.startswith("runner-"):
+        last = next((line for line in reversed(tail) if "tasks pass" in line), "")
+        return last.strip(), "every task passes on the reference"
+    if step.startswith("ringcheck") and isinstance(data, dict):
+        return (f"ring ÷ NCCL (speed) {data['ratio']:.3f} at {data['bytes'] >> 20} MiB, registered memory, exact "
+                f"{data['exact']}; host time per ring {data['ring_host_s'] * 1e3:.2f} ms",
+                "speed ≥ 0.97 (p = 2); host ≤ 0.12 ms")
+    if step.startswith("bench-") and isinstance(data, dict) and "rows" in data:
+        rows = data["rows"]
+        algos = sorted({r["algo"] for r in rows if r["algo"] != "nccl"})
+        best = {a: _ratio_at(rows, a, 256 << 20) for a in algos}
+        best = {a: v for a, v in best.items() if v is not None}
+        text = ", ".join(f"{a} {v:.2f}" for a, v in sorted(best.items(), key=lambda kv: -kv[1])[:4])
+        return f"speed ÷ NCCL at 256 MiB, plain memory: {text}", "the table from 4 KiB to 1 GiB"
+    if step.startswith("fused") and isinstance(data, dict):
+        rec = data.get("bench-fused.json", data)
+        rows = {r["case"]: r for r in rec.get("rows", [])}
+        flat = rows.get("flat all_reduce", {}).get("seconds")
+        parts = [f"{name} {rows[name]['seconds'] / flat:.2f}×" for name in ("fused", "fused, bound", "flat + 2 copies")
+                 if name in rows and flat]
+        return "time ÷ one flat all_reduce, 1000 × 16 KiB: " + ", ".join(parts), "fused ≤ 1.5× (copy floor)"
+    if step.startswith("ddp") and isinstance(data, dict):
+        rec = next(iter(data.values())) if all(isinstance(v, dict) for v in data.values()) else data
+        paired = rec.get("paired", {})
+        return f"reducer ÷ torch DDP step {paired.get('reducer / torch DDP', float('nan')):.3f}", "≤ 1.03"
+    if step.startswith("hier") and isinstance(data, dict):
+        parts = []
+        for r in data.get("rows", []):
+            parts.append(f"{tuple(r['layout'])} {r['name']} {r['nccl'] / r['seconds']:.2f}")
+        return "speed ÷ NCCL: " + "; ".join(parts), "pipelined ≥ one slice; 16 in flight ≥ 0.67"
+    return ("; ".join(tail[-1:]) if tail else ""), ""
+
+
 def gather(out: Path) -> dict:
     import torch
 
@@ -35,9 +84,17 @@ def gather(out: Path) -> dict:
     topology = (steps_dir / "topology.txt").read_text() if (steps_dir / "topology.txt").exists() else ""
     n = torch.cuda.device_count()
     name = torch.cuda.get_device_name(0) if n else "none"
+    if not topology:
+        try:
+            topology = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True).stdout
+        except OSError:
+            topology = ""
     links = _links(topology)
-    steps = []
+    latest = {}                            # a step run again: its last run counts
     for line in (steps_dir / "status.tsv").read_text().splitlines() if (steps_dir / "status.tsv").exists() else []:
+        latest[line.split("\t", 1)[0]] = line
+    steps = []
+    for line in latest.values():
         step, rc, seconds, command = line.split("\t", 3)
         data = None
         for candidate in (steps_dir / f"{step}.json", steps_dir / step / "allreduce.json"):
@@ -52,10 +109,16 @@ def gather(out: Path) -> dict:
             data = found or None
         tail = (steps_dir / f"{step}.txt").read_text(errors="replace").splitlines()[-15:] \
             if (steps_dir / f"{step}.txt").exists() else []
+        what, target = headline(step, data, tail)
         steps.append(dict(step=step, exit=int(rc), seconds=int(seconds), command=command,
-                          passed=int(rc) == 0, data=data, tail=tail))
+                          passed=int(rc) == 0, headline=what, target=target, data=data, tail=tail))
+    hardware = f"{n}× {name}" + (f", NVLink ({links})" if "NV" in links else f", {links}")
     return dict(
-        hardware=f"{n}× {name}" + (f", NVLink ({links})" if "NV" in links else f", {links}"),
+        title=f"The GPU lane on {hardware}",
+        rows=[dict(part=s["step"], result="PASS" if s["passed"] else f"FAIL (exit {s['exit']})",
+                   seconds=s["seconds"], measured=s["headline"], target=s["target"]) for s in steps],
+        device=hardware,
+        hardware=hardware,
         gpus=n, gpu=name, links=links, topology=topology,
         torch=torch.__version__, nccl=".".join(map(str, torch.cuda.nccl.version())) if n else None,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -30,7 +30,7 @@ n=$($PY -c "import torch; print(torch.cuda.device_count())")
 if [ "$n" -lt 2 ]; then echo "the GPU lane needs at least 2 GPUs (found $n)"; exit 2; fi
 COUNTS=$(seq 2 2 "$n" | tr '\n' ' ')     # 2, 4, ...: every even count up to the machine's
 STATUS="$OUT/steps/status.tsv"
-: >"$STATUS"
+touch "$STATUS"          # parts run one call after another add to it; the last run of a step counts
 
 step() {  # step NAME SECONDS command...: run it with a limit; its output into steps/NAME.txt
   local name=$1 limit=$2; shift 2
@@ -82,7 +82,7 @@ for part in $PARTS; do case $part in
     done ;;
   sparse)
     on2 step sparse-p2 300 $PY -m collectives bench-sparse --backend nccl --world 2 --size 256M \
-        --sweep --json "$OUT/steps/sparse-p2.json" ;;
+        --sweep 0.001,0.003,0.01,0.03,0.1 --json "$OUT/steps/sparse-p2.json" ;;
   recorder)
     on2 step recorder-p2 200 $PY -m collectives bench-recorder --backend nccl --world 2 --no-detail \
         --out "$OUT/steps/recorder-p2" ;;
