@@ -77,6 +77,28 @@ def headline(step: str, data, tail: list[str]) -> tuple[str, str]:
     return ("; ".join(tail[-1:]) if tail else ""), ""
 
 
+def figures(steps: list[dict]) -> dict:
+    """The lane's headline numbers as flat fields (what a page quotes, checked against them)."""
+    by = {s["step"]: s["data"] for s in steps if s.get("data")}
+    out = {}
+    ring = by.get("ringcheck-p2-256M")
+    if isinstance(ring, dict):
+        out.update(ring_speed_vs_nccl=ring["ratio"], ring_host_s=ring["ring_host_s"], ring_nccl_s=ring["nccl_s"])
+    ddp = by.get("ddp-p2")
+    if isinstance(ddp, dict) and ddp:
+        rec = next(iter(ddp.values())) if all(isinstance(v, dict) for v in ddp.values()) else ddp
+        out["reducer_over_ddp_step"] = rec.get("paired", {}).get("reducer / torch DDP")
+    fused = by.get("fused-p2")
+    if isinstance(fused, dict):
+        rows = {r["case"]: r["seconds"] for r in fused.get("bench-fused.json", fused).get("rows", [])}
+        flat = rows.get("flat all_reduce")
+        for key, name in (("fused_over_flat", "fused"), ("bound_over_flat", "fused, bound"),
+                          ("copies_over_flat", "flat + 2 copies")):
+            if flat and name in rows:
+                out[key] = rows[name] / flat
+    return out
+
+
 def gather(out: Path) -> dict:
     import torch
 
@@ -118,6 +140,7 @@ def gather(out: Path) -> dict:
         rows=[dict(part=s["step"], result="PASS" if s["passed"] else f"FAIL (exit {s['exit']})",
                    seconds=s["seconds"], measured=s["headline"], target=s["target"]) for s in steps],
         device=hardware,
+        figures=figures(steps),
         hardware=hardware,
         gpus=n, gpu=name, links=links, topology=topology,
         torch=torch.__version__, nccl=".".join(map(str, torch.cuda.nccl.version())) if n else None,
