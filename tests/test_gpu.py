@@ -31,3 +31,28 @@ def test_the_ring_is_exact_on_nccl_registered_memory():
     problems = launch.run(workers.ring_in_registered_memory, 2, args=(64 << 20,),
                           backend="nccl", timeout=150)
     assert problems == [None, None]
+
+
+# What the GPU lane runs, held by the tests too: a red tour or runner cannot hide behind green
+# unit tests (each row of the tour calls the benchmarks' own tour runners, so they run here).
+
+@pytest.mark.parametrize("world_size", gpu_worlds())
+def test_every_row_of_the_tour_is_verified_on_nccl(world_size):
+    rows = tour.run_tour(world_size, 1 << 20, "nccl", progress=False)
+    assert len(rows) == len(tour.entries())
+    failed = [f"lesson {r.lesson} {r.algorithm}: {r.detail}" for r in rows if not r.verified]
+    assert not failed, "\n".join(failed)
+
+
+def test_an_exercise_runner_passes_its_reference_on_nccl():
+    """Lesson 4's runner on NCCL: the graded cases drawn on the rank's GPU go through NCCL."""
+    import subprocess
+    import sys
+
+    from collectives.course.catalog import ROOT
+
+    proc = subprocess.run([sys.executable, str(ROOT / "lessons/04_ring/exercise.py"), "--impl", "reference",
+                           "--backend", "nccl", "--world", "2", "--task", "3"],
+                          capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "1 of 1 tasks pass" in proc.stdout
