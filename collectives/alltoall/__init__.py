@@ -27,6 +27,7 @@ from .moe import (
     expert_forward,
     make_expert,
     make_router,
+    moe_dispatch_combine,
     moe_reference,
     route,
 )
@@ -34,5 +35,6 @@ from .splits import all_to_all_uneven, exchange_splits
 
 __all__ = ["linear_all_to_all", "pairwise_all_to_all", "bruck_all_to_all", "check_all_to_all_args",
            "pairwise_schedule", "hierarchical_all_to_all", "carrier", "exchange_splits", "all_to_all_uneven",
-           "AllToAll", "all_to_all_autograd", "MoELayer", "moe_reference", "Routing", "route", "capacity_for",
+           "AllToAll", "all_to_all_autograd", "moe_dispatch_combine", "MoELayer", "moe_reference", "Routing", "route",
+           "capacity_for",
            "dispatch_order", "combine", "expert_forward", "make_router", "make_expert", "exchange_counts", "cost"]

@@ -36,8 +36,8 @@ from ..core import ops, trace
 from .flat import pairwise_all_to_all
 
 __all__ = ["AllToAll", "all_to_all_autograd", "Routing", "capacity_for", "route", "dispatch_order",
-           "combine", "expert_forward", "make_router", "make_expert", "exchange_counts", "MoELayer",
-           "moe_reference"]
+           "combine", "expert_forward", "moe_dispatch_combine", "make_router", "make_expert", "exchange_counts",
+           "MoELayer", "moe_reference"]
 
 
 class AllToAll(torch.autograd.Function):
@@ -144,6 +144,40 @@ def exchange_counts(counts: list[int], group=None) -> torch.Tensor:
     with trace.label("moe: counts per expert"):
         pairwise_all_to_all(recv, send, group=group)
     return recv.view(p, len(counts) // p).cpu()
+
+
+def moe_dispatch_combine(x: torch.Tensor, expert_of: torch.Tensor, num_experts: int, expert_fn,
+                         group=None) -> torch.Tensor:
+    """Top-1 dispatch and combine, the layer's skeleton: token t goes to expert ``expert_of[t]``
+    (on rank ``expert_of[t] // (E/p)``), comes back as ``expert_fn(e, rows)`` and lands in place.
+
+    Tokens are sorted by expert (stably: token order within an expert), the counts per
+    expert exchanged, the rows sent with uneven splits; each local expert e runs once on
+    its rows from every source, concatenated in source order; the results go back the
+    reverse way and are un-permuted. Returns [T, ...] like ``x``.
+    """
+    rank, p = ops.group_rank_and_size(group)
+    if num_experts % p:
+        raise ValueError(f"moe_dispatch_combine: {num_experts} experts do not split evenly over {p} ranks")
+    if expert_of.shape != (x.shape[0],) or (expert_of.numel() and not 0 <= int(expert_of.min())
+                                            <= int(expert_of.max()) < num_experts):
+        raise ValueError(f"moe_dispatch_combine: rank {rank}: expert_of must hold one expert in "
+                         f"[0, {num_experts}) per token")
+    El = num_experts // p
+    order = torch.argsort(expert_of, stable=True)
+    counts = torch.bincount(expert_of, minlength=num_experts).tolist()
+    recv_counts = exchange_counts(counts, group)                                 # [p, El]
+    send_splits = [sum(counts[q * El:(q + 1) * El]) for q in range(p)]
+    recv_splits = recv_counts.sum(1).tolist()
+    received = all_to_all_autograd(x.index_select(0, order), recv_splits, send_splits, group)
+    pieces = received.split(recv_counts.reshape(-1).tolist())
+    back = [None] * (p * El)
+    for e in range(El):
+        y = expert_fn(rank * El + e, torch.cat([pieces[s * El + e] for s in range(p)]))
+        for s, part in enumerate(y.split(recv_counts[:, e].tolist())):
+            back[s * El + e] = part
+    returned = all_to_all_autograd(torch.cat(back), send_splits, recv_splits, group)
+    return returned.index_select(0, torch.argsort(order))
 
 
 class MoELayer(torch.nn.Module):
