@@ -2,15 +2,12 @@
 
 ``n`` is the bytes of one rank's input, ``p`` the ranks, b = n/p a block. Every model
 counts what one rank sends on the critical path (one port: a rank sends one message at
-a time at the link's rate):
+a time at the link's rate)::
 
-============  ===================  ==============================  ===================
-algorithm     messages (α)         bytes on the path (β)           bytes sent per rank
-============  ===================  ==============================  ===================
-linear        p − 1                (p − 1)·b                       (p − 1)·b
-pairwise      p − 1                (p − 1)·b                       (p − 1)·b
-Bruck         ⌈log2 p⌉             Σ_k |{i < p : bit k of i}|·b    the same
-============  ===================  ==============================  ===================
+    algorithm   messages (α)   bytes on the path (β)          bytes sent per rank
+    linear      p − 1          (p − 1)·b                      (p − 1)·b
+    pairwise    p − 1          (p − 1)·b                      (p − 1)·b
+    Bruck       ⌈log2 p⌉       Σ_k |{i < p : bit k of i}|·b   the same
 
 (p − 1)·b = (p − 1)/p·n is the floor: every block but the rank's own must leave it.
 Bruck sends about half the blocks every round, ~⌈log2 p⌉·n/2: it trades bytes for
