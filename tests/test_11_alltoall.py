@@ -234,3 +234,31 @@ def test_the_judges_tell_linear_from_pairwise_and_pairwise_from_bruck():
     grading = Grading("collectives.alltoall", timeout=WORLD_TIMEOUT, world_size=4)
     pairwise = lesson11._judge_flat(grading, "pairwise_all_to_all", False, lesson11._bruck_pattern)
     assert pairwise.problems and "round k sends the blocks whose bit k" in pairwise.problems[0], pairwise.problems
+
+
+def _on_gpus():
+    """Every all-to-all on GPU tensors under NCCL, against the library, and the MoE layer's dispatch."""
+    import collectives.alltoall as a2a
+    from collectives import ops
+    r, p = dist.get_rank(), dist.get_world_size()
+    dev = ops.rank_device()
+    x = (torch.arange(p * 6, device=dev) + 100 * r).view(p * 3, 2)
+    want = torch.empty_like(x)
+    dist.all_to_all_single(want, x)
+    wrong = []
+    for name in ALGORITHMS:
+        got = torch.zeros_like(x)
+        getattr(a2a, name)(got, x)
+        wrong += [] if torch.equal(got, want) else [name]
+    got = torch.zeros_like(x)
+    a2a.hierarchical_all_to_all(got, x, layout=(1, p))
+    wrong += [] if torch.equal(got, want) else ["hierarchical"]
+    ins = [(r + d) % 3 for d in range(p)]
+    out, sizes = a2a.all_to_all_uneven(torch.ones(sum(ins), 4, device=dev) * r, ins)
+    wrong += [] if sizes == [(s + r) % 3 for s in range(p)] and out.shape[0] == sum(sizes) else ["uneven"]
+    return wrong
+
+
+@pytest.mark.gpu
+def test_every_all_to_all_on_nccl_with_gpu_tensors():
+    assert launch.run(_on_gpus, 2, backend="nccl", timeout=120) == [[], []]
