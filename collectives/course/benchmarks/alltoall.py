@@ -14,7 +14,7 @@ command, commit, every row) under ``--out``:
   and the step time the slowest rank sets.
 
 ``--backend nccl`` runs ``local`` and ``moe`` on the GPUs (one rank per GPU).
-:func:`claim_records` turns the records into the site's claims (``tools/lesson11_figures.py``).
+``tools/lesson11_figures.py`` turns the records into the site's claims and figures.
 """
 
 from __future__ import annotations
