@@ -6,7 +6,7 @@ command, commit, every row) under ``--out``:
 * ``local`` -- linear, pairwise, Bruck and the library on local ranks, 4 KiB to 256 MiB of
   input per rank; an α–β fit of the pairwise times, Bruck's predicted crossover beside
   the measured one;
-* ``cluster`` -- the simulated 2 × 2 and 4 × 2 clusters (root, network namespaces, links
+* ``cluster`` (or ``--cluster``) -- the simulated 2 × 2 and 4 × 2 clusters (root, network namespaces, links
   shaped to ``--link``): the hierarchical all-to-all against the flat ones and the library,
   the two-tier cost model beside;
 * ``moe`` -- the MoE layer's dispatch + combine time against its expert compute, and an
@@ -79,9 +79,13 @@ def _time_in_rank(sizes: list[int], iters: int, names: list[str], layout=None) -
 
 
 def _commit() -> str:
+    """The checked-out commit, with "-dirty" when tracked files differ from it."""
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return head + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return ""
 
@@ -203,6 +207,8 @@ def write(suite: str, argv: list[str], backend: str, result: dict, out: str | No
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--cluster" in argv:                    # bench-alltoall --cluster: the cluster suite
+        argv = ["cluster"] + [a for a in argv if a not in ("--cluster", "cluster")]
     suite = argv[0] if argv and not argv[0].startswith("-") else "local"
     rest = argv[1:] if argv and argv[0] == suite else argv
     if suite not in SUITES:
