@@ -79,11 +79,13 @@ def _time_in_rank(sizes: list[int], iters: int, names: list[str], layout=None) -
 
 
 def _commit() -> str:
-    """The checked-out commit, with "-dirty" when tracked files differ from it."""
+    """The checked-out commit, with "-dirty" when tracked files other than records (docs/data,
+    docs/img: what a run writes) differ from it."""
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":(exclude)docs/data", ":(exclude)docs/img"], cwd=ROOT,
                                capture_output=True, text=True, timeout=10).stdout.strip()
         return head + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
@@ -158,6 +160,10 @@ def _moe_in_rank(tokens: int, hidden: int, ffn: int, k: int, skews: list[float],
     E = 2 * p
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(r)).to(device)
     rows = []
+    with torch.no_grad():                       # the first calls pay for allocations and connections
+        warm = MoELayer(hidden, ffn, E, k=k, seed=1).to(device)
+        for _ in range(2):
+            warm(x)
     for factor in factors:
         layer = MoELayer(hidden, ffn, E, k=k, capacity_factor=factor, seed=1).to(device)
         for skew in skews:
