@@ -104,6 +104,9 @@ TOUR = [
     TourEntry(9, "ring with flight recorder", target="collectives.ring:ring_all_reduce",
               runner="collectives.course.benchmarks.debugging:tour_runner",
               loses="a record per message", wins="(noise: the same ring)"),
+    TourEntry(11, "pairwise all-to-all", target="collectives.alltoall:pairwise_all_to_all",
+              runner="collectives.course.benchmarks.alltoall:tour_runner", loses="one partner per round",
+              wins="NCCL/gloo's own all-to-all is no faster here"),
 ]
 
 

@@ -1,0 +1,40 @@
+"""Lesson 11: all-to-all, and the mixture-of-experts dispatch built on it.
+
+* :mod:`.flat` -- all-to-all from point-to-point: linear (every pair at once), pairwise
+  exchange (p − 1 rounds) and Bruck (⌈log2 p⌉ rounds), ``dist.all_to_all_single``'s
+  contract, uneven splits included;
+* :mod:`.splits` -- the sizes first, then the rows: :func:`exchange_splits` and
+  :func:`all_to_all_uneven`;
+* :mod:`.hierarchical` -- across machines: gather inside, one message per machine pair
+  across, scatter inside;
+* :mod:`.moe` -- a top-k router with capacity, dispatch and combine as autograd
+  all-to-alls, and the same layer in one process to check it against;
+* :mod:`.cost` -- the α–β cost of each, and Bruck's crossover.
+"""
+
+from . import cost
+from .flat import bruck_all_to_all, check_all_to_all_args, linear_all_to_all, pairwise_all_to_all, pairwise_schedule
+from .hierarchical import carrier, hierarchical_all_to_all
+from .moe import (
+    AllToAll,
+    MoELayer,
+    Routing,
+    all_to_all_autograd,
+    capacity_for,
+    combine,
+    dispatch_order,
+    exchange_counts,
+    expert_forward,
+    make_expert,
+    make_router,
+    moe_dispatch_combine,
+    moe_reference,
+    route,
+)
+from .splits import all_to_all_uneven, exchange_splits
+
+__all__ = ["linear_all_to_all", "pairwise_all_to_all", "bruck_all_to_all", "check_all_to_all_args",
+           "pairwise_schedule", "hierarchical_all_to_all", "carrier", "exchange_splits", "all_to_all_uneven",
+           "AllToAll", "all_to_all_autograd", "moe_dispatch_combine", "MoELayer", "moe_reference", "Routing", "route",
+           "capacity_for",
+           "dispatch_order", "combine", "expert_forward", "make_router", "make_expert", "exchange_counts", "cost"]

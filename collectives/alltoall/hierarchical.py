@@ -1,0 +1,115 @@
+"""Hierarchical all-to-all: gather inside a machine, one message per machine pair across,
+scatter inside (after DeepEP's two-hop dispatch between machines).
+
+D ranks per machine on M machines, machine-major (:mod:`collectives.hierarchical.layout`,
+lesson 7's). A flat all-to-all sends D·D messages from every machine to every other one,
+each of one block b. The hierarchy sends one message of D·D blocks per machine pair,
+carried by one rank of each machine -- the *carrier* of pair (m → m') is local rank
+m' mod D on machine m, and it hands over to local rank m mod D on machine m', so the pairs
+spread over the local ranks::
+
+    machine 0 (ranks 0, 1)                         machine 1 (ranks 2, 3)
+    1. gather: rank 0 ──{b02, b03}──► rank 1        rank 3 ──{b30, b31}──► rank 2
+    2. across: rank 1 ══{b02 b03 b12 b13}══════════► rank 2 (D·D blocks, one message)
+               rank 1 ◄═════════{b20 b21 b30 b31}══ rank 2
+    3. scatter: rank 1 ──{b20, b30}──► rank 0       rank 2 ──{b03, b13}──► rank 3
+    (blocks for ranks of the own machine go straight to them in step 1)
+
+Across, the bytes are the flat version's -- all-to-all cannot send fewer -- but in
+M·(M − 1) messages instead of D²·M·(M − 1): the slow link pays α once per machine pair,
+carries one long stream instead of D² competing ones, and each message is D² times
+longer (past the size where a link reaches its bandwidth). The price: every block for
+another machine crosses the fast links twice more (gather and scatter).
+Cost (:func:`collectives.alltoall.cost.hierarchical_seconds`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core import ops, trace
+from ..hierarchical.layout import resolve
+from .flat import _prepare
+
+__all__ = ["hierarchical_all_to_all", "carrier"]
+
+
+def carrier(src_machine: int, dst_machine: int, D: int) -> tuple[int, int]:
+    """(local rank sending on ``src_machine``, local rank receiving on ``dst_machine``) of that pair."""
+    return dst_machine % D, src_machine % D
+
+
+def _wait(works) -> None:
+    for work in works:
+        work.wait()
+
+
+def hierarchical_all_to_all(output: torch.Tensor, input: torch.Tensor, group=None, layout=None) -> None:
+    """``dist.all_to_all_single(output, input, group=group)`` (equal blocks) in three stages.
+
+    ``layout=(D, M)`` as in lesson 7, or from the launcher's ``LOCAL_WORLD_SIZE``. Equal
+    blocks only: the gather and the scatter would otherwise need every rank's sizes.
+    """
+    prepared = _prepare(output, input, None, None, group, "hierarchical_all_to_all")
+    if prepared is None:
+        return
+    src, dst = prepared
+    lay = resolve(layout, group)
+    D, M = lay.D, lay.M
+    rank, p = ops.group_rank_and_size(group)
+    m, d = lay.machine(rank), lay.local(rank)
+    g = lambda r: ops.global_rank(group, r)          # noqa: E731 - group rank -> global rank
+    block = src.rows[0] * src.row_numel               # elements per block
+    span = D * block                                  # the blocks of one machine, contiguous
+    for_machine = lambda t, mm: t[mm * span:(mm + 1) * span]   # noqa: E731
+
+    # 1. inside: own machine's blocks straight to their ranks; other machines' to their carrier
+    mine_out = [mm for mm in range(M) if mm != m and carrier(m, mm, D)[0] == d]   # pairs I carry out
+    gathered = {mm: torch.empty(D * span, dtype=src.flat.dtype, device=src.flat.device) for mm in mine_out}
+    recvs, sends = [], []
+    for dd in range(D):
+        peer = m * D + dd
+        if dd == d:
+            dst.block(rank).copy_(src.block(rank))
+        else:
+            recvs.append((dst.block(peer), g(peer)))
+            sends.append((src.block(peer), g(peer)))
+    for mm in range(M):
+        if mm == m:
+            continue
+        c = carrier(m, mm, D)[0]
+        if c == d:
+            gathered[mm][d * span:(d + 1) * span].copy_(for_machine(src.flat, mm))
+        else:
+            sends.append((for_machine(src.flat, mm), g(m * D + c)))
+    for mm in mine_out:
+        recvs += [(gathered[mm][dd * span:(dd + 1) * span], g(m * D + dd)) for dd in range(D) if dd != d]
+    with trace.label("hierarchical 1: gather inside"):
+        _wait(ops.post_exchange(recvs, sends, group))
+
+    # 2. across: one message per machine pair, carrier to carrier
+    mine_in = [mm for mm in range(M) if mm != m and carrier(mm, m, D)[1] == d]     # pairs I receive
+    arrived = {mm: torch.empty(D * span, dtype=src.flat.dtype, device=src.flat.device) for mm in mine_in}
+    recvs = [(arrived[mm], g(mm * D + carrier(mm, m, D)[0])) for mm in mine_in]
+    sends = [(gathered[mm], g(mm * D + carrier(m, mm, D)[1])) for mm in mine_out]
+    with trace.label("hierarchical 2: across, one message per machine pair"):
+        _wait(ops.post_exchange(recvs, sends, group))
+
+    # 3. inside: an arrival holds [source d][destination d'][block]; each d' gets its column
+    recvs, sends = [], []
+    for mm in range(M):
+        if mm == m:
+            continue
+        c = carrier(mm, m, D)[1]
+        if c == d:
+            columns = arrived[mm].view(D, D, block).transpose(0, 1).contiguous()
+            for dd in range(D):
+                if dd == d:
+                    for_machine(dst.flat, mm).copy_(columns[dd].view(-1))
+                else:
+                    sends.append((columns[dd].view(-1), g(m * D + dd)))
+        else:
+            recvs.append((for_machine(dst.flat, mm), g(m * D + c)))
+    with trace.label("hierarchical 3: scatter inside"):
+        _wait(ops.post_exchange(recvs, sends, group))
+    ops.write_back(output, dst.flat)

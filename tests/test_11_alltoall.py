@@ -1,0 +1,264 @@
+"""Lesson 11, all-to-all and MoE dispatch: the reference against ``dist.all_to_all_single``.
+
+The graded tasks (pairwise, Bruck, the sizes' exchange, the uneven all-to-all, the MoE
+dispatch and combine) are judged by :mod:`collectives.course.grading.tasks.lesson11`
+outside the ranks; ``tests/test_grader.py`` runs those judges on the reference, the stubs,
+every partial solution and the cheat. Here, each in one world: every algorithm equal to
+the library bit for bit on every dtype and world size 1-6, their messages as the design
+says, the hierarchy's one message per machine pair, the MoE layer equal to its
+single-process twin in output and every gradient, bad input refused before any message,
+and the judges failing the designs they exist to tell apart.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from collectives import launch, trace
+from collectives.course.catalog import world_timeout
+from collectives.course.grading.tasks import Grading, lesson11
+
+LESSON = 11
+WORLD_TIMEOUT = world_timeout()
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
+          torch.int8, torch.uint8, torch.bool, torch.complex64)
+ALGORITHMS = ("linear_all_to_all", "pairwise_all_to_all", "bruck_all_to_all")
+
+
+def _values(rank, n, dtype, salt=0):
+    g = torch.Generator().manual_seed(1000 * rank + salt)
+    return torch.randint(-60, 60, (n,), generator=g).to(dtype)
+
+
+def _library(output, input, out_splits=None, in_splits=None):
+    dist.all_to_all_single(output, input, out_splits, in_splits)
+    return output
+
+
+def _equality_checks():
+    """(algorithm, case) pairs whose output differs from dist.all_to_all_single's."""
+    import collectives.alltoall as a2a
+    r, p = dist.get_rank(), dist.get_world_size()
+    wrong = []
+    shapes = [(dtype, 3 * p, 2) for dtype in DTYPES]                       # every dtype
+    shapes += [(torch.int64, 0, 3), (torch.int64, p, 1), (torch.int32, 2 * p, 7)]   # 7: blocks of odd size
+    for dtype, rows, width in shapes:
+        x = _values(r, rows * width, dtype, salt=rows).view(rows, width)
+        expected = _library(torch.empty_like(x), x)
+        for name in ALGORITHMS:
+            got = torch.full_like(x, 1)
+            getattr(a2a, name)(got, x)
+            if not torch.equal(got, expected):
+                wrong.append((name, str(dtype), rows, width))
+    # uneven splits that do not divide, empty blocks among them, rows of two dimensions
+    in_splits = [(3 * r + 5 * d) % 4 for d in range(p)]
+    out_splits = [(3 * s + 5 * r) % 4 for s in range(p)]
+    x = _values(r, sum(in_splits) * 6, torch.int64).view(-1, 2, 3)
+    expected = _library(torch.empty(sum(out_splits), 2, 3, dtype=torch.int64), x, out_splits, in_splits)
+    for name in ALGORITHMS:
+        got = torch.zeros_like(expected)
+        getattr(a2a, name)(got, x, out_splits, in_splits)
+        if not torch.equal(got, expected):
+            wrong.append((name, "uneven"))
+    if a2a.exchange_splits(in_splits) != out_splits:
+        wrong.append(("exchange_splits", in_splits))
+    got, sizes = a2a.all_to_all_uneven(x, in_splits)
+    if not torch.equal(got, expected) or sizes != out_splits:
+        wrong.append(("all_to_all_uneven", sizes))
+    # a strided input and a strided output
+    x = _values(r, 4 * p * 3, torch.float32).view(3, 4 * p).t()
+    expected = _library(torch.empty(4 * p, 3), x.contiguous())
+    for name in ALGORITHMS:
+        got = torch.zeros(3, 4 * p).t()
+        getattr(a2a, name)(got, x)
+        if not torch.equal(got, expected):
+            wrong.append((name, "strided"))
+    # every machine layout of p ranks
+    x = _values(r, 2 * p * 3, torch.int32).view(2 * p, 3)
+    expected = _library(torch.empty_like(x), x)
+    for D in (d for d in range(1, p + 1) if p % d == 0):
+        got = torch.zeros_like(x)
+        a2a.hierarchical_all_to_all(got, x, layout=(D, p // D))
+        if not torch.equal(got, expected):
+            wrong.append(("hierarchical", D))
+    return wrong
+
+
+def test_every_all_to_all_equals_the_library_bit_for_bit_on_1_to_6_ranks():
+    for p in range(1, 7):
+        results = launch.run(_equality_checks, p, timeout=WORLD_TIMEOUT)
+        assert results == [[]] * p, f"world of {p}: {results}"
+
+
+def _patterns():
+    import collectives.alltoall as a2a
+    p = dist.get_world_size()
+    x = torch.arange(p * 4, dtype=torch.float32).view(p * 4, 1)
+    out = {}
+    for name in ALGORITHMS + ("hierarchical_all_to_all",):
+        kwargs = {"layout": (2, p // 2)} if name == "hierarchical_all_to_all" else {}
+        with trace.recording() as t:
+            getattr(a2a, name)(torch.empty_like(x), x, **kwargs)
+        out[name] = [(e.kind, e.peer, e.numel) for e in t if e.kind in ("isend", "irecv", "send", "recv")]
+    return out
+
+
+@pytest.mark.parametrize("p", [4, 6])
+def test_each_algorithm_sends_the_messages_its_design_says(p):
+    from collectives.alltoall import cost
+    from collectives.alltoall.flat import pairwise_schedule
+    for r, seen in enumerate(launch.run(_patterns, p, timeout=WORLD_TIMEOUT)):
+        block = 4
+        sends = {name: [(peer, n) for kind, peer, n in msgs if kind.endswith("send")] for name, msgs in seen.items()}
+        # linear: all p − 1 receives posted before the first send
+        kinds = [kind for kind, _, _ in seen["linear_all_to_all"]]
+        assert kinds == ["irecv"] * (p - 1) + ["isend"] * (p - 1)
+        # pairwise: one round at a time, the schedule's partner each way (xor at p = 4)
+        schedule = pairwise_schedule(r, p)
+        assert [peer for peer, _ in sends["pairwise_all_to_all"]] == [to for to, _ in schedule]
+        if p == 4:
+            assert schedule == [(r ^ k, r ^ k) for k in (1, 2, 3)]
+        # all three send (p − 1)/p of the input, Bruck more, in ⌈log2 p⌉ messages to rank + 2^k
+        for name in ("linear_all_to_all", "pairwise_all_to_all"):
+            assert sum(n for _, n in sends[name]) == (p - 1) * block == cost.pairwise(4 * p * 4, p).bytes_per_rank / 4
+        bruck = sends["bruck_all_to_all"]
+        assert [peer for peer, _ in bruck] == [(r + (1 << k)) % p for k in range(math.ceil(math.log2(p)))]
+        assert sum(n for _, n in bruck) * 4 == cost.bruck(4 * p * 4, p).bytes_per_rank
+        # the hierarchy on (2, p/2): across machines, one message per machine pair this rank carries
+        machine = r // 2
+        across = [peer for peer, _ in sends["hierarchical_all_to_all"] if peer // 2 != machine]
+        carried = [m for m in range(p // 2) if m != machine and m % 2 == r % 2]
+        assert sorted(across) == sorted(m * 2 + machine % 2 for m in carried)
+        assert all(n == 2 * 2 * block for peer, n in sends["hierarchical_all_to_all"] if peer // 2 != machine)
+
+
+def _bad_calls():
+    import collectives.alltoall as a2a
+    p = dist.get_world_size()
+    x = torch.zeros(2 * p + 1, 3)
+    errors = []
+    for call in (lambda: a2a.pairwise_all_to_all(torch.empty_like(x), x),                  # rows do not divide
+                 lambda: a2a.linear_all_to_all(torch.empty(p, 3), torch.zeros(p, 3, dtype=torch.int64)),
+                 lambda: a2a.bruck_all_to_all(torch.empty(p, 2), torch.zeros(p, 3)),
+                 lambda: a2a.pairwise_all_to_all(torch.empty(2, 3), torch.zeros(2, 3), [2] + [0] * (p - 1),
+                                                 [1] * p),                                   # sizes add up wrong
+                 lambda: a2a.pairwise_all_to_all(torch.empty(2, 3), torch.zeros(2, 3), [2], [2]),
+                 lambda: a2a.exchange_splits([1.5] * p),
+                 lambda: a2a.hierarchical_all_to_all(torch.empty(p, 1), torch.zeros(p, 1), layout=(3, 3)),
+                 lambda: a2a.MoELayer(4, 4, num_experts=p + 1 if p > 1 else 0)):
+        try:
+            call()
+            errors.append(None)
+        except (ValueError, TypeError) as exc:
+            errors.append(str(exc))
+    # and the world still works: nothing was half-sent
+    y = torch.empty(p, 1)
+    a2a.pairwise_all_to_all(y, torch.full((p, 1), float(dist.get_rank())))
+    return errors, y.view(-1).tolist()
+
+
+def test_bad_input_is_refused_before_any_message_and_the_world_goes_on():
+    p = 3
+    for errors, after in launch.run(_bad_calls, p, timeout=WORLD_TIMEOUT):
+        assert all(errors), errors
+        assert "7 rows do not split into 3 equal blocks; pass output_split_sizes" in errors[0]
+        assert "output is torch.float32 but its input is torch.int64" in errors[1]
+        assert "input rows (3,) and output rows (2,) differ" in errors[2]
+        assert "add up to 2 rows" in errors[3] or "add up to 3 rows" in errors[3]
+        assert "must be 3 non-negative integers" in errors[4] and "must be 3 non-negative" in errors[5]
+        assert "layout (D=3, M=3) has 9 ranks" in errors[6]
+        assert "must split evenly over 3 ranks" in errors[7]
+        assert after == [0.0, 1.0, 2.0]
+
+
+def _moe_twin(k: int, factor: float, skew: float):
+    from collectives.alltoall import MoELayer, make_expert, make_router, moe_reference
+    r, p = dist.get_rank(), dist.get_world_size()
+    H, F, E, T = 8, 12, 2 * p, 10
+    xs = [torch.randn(T, H, generator=torch.Generator().manual_seed(50 + s)) for s in range(p)]
+    targets = [torch.randn(T, H, generator=torch.Generator().manual_seed(90 + s)) for s in range(p)]
+    bias = torch.linspace(skew, 0, E)
+    layer = MoELayer(H, F, E, k=k, capacity_factor=factor, seed=7)
+    layer.logit_bias.copy_(bias)
+    x = xs[r].clone().requires_grad_()
+    out = layer(x)
+    (out * targets[r]).sum().backward()
+    # the same layer in one process: every rank's tokens, one router copy per rank, every expert
+    twin_x = [t.clone().requires_grad_() for t in xs]
+    routers = [make_router(7, H, E).requires_grad_() for _ in range(p)]
+    experts = [tuple(w.requires_grad_() for w in make_expert(7, e, H, F)) for e in range(E)]
+    outs, dropped = moe_reference(twin_x, routers, experts, k, factor, bias)
+    sum((o * t).sum() for o, t in zip(outs, targets)).backward()
+    mine = range(layer.first, layer.first + layer.local)
+    same = {"output": torch.equal(out, outs[r]), "input grad": torch.equal(x.grad, twin_x[r].grad),
+            "router grad": torch.equal(layer.router.grad, routers[r].grad),
+            "expert grads": all(torch.equal(layer.w1[i].grad, experts[e][0].grad)
+                                and torch.equal(layer.w2[i].grad, experts[e][1].grad) for i, e in enumerate(mine))}
+    return same, layer.stats["dropped"], dropped[r], layer.stats["received"], float(out.abs().sum())
+
+
+@pytest.mark.parametrize("k,factor,skew", [(2, 1.0, 0.0), (1, 0.5, 3.0)])
+def test_the_moe_layer_equals_its_single_process_twin_bit_for_bit_with_its_gradients(k, factor, skew):
+    # top-2 at capacity 1.0, and top-1 at half capacity with routing skewed to expert 0: drops
+    results = launch.run(_moe_twin, 3, args=(k, factor, skew), timeout=WORLD_TIMEOUT)
+    for rank, (same, dropped, twin_dropped, received, magnitude) in enumerate(results):
+        assert all(same.values()), (rank, same)
+        assert dropped == twin_dropped and magnitude > 0
+    kept = sum(r[3] for r in results)
+    dropped = sum(r[1] for r in results)
+    assert kept + dropped == 3 * 10 * k                 # every (token, choice) either sent or counted
+    if factor < 1:
+        assert dropped > 0
+
+
+def test_the_cost_model_counts_bruck_blocks_and_a_finite_crossover():
+    from collectives.alltoall import cost
+    from collectives.core.cost import AlphaBeta, TwoTier
+    assert [cost.bruck_blocks(p) for p in (1, 2, 3, 4, 8)] == [0, 1, 2, 4, 12]
+    link = AlphaBeta(alpha=20e-6, beta=1e-9)
+    crossover = cost.bruck_crossover(8, link)
+    assert 0 < crossover < float("inf")
+    assert cost.predict("bruck", crossover / 4, 8, link) < cost.predict("pairwise", crossover / 4, 8, link)
+    assert cost.predict("bruck", crossover * 4, 8, link) > cost.predict("pairwise", crossover * 4, 8, link)
+    cluster = TwoTier(inside=AlphaBeta(5e-6, 1e-10), across=AlphaBeta(1e-3, 8e-9), machines=2, ranks_per_machine=2)
+    assert cost.hierarchical_seconds(4 << 10, cluster) < cost.flat_seconds(4 << 10, cluster)   # α-bound: fewer msgs
+
+
+def test_the_judges_tell_linear_from_pairwise_and_pairwise_from_bruck():
+    grading = Grading("collectives.alltoall", timeout=WORLD_TIMEOUT, world_size=3)
+    linear = lesson11._judge_flat(grading, "linear_all_to_all", True, lesson11._pairwise_pattern)
+    assert linear.problems and "round 1" in linear.problems[0], linear.problems
+    # at p = 3 Bruck's two messages are pairwise's (one block to rank + 1, one to rank + 2): four tells them apart
+    grading = Grading("collectives.alltoall", timeout=WORLD_TIMEOUT, world_size=4)
+    pairwise = lesson11._judge_flat(grading, "pairwise_all_to_all", False, lesson11._bruck_pattern)
+    assert pairwise.problems and "round k sends the blocks whose bit k" in pairwise.problems[0], pairwise.problems
+
+
+def _on_gpus():
+    """Every all-to-all on GPU tensors under NCCL, against the library, and the MoE layer's dispatch."""
+    import collectives.alltoall as a2a
+    from collectives import ops
+    r, p = dist.get_rank(), dist.get_world_size()
+    dev = ops.rank_device()
+    x = (torch.arange(p * 6, device=dev) + 100 * r).view(p * 3, 2)
+    want = torch.empty_like(x)
+    dist.all_to_all_single(want, x)
+    wrong = []
+    for name in ALGORITHMS:
+        got = torch.zeros_like(x)
+        getattr(a2a, name)(got, x)
+        wrong += [] if torch.equal(got, want) else [name]
+    got = torch.zeros_like(x)
+    a2a.hierarchical_all_to_all(got, x, layout=(1, p))
+    wrong += [] if torch.equal(got, want) else ["hierarchical"]
+    ins = [(r + d) % 3 for d in range(p)]
+    out, sizes = a2a.all_to_all_uneven(torch.ones(sum(ins), 4, device=dev) * r, ins)
+    wrong += [] if sizes == [(s + r) % 3 for s in range(p)] and out.shape[0] == sum(sizes) else ["uneven"]
+    return wrong
+
+
+@pytest.mark.gpu
+def test_every_all_to_all_on_nccl_with_gpu_tensors():
+    assert launch.run(_on_gpus, 2, backend="nccl", timeout=120) == [[], []]
