@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from collectives.course.catalog import LESSONS, ROOT
+from collectives.course.catalog import LESSONS, ROOT, lesson
 from collectives.course.grading import grade as grading
 from collectives.course.grading import runner
 from collectives.course.grading.tasks import tasks_of
@@ -85,7 +85,7 @@ def partial_solution(number: int, solved: int, into: Path) -> Path:
     """A copy of ``lessons/`` whose lesson ``number`` has tasks 1..``solved`` taken from the
     reference and the rest left as stubs; returns the copy's folder."""
     shutil.copytree(ROOT / "lessons", into)
-    item = LESSONS[number - 1]
+    item = lesson(number)
     exercise = into / item.exercise.parent.name / "exercise.py"
     names = [name for task in tasks_of(number)[:solved] for name in task.functions]
     lines = [f"import {item.module} as _reference  # noqa: E402"]
@@ -168,6 +168,8 @@ CHEAT_TARGETS = {
     "lesson08_paused_flat_with_decoys": (8, (2, 3, 5), 1),
     "lesson08_replaced_verdict_and_test_helpers": (8, (2, 3), 1),
     "lesson08_dense_hook": (8, (5,), 1),
+    "lesson12_all_reduce_in_disguise": (12, (2, 3), 1),
+    "lesson12_flags_reset_on_the_way_out": (12, (1,), None),
 }
 
 
@@ -176,7 +178,7 @@ def test_every_cheat_scores_zero_on_its_tasks_and_a_hang_costs_only_its_task(nam
     number, targets, control = CHEAT_TARGETS[name]
     student = tmp_path / name
     shutil.copytree(ROOT / "lessons", student)
-    shutil.copy(CHEATS / f"{name}.py", student / LESSONS[number - 1].exercise.parent.name / "exercise.py")
+    shutil.copy(CHEATS / f"{name}.py", student / lesson(number).exercise.parent.name / "exercise.py")
     monkeypatch.setenv("COLLECTIVES_TIMEOUT", "10")
     verdicts = _grader(number, exercises=student, tasks=sorted(targets))
     if control is not None:                  # the fixture leaves the reference's task whole (worlds of 4 show it)

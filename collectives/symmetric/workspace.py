@@ -124,8 +124,8 @@ class SharedWorkspace:
         return [r for r, f in enumerate(self.flags.tolist()) if f < target]
 
     def timed_out(self, waited: float, target: int) -> BarrierTimeout:
-        return BarrierTimeout(f"rank {self.rank} timed out after {waited:.1f} s at a shared-memory barrier "
-                              f"(epoch {self.epoch}), waiting for group rank(s) {self.missing(target)}")
+        return BarrierTimeout(f"rank {self.rank} waited {waited:.1f} s at a shared-memory barrier (epoch "
+                              f"{self.epoch}) and gave up: group rank(s) {self.missing(target)} never arrived")
 
     def __repr__(self) -> str:
         return (f"SharedWorkspace(rank {self.rank} of {self.size}, slots of {self.capacity} bytes, "
