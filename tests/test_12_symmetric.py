@@ -8,6 +8,9 @@ world sizes 1 to 8; no message in the data path; the same bits on every rank; cl
 errors; and each hazard the guards exist for, shown failing when its guard is removed.
 """
 
+import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -216,3 +219,48 @@ def test_the_model_puts_the_one_shot_first_for_small_tensors_and_the_two_shot_fo
     fitted = fit_shared(4, (1024, one_shot_seconds(1024, 4, link), two_shot_seconds(1024, 4, link)),
                         (1 << 26, one_shot_seconds(1 << 26, 4, link), two_shot_seconds(1 << 26, 4, link)))
     assert fitted.sigma == pytest.approx(5e-6, rel=0.05) and fitted.rho == pytest.approx(1e-10, rel=0.05)
+
+
+# ---- the benchmark, and the GPU half's import safety ----------------------------------------
+
+def test_a_tiny_cpu_benchmark_checks_every_algorithm_and_writes_its_times_and_record(tmp_path, capsys):
+    from collectives.course.benchmarks import symmetric as bench
+
+    code = bench.main(["--world", "2", "--sizes", "4K,64K", "--iters", "3", "--json", str(tmp_path / "cpu.json"),
+                       "--record", "12-tiny", "--img", str(tmp_path)])
+    assert code == 0
+    saved = json.loads((tmp_path / "cpu.json").read_text())
+    assert saved["checked"] == {"ring": True, "one_shot": True, "two_shot": True}
+    assert set(saved["runs"]["float32"]) == {"gloo", "ring", "one_shot", "two_shot"}
+    assert all(len(v) == 2 and min(v) > 0 for v in saved["runs"]["float32"].values())
+    assert {"command", "date", "device", "torch", "commit"} <= set(saved["meta"])
+    record = json.loads((tmp_path / "12-tiny.json").read_text())
+    assert {c["id"] for c in record["comparisons"]} >= {"measured", "one-to-two-model", "model"}
+    assert (tmp_path / "12-tiny.svg").exists()
+
+
+def test_the_gpu_half_imports_without_cuda_or_triton_and_never_names_multicast():
+    code = ("import sys, collectives.symmetric, collectives.symmetric.gpu as g; "
+            "assert 'triton' not in sys.modules; print(g.triton_available())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    from pathlib import Path
+
+    import collectives.symmetric as package
+    for path in Path(package.__file__).parent.glob("*.py"):
+        text = path.read_text()
+        assert "multimem_all_reduce" not in text and "cuMulticastCreate" not in text, path
+
+
+def _gpu_checks():
+    from collectives.course.benchmarks.symmetric_gpu import check_rank
+    return check_rank(["bfloat16", "float32"])
+
+
+@pytest.mark.gpu
+def test_on_gpus_every_algorithm_matches_nccl_bit_for_bit():
+    from collectives.symmetric.gpu import NO_MULTICAST
+    results = launch.run(_gpu_checks, 2, backend="nccl", timeout=300, env=dict(NO_MULTICAST))
+    for rank, result in enumerate(results):
+        for dtype, per in result["checked"].items():
+            assert per and all(per.values()), f"rank {rank}, {dtype}: {per}"

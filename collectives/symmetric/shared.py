@@ -53,7 +53,11 @@ from ..core import ops
 from ..core.ops import ReduceOp
 from .workspace import SharedWorkspace, workspace
 
-__all__ = ["flag_barrier", "one_shot_all_reduce", "two_shot_all_reduce"]
+__all__ = ["flag_barrier", "one_shot_all_reduce", "two_shot_all_reduce", "reduce_rows_"]
+
+SPINS = 16          # looks at the flags with a yield in between, before napping
+NAP = 5e-6          # the first nap (s); it doubles every 16 naps ...
+MAX_NAP = 1e-3      # ... up to 1 ms
 
 
 def flag_barrier(ws: SharedWorkspace) -> None:
@@ -77,15 +81,37 @@ def flag_barrier(ws: SharedWorkspace) -> None:
     ws.pause_at("posted")
     started = time.monotonic()
     spins = 0
-    while True:
-        if min(flags.tolist()) >= target:
-            break
+    while min(flags.tolist()) < target:
         spins += 1
+        if spins < SPINS:
+            os.sched_yield()               # a peer is probably a moment away: look again soon
+        else:                              # more ranks than cores: give the core to the ones working
+            time.sleep(min(NAP * 2 ** ((spins - SPINS) // 16), MAX_NAP))
         if spins % 64 == 0 and time.monotonic() - started > ws.timeout:
             raise ws.timed_out(time.monotonic() - started, target)
-        os.sched_yield()                   # more ranks than cores: let the others run
     if not ws.epochs:
         flags[me] = 0                      # the hazard: a slow peer may not have seen our 1
+
+
+def reduce_rows_(out: torch.Tensor, rows: torch.Tensor, op) -> torch.Tensor:
+    """``out`` <- row 0 (op) row 1 (op) ... (op) row p − 1 of ``rows`` (one row per slot).
+
+    The plain loop -- ``out.copy_(rows[0])``, then ``ops.combine_(out, rows[j], op)`` for
+    j = 1 .. p − 1 -- reads the running result back p − 1 times; torch's reduction over the
+    slot axis reads each slot once and writes ``out`` once, in the same row order (for
+    float32 and float64 the same bits as the loop; bfloat16 and float16 are accumulated in
+    float32 and rounded once). Every rank runs the same reduction on the same slots, so
+    every rank ends with the same bits. AVG is summed here and divided by :func:`ops.finish_`.
+    """
+    if op in (ReduceOp.SUM, ReduceOp.AVG):
+        return torch.sum(rows, 0, dtype=out.dtype, out=out)
+    if op == ReduceOp.PRODUCT:
+        return torch.prod(rows, 0, dtype=out.dtype, out=out)
+    if op == ReduceOp.MIN:
+        return torch.amin(rows, 0, out=out)
+    if op == ReduceOp.MAX:
+        return torch.amax(rows, 0, out=out)
+    raise ValueError(f"unsupported op {op}")
 
 
 def _prepare(tensor: torch.Tensor, op, group, ws: SharedWorkspace | None, what: str):
@@ -120,9 +146,7 @@ def one_shot_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, *,
     ws.slot(buffer, rank, dtype, n).copy_(flat)       # 1. publish our input
     flag_barrier(ws)                                  # 2. every slot is written
     ws.pause_at("read")
-    flat.copy_(ws.slot(buffer, 0, dtype, n))          # 3. reduce in rank order 0 .. p-1
-    for peer in range(1, p):
-        ops.combine_(flat, ws.slot(buffer, peer, dtype, n), op)
+    reduce_rows_(flat, ws.rows(buffer, dtype, 0, n), op)   # 3. reduce slots 0 .. p-1, in that order
     ops.finish_(flat, op, p)
     ops.write_back(tensor, flat)
 
@@ -147,10 +171,8 @@ def two_shot_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, *,
     ws.pause_at("read")
     bounds = ops.chunk_bounds(n, p)
     lo, hi = bounds[rank]
-    mine = flat[lo:hi]                                # 3. reduce chunk r, rank order 0 .. p-1
-    mine.copy_(slots[0][lo:hi])
-    for peer in range(1, p):
-        ops.combine_(mine, slots[peer][lo:hi], op)
+    mine = flat[lo:hi]                                # 3. reduce chunk r of slots 0 .. p-1
+    reduce_rows_(mine, ws.rows(buffer, dtype, lo, hi), op)
     ops.finish_(mine, op, p)
     slots[rank][lo:hi].copy_(mine)                    # only this rank reads this chunk of this slot
     flag_barrier(ws)                                  # 4. every chunk is reduced

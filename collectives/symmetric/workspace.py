@@ -112,6 +112,11 @@ class SharedWorkspace:
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
         return self.buffers[buffer, rank, :nbytes].view(dtype)
 
+    def rows(self, buffer: int, dtype: torch.dtype, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``lo:hi`` of every slot in ``buffer``, as a ``[p, hi - lo]`` view: row r is slot r."""
+        size = torch.empty(0, dtype=dtype).element_size()
+        return self.buffers[buffer, :, lo * size:hi * size].view(dtype)
+
     def pause_at(self, point: str) -> None:
         """Let a test or the lab hold this rank at ``point`` ("posted": its flag is up and it
         has not looked at the others'; "read": past the barrier, before reading peers;
