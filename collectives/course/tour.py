@@ -31,6 +31,7 @@ class TourEntry:
     runner: str | None = None     # "module:function" run on every rank: runner(nbytes) -> dict
     identical_bits: bool = True   # every rank ends with the same bits (the naive ring: not)
     loses: str = ""               # why it can be slower than its baseline, in a few words
+    messages: bool = True         # False: reads shared memory, sends nothing (lesson 12)
 
 
 @dataclass
@@ -96,6 +97,10 @@ TOUR = [
               loses="selection reads all n; fast link"),
     TourEntry(9, "ring with flight recorder", target="collectives.ring:ring_all_reduce",
               runner="collectives.course.benchmarks.debugging:tour_runner", loses="a record per message"),
+    TourEntry(12, "one-shot (shared memory)", "collectives.symmetric:one_shot_all_reduce",
+              loses="reads (p − 1)·n per rank", messages=False),
+    TourEntry(12, "two-shot (shared memory)", "collectives.symmetric:two_shot_all_reduce",
+              loses="two barriers; copies in and out", messages=False),
 ]
 
 

@@ -127,7 +127,18 @@ def _prepare(tensor: torch.Tensor, op, group, ws: SharedWorkspace | None, what: 
                          f"this rank is {rank} of {p} in the group")
     if tensor.numel() == 0:
         return None
-    return rank, p, ops.work_buffer(tensor), ws
+    flat = ops.work_buffer(tensor)
+    # a GPU tensor goes through the host's shared memory and back: correct, not fast (the
+    # GPU version of the lesson is collectives.symmetric.gpu); this keeps the tour whole
+    return rank, p, flat if flat.device.type == "cpu" else flat.cpu(), ws
+
+
+def _finish(tensor: torch.Tensor, flat: torch.Tensor) -> None:
+    """Write the result back: into the tensor's device when it was staged, then into a view."""
+    if flat.device != tensor.device:
+        tensor.detach().copy_(flat.view(tensor.shape))
+    else:
+        ops.write_back(tensor, flat)
 
 
 def one_shot_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, *,
@@ -148,7 +159,7 @@ def one_shot_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, *,
     ws.pause_at("read")
     reduce_rows_(flat, ws.rows(buffer, dtype, 0, n), op)   # 3. reduce slots 0 .. p-1, in that order
     ops.finish_(flat, op, p)
-    ops.write_back(tensor, flat)
+    _finish(tensor, flat)
 
 
 def two_shot_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, *,
@@ -180,4 +191,4 @@ def two_shot_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, *,
     for peer, (a, b) in enumerate(bounds):            # 5. gather the others' chunks
         if peer != rank:
             flat[a:b].copy_(slots[peer][a:b])
-    ops.write_back(tensor, flat)
+    _finish(tensor, flat)
