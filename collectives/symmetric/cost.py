@@ -20,7 +20,8 @@ by up to p/2, and against the ring what is left is ρ against β -- reading a pe
 against pushing the same bytes through a socket (or a copy engine).
 
 :func:`crossover` finds where one model overtakes another: the benchmark fits σ, ρ, ω
-from its own small and large runs and puts the predicted crossovers beside the measured.
+(:func:`fit_shared`) and the ring's α, β (:func:`fit_ring`) to its own sweep and puts the
+predicted crossovers beside the measured.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from typing import Callable, Sequence
 
 from ..core.cost import AlphaBeta, predict
 
-__all__ = ["SharedLink", "one_shot_seconds", "two_shot_seconds", "ring_seconds", "crossover", "fit_shared"]
+__all__ = ["SharedLink", "one_shot_seconds", "two_shot_seconds", "ring_seconds", "crossover", "fit_shared",
+           "fit_ring"]
 
 
 @dataclass(frozen=True)
@@ -61,33 +63,41 @@ def ring_seconds(n: float, p: int, link: AlphaBeta) -> float:
 
 def crossover(first: Callable[[float], float], second: Callable[[float], float],
               sizes: Sequence[float]) -> float | None:
-    """The first of ``sizes`` (ascending) where ``second`` is faster than ``first``, having
-    been slower at the size before (None: no change of winner). Where ``second`` is
-    faster from the start, the first size."""
-    slower_before = None
-    for n in sizes:
-        faster = second(n) < first(n)
-        if faster and (slower_before is None or slower_before):
-            return n
-        slower_before = not faster
-    return None
+    """The first of ``sizes`` (ascending) from which ``second`` is faster than ``first`` at
+    every larger size, having been slower before it; None when the winner never changes
+    that way (``second`` faster everywhere, or never for good)."""
+    faster = [second(n) < first(n) for n in sizes]
+    if all(faster) or not faster[-1]:
+        return None
+    last_slow = max(i for i, f in enumerate(faster) if not f)
+    return sizes[last_slow + 1]
 
 
-def fit_shared(p: int, small: tuple[float, float, float], large: tuple[float, float, float],
-               gamma: float = 0.0) -> SharedLink:
-    """σ, ρ, ω from two sizes of one-shot and two-shot times (``(n, one_shot_s, two_shot_s)``
-    each): σ from the small size, where the bytes cost little; ρ and ω from the large one,
-    which both algorithms copy in (ω) and read at different rates (ρ). Clamped at 0."""
-    n_s, one_s, two_s = small
-    n_l, one_l, two_l = large
-    # two-shot − one-shot at the large size: σ + (p−1)/p·n·ρ·(2 − p) ... solved for ρ
-    # one_l − two_l = −σ + (p − 1)·n·(ρ + γ) − 2(p−1)/p·n·ρ − (p−1)/p·n·γ
-    #               = −σ + (p − 1)(p − 2)/p·n·ρ + (p − 1)² /p·n·γ
-    sigma = max(two_s - one_s, 1e-9)           # the second barrier, at a size where bytes do not count
-    if p > 2:
-        rho = (one_l - two_l + sigma - (p - 1) ** 2 / p * n_l * gamma) / ((p - 1) * (p - 2) / p * n_l)
-    else:
-        rho = (two_l - 2 * sigma - n_l * gamma / 2) / (2 * n_l)
-    rho = max(rho, 0.0)
-    omega = max((one_l - sigma - (p - 1) * n_l * (rho + gamma)) / n_l, 0.0)
-    return SharedLink(sigma, rho, omega, gamma)
+def _weighted_fit(rows: list[list[float]], times: list[float]) -> list[float]:
+    """Least squares of ``rows · x = times`` in relative error (each row divided by its
+    time: a sweep spans four orders of magnitude), every coefficient clamped at 0."""
+    import torch
+
+    a = torch.tensor(rows, dtype=torch.float64)
+    t = torch.tensor(times, dtype=torch.float64)
+    x = torch.linalg.lstsq(a / t[:, None], torch.ones_like(t)).solution
+    return [max(float(v), 0.0) for v in x]
+
+
+def fit_shared(p: int, sizes: Sequence[float], one_shot: Sequence[float],
+               two_shot: Sequence[float]) -> SharedLink:
+    """σ, ρ and ω fitted to measured one-shot and two-shot times at ``sizes`` together
+    (γ folded into ρ: each byte read is combined once)::
+
+        one-shot  σ + n·ω + (p − 1)·n·ρ        two-shot  2σ + n·ω + 2(p − 1)/p·n·ρ
+    """
+    rows = [[1.0, n, (p - 1) * n] for n in sizes] + [[2.0, n, 2 * (p - 1) / p * n] for n in sizes]
+    sigma, omega, rho = _weighted_fit(rows, list(one_shot) + list(two_shot))
+    return SharedLink(sigma, rho, omega)
+
+
+def fit_ring(p: int, sizes: Sequence[float], seconds: Sequence[float]) -> AlphaBeta:
+    """α and β of the ring's model, 2(p − 1)·α + 2(p − 1)/p·n·β, fitted to its measured times."""
+    rows = [[2.0 * (p - 1), 2 * (p - 1) / p * n] for n in sizes]
+    alpha, beta = _weighted_fit(rows, list(seconds))
+    return AlphaBeta(alpha, max(beta, 1e-15))

@@ -16,7 +16,15 @@ from pathlib import Path
 
 from ...core import timing
 from ...core.cost import AlphaBeta
-from ...symmetric.cost import SharedLink, crossover, fit_shared, one_shot_seconds, ring_seconds, two_shot_seconds
+from ...symmetric.cost import (
+    SharedLink,
+    crossover,
+    fit_ring,
+    fit_shared,
+    one_shot_seconds,
+    ring_seconds,
+    two_shot_seconds,
+)
 from ..catalog import ROOT
 
 NAMES = {"gloo": "gloo's all_reduce", "nccl": "NCCL's all_reduce", "ring": "the course's ring",
@@ -32,15 +40,14 @@ def _baseline(times: dict) -> str:
 
 
 def model_times(result: dict) -> dict:
-    """The fitted model's parameters and predicted times (CPU runs: float32, ``sizes``)."""
+    """The model fitted to the run (σ, ρ, ω to both shared-memory algorithms at every size, α
+    and β to the ring's), its predicted times, and the crossovers it predicts on a fine sweep."""
     sizes, p = result["sizes"], result["world"]
     times = result["runs"]["float32"]
     one, two, ring = times["one_shot"], times["two_shot"], times["ring"]
-    link = fit_shared(p, (sizes[0], one[0], two[0]), (sizes[-1], one[-1], two[-1]))
-    steps = 2 * (p - 1)
-    alpha = ring[0] / steps if steps else 0.0
-    beta = max((ring[-1] - ring[0]) / (2 * (p - 1) / p * (sizes[-1] - sizes[0])), 1e-15) if p > 1 else 1e-15
-    ab = AlphaBeta(alpha, beta)
+    link = fit_shared(p, sizes, one, two)
+    ab = fit_ring(p, sizes, ring) if p > 1 else AlphaBeta(0.0, 1e-15)
+    alpha, beta = ab.alpha, ab.beta
     predicted = {"one_shot": [one_shot_seconds(n, p, link) for n in sizes],
                  "two_shot": [two_shot_seconds(n, p, link) for n in sizes],
                  "ring": [ring_seconds(n, p, ab) for n in sizes]}
@@ -107,10 +114,11 @@ def _cpu_record(result: dict, name: str):
     record.crossover("one-to-two", sizes, "one_shot", "two_shot", times)
     record.crossover("one-to-two-model", sizes, "one_shot", "two_shot", model["predicted"], label="predicted",
                      at=model["one_to_two"])
-    record.crossover("two-over-ring-model", sizes, "ring", "two_shot", model["predicted"], label="predicted",
-                     at=model["ring_over_two"])
-    record.fact("model", f"Fitted to this run: a barrier σ = {claims.human(link.sigma)}, reading a peer "
-                         f"{link.rho * 1e9:.3g} ns per kB (ρ), the ring's α = {claims.human(model['alpha'])}.",
+    record.sweep("predicted", sizes, model["predicted"], label="predicted by the fitted model")
+    record.fact("model", f"Fitted to this run: a barrier σ = {claims.human(link.sigma)}, "
+                         f"{link.rho * 1e12:.3g} µs per MB read from a peer and combined (ρ), "
+                         f"{link.omega * 1e12:.3g} µs per MB copied in (ω); the ring's α = "
+                         f"{claims.human(model['alpha'])}.",
                 sigma=link.sigma, rho=link.rho, omega=link.omega, alpha=model["alpha"], beta=model["beta"])
     base = _baseline(times)
     record.table = {"head": ["size"] + [NAMES[k] for k in times] + [f"best ÷ {base}"],
