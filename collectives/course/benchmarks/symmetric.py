@@ -101,12 +101,14 @@ def run_cpu(args) -> dict:
             "checked": result["checked"], "iters": args.iters}
 
 
-def _meta(backend: str) -> dict:
+def _meta(backend: str, argv: list[str]) -> dict:
     from ..site import claims
-    return claims.environment(backend=backend, commit=git_commit())
+    command = " ".join([".venv/bin/python -m collectives bench-symmetric"] + argv)
+    return claims.environment(backend=backend, command=command, commit=git_commit())
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog=".venv/bin/python -m collectives bench-symmetric",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
@@ -127,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         args.world = args.world or 4
         args.sizes = args.sizes or CPU_SIZES
         result = run_cpu(args)
-    result["meta"] = _meta(args.backend)
+    result["meta"] = _meta(args.backend, argv)
     from . import symmetric_record
     symmetric_record.print_table(result)
     if args.json:
