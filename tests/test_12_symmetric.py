@@ -265,4 +265,6 @@ def test_on_gpus_every_algorithm_matches_nccl_bit_for_bit():
     results = launch.run(_gpu_checks, 2, backend="nccl", timeout=300, env=dict(NO_MULTICAST))
     for rank, result in enumerate(results):
         for dtype, per in result["checked"].items():
-            assert per and all(per.values()), f"rank {rank}, {dtype}: {per}"
+            mine = {k: v for k, v in per.items() if not k.startswith("symm_")}   # torch's may refuse a size
+            assert mine and all(v is True for v in mine.values()), f"rank {rank}, {dtype}: {per}"
+            assert all(v is not False for v in per.values()), f"rank {rank}, {dtype}: a wrong value: {per}"

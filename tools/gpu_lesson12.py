@@ -61,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
               "every_rank_agrees": all(r["checked"] == results[0]["checked"] for r in results)}
     (args.out / "12-gpu-checks.json").write_text(json.dumps(checks, indent=1) + "\n")
     print(json.dumps(checks["checked"], indent=1))
-    failed = [f"{d}: {name}" for d, per in checks["checked"].items() for name, ok in per.items() if not ok]
+    # the lesson's own kernels must pass every size; torch's ops may refuse some sizes (an error, not a wrong value)
+    failed = [f"{d}: {name} ({ok})" for d, per in checks["checked"].items() for name, ok in per.items()
+              if ok is not True and (not name.startswith("symm_") or ok is False)]
 
     sizes = "4K,16K,64K,256K,1M,4M,16M" if args.quick else "4K,16K,64K,256K,1M,4M,16M,64M,256M,1G"
     bench.main(["--backend", "nccl", "--world", str(world), "--sizes", sizes, "--dtypes", args.dtypes,

@@ -57,11 +57,28 @@ class SymmetricBuffer:
         import torch.distributed._symmetric_memory as symm_mem
 
         group = group or dist.group.WORLD
+        _enable(symm_mem, group.group_name)
         self.buffer = symm_mem.empty(numel, dtype=dtype, device=torch.device("cuda", torch.cuda.current_device()))
         self.handle = symm_mem.rendezvous(self.buffer, group)
         self.group_name = group.group_name
         self.rank, self.size = self.handle.rank, self.handle.world_size
         self.peers = [self.handle.get_buffer(q, (numel,), dtype) for q in range(self.size)]
+
+
+def _enable(symm_mem, group_name: str) -> None:
+    """Older torch (2.5 to about 2.9) must be told which groups use symmetric memory; newer
+    torch does it by itself and only warns that the call is no longer needed."""
+    import warnings
+
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is None or symm_mem.is_symm_mem_enabled_for_group(group_name):
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        try:
+            enable(group_name)
+        except (RuntimeError, TypeError, KeyError):
+            pass                       # already set up by torch itself
 
 
 def torch_one_shot(buf: SymmetricBuffer, numel: int, out: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,10 @@ consumes. Every word is 0 again once both sides are past, so the same words serv
 barrier of every call: the epochs of the CPU version are not needed, because no side can
 arrive twice before the other has consumed the first arrival.
 
+Each ``atomic_cas`` here takes a scalar pointer: Triton issues a scalar atomic from one
+thread of the program and hands its result to all, so a block arrives once per peer; the
+block's other threads wait at ``tl.debug_barrier()`` for the handshake to finish.
+
 The arrive is a *release* and the wait an *acquire*, at system scope: what this block
 wrote before arriving (its slot, its reduced chunk) is visible to a peer's block that has
 seen the arrival -- the fences the CPU version got for free from x86's store order.
