@@ -1,9 +1,11 @@
 """Lesson 12, cheat: the naive barrier -- a flag set to 1 on arrival and reset to 0 on the way out.
 
-It passes every barrier of a quiet machine: each rank usually looks at the flags before
-the fastest rank has reset its own. But a rank that is descheduled between raising its
-flag and looking waits for ever once a faster peer has reset; the lesson's epoch flags
-never go down. The judge reads the flags after every barrier. The all-reduces are the
+It passes many barriers: each rank usually looks at the flags before the fastest rank has
+reset its own. But a rank that is descheduled between raising its flag and looking waits
+for ever once a faster peer has reset -- in the judge's worlds, whose ranks enter after
+random delays, that happens within a few barriers, and the rank gives up after the
+probe's timeout, naming itself. Where it does not, the judge reads flags that went back
+to 0 after a barrier; the lesson's epoch flags never go down. The all-reduces are the
 reference's, on this barrier.
 """
 
