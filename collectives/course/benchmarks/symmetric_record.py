@@ -55,8 +55,8 @@ def model_times(result: dict) -> dict:
     return {"link": link, "alpha": alpha, "beta": beta, "predicted": predicted,
             "one_to_two": crossover(lambda n: one_shot_seconds(n, p, link), lambda n: two_shot_seconds(n, p, link),
                                     fine),
-            "ring_over_two": crossover(lambda n: ring_seconds(n, p, ab), lambda n: two_shot_seconds(n, p, link),
-                                       fine)}
+            "two_to_ring": crossover(lambda n: two_shot_seconds(n, p, link), lambda n: ring_seconds(n, p, ab),
+                                     fine)}
 
 
 def print_table(result: dict) -> None:
@@ -115,6 +115,11 @@ def _cpu_record(result: dict, name: str):
     record.crossover("one-to-two-model", sizes, "one_shot", "two_shot", model["predicted"], label="predicted",
                      at=model["one_to_two"])
     record.sweep("predicted", sizes, model["predicted"], label="predicted by the fitted model")
+    # the ring against the two-shot: where (if anywhere) sending overtakes reading, measured and predicted
+    record.crossover("ring-over-two", sizes, "two_shot", "ring", times)
+    record.crossover("ring-over-two-model", sizes, "two_shot", "ring", model["predicted"], label="predicted",
+                     at=model["two_to_ring"])
+    record.crossover("gloo-over-two", sizes, "two_shot", "gloo", times)
     record.fact("model", f"Fitted to this run: a barrier σ = {claims.human(link.sigma)}, "
                          f"{link.rho * 1e12:.3g} µs per MB read from a peer and combined (ρ), "
                          f"{link.omega * 1e12:.3g} µs per MB copied in (ω); the ring's α = "
