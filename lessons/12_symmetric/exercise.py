@@ -136,17 +136,20 @@ def two_shot_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, *,
     raise NotImplementedError("Lesson 12, task 3: two_shot_all_reduce")
 
 
-def triton_one_shot(tensor: torch.Tensor, ws) -> None:
+def triton_one_shot(handle, numel: int, dtype: torch.dtype, out: torch.Tensor) -> torch.Tensor:
     """Lesson 12, task 4 (GPUs, optional, not graded): the one-shot as a Triton kernel.
 
-    TODO:     on torch's symmetric memory (``symm_mem.empty``, ``symm_mem.rendezvous``), a
-              kernel with one program per chunk of BLOCK elements that loads the chunk from
-              every peer's buffer (``hdl.buffer_ptrs``), adds them in rank order and stores
-              the sum; a barrier on the signal pads before the loads and after.
-    APPROACH: ``collectives/symmetric/triton_barrier.py`` and ``triton_allreduce.py`` are the
-              reference; ``tools/gpu_lesson12.py --out DIR`` checks and times it on 2+ GPUs.
-    EXAMPLE:  2 GPUs, 1 MiB of bf16: one launch, no NCCL call.
-    HINT:     never NVLink multicast: no ``multimem_*``; keep
+    TODO:     ``out[:numel]`` <- the sum over ranks of the first ``numel`` elements of their
+              symmetric buffers (``handle = symm_mem.rendezvous(buffer, group)``), in one
+              kernel launch: one program per block of elements, each loading its block from
+              every peer's buffer (``handle.buffer_ptrs_dev``) and storing the sum.
+    APPROACH: a barrier on the signal pads (``handle.signal_pad_ptrs_dev``) before the loads,
+              so every rank's input is in place, and after, so nobody refills its buffer
+              while a peer still reads it. Sum in rank order, in float32 for bf16.
+    EXAMPLE:  2 GPUs, 1 MiB of bf16: one launch, no NCCL call, equal to ``dist.all_reduce``.
+    HINT:     ``collectives/symmetric/triton_barrier.py`` and ``triton_allreduce.py`` are the
+              reference; ``.venv/bin/python tools/gpu_lesson12.py --out DIR --exercise`` checks
+              yours against NCCL. Never NVLink multicast: no ``multimem_*``; keep
               ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` and ``NCCL_NVLS_ENABLE=0``.
     CALLS:    none
     """

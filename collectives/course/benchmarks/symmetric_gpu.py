@@ -109,13 +109,24 @@ def _check(algos: dict, buffers: dict, out: torch.Tensor, dtype: torch.dtype) ->
     return ok
 
 
-def check_rank(dtypes: list[str], capacity: int = 1 << 22) -> dict:
-    """Only the checks (``tools/gpu_lesson12.py``): every algorithm against NCCL, per dtype."""
+EXERCISE = "lessons/12_symmetric/exercise.py:triton_one_shot"
+
+
+def check_rank(dtypes: list[str], capacity: int = 1 << 22, exercise: bool = False) -> dict:
+    """Only the checks (``tools/gpu_lesson12.py``): every algorithm against NCCL, per dtype;
+    with ``exercise``, the exercise's optional Triton one-shot too (task 4), where written."""
     torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     checked, skipped = {}, []
     for dtype_name in dtypes:
-        algos, skipped, buffers, out = _algorithms(capacity, DTYPES[dtype_name])
-        checked[dtype_name] = _check(algos, buffers, out, DTYPES[dtype_name])
+        dtype = DTYPES[dtype_name]
+        algos, skipped, buffers, out = _algorithms(capacity, dtype)
+        if exercise:
+            from ..impl import resolve
+            theirs = resolve(EXERCISE)
+            mine = gpu.SymmetricBuffer(capacity, dtype)
+            algos["exercise_triton_one_shot"] = lambda n: theirs(mine.handle, n, dtype, out)
+            buffers["exercise_triton_one_shot"] = mine.buffer
+        checked[dtype_name] = _check(algos, buffers, out, dtype)
     return {"checked": checked, "skipped": skipped}
 
 
