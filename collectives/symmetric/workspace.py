@@ -39,7 +39,7 @@ __all__ = ["SharedWorkspace", "BarrierTimeout", "workspace", "FLAG_LINE", "DEFAU
 
 FLAG_LINE = 64                    # bytes per flag: one cache line, written by one rank only
 DEFAULT_CAPACITY = 1 << 16        # the smallest slot the cache makes (64 KiB)
-SHM_DIR = "/dev/shm"
+SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()   # Linux: memory, never a disk
 
 
 class BarrierTimeout(TimeoutError):
@@ -93,7 +93,9 @@ class SharedWorkspace:
             os.ftruncate(fd, total)
             os.close(fd)
             name[:len(path)] = torch.tensor(list(path.encode()), dtype=torch.uint8)
+        name = name.to(ops.rank_device())       # under NCCL (the tour on GPUs) a broadcast takes a GPU tensor
         dist.broadcast(name, ops.global_rank(self.group, 0), group=self.group)
+        name = name.cpu()
         return bytes(name[name != 0].tolist()).decode()
 
     # ---- what an all-reduce uses ---------------------------------------------------------
