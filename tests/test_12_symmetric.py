@@ -254,6 +254,42 @@ def test_the_gpu_half_imports_without_cuda_or_triton_and_never_names_multicast()
         assert "multimem_all_reduce" not in text and "cuMulticastCreate" not in text, path
 
 
+class _StandIn:
+    """torch's symmetric memory as the GPU code sees it (a buffer per rank, every peer's as a
+    tensor, a barrier), played by the CPU workspace: the GPU algorithms' index arithmetic
+    and phases, checked where there is no GPU."""
+
+    def __init__(self, numel: int):
+        from collectives.symmetric import flag_barrier
+        self.ws = SharedWorkspace(None, numel * 8)
+        self.rank, self.size = self.ws.rank, self.ws.size
+        self.peers = [self.ws.slot(0, q, torch.int64, numel) for q in range(self.size)]
+        self.buffer = self.peers[self.rank]
+        self.handle = type("Handle", (), {"barrier": lambda _, channel=0: flag_barrier(self.ws)})()
+
+
+def _gpu_algorithms_on_a_cpu_stand_in():
+    from collectives.symmetric.gpu import torch_one_shot, torch_two_shot
+    rank, wrong = dist.get_rank(), []
+    for n in (1, 2, 1001, 4099):
+        buf = _StandIn(n)
+        values = (torch.arange(n) * (rank + 3)) % 7 + rank
+        expected = values.clone()
+        dist.all_reduce(expected)
+        out = torch.zeros(n, dtype=torch.int64)
+        buf.buffer.copy_(values)
+        torch_one_shot(buf, n, out)
+        buf.buffer.copy_(values)
+        torch_two_shot(buf, n)
+        wrong += [f"one-shot n={n}"] * (not torch.equal(out, expected))
+        wrong += [f"two-shot n={n}"] * (not torch.equal(buf.buffer, expected))
+    return wrong
+
+
+def test_the_plain_torch_gpu_algorithms_are_right_on_a_cpu_stand_in_for_symmetric_memory():
+    assert launch.run(_gpu_algorithms_on_a_cpu_stand_in, 3, timeout=WORLD_TIMEOUT) == [[], [], []]
+
+
 def _gpu_checks():
     from collectives.course.benchmarks.symmetric_gpu import check_rank
     return check_rank(["bfloat16", "float32"])
