@@ -33,6 +33,7 @@ class TourEntry:
     identical_bits: bool = True   # every rank ends with the same bits (the naive ring: not)
     loses: str = ""               # why it can be slower than its baseline, in a few words
     wins: str = ""                # why it can be faster than its baseline, in a few words
+    messages: bool = True         # False: reads shared memory, sends nothing (lesson 12)
 
 
 @dataclass
@@ -107,6 +108,10 @@ TOUR = [
     TourEntry(11, "pairwise all-to-all", target="collectives.alltoall:pairwise_all_to_all",
               runner="collectives.course.benchmarks.alltoall:tour_runner", loses="one partner per round",
               wins="NCCL/gloo's own all-to-all is no faster here"),
+    TourEntry(12, "one-shot (shared memory)", "collectives.symmetric:one_shot_all_reduce",
+              loses="reads (p − 1)·n per rank", wins="no message: one barrier, then reads", messages=False),
+    TourEntry(12, "two-shot (shared memory)", "collectives.symmetric:two_shot_all_reduce",
+              loses="two barriers; copies in and out", wins="no message: reads n·(p − 1)/p twice", messages=False),
 ]
 
 

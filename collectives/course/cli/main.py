@@ -12,6 +12,7 @@
   bench-cluster  the two tiers of a simulated cluster fitted, the flat ring predicted and measured
   bench-recorder lesson 9: what the flight recorder costs per call, off and on (and torch's DETAIL)
   bench-alltoall lesson 11: all-to-alls against dist.all_to_all_single (local, cluster), the MoE layer (moe)
+  bench-symmetric lesson 12: one-shot and two-shot without messages against gloo/NCCL (--backend nccl)
   diagnose     lesson 9: read every rank's flight recorder dump and name the culprit: diagnose DIR
   cluster      one torchrun per machine of a simulated cluster: cluster --machines 2 -- CMD...
   helpers      an exercise's helper sheet, written from the code: helpers --lesson 4
@@ -37,6 +38,7 @@ COMMANDS = {
     "bench-cluster": "collectives.course.benchmarks.cluster:main",
     "bench-recorder": "collectives.course.benchmarks.debugging:main",
     "bench-alltoall": "collectives.course.benchmarks.alltoall:main",
+    "bench-symmetric": "collectives.course.benchmarks.symmetric:main",
     "diagnose": "collectives.course.cli.diagnose:main",
     "cluster": "collectives.course.cli.cluster:main",
     "trace": "collectives.course.cli.trace:main",

@@ -1,0 +1,129 @@
+"""Lesson 12 on GPUs, as Triton kernels: one-shot and two-shot all-reduce over NVLink loads.
+
+Each rank's buffer lives in torch's symmetric memory, so a kernel on rank r can load from
+rank q's buffer through a plain pointer (``handle.buffer_ptrs_dev``: the p buffers'
+addresses, peers' mapped over NVLink). No copy engine, no NCCL call, no multicast::
+
+    one-shot, program b (of at most MAX_BLOCKS), elements in its blocks of BLOCK:
+        barrier b                 every rank's input is in its buffer
+        for each of its blocks:   acc = x_0 + x_1 + ... + x_{p-1}    (loads from p buffers, rank order)
+                                  store acc into out (this rank's own tensor)
+        barrier b                 nobody reads our buffer any more: the caller may refill it
+
+    two-shot: chunk r of the buffer is rank r's (⌈n/p⌉ elements each)
+        barrier b
+        reduce: for each block of chunk r: acc = Σ_q x_q (rank order), store into OUR buffer, in place
+        barrier b                 every chunk is reduced, in its owner's buffer
+        gather: for each block of every other chunk j: copy from rank j's buffer into ours
+        barrier b                 nobody reads our buffer any more
+
+Each program runs through its blocks with a stride of the grid (a persistent grid of at
+most :data:`MAX_BLOCKS` programs, so the barrier's words stay within the signal pad), each
+load is BLOCK contiguous elements (Triton vectorises them to 16-byte loads). The sum is
+taken in float32 for 16-bit types and in rank order on every rank: the same bits everywhere.
+
+After the structure of symm-mem-recipes' one-shot all-reduce kernel (a blockwise barrier
+on the signal pads, loads from every peer's buffer, one kernel per algorithm) and of
+vLLM's and TensorRT-LLM's custom all-reduce two-shot; written for this course. Import
+this module only where Triton and CUDA are: :func:`collectives.symmetric.gpu.triton_available`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_barrier import blockwise_barrier
+
+__all__ = ["one_shot", "two_shot", "BLOCK", "MAX_BLOCKS"]
+
+BLOCK = 4096          # elements per load of one program
+MAX_BLOCKS = 64       # programs at most: 64 · p words of the signal pad (p ≤ 8: 2 KiB of 9 KiB)
+
+
+@triton.jit
+def _peer(buffer_ptrs, peer, ELEMENT: tl.constexpr):
+    """Rank ``peer``'s buffer, as a pointer to ELEMENT (``buffer_ptrs``: the address, an
+    integer, of the device array of the p buffers' addresses)."""
+    return tl.load(buffer_ptrs.to(tl.pointer_type(tl.uint64)) + peer).to(tl.pointer_type(ELEMENT))
+
+
+@triton.jit
+def _sum_of_peers(buffer_ptrs, offsets, mask, ELEMENT: tl.constexpr, ACC: tl.constexpr, WORLD: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """Σ over ranks 0 .. WORLD − 1 of their buffers at ``offsets``, accumulated in ACC."""
+    acc = tl.zeros((BLOCK,), dtype=ACC)
+    for peer in tl.static_range(WORLD):
+        acc += tl.load(_peer(buffer_ptrs, peer, ELEMENT) + offsets, mask=mask).to(ACC)
+    return acc
+
+
+@triton.jit
+def _one_shot_kernel(buffer_ptrs, signal_pad_ptrs, out_ptr, numel,
+                     RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, ELEMENT: tl.constexpr,
+                     ACC: tl.constexpr):
+    program, programs = tl.program_id(0), tl.num_programs(0)
+    blockwise_barrier(signal_pad_ptrs, program, RANK, WORLD)
+    for start in range(program * BLOCK, numel, programs * BLOCK):
+        offsets = start + tl.arange(0, BLOCK)
+        mask = offsets < numel
+        acc = _sum_of_peers(buffer_ptrs, offsets, mask, ELEMENT, ACC, WORLD, BLOCK)
+        tl.store(out_ptr + offsets, acc.to(ELEMENT), mask=mask)
+    blockwise_barrier(signal_pad_ptrs, program, RANK, WORLD)
+
+
+@triton.jit
+def _two_shot_kernel(buffer_ptrs, signal_pad_ptrs, numel, chunk,
+                     RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, ELEMENT: tl.constexpr,
+                     ACC: tl.constexpr):
+    program, programs = tl.program_id(0), tl.num_programs(0)
+    own = _peer(buffer_ptrs, RANK, ELEMENT)
+    blockwise_barrier(signal_pad_ptrs, program, RANK, WORLD)
+    lo = RANK * chunk
+    for start in range(program * BLOCK, chunk, programs * BLOCK):        # reduce our chunk, in place
+        offsets = lo + start + tl.arange(0, BLOCK)
+        mask = (offsets < lo + chunk) & (offsets < numel)
+        acc = _sum_of_peers(buffer_ptrs, offsets, mask, ELEMENT, ACC, WORLD, BLOCK)
+        tl.store(own + offsets, acc.to(ELEMENT), mask=mask)
+    blockwise_barrier(signal_pad_ptrs, program, RANK, WORLD)
+    for peer in tl.static_range(WORLD):                                  # gather the others' chunks
+        if peer != RANK:
+            theirs = _peer(buffer_ptrs, peer, ELEMENT)
+            for start in range(program * BLOCK, chunk, programs * BLOCK):
+                offsets = peer * chunk + start + tl.arange(0, BLOCK)
+                mask = (offsets < (peer + 1) * chunk) & (offsets < numel)
+                tl.store(own + offsets, tl.load(theirs + offsets, mask=mask), mask=mask)
+    blockwise_barrier(signal_pad_ptrs, program, RANK, WORLD)
+
+
+_ELEMENTS = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
+             torch.int32: tl.int32, torch.int64: tl.int64}
+
+
+def _types(dtype: torch.dtype) -> dict:
+    """The element type, and the accumulator's: float32 for the 16-bit floats."""
+    element = _ELEMENTS[dtype]
+    return {"ELEMENT": element, "ACC": tl.float32 if dtype in (torch.bfloat16, torch.float16) else element}
+
+
+def _grid(work: int) -> tuple[int]:
+    return (max(1, min(MAX_BLOCKS, triton.cdiv(work, BLOCK))),)
+
+
+def one_shot(handle, numel: int, dtype: torch.dtype, out: torch.Tensor) -> torch.Tensor:
+    """``out[:numel]`` <- the sum over ranks of their symmetric buffers' first ``numel``
+    elements (``handle``: ``symm_mem.rendezvous`` of a buffer of ``dtype``). One launch."""
+    _one_shot_kernel[_grid(numel)](handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev, out, numel,
+                                   RANK=handle.rank, WORLD=handle.world_size, BLOCK=BLOCK,
+                                   num_warps=8, **_types(dtype))
+    return out
+
+
+def two_shot(handle, numel: int, dtype: torch.dtype) -> None:
+    """The first ``numel`` elements of this rank's symmetric buffer <- their sum over ranks,
+    in place: reduce-scatter then all-gather by loads. One launch."""
+    chunk = triton.cdiv(numel, handle.world_size)
+    _two_shot_kernel[_grid(chunk)](handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev, numel, chunk,
+                                   RANK=handle.rank, WORLD=handle.world_size, BLOCK=BLOCK,
+                                   num_warps=8, **_types(dtype))

@@ -1,0 +1,306 @@
+"""Lesson 12, all-reduce without messages: what the graded tasks do not cover, and the hazards.
+
+The graded tasks (the flag barrier, the one-shot, the two-shot) are judged by
+:mod:`collectives.course.grading.tasks.lesson12`, outside the ranks; ``tests/test_grader.py``
+runs those judges on the reference, the stubs and every partial solution. Here: the
+reference against ``dist.all_reduce`` on every case of the harness at 4 ranks and on
+world sizes 1 to 8; no message in the data path; the same bits on every rank; clear
+errors; and each hazard the guards exist for, shown failing when its guard is removed.
+"""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from collectives import launch, trace, verify
+from collectives.course.catalog import world_timeout
+from collectives.symmetric import (
+    BarrierTimeout,
+    SharedLink,
+    SharedWorkspace,
+    crossover,
+    one_shot_all_reduce,
+    one_shot_seconds,
+    two_shot_all_reduce,
+    two_shot_seconds,
+    workspace,
+)
+from collectives.symmetric.cost import fit_shared
+
+LESSON = 12
+WORLD_TIMEOUT = world_timeout(60.0)
+ALGORITHMS = (one_shot_all_reduce, two_shot_all_reduce)
+
+
+# ---- equal to dist.all_reduce, with no message ---------------------------------------------
+
+def _every_case_and_no_message():
+    out = {}
+    for fn in ALGORITHMS:
+        report = verify.check_all_reduce(fn, verify.default_cases(dist.get_world_size(), large=False))
+        out[fn.__name__] = (report.ok, report.summary())
+    workspace(None, 1 << 20)                       # made ahead: the calls below send nothing
+    rank = dist.get_rank()
+    with trace.recording() as t:
+        x = torch.arange(5001, dtype=torch.int64) * (rank + 1)       # 5001: not divisible by 4
+        one_shot_all_reduce(x)
+        y = torch.arange(5001, dtype=torch.int64) * (rank + 1)
+        two_shot_all_reduce(y, op=dist.ReduceOp.MAX)
+    out["events"] = len(t.to_dicts())
+    out["values"] = (x.clone(), y.clone())
+    with trace.recording() as t:                   # the tracer does see the set-up's messages
+        SharedWorkspace(None, 4096)
+    out["setup_kinds"] = sorted({e["kind"] for e in t.to_dicts()})
+    return out
+
+
+def test_one_and_two_shot_match_dist_all_reduce_on_every_case_and_send_no_message():
+    p = 4
+    results = launch.run(_every_case_and_no_message, p, timeout=WORLD_TIMEOUT)
+    base = torch.arange(5001, dtype=torch.int64)
+    for rank, out in enumerate(results):
+        for name in ("one_shot_all_reduce", "two_shot_all_reduce"):
+            ok, summary = out[name]
+            assert ok, f"{name}, rank {rank}: {summary}"
+        assert out["events"] == 0, f"rank {rank} made {out['events']} calls of torch.distributed in the data path"
+        x, y = out["values"]
+        assert torch.equal(x, base * (1 + 2 + 3 + 4)) and torch.equal(y, base * 4)
+        assert "broadcast" in out["setup_kinds"], out["setup_kinds"]
+
+
+def _few_cases_every_size():
+    p = dist.get_world_size()
+    cases = [verify.Case(1001, torch.int64, dist.ReduceOp.SUM), verify.Case(1001, torch.float32, dist.ReduceOp.AVG),
+             verify.Case(max(p - 1, 1), torch.int32, dist.ReduceOp.PRODUCT),
+             verify.Case(4099, torch.bfloat16, dist.ReduceOp.MIN),
+             verify.Case(4099, torch.float32, dist.ReduceOp.SUM, values="random")]
+    reports = [verify.check_all_reduce(fn, cases) for fn in ALGORITHMS]
+    return [report.summary() for report in reports if not report.ok]
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 5, 8])      # 4 is the test above's; 8: more ranks than the cores
+def test_world_sizes_one_to_eight(p):
+    for rank, failures in enumerate(launch.run(_few_cases_every_size, p, timeout=WORLD_TIMEOUT)):
+        assert not failures, f"world of {p}, rank {rank}: {failures}"
+
+
+def _bad_input():
+    errors = []
+    small = SharedWorkspace(None, 64)
+    before = torch.arange(100, dtype=torch.float32)
+    x = before.clone()
+    for fn in ALGORITHMS:
+        try:
+            fn(x, workspace=small)                  # 400 bytes into slots of 64
+        except ValueError as exc:
+            errors.append(str(exc))
+    try:
+        one_shot_all_reduce(torch.ones(1).expand(8))
+    except ValueError as exc:
+        errors.append(str(exc))
+    return errors, torch.equal(x, before), small.epoch
+
+
+def test_a_tensor_too_large_for_the_slots_and_an_expanded_tensor_are_refused_before_anything_changes():
+    for rank, (errors, unchanged, epoch) in enumerate(launch.run(_bad_input, 2, timeout=WORLD_TIMEOUT)):
+        assert len(errors) == 3, errors
+        assert all("does not fit this workspace's slots of 64 bytes" in e for e in errors[:2]), errors
+        assert "share memory" in errors[2]
+        assert unchanged and epoch == 0             # no barrier was entered, the tensor is as it was
+
+
+# ---- the two hazards, each failing without its guard --------------------------------------
+
+def _wait_for(condition, seconds: float = 20.0):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the test's pause waited too long")
+        time.sleep(0.001)
+
+
+def _slot_overwritten(two_buffers: bool, fn_name: str):
+    """Rank 1 is held before its last reads of the first call (the one-shot's reduce, the
+    two-shot's gather) until rank 0 has written its next input and posted its next barrier:
+    with one buffer, it then reads rank 0's next input instead of this call's."""
+    fn = one_shot_all_reduce if fn_name == "one_shot" else two_shot_all_reduce
+    last_reads = "read" if fn_name == "one_shot" else "gather"
+    ws = SharedWorkspace(None, 4096, two_buffers=two_buffers, timeout=20.0)
+    rank = dist.get_rank()
+    held = []
+
+    def hold_rank_1(point, w):
+        if point == last_reads and rank == 1 and not held:
+            held.append(w.epoch)
+            _wait_for(lambda: int(w.flags[0]) > held[0])       # rank 0 is in its next call
+    ws.pause = hold_rank_1
+    first = torch.full((64,), 1 + rank, dtype=torch.int64)      # 1 + 2 = 3
+    second = torch.full((64,), 100 * (1 + rank), dtype=torch.int64)
+    fn(first, workspace=ws)
+    fn(second, workspace=ws)
+    return first.tolist(), second.tolist()
+
+
+@pytest.mark.parametrize("fn_name", ["one_shot", "two_shot"])
+def test_a_slot_reused_at_once_is_overwritten_before_a_slow_peer_reads_it_and_two_buffers_prevent_it(fn_name):
+    guarded = launch.run(_slot_overwritten, 2, args=(True, fn_name), timeout=WORLD_TIMEOUT)
+    assert all(first == [3] * 64 and second == [300] * 64 for first, second in guarded)
+    unguarded = launch.run(_slot_overwritten, 2, args=(False, fn_name), timeout=WORLD_TIMEOUT)
+    first_on_1 = unguarded[1][0]
+    if fn_name == "one_shot":                       # rank 1 summed rank 0's *second* input with its first
+        assert first_on_1 == [100 + 2] * 64, first_on_1
+    else:                                           # rank 1 gathered rank 0's second input as chunk 0
+        assert first_on_1 == [100] * 32 + [3] * 32, first_on_1
+    assert unguarded[0][0] == [3] * 64              # rank 0 read before anything was overwritten
+
+
+def _flag_reset_too_soon(epochs: bool):
+    """Rank 1 raises its flag, then is held until rank 0 has passed the barrier (naive
+    flags: until rank 0 has reset its flag to 0); only then does it look at the flags."""
+    ws = SharedWorkspace(None, 4096, epochs=epochs, timeout=1.0)
+    rank = dist.get_rank()
+
+    def hold_rank_1(point, w):
+        if point == "posted" and rank == 1:
+            if epochs:
+                time.sleep(0.2)                     # whatever rank 0 does meanwhile, its flag stays up
+            else:
+                _wait_for(lambda: int(w.flags[0]) == 0)
+    ws.pause = hold_rank_1
+    x = torch.full((8,), 1 + rank, dtype=torch.int64)
+    try:
+        one_shot_all_reduce(x, workspace=ws)
+    except BarrierTimeout as exc:
+        return str(exc)
+    return x.tolist()
+
+
+def test_a_flag_reset_before_a_slow_peer_looked_hangs_it_and_epoch_flags_do_not():
+    assert launch.run(_flag_reset_too_soon, 2, args=(True,), timeout=WORLD_TIMEOUT) == [[3] * 8, [3] * 8]
+    rank_0, rank_1 = launch.run(_flag_reset_too_soon, 2, args=(False,), timeout=WORLD_TIMEOUT)
+    assert rank_0 == [3] * 8                        # it passed, and reset its flag on the way out
+    assert isinstance(rank_1, str) and "rank 1 waited" in rank_1 and "group rank(s) [0] never arrived" in rank_1, rank_1
+
+
+# ---- the same bits on every rank, and the model --------------------------------------------
+
+def _random_floats_in_rank_order():
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randn(10_001, generator=g) * 1e3
+    inputs = [torch.randn(10_001, generator=torch.Generator().manual_seed(r)) * 1e3
+              for r in range(dist.get_world_size())]
+    by_order = inputs[0].clone()
+    for other in inputs[1:]:
+        by_order += other
+    one, two = x.clone(), x.clone()
+    one_shot_all_reduce(one)
+    two_shot_all_reduce(two)
+    return one.view(torch.int32), two.view(torch.int32), by_order.view(torch.int32)
+
+
+def test_every_rank_adds_in_rank_order_and_ends_with_the_same_bits():
+    results = launch.run(_random_floats_in_rank_order, 3, timeout=WORLD_TIMEOUT)
+    for one, two, by_order in results:
+        assert torch.equal(one, by_order) and torch.equal(two, by_order)
+
+
+def test_the_model_puts_the_one_shot_first_for_small_tensors_and_the_two_shot_for_large():
+    link = SharedLink(sigma=5e-6, rho=1e-10, omega=1e-10)
+    sizes = [2 ** k for k in range(10, 31)]
+    n = crossover(lambda s: one_shot_seconds(s, 4, link), lambda s: two_shot_seconds(s, 4, link), sizes)
+    # σ = (p − 1)·n·ρ − 2(p − 1)/p·n·ρ = 1.5·n·ρ at p = 4: n = σ / (1.5 ρ) ≈ 33 kB -> 64 KiB
+    assert n == 1 << 16
+    assert crossover(lambda s: one_shot_seconds(s, 2, link), lambda s: two_shot_seconds(s, 2, link), sizes) is None
+    sweep = [4 << 10 << 2 * k for k in range(8)]
+    fitted = fit_shared(4, sweep, [one_shot_seconds(n, 4, link) for n in sweep],
+                        [two_shot_seconds(n, 4, link) for n in sweep])
+    assert fitted.sigma == pytest.approx(5e-6, rel=1e-3) and fitted.rho == pytest.approx(1e-10, rel=1e-3)
+    assert fitted.omega == pytest.approx(1e-10, rel=1e-3)
+
+
+# ---- the benchmark, and the GPU half's import safety ----------------------------------------
+
+def test_a_tiny_cpu_benchmark_checks_every_algorithm_and_writes_its_times_and_record(tmp_path, capsys):
+    from collectives.course.benchmarks import symmetric as bench
+
+    code = bench.main(["--world", "2", "--sizes", "4K,64K", "--iters", "3", "--json", str(tmp_path / "cpu.json"),
+                       "--record", "12-tiny", "--img", str(tmp_path)])
+    assert code == 0
+    saved = json.loads((tmp_path / "cpu.json").read_text())
+    assert saved["checked"] == {"ring": True, "one_shot": True, "two_shot": True}
+    assert set(saved["runs"]["float32"]) == {"gloo", "ring", "one_shot", "two_shot"}
+    assert all(len(v) == 2 and min(v) > 0 for v in saved["runs"]["float32"].values())
+    assert {"command", "date", "device", "torch", "commit"} <= set(saved["meta"])
+    record = json.loads((tmp_path / "12-tiny.json").read_text())
+    assert {c["id"] for c in record["comparisons"]} >= {"measured", "one-to-two-model", "model"}
+    assert (tmp_path / "12-tiny.svg").exists()
+
+
+def test_the_gpu_half_imports_without_cuda_or_triton_and_never_names_multicast():
+    code = ("import sys, collectives.symmetric, collectives.symmetric.gpu as g; "
+            "assert 'triton' not in sys.modules; print(g.triton_available())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    from pathlib import Path
+
+    import collectives.symmetric as package
+    for path in Path(package.__file__).parent.glob("*.py"):
+        text = path.read_text()
+        assert "multimem_all_reduce" not in text and "cuMulticastCreate" not in text, path
+
+
+class _StandIn:
+    """torch's symmetric memory as the GPU code sees it (a buffer per rank, every peer's as a
+    tensor, a barrier), played by the CPU workspace: the GPU algorithms' index arithmetic
+    and phases, checked where there is no GPU."""
+
+    def __init__(self, numel: int):
+        from collectives.symmetric import flag_barrier
+        self.ws = SharedWorkspace(None, numel * 8)
+        self.rank, self.size = self.ws.rank, self.ws.size
+        self.peers = [self.ws.slot(0, q, torch.int64, numel) for q in range(self.size)]
+        self.buffer = self.peers[self.rank]
+        self.handle = type("Handle", (), {"barrier": lambda _, channel=0: flag_barrier(self.ws)})()
+
+
+def _gpu_algorithms_on_a_cpu_stand_in():
+    from collectives.symmetric.gpu import torch_one_shot, torch_two_shot
+    rank, wrong = dist.get_rank(), []
+    for n in (1, 2, 1001, 4099):
+        buf = _StandIn(n)
+        values = (torch.arange(n) * (rank + 3)) % 7 + rank
+        expected = values.clone()
+        dist.all_reduce(expected)
+        out = torch.zeros(n, dtype=torch.int64)
+        buf.buffer.copy_(values)
+        torch_one_shot(buf, n, out)
+        buf.buffer.copy_(values)
+        torch_two_shot(buf, n)
+        wrong += [f"one-shot n={n}"] * (not torch.equal(out, expected))
+        wrong += [f"two-shot n={n}"] * (not torch.equal(buf.buffer, expected))
+    return wrong
+
+
+def test_the_plain_torch_gpu_algorithms_are_right_on_a_cpu_stand_in_for_symmetric_memory():
+    assert launch.run(_gpu_algorithms_on_a_cpu_stand_in, 3, timeout=WORLD_TIMEOUT) == [[], [], []]
+
+
+def _gpu_checks():
+    from collectives.course.benchmarks.symmetric_gpu import check_rank
+    return check_rank(["bfloat16", "float32"])
+
+
+@pytest.mark.gpu
+def test_on_gpus_every_algorithm_matches_nccl_bit_for_bit():
+    from collectives.symmetric.gpu import NO_MULTICAST
+    results = launch.run(_gpu_checks, 2, backend="nccl", timeout=300, env=dict(NO_MULTICAST))
+    for rank, result in enumerate(results):
+        for dtype, per in result["checked"].items():
+            mine = {k: v for k, v in per.items() if not k.startswith("symm_")}   # torch's may refuse a size
+            assert mine and all(v is True for v in mine.values()), f"rank {rank}, {dtype}: {per}"
+            assert all(v is not False for v in per.values()), f"rank {rank}, {dtype}: a wrong value: {per}"
