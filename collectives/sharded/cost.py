@@ -63,5 +63,11 @@ def hybrid_shard_seconds(nbytes: float, machine: TwoTier) -> float:
     ranks a machine) averaged across machines by a ring all-reduce over the slow link."""
     g = machine.ranks_per_machine
     inside = zero3_seconds(nbytes, g, machine.inside)
-    across = cost("ring", nbytes / g, machine.machines).seconds(machine.across)
+    ring = cost("ring", nbytes / g, machine.machines)      # the g shards' rings share one link
+    across = ring.steps * machine.across.alpha + g * ring.bytes_on_path * machine.across.beta
     return inside + across
+
+
+def flat_all_reduce_seconds(nbytes: float, machine: TwoTier) -> float:
+    """Data parallel's ring all-reduce of the gradients over every rank of the cluster."""
+    return predict_flat("ring", nbytes, machine)

@@ -75,11 +75,15 @@ class SideStream:
         self.pool = concurrent.futures.ThreadPoolExecutor(1, "fsdp-comm") if overlap and not self.cuda else None
         self.stream = streams.new_stream(device, name="fsdp-comm") if overlap and self.cuda else None
 
-    def submit(self, fn):
+    def submit(self, fn, keep=()):
+        """Run ``fn`` here; ``keep``: tensors of the issuing stream it reads (on a GPU the
+        allocator is told they are in use on the side stream until it is done)."""
         if self.pool is not None:
             return self.pool.submit(fn)
         if self.stream is None:
             return _Done(fn(), None, None)
+        for t in keep:
+            streams.record_stream(t, self.stream)
         self.stream.wait_stream(streams.current_stream(self.device))
         with streams.use(self.stream):
             value = fn()
@@ -319,7 +323,7 @@ class FSDP:
                     ring_all_reduce(piece, op=ReduceOp.AVG, group=self.replicate_group)
             self._note("reduce_scatter", u.index, t0, time.perf_counter())
             return [piece]
-        self._reductions.append((u, self.side.submit(work)))
+        self._reductions.append((u, self.side.submit(work, keep=(packed,))))
 
     def _end_backward(self) -> None:
         for u, future in self._reductions:
