@@ -96,6 +96,8 @@ TOUR = [
               loses="selection reads all n; fast link"),
     TourEntry(9, "ring with flight recorder", target="collectives.ring:ring_all_reduce",
               runner="collectives.course.benchmarks.debugging:tour_runner", loses="a record per message"),
+    TourEntry(10, "ZeRO-3 step (vs DDP step)", target="collectives.sharded:FSDP",
+              runner="collectives.course.benchmarks.sharded:tour_runner", loses="1.5x DDP's bytes, for 1/p the memory"),
 ]
 
 

@@ -303,3 +303,46 @@ def main(argv: list[str] | None = None) -> int:
         print("model, communication per step:", {k: claims.human(v) for k, v in pred.items()})
     print(f"wrote {path}")
     return 0
+
+
+def tour_runner(nbytes: int) -> dict:
+    """The tour's row for lesson 10: one ZeRO-3 step (ring) of a 4-layer MLP of about
+    ``nbytes`` of weights, checked against DDP's parameters and timed against DDP's step;
+    bytes sent per rank from the trace against 3·(p−1)/p of the weights'."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ...core import timing, trace
+    width = max(int((nbytes / 16) ** 0.5), 4)
+    device = torch.device("cpu")
+    x = torch.randn(8, width, generator=torch.Generator().manual_seed(dist.get_rank()))
+    ddp_model = make_model(4, width, device)
+    ddp = DistributedDataParallel(ddp_model)
+    ddp_opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
+    f = FSDP(make_model(4, width, device))
+    opt = torch.optim.Adam(f.parameters(), lr=1e-3)
+
+    def ours():
+        f(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    def theirs():
+        ddp(x).square().mean().backward()
+        ddp_opt.step()
+        ddp_opt.zero_grad()
+    with trace.recording() as t:
+        ours()
+    theirs()
+    diff = max((a - b).abs().max().item() for a, b in zip(f.full_parameters(), ddp_model.parameters()))
+    sent = torch.tensor([float(t.bytes_sent())])
+    with trace.paused():
+        dist.all_reduce(sent, op=dist.ReduceOp.MAX)
+    mine = timing.measure(ours, warmup=1, iters=3)
+    ref = timing.measure(theirs, warmup=1, iters=3)
+    f.close()
+    p = dist.get_world_size()
+    weights = 4 * sum(q.numel() for q in ddp_model.parameters())
+    ok = diff <= 1e-5
+    return dict(verified=ok, detail="" if ok else f"parameters differ from DDP's by {diff:.3g}",
+                seconds=timing.median(mine), ref_seconds=timing.median(ref), nbytes=weights,
+                bytes_sent=sent.item(), bytes_theory=scost.comm_elements(weights, p, 3))
