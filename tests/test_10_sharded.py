@@ -143,10 +143,13 @@ def _world(mode: str):
                                       vs_ddp=_same(z3["params"], ddp[1]),
                                       losses=z3["losses"], kinds=z3["kinds"], sends=z3["sends"],
                                       peak_alive=z3["peak_alive"], mem=z3["mem"], timeline=z3["timeline"])
-        for stage in (1, 2) if full else (2,):
+        for stage in (1, 2) if full else ():
             z = ours_zero(stage, use_torch, memory=full)
             out[(stage, use_torch)] = dict(vs_ddp=_same(z["params"], ddp[1]), losses=z["losses"], kinds=z["kinds"],
                                            mem=z["mem"], buckets=z["buckets"])
+    if not full:                 # ZeRO-2 on torch's collectives: the ring's rounds are ZeRO-3's above
+        z = ours_zero(2, True)
+        out[(2, True)] = dict(vs_ddp=_same(z["params"], ddp[1]), losses=z["losses"], buckets=z["buckets"])
     if full:
         mp = torch_fsdp2(mp=torch.bfloat16)
         ours = ours_fsdp(True, mixed=MixedPrecision(torch.bfloat16, torch.bfloat16))
@@ -177,7 +180,8 @@ def _check_world(p: int, results: list, full: bool) -> None:
                 if use_torch or p <= 2:     # the same sums in the same order as fully_shard's
                     assert exact and z3["losses"] == out["fsdp2_losses"], (p, rank, use_torch, diff)
                 assert diff <= TOL, (p, rank, use_torch, diff)
-            for key in [("z3", use_torch)] + [(k, use_torch) for k in ((1, 2) if full else (2,))]:
+            for key in [("z3", use_torch)] + [(k, use_torch) for k in ((1, 2) if full else ())] + \
+                    ([] if full else [(2, True)]):
                 exact, diff = out[key]["vs_ddp"]
                 assert diff <= TOL, (p, key, diff)
                 if p <= 2:              # two addends, one order: the bits of DDP's all-reduce
@@ -191,10 +195,22 @@ def _check_world(p: int, results: list, full: bool) -> None:
                 # per step and unit: 2 all-gathers + 1 reduce-scatter, p-1 sends each
                 assert z3["sends"] == 3 * STEPS * 3 * (p - 1), z3["sends"]
             assert z3["peak_alive"] <= 2
-        assert out[(2, False)]["buckets"] > 1           # ZeRO-2 reduce-scattered bucket by bucket
+            _check_prefetch_order(z3["timeline"])
+        assert out[(2, not full)]["buckets"] > 1        # ZeRO-2 reduce-scattered bucket by bucket
         if full:
             _check_memory(p, rank, out)
             _check_mixed(out)
+
+
+def _check_prefetch_order(timeline: list[dict]) -> None:
+    """Unit i+1's all-gather is issued before unit i computes (forward), unit i-1's before
+    unit i's backward: the order of the records, the same on every run."""
+    seen = [(e["what"], e["unit"]) for e in timeline]
+    first = seen[:seen.index(("backward", 0)) + 1]           # the first step
+    for i in range(2):
+        assert first.index(("issue_all_gather", i + 1)) < first.index(("forward", i)), first
+    backward = first[first.index(("forward", 2)):]
+    assert backward.index(("issue_all_gather", 1)) < backward.index(("backward", 2)), backward
 
 
 def _check_memory(p: int, rank: int, out: dict) -> None:
@@ -230,6 +246,21 @@ def test_zero_and_fsdp_equal_fully_shard_and_ddp(p):
     _check_world(p, results, full)
     if p == 1:
         _check_bad_input(results[0]["bad_input"])
+
+
+@pytest.mark.gpu
+def test_nccl_gpu_tensors_equal_fully_shard_and_ddp():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).parents[1] / "tools" / "gpu_lesson10.py"
+    spec = importlib.util.spec_from_file_location("gpu_lesson10", path)
+    gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu)
+    for p in (1, 2):
+        for rank, checks in enumerate(launch.run(gpu._checks, p, backend="nccl", timeout=WORLD_TIMEOUT)):
+            assert checks["ZeRO-3 (torch collectives) vs fully_shard"]["bit_equal"], (p, rank, checks)
+            for name, c in checks.items():
+                assert c["max_abs_diff"] <= (TOL if "bf16" not in name else 1e-2), (p, rank, name, c)
 
 
 def test_layout_pads_packs_and_unpacks_every_size():
