@@ -250,12 +250,10 @@ def test_zero_and_fsdp_equal_fully_shard_and_ddp(p):
 
 @pytest.mark.gpu
 def test_nccl_gpu_tensors_equal_fully_shard_and_ddp():
-    import importlib.util
+    import sys
     from pathlib import Path
-    path = Path(__file__).parents[1] / "tools" / "gpu_lesson10.py"
-    spec = importlib.util.spec_from_file_location("gpu_lesson10", path)
-    gpu = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu)
+    sys.path.insert(0, str(Path(__file__).parents[1] / "tools"))   # importable by name in spawned ranks too
+    import gpu_lesson10 as gpu
     for p in (1, 2):
         for rank, checks in enumerate(launch.run(gpu._checks, p, backend="nccl", timeout=WORLD_TIMEOUT)):
             assert checks["ZeRO-3 (torch collectives) vs fully_shard"]["bit_equal"], (p, rank, checks)
