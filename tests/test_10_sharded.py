@@ -16,6 +16,8 @@ What is checked:
   step counters) and ZeRO-3 against FSDP2's own tensors;
 * **the trace** -- the ring's sends by default, ``reduce_scatter_tensor`` /
   ``all_gather_into_tensor`` under ``use_torch``; three collectives per unit and step;
+* **hybrid sharding** -- ZeRO-3 inside two groups of three ranks, the gradient shards
+  averaged across them, equal to DDP to 1e-6;
 * **overlap** -- prefetched gathers run while a unit computes, never more than
   ``max_alive`` units gathered; the exercise's :func:`forward_prefetch` likewise;
 * **bad input** -- clear errors before anything is sent.
@@ -31,7 +33,16 @@ from torch import nn
 from collectives import launch, trace
 from collectives.course.catalog import world_timeout
 from collectives.course.impl import resolve
-from collectives.sharded import FSDP, MixedPrecision, ShardGroup, ZeRO, comm_elements, memory_bytes, tensor_bytes
+from collectives.sharded import (
+    FSDP,
+    MixedPrecision,
+    ShardGroup,
+    ZeRO,
+    comm_elements,
+    hybrid_groups,
+    memory_bytes,
+    tensor_bytes,
+)
 from collectives.sharded.cost import FP32_ADAM
 
 LESSON = 10
@@ -109,6 +120,17 @@ def ours_fsdp(use_torch, mixed=None, prefetch=True, max_alive=2, memory=False):
     return out
 
 
+def ours_hybrid(ranks_per_machine: int) -> list[torch.Tensor]:
+    """ZeRO-3 inside groups of ``ranks_per_machine``, gradients averaged across them."""
+    shard, replicate = hybrid_groups(ranks_per_machine)
+    f = FSDP(make_model(), group=shard, replicate_group=replicate)
+    opt = adam(f.parameters())
+    _train(f, lambda: (opt.step(), opt.zero_grad()))
+    params = f.full_parameters()
+    f.close()
+    return params
+
+
 def ours_zero(stage, use_torch, memory=False):
     m = make_model()
     z = ZeRO(m, stage=stage, optimizer=adam, use_torch=use_torch, bucket_cap_bytes=100)
@@ -150,6 +172,8 @@ def _world(mode: str):
     if not full:                 # ZeRO-2 on torch's collectives: the ring's rounds are ZeRO-3's above
         z = ours_zero(2, True)
         out[(2, True)] = dict(vs_ddp=_same(z["params"], ddp[1]), losses=z["losses"], buckets=z["buckets"])
+        if mode == "light":
+            out["hybrid"] = _same(ours_hybrid(3), ddp[1])
     if full:
         mp = torch_fsdp2(mp=torch.bfloat16)
         ours = ours_fsdp(True, mixed=MixedPrecision(torch.bfloat16, torch.bfloat16))
@@ -197,6 +221,8 @@ def _check_world(p: int, results: list, full: bool) -> None:
             assert z3["peak_alive"] <= 2
             _check_prefetch_order(z3["timeline"])
         assert out[(2, not full)]["buckets"] > 1        # ZeRO-2 reduce-scattered bucket by bucket
+        if "hybrid" in out:                             # sharded inside 2 groups of 3, replicated across
+            assert out["hybrid"][1] <= TOL, out["hybrid"]
         if full:
             _check_memory(p, rank, out)
             _check_mixed(out)

@@ -17,11 +17,12 @@ import os
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ....sharded import ShardGroup, ShardSpec
 from . import GradedTask
-from .world import Grading, Probe, Verdict, outcome_problem, same
+from .world import Grading, InWorldGrading, Probe, Verdict, outcome_problem, same
 
 HERE = __name__
 TOL = 1e-6
@@ -33,8 +34,18 @@ def _draw() -> int:
     return int.from_bytes(os.urandom(4), "little")
 
 
+def _common_seed(probe: Probe, key: str) -> int:
+    """A seed every rank of the world shares: rank 0's, drawn from its secret and broadcast
+    (outside every case: not the student's message). The judge gets it as ``run.seed(0, key)``."""
+    import torch.distributed as dist
+
+    seed = torch.tensor([probe.seed(key) % 1_000_000 if probe.rank == 0 else 0], dtype=torch.int64)
+    dist.broadcast(seed, 0)
+    return int(seed.item())
+
+
 def _tensor(seed: int, shape) -> torch.Tensor:
-    return torch.randn(tuple(shape), generator=torch.Generator().manual_seed(seed))
+    return torch.randn(tuple(shape), generator=torch.Generator().manual_seed(seed % (1 << 62)))
 
 
 # ---- task 1: shard_rows / unshard_rows ------------------------------------------------------
@@ -76,7 +87,8 @@ def _judge_shards(grading: Grading) -> Verdict:
     run = grading.world(f"{HERE}:probe_shards", 1, cases)
     for problem in run.problems():
         verdict.add(problem)
-    got = run.results[0]
+    # in one torchrun world every rank draws, probes and judges its own cases
+    got = run.results[dist.get_rank() if isinstance(grading, InWorldGrading) else 0]
     for shape, p, seed in cases:
         full, spec = _tensor(seed, shape), ShardSpec(tuple(shape), p)
         for r in range(p):
@@ -115,9 +127,9 @@ def _rows_view(q: torch.Tensor, spec: ShardSpec, rank: int) -> nn.Parameter:
     return nn.Parameter(q.detach().view(spec.rows, spec.row_numel)[lo:hi].view((hi - lo,) + spec.shape[1:]))
 
 
-def probe_zero1(probe: Probe, model_seed: int) -> dict:
+def probe_zero1(probe: Probe) -> dict:
     fn = probe.student("zero1_step")
-    model = make_model(model_seed)
+    model = make_model(_common_seed(probe, "model"))
     params = list(model.parameters())
     shards = [_rows_view(q, ShardSpec(tuple(q.shape), probe.size), probe.rank) for q in params]
     opt = torch.optim.Adam(shards, lr=1e-2, foreach=False)
@@ -159,10 +171,11 @@ def _expected_zero1(model_seed: int, seeds: list[int]) -> list[list[torch.Tensor
 def _judge_zero1(grading: Grading) -> Verdict:
     verdict = Verdict()
     for p in grading.sizes(2, 3):
-        model_seed = _draw() % 100_000
-        run = grading.world(f"{HERE}:probe_zero1", p, model_seed)
+        run = grading.world(f"{HERE}:probe_zero1", p)
+        p = run.size
         for problem in run.problems():
             verdict.add(problem)
+        model_seed = run.seed(0, "model") % 1_000_000
         expected = _expected_zero1(model_seed, [run.seed(r, "batch") for r in range(p)])
         shapes = [tuple(q.shape) for q in make_model(model_seed).parameters()]
         piece = ShardGroup(shapes, p).shard_numel
@@ -199,8 +212,9 @@ def _judge_zero1(grading: Grading) -> Verdict:
 LAYER_SHAPES = [(7, 5), (7,), (3, 2, 2)]
 
 
-def probe_gather(probe: Probe, seed: int) -> dict:
+def probe_gather(probe: Probe) -> dict:
     gather_layer, free_layer = probe.student("gather_layer"), probe.student("free_layer")
+    seed = _common_seed(probe, "weights")
     fulls = [_tensor(seed + k, s) for k, s in enumerate(LAYER_SHAPES)]
     params = [nn.Parameter(f.clone()) for f in fulls]
     group = ShardGroup(LAYER_SHAPES, probe.size)
@@ -216,10 +230,11 @@ def probe_gather(probe: Probe, seed: int) -> dict:
 def _judge_gather(grading: Grading) -> Verdict:
     verdict = Verdict()
     for p in grading.sizes(2, 3, 5):
-        seed = _draw() % 100_000
-        run = grading.world(f"{HERE}:probe_gather", p, seed)
+        run = grading.world(f"{HERE}:probe_gather", p)
+        p = run.size
         for problem in run.problems():
             verdict.add(problem)
+        seed = run.seed(0, "weights") % 1_000_000
         fulls = [_tensor(seed + k, s) for k, s in enumerate(LAYER_SHAPES)]
         piece = ShardGroup(LAYER_SHAPES, p).shard_numel
         for rank in range(p):
@@ -278,8 +293,9 @@ def _prefetch_layers(seed: int, family: list, log: list, compute: float = 0.0) -
     return layers
 
 
-def probe_prefetch(probe: Probe, seed: int, limits: list[int]) -> dict:
+def probe_prefetch(probe: Probe, limits: list[int]) -> dict:
     fn = probe.student("forward_prefetch")
+    seed = _common_seed(probe, "weights")
     out = {}
     for limit in limits:
         family, log = [], []
@@ -302,10 +318,11 @@ def _judge_prefetch(grading: Grading) -> Verdict:
     verdict = Verdict()
     limits = [2, 1]
     for p in grading.sizes(2, 3):
-        seed = _draw() % 100_000
-        run = grading.world(f"{HERE}:probe_prefetch", p, seed, limits)
+        run = grading.world(f"{HERE}:probe_prefetch", p, limits)
+        p = run.size
         for problem in run.problems():
             verdict.add(problem)
+        seed = run.seed(0, "weights") % 1_000_000
         reference = _prefetch_layers(seed, [], [])
         for rank in range(p):
             x = _tensor(seed + rank, (3, PREFETCH_WIDTHS[0]))
