@@ -124,6 +124,7 @@ class _Unit:
         self.pending = None        # the in-flight all-gather
         self.ready = 0             # gradients arrived this backward
         self.in_backward = False
+        self.entry = None          # this unit's open compute record in FSDP.timeline
 
 
 class FSDP:
@@ -264,7 +265,8 @@ class FSDP:
         def hook(module, args):
             self._finish_gather(u)
             self._maybe_prefetch(u.index + 1)
-            self.timeline.append(dict(what="forward", unit=u.index, start=time.perf_counter(), end=None))
+            u.entry = dict(what="forward", unit=u.index, start=time.perf_counter(), end=None)
+            self.timeline.append(u.entry)
             dtype = self.mixed.param_dtype
             if dtype is not None:
                 return tuple(a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
@@ -273,7 +275,7 @@ class FSDP:
 
     def _make_post_forward(self, u: _Unit):
         def hook(module, args, output):
-            self.timeline[-1]["end"] = time.perf_counter() if self.timeline[-1]["what"] == "forward" else None
+            u.entry["end"] = time.perf_counter()
             self._free(u)
             outs = output if isinstance(output, (tuple, list)) else (output,)
             for t in outs:
@@ -290,8 +292,8 @@ class FSDP:
             u.in_backward = True
             self._finish_gather(u)
             self._maybe_prefetch(u.index - 1)
-            t = time.perf_counter()
-            self.timeline.append(dict(what="backward", unit=u.index, start=t, end=None))
+            u.entry = dict(what="backward", unit=u.index, start=time.perf_counter(), end=None)
+            self.timeline.append(u.entry)
 
     def _make_grad_ready(self, u: _Unit):
         def hook(param):
@@ -301,11 +303,8 @@ class FSDP:
         return hook
 
     def _reduce(self, u: _Unit) -> None:
-        t = time.perf_counter()
-        for e in reversed(self.timeline):
-            if e["what"] == "backward" and e["unit"] == u.index and e["end"] is None:
-                e["end"] = t
-                break
+        if u.entry is not None and u.entry["what"] == "backward":
+            u.entry["end"] = time.perf_counter()
         reduce_dtype = self.mixed.reduce_dtype or self.mixed.param_dtype or torch.float32
         packed = u.group.pack([q.grad for q in u.params], dtype=reduce_dtype)
         for q in u.params:
