@@ -168,6 +168,7 @@ CHEAT_TARGETS = {
     "lesson08_paused_flat_with_decoys": (8, (2, 3, 5), 1),
     "lesson08_replaced_verdict_and_test_helpers": (8, (2, 3), 1),
     "lesson08_dense_hook": (8, (5,), 1),
+    "lesson10_all_reduce_and_gather_everything": (10, (2, 4), 1),
     "lesson11_library_all_to_all": (11, (1, 2, 3, 4, 5), None),
     "lesson12_all_reduce_in_disguise": (12, (2, 3), 1),
     "lesson12_flags_reset_on_the_way_out": (12, (1,), None),

@@ -64,6 +64,7 @@ LESSONS = [
     Lesson(7, "hierarchical", "Hierarchical all-reduce, after Fairring", "collectives.hierarchical"),
     Lesson(8, "sparse", "Sparse all-reduce with error feedback, after SINGA", "collectives.sparse"),
     Lesson(9, "debugging", "When collectives go wrong: a flight recorder and an analyzer", "collectives.debugging"),
+    Lesson(10, "sharded", "Sharded data parallel: ZeRO-1/2/3 and FSDP", "collectives.sharded"),
     Lesson(11, "alltoall", "All-to-all and mixture-of-experts dispatch", "collectives.alltoall"),
     Lesson(12, "symmetric", "Collectives without messages: shared and symmetric memory", "collectives.symmetric"),
 ]

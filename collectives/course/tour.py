@@ -112,6 +112,8 @@ TOUR = [
               loses="reads (p − 1)·n per rank", wins="no message: one barrier, then reads", messages=False),
     TourEntry(12, "two-shot (shared memory)", "collectives.symmetric:two_shot_all_reduce",
               loses="two barriers; copies in and out", wins="no message: reads n·(p − 1)/p twice", messages=False),
+    TourEntry(10, "ZeRO-3 step (vs DDP step)", target="collectives.sharded:FSDP",
+              runner="collectives.course.benchmarks.sharded:tour_runner", loses="1.5x DDP's bytes, for 1/p the memory"),
 ]
 
 
