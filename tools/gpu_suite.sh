@@ -89,7 +89,8 @@ for part in $PARTS; do case $part in
   lessons)
     for nn in 10 11 12; do
       [ -f "tools/gpu_lesson$nn.py" ] || continue
-      step "lesson$nn" 420 $PY "tools/gpu_lesson$nn.py" --out "$OUT/steps/lesson$nn"
+      extra=GPU_LESSON${nn}_ARGS      # e.g. GPU_LESSON12_ARGS="--quick": a shorter run of that lesson
+      step "lesson$nn" 420 $PY "tools/gpu_lesson$nn.py" --out "$OUT/steps/lesson$nn" ${!extra:-}
     done ;;
   *) echo "unknown part: $part"; exit 2 ;;
 esac; done
