@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     world = args.world or torch.cuda.device_count()
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = claims.environment(backend="nccl", commit=bench.git_commit(), gpus=world, triton=triton_available(),
+    meta = claims.environment(backend="nccl", commit=claims.commit(), gpus=world, triton=triton_available(),
                               multicast_off=dict(NO_MULTICAST))
 
     results = launch.run(check_rank, world, args=(args.dtypes.split(","), 1 << 22, args.exercise), backend="nccl",

@@ -74,6 +74,34 @@ def headline(step: str, data, tail: list[str]) -> tuple[str, str]:
         for r in data.get("rows", []):
             parts.append(f"{tuple(r['layout'])} {r['name']} {r['nccl'] / r['seconds']:.2f}")
         return "speed ÷ NCCL: " + "; ".join(parts), "pipelined ≥ one slice; 16 in flight ≥ 0.67"
+    if step.startswith("sparse") and isinstance(data, dict) and isinstance(data.get("NVLink (NCCL)"), dict):
+        nv = data["NVLink (NCCL)"]
+        best = min(nv.get("sweep", []), key=lambda r: r["allgather"], default=None)
+        if best:
+            return (f"dense {nv['dense'] * 1e3:.3f} ms; best sparse (all-gather, density {best['density']:g}) "
+                    f"{best['allgather'] * 1e3:.3f} ms, its selection alone {best['select'] * 1e3:.3f} ms; "
+                    f"crossover: {data.get('measured_crossover') or 'none'}", "the density below which sparse wins")
+    if step == "lesson10" and isinstance(data, dict) and "10-sharded-nccl.json" in data:
+        rows = {r["name"]: r for r in data["10-sharded-nccl.json"]["rows"]}
+        z, f = rows.get("zero3"), rows.get("fsdp2")
+        checks = data.get("10-sharded-gpu-checks.json", {}).get("checks", {})
+        equal = all(v.get("bit_equal") for per in checks.values() for group in per for v in group.values())
+        if z and f:
+            return (f"every check bit-equal: {equal}; ZeRO-3 (ring) ÷ FSDP2: step {z['seconds'] / f['seconds']:.2f}×, "
+                    f"peak memory {max(z['max_memory_allocated']) / max(f['max_memory_allocated']):.2f}×",
+                    "step and peak memory ≤ 1.05× FSDP2's")
+    if step == "lesson11" and isinstance(data, dict):
+        local = next((v for k, v in data.items() if k.startswith("bench-alltoall-local")), {})
+        fractions = [f"{t['nbytes'] >> 20} MiB {t['best']} {t['fraction_of_nccl']:.2f}"
+                     for t in local.get("target", [])]
+        checks = next((v for k, v in data.items() if k.startswith("11-gpu-checks")), {})
+        failed = checks.get("failed", "?") or "none"
+        return (f"checks failed: {failed}; best hand-written ÷ NCCL: " + ", ".join(fractions), "≥ 0.85× NCCL at ≥ 32 MiB")
+    if step == "lesson12" and isinstance(data, dict):
+        checks = data.get("12-gpu-checks.json", {}).get("checked", {})
+        own = {f"{d}: {k}": v for d, per in checks.items() for k, v in per.items() if not k.startswith("symm_")}
+        return ("the lesson's kernels exact against NCCL: " + ", ".join(k for k, v in own.items() if v is True),
+                "≥ 2× NCCL ≤ 1 MiB, ≥ 0.9× at 256 MiB, within 1.2× of symm_mem")
     return ("; ".join(tail[-1:]) if tail else ""), ""
 
 

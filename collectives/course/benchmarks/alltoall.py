@@ -24,7 +24,6 @@ import datetime
 import functools
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -78,25 +77,11 @@ def _time_in_rank(sizes: list[int], iters: int, names: list[str], layout=None) -
     return {"rows": rows, "world_size": p}
 
 
-def _commit() -> str:
-    """The checked-out commit, with "-dirty" when tracked files other than records (docs/data,
-    docs/img: what a run writes) differ from it."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
-                                ":(exclude)docs/data", ":(exclude)docs/img"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return head + ("-dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
 def meta(argv: list[str], backend: str) -> dict:
-    from ..site.claims import environment
+    from ..site.claims import commit, environment
     command = " ".join([".venv/bin/python -m collectives bench-alltoall", *argv])
     out = environment(backend=backend, command=command)
-    out["commit"] = _commit()
+    out["commit"] = commit()
     return out
 
 
@@ -267,12 +252,10 @@ def tour_runner(nbytes: int) -> dict:
     out = torch.empty_like(x)
     with trace.recording() as t:
         pairwise_all_to_all(out, x)
-    sent = torch.tensor([float(t.bytes_sent())])
-    with trace.paused():
-        dist.all_reduce(sent, op=dist.ReduceOp.MAX)
+    sent = timing.max_over_ranks(t.bytes_sent())
     ours = timing.measure(lambda: pairwise_all_to_all(out, x), device=device)
     ref = timing.measure(lambda: dist.all_to_all_single(out, x), device=device)
     return dict(verified=ok, detail="" if ok else "differs from dist.all_to_all_single",
                 seconds=timing.median(ours), ref_seconds=timing.median(ref), nbytes=numel * 4,
-                bytes_sent=sent.item(), bytes_theory=cost.pairwise(numel * 4, p).bytes_per_rank,
+                bytes_sent=sent, bytes_theory=cost.pairwise(numel * 4, p).bytes_per_rank,
                 baseline="dist.all_to_all_single")

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -36,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...core import launch, netns
+from ...core import launch, netns, ops
 from ...core.cost import AlphaBeta, TwoTier
 from ...hierarchical.cost import DEFAULT_TIERS
 from ...sharded import FSDP, ZeRO, hybrid_groups, optimizer_state_bytes, tensor_bytes
@@ -140,14 +139,6 @@ def _bench_in_rank(names, layers, width, batch, iters, backend, hybrid_rpm=2) ->
     return rows
 
 
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
 def predictions(psi_bytes: float, machines: int, rpm: int, link: str) -> dict:
     """The cost model's communication seconds per step (ring collectives, α-β links)."""
     across = AlphaBeta(100e-6, 1 / netns.rate_bytes_per_second(link))
@@ -198,7 +189,7 @@ def suite_name(args) -> str:
 def write(args, argv, result: dict, out: Path, img: Path | None) -> Path:
     meta = claims.environment(backend=args.backend,
                               command=" ".join([".venv/bin/python -m collectives bench-sharded", *argv]).strip(),
-                              commit=commit())
+                              commit=claims.commit())
     suite = suite_name(args)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"10-sharded-{suite}.json"
@@ -313,8 +304,8 @@ def tour_runner(nbytes: int) -> dict:
 
     from ...core import timing, trace
     width = max(int((nbytes / 16) ** 0.5), 4)
-    device = torch.device("cpu")
-    x = torch.randn(8, width, generator=torch.Generator().manual_seed(dist.get_rank()))
+    device = ops.rank_device()                 # its GPU under NCCL
+    x = torch.randn(8, width, generator=torch.Generator().manual_seed(dist.get_rank())).to(device)
     ddp_model = make_model(4, width, device)
     ddp = DistributedDataParallel(ddp_model)
     ddp_opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
@@ -334,15 +325,13 @@ def tour_runner(nbytes: int) -> dict:
         ours()
     theirs()
     diff = max((a - b).abs().max().item() for a, b in zip(f.full_parameters(), ddp_model.parameters()))
-    sent = torch.tensor([float(t.bytes_sent())])
-    with trace.paused():
-        dist.all_reduce(sent, op=dist.ReduceOp.MAX)
-    mine = timing.measure(ours, warmup=1, iters=3)
-    ref = timing.measure(theirs, warmup=1, iters=3)
+    sent = timing.max_over_ranks(t.bytes_sent())
+    mine = timing.measure(ours, warmup=1, iters=3, device=device)
+    ref = timing.measure(theirs, warmup=1, iters=3, device=device)
     f.close()
     p = dist.get_world_size()
     weights = 4 * sum(q.numel() for q in ddp_model.parameters())
     ok = diff <= 1e-5
     return dict(verified=ok, detail="" if ok else f"parameters differ from DDP's by {diff:.3g}",
                 seconds=timing.median(mine), ref_seconds=timing.median(ref), nbytes=weights,
-                bytes_sent=sent.item(), bytes_theory=scost.comm_elements(weights, p, 3))
+                bytes_sent=sent, bytes_theory=scost.comm_elements(weights, p, 3))

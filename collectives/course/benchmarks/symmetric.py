@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -35,19 +34,10 @@ import torch.distributed as dist
 
 from ...core import launch, timing
 from ...symmetric.gpu import no_multicast
-from ..catalog import ROOT
 
 CPU_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M"
 CPU_ALGOS = ("gloo", "ring", "one_shot", "two_shot")
 BATCHES = 5         # each time: the median of 3 batches of runs issued back to back
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
 def iterations(nbytes: int, iters: int) -> int:
     """Runs per batch: ``iters`` up to 64 KiB, fewer above (each run is longer), at least 3."""
     if nbytes <= 64 << 10:
@@ -104,7 +94,7 @@ def run_cpu(args) -> dict:
 def _meta(backend: str, argv: list[str]) -> dict:
     from ..site import claims
     command = " ".join([".venv/bin/python -m collectives bench-symmetric"] + argv)
-    return claims.environment(backend=backend, command=command, commit=git_commit())
+    return claims.environment(backend=backend, command=command, commit=claims.commit())
 
 
 def main(argv: list[str] | None = None) -> int:

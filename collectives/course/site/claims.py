@@ -84,17 +84,27 @@ def _command() -> str:
     return sudo + " ".join([python] + args)
 
 
-def _commit() -> str:
-    """The course's git commit (with "+dirty" when the tree has changes), or "" outside a checkout."""
+def commit() -> str:
+    """The course's git commit (with "+dirty" when tracked files other than the records --
+    docs/data, docs/img: what a run writes -- differ from it), or "" outside a checkout.
+    ``COLLECTIVES_COMMIT`` wins when set: a copy of the tree on another machine (the GPU lane's)
+    may carry no repository, or an older one."""
+    import os
     import subprocess
+    if os.environ.get("COLLECTIVES_COMMIT"):
+        return os.environ["COLLECTIVES_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True,
                               text=True, timeout=5).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":(exclude)docs/data", ":(exclude)docs/img"], cwd=ROOT,
                                capture_output=True, text=True, timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
     return head + ("+dirty" if head and dirty else "")
+
+
+_commit = commit
 
 
 def environment(backend: str = "gloo", command: str | None = None, **extra) -> dict:

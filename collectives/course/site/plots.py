@@ -52,6 +52,7 @@ def save(fig, path, record=None):
 
     path = Path(path)
     image = path.with_suffix(".svg")
+    image.parent.mkdir(parents=True, exist_ok=True)
     check_legible(fig)
     with matplotlib.rc_context({"svg.hashsalt": image.stem, "svg.fonttype": "path"}):
         fig.savefig(image, format="svg", metadata={"Date": None})
