@@ -96,7 +96,8 @@ def headline(step: str, data, tail: list[str]) -> tuple[str, str]:
                      for t in local.get("target", [])]
         checks = next((v for k, v in data.items() if k.startswith("11-gpu-checks")), {})
         failed = checks.get("failed", "?") or "none"
-        return (f"checks failed: {failed}; best hand-written ÷ NCCL: " + ", ".join(fractions), "≥ 0.85× NCCL at ≥ 32 MiB")
+        return (f"checks failed: {failed}; best hand-written ÷ NCCL: " + ", ".join(fractions),
+                "≥ 0.85× NCCL at ≥ 32 MiB")
     if step == "lesson12" and isinstance(data, dict):
         checks = data.get("12-gpu-checks.json", {}).get("checked", {})
         own = {f"{d}: {k}": v for d, per in checks.items() for k, v in per.items() if not k.startswith("symm_")}
