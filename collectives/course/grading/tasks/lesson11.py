@@ -38,7 +38,7 @@ def _values(seed: int, numel: int, dtype) -> torch.Tensor:
 
 
 def public_splits(p: int, key: str) -> list[list[int]]:
-    """splits[s][d]: rows rank s sends rank d in an uneven case of tasks 1 and 2; public (the
+    """``splits[s][d]``: rows rank s sends rank d in an uneven case of tasks 1 and 2; public (the
     caller passes both split lists), with empty blocks. The values are secret."""
     salt = sum(map(ord, key))
     return [[0 if (s + 2 * d + salt) % 3 == 0 else 1 + (s * 7 + d * 5 + salt) % 4 for d in range(p)]
