@@ -1,0 +1,205 @@
+"""Lesson 9 outside its shipped faults: the recorder under torchrun and DDP, the analyzer's other
+checks, damaged dump directories, and how ranks ended.
+
+* **recorded wherever collectives run** -- the page's recipe under ``torchrun``
+  (``flight_recorder.start(DIR)`` in the script); DDP's own all-reduces (made by its C++
+  reducer) merged from torch's Flight Recorder; calls awaited through their futures complete;
+* **more faults, for real** (:mod:`collectives.debugging.more_faults`): two groups with the
+  same ranks, a root or a reduce op that differs, a send larger than its receive, an uneven
+  all-to-all that is healthy, a rank killed while it waits, a rank that raises -- each with
+  the first finding it must give, and no living rank blamed for a dead one;
+* **bad input** -- unreadable, foreign, truncated, mixed and missing dumps each give one line,
+  never a traceback; empty rings say that nothing was recorded.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from collectives import launch
+from collectives.core import flight_recorder
+from collectives.course.catalog import ROOT
+from collectives.course.cli.diagnose import main as diagnose_main
+from collectives.debugging import LAB, diagnose, dumps_for, find_argument_mismatch, read_dumps, run_scenarios
+from collectives.debugging.more_faults import FIRST, HANGS_MORE, LAB_MORE
+
+LESSON = 9
+
+
+# ---- recorded wherever collectives run ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def under_torchrun(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("torchrun")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("COLLECTIVES_FLIGHT_RECORDER", None)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                           "--master-port", str(port), "--monitor-interval", "0.1",
+                           str(ROOT / "tests" / "recorder_under_torchrun.py"), str(directory)],
+                          env=env, capture_output=True, text=True, timeout=60)
+    return done, directory
+
+
+def test_under_torchrun_start_records_ddp_and_futures_and_tells_exit_from_raise(under_torchrun):
+    done, directory = under_torchrun
+    assert done.returncode != 0                                   # rank 1 raised
+    found = read_dumps(directory)
+    assert found.notes == [] and [d["rank"] for d in found.dumps] == [0, 1]
+    rank0, rank1 = found.dumps
+    assert rank0["reason"] == "exit" and rank0["exception"] is None
+    assert rank1["exception"] == "ValueError: rank one gives up after its last step"
+    for dump in found.dumps:
+        ours = [e for e in dump["entries"] if e.get("source") != "torch"]
+        theirs = [e for e in dump["entries"] if e.get("source") == "torch"]
+        # the script's own calls: three all-reduces (two awaited through futures) and a barrier
+        assert [(e["profiling_name"], e["state"]) for e in ours] == [("gloo:all_reduce", "completed")] * 3 + \
+            [("gloo:barrier", "completed")]
+        assert sum(e["profiling_name"] == "gloo:all_reduce" for e in theirs) == 3     # DDP's, one per step
+        seqs = [e["collective_seq_id"] for e in dump["entries"]]
+        assert seqs == list(range(1, len(seqs) + 1))                 # torch's numbering, every call
+    findings = diagnose(found.dumps, found.world)
+    assert [(f.kind, f.ranks) for f in findings] == [("raised", (1,))], [f.text for f in findings]
+    assert "ValueError: rank one gives up" in findings[0].text
+
+
+def ddp_and_futures():
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+    for _ in range(3):
+        model(torch.ones(2, 4)).sum().backward()
+    x = torch.ones(3)
+    dist.all_reduce(x, async_op=True).get_future().wait()
+    dist.all_reduce(x, async_op=True).get_future().then(lambda fut: fut.value()).wait()
+    return [(e["profiling_name"], e["state"], e.get("source")) for e in flight_recorder.active().entries()]
+
+
+def test_in_a_launched_world_ddp_is_recorded_and_futures_complete(tmp_path):
+    ring = launch.run(ddp_and_futures, 2, flight_recorder=tmp_path, timeout=60)[0]
+    assert ring == [("gloo:all_reduce", "completed", None)] * 2          # the ring itself: Python's calls
+    dumps = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(d["torch_entries"] >= 3 for d in dumps)
+    assert sum(e["profiling_name"] == "gloo:all_reduce" and e.get("source") == "torch"
+               for e in dumps[0]["entries"]) == 3
+    assert diagnose(dumps) == []
+
+
+# ---- more faults, for real ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def more_runs(tmp_path_factory):
+    kinds = list(LAB_MORE)
+    jobs = [(LAB_MORE[k], dict(timeout=2.5 if k in HANGS_MORE else 8.0, directory=tmp_path_factory.mktemp(k)))
+            for k in kinds]
+    return dict(zip(kinds, run_scenarios(jobs, parallel=4)))
+
+
+@pytest.mark.parametrize("kind", list(LAB_MORE))
+def test_each_further_fault_gives_its_first_finding_and_blames_no_living_rank_for_a_dead_one(more_runs, kind):
+    outcome = more_runs[kind]
+    findings = diagnose(outcome.dumps, outcome.world)
+    want = FIRST[kind](outcome.params)
+    if want is None:
+        assert findings == [], [f.text for f in findings]
+        return
+    assert findings and (findings[0].kind, findings[0].ranks) == want, [f.text for f in findings]
+    if kind == "waiting":
+        assert all(set(f.ranks) <= {outcome.params.culprit} for f in findings), [f.text for f in findings]
+        ends = {int(r): info["end"] for r, info in outcome.world["ranks"].items()}
+        assert ends[outcome.params.culprit] == "killed by SIGKILL"
+    if kind == "raises":
+        assert "ValueError: loss is NaN at step 1" in findings[0].text
+        assert outcome.world["ranks"]["2"]["end"] == "raised ValueError: loss is NaN at step 1"
+    if kind == "p2p":
+        assert "a send of 1000 elements" in findings[0].text and "a receive of 500" in findings[0].text
+    if kind == "root":
+        assert "in its root" in findings[0].text
+    if kind == "op":
+        assert "in its reduce op: rank 0 MAX" in findings[0].text
+
+
+def test_all_gather_and_reduce_scatter_sizes_are_checked_against_the_group_size():
+    dumps = copy.deepcopy(dumps_for(LAB["straggler"]))         # 4 ranks, all_reduce of 1000
+    for d in dumps:
+        e = d["entries"][2]
+        e.update(profiling_name="gloo:all_gather", output_sizes=[[1000]] * 4)
+    dumps[1]["entries"][2]["output_sizes"] = [[1000]] * 3        # rank 1 gathers into too little
+    found = find_argument_mismatch(dumps)
+    assert [(m.seq, m.field, m.differ) for m in found] == [(3, "sizes for the group", (1,))]
+
+
+# ---- bad input -------------------------------------------------------------------------------------
+
+def _write(directory: Path, dumps, run_id="run-a"):
+    directory.mkdir(parents=True, exist_ok=True)
+    for d in dumps:
+        (directory / f"rank{d['rank']}.json").write_text(json.dumps(dict(d, run_id=run_id)))
+
+
+def _cli(directory, capsys):
+    code = diagnose_main([str(directory)])
+    out = capsys.readouterr()
+    assert "Traceback" not in out.out + out.err
+    return code, out.out
+
+
+def test_damaged_directories_give_one_line_each_and_never_a_traceback(tmp_path, capsys):
+    dumps = dumps_for(LAB["skip"])                             # rank 2 never enters #5 of 4 ranks
+    _write(tmp_path, dumps)
+    (tmp_path / "rank0.json").write_bytes(b"\xff\xfe not text")
+    (tmp_path / "rank1.json").write_text('{"rank": 1, "entries": [')
+    (tmp_path / "rank3.json").write_text(json.dumps({"rank": 3, "pg_config": {}}))
+    (tmp_path / "rank4.ring").write_bytes(b"CFR1" + bytes(40))
+    (tmp_path / "rank5.ring").write_bytes(b"CFR2" + bytes(20))
+    code, out = _cli(tmp_path, capsys)
+    assert code == 1
+    lines = out.splitlines()
+    assert lines[0].startswith("input: rank 0: unreadable dump, UnicodeDecodeError")
+    assert lines[1].startswith("input: rank 1: unreadable dump, JSONDecodeError")
+    assert lines[2].startswith("input: rank 3: not a flight recorder dump (no list of entries)")
+    assert lines[3] == "input: rank 4: unreadable ring, rank4.ring is not a flight recorder ring (an older format)"
+    assert lines[4].startswith("input: rank 5: unreadable ring, rank5.ring is")
+    assert "died" not in out
+
+
+def test_a_deleted_dump_is_missing_not_dead_and_other_runs_are_left_out(tmp_path, capsys):
+    dumps = dumps_for(LAB["skip"])
+    _write(tmp_path, dumps)
+    world = {"run_id": "run-a", "world_size": 4, "reason": "timeout",
+             "ranks": {str(r): {"dumped": True, "end": "hung (in all_reduce)"} for r in range(4)}}
+    (tmp_path / "world.json").write_text(json.dumps(world))
+    (tmp_path / "rank1.json").unlink()
+    code, out = _cli(tmp_path, capsys)
+    assert "rank 1's dump is not in the directory, though world.json says it dumped" in out
+    assert "rank 1 died" not in out and "rank 1 left no dump" not in out
+    other = copy.deepcopy(dumps[1])
+    for e in other["entries"]:
+        e["time_created_ns"] += 169_000_000
+    _write(tmp_path, [other], run_id="run-b")
+    found = read_dumps(tmp_path)
+    assert found.notes == ["rank 1: a dump of another run (run run-b, the directory's is run-a), left out"]
+    findings = diagnose(found.dumps, found.world, skipped=found.left_out)
+    assert not any(f.kind == "straggler" for f in findings)
+    assert findings[0].kind == "missing" and findings[0].ranks == (2,)
+
+
+def test_empty_rings_say_that_nothing_was_recorded(tmp_path, capsys):
+    for r in range(2):
+        recorder = flight_recorder.FlightRecorder(tmp_path, r, 2, buffer_size=4)
+        recorder._ring.close()
+    code, out = _cli(tmp_path, capsys)
+    assert "1. empty: nothing was recorded" in out and "died" not in out
+    shutil.rmtree(tmp_path)
