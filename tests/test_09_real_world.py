@@ -203,3 +203,41 @@ def test_empty_rings_say_that_nothing_was_recorded(tmp_path, capsys):
     code, out = _cli(tmp_path, capsys)
     assert "1. empty: nothing was recorded" in out and "died" not in out
     shutil.rmtree(tmp_path)
+
+
+# ---- the grader's feedback -------------------------------------------------------------------------
+
+NEWCOMER = '''
+import dataclasses
+from collectives.debugging import analyze
+from collectives.debugging.analyze import find_wait_cycle, find_stragglers, wait_for_graph  # noqa: F401
+LESSON = 9
+
+
+def find_missing(dumps):
+    return [dataclasses.replace(m, op="banana") for m in analyze.find_missing(dumps)]
+
+
+def find_mismatch(dumps):
+    return [dataclasses.replace(m, values=()) for m in analyze.find_mismatch(dumps)]
+'''
+
+
+def test_every_field_is_judged_and_a_failure_names_fields_seed_and_a_replay(tmp_path, monkeypatch):
+    from collectives.course.grading import grade as grading
+
+    student = tmp_path / "lessons"
+    shutil.copytree(ROOT / "lessons", student)
+    (student / "09_debugging" / "exercise.py").write_text(NEWCOMER)
+    monkeypatch.setenv("COLLECTIVES_EXERCISE_DIR", str(student))
+    scores = {s.task: s.verdict for s in grading.grade([9], "exercise", tasks=[1, 2, 3])[2]}
+    assert not scores[1].ok and not scores[2].ok and scores[3].ok
+    skip = next(p for p in scores[1].problems if "a skip scenario" in p)
+    assert "op='all_reduce'" in skip and "op='banana'" in skip and "(seed " in skip
+    command = skip.split("replay: ", 1)[1]
+    assert command.startswith(".venv/bin/python -c ") and "_dumps('skip', " in command
+    assert any("values=()" in p for p in scores[2].problems)
+    code = command.split(" -c ", 1)[1].strip('"').replace("'exercise:", "'reference:")
+    replayed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert replayed.returncode == 0 and "Missing(group=" in replayed.stdout, replayed.stderr

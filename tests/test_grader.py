@@ -168,6 +168,10 @@ CHEAT_TARGETS = {
     "lesson08_paused_flat_with_decoys": (8, (2, 3, 5), 1),
     "lesson08_replaced_verdict_and_test_helpers": (8, (2, 3), 1),
     "lesson08_dense_hook": (8, (5,), 1),
+    "lesson09_walks_to_the_expected_answers": (9, (1, 2, 3, 4), None),
+    "lesson09_replaced_conversion": (9, (1, 2, 3, 4), None),
+    "lesson09_any_cycle": (9, (3,), 1),
+    "lesson09_recognised_fault_loops": (9, (1, 2, 3, 4), None),
 }
 
 

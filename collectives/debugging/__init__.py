@@ -34,7 +34,7 @@ from .dumps import (Missing, Mismatch, Straggler, WaitCycle, blocking_call, by_r
 from .faults import FINDING, HANGS, KINDS, LAB, Params, blame, draw, expected
 from .reading import Dumps, read_dumps
 from .scenarios import Outcome, load_dumps, run_scenario, run_scenarios
-from .synth import dumps_for, scenario_dumps
+from .synth import dumps_for, handmade_dumps, scenario_dumps
 
 __all__ = ["find_missing", "find_mismatch", "wait_for_graph", "find_wait_cycle", "find_stragglers",
            "diagnose", "report", "Finding", "find_dead", "find_link_down", "find_raised",
@@ -44,4 +44,4 @@ __all__ = ["find_missing", "find_mismatch", "wait_for_graph", "find_wait_cycle",
            "blocking_call", "pending", "where", "describe", "majority",
            "KINDS", "HANGS", "LAB", "FINDING", "Params", "draw", "blame", "expected",
            "run_scenario", "run_scenarios", "Outcome", "load_dumps",
-           "scenario_dumps", "dumps_for", "FlightRecorder", "read_ring"]
+           "scenario_dumps", "dumps_for", "handmade_dumps", "FlightRecorder", "read_ring"]

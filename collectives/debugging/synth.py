@@ -219,3 +219,29 @@ def dumps_for(p: Params, seed: int = 0) -> list[dict]:
             "pg_config": {e["process_group"][0]: {"name": e["process_group"][0], "desc": e["process_group"][1],
                                                   "ranks": e["pg_ranks"]} for e in me.entries}})
     return dumps
+
+
+_NAMES = ("train_step", "sync_gradients", "exchange_halo", "update", "run_epoch", "reduce_loss", "step",
+          "backward_hook", "shard_sync", "loop_body")
+
+
+def handmade_dumps(kind: str, seed: int, max_world: int = 8) -> list[dict]:
+    """The same scenario's dumps as if another program had made them: every function and file
+    name of the frames replaced (consistently) by others drawn from ``seed``, the lines moved,
+    and the dumps in another order. What the checks must find is unchanged: they read calls,
+    not names."""
+    dumps = scenario_dumps(kind, seed, max_world)
+    rng = random.Random(f"handmade:{kind}:{seed}")
+    names: dict[str, str] = {}
+    files: dict[str, str] = {}
+    shift = rng.randrange(1, 400)
+    for dump in dumps:
+        for entry in dump["entries"]:
+            frames = []
+            for frame in entry["frames"]:
+                name = names.setdefault(frame["name"], f"{rng.choice(_NAMES)}_{rng.randrange(10**4)}")
+                path = files.setdefault(frame["filename"], f"/srv/job{rng.randrange(10**6)}/{rng.choice(_NAMES)}.py")
+                frames.append({"name": name, "filename": path, "line": frame["line"] + shift})
+            entry["frames"] = frames
+    rng.shuffle(dumps)
+    return dumps
