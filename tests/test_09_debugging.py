@@ -416,12 +416,19 @@ def test_diagnose_reads_a_dump_directory_and_says_what_it_found(tmp_path, capsys
 
 
 def test_bench_recorder_writes_its_measurements_with_device_versions_date_and_command(tmp_path):
-    from collectives.course.benchmarks.debugging import main
+    from collectives.course.benchmarks.debugging import MODES, main
 
-    assert main(["--iters", "5", "--blocks", "1", "--sizes", "4", "--no-detail", "--out", str(tmp_path)]) == 0
+    assert main(["--iters", "5", "--blocks", "3", "--sizes", "4", "--no-detail", "--out", str(tmp_path),
+                 "--record", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "recorder.json").read_text())
-    assert {"command", "date", "device", "torch", "python", "backend", "world_size"} <= set(data["meta"])
+    assert {"command", "date", "device", "torch", "python", "backend", "world_size", "commit"} <= set(data["meta"])
     assert data["listener_seconds"] > 0
     assert [(r["call"], r["nbytes"]) for r in data["rows"]] == [("all_reduce", 4), ("isend+irecv", 4)]
-    assert all(r["off"] > 0 and r["on"] > 0 for r in data["rows"])
-
+    for r in data["rows"]:             # torch's call, wrapped, recorded: each with its spread over 3 blocks
+        for mode in MODES:
+            spread = r[mode]
+            assert len(spread["blocks"]) == 3 and spread["q1"] <= spread["median"] <= spread["q3"]
+        assert r["added"] == r["recorded"]["median"] - r["wrapped"]["median"]
+    page = json.loads((tmp_path / "09-bench-recorder.json").read_text())
+    assert {c["id"] for c in page["comparisons"]} == {"call-path", "alpha", "added", "listener"}
+    assert page["comparisons"][1]["microseconds"] == data["rows"][0]["plain"]["median"] * 1e6
