@@ -175,11 +175,8 @@ def run_fault(p: Params, cluster=None, group_timeout: float | None = None) -> st
     if dist.get_rank() in p.group:
         if p.kind == "link":
             link_down(p, group, cluster)
-        elif p.kind in LOOPS:
-            LOOPS[p.kind](p, group)
         else:
-            from .more_faults import LOOPS as MORE  # the ungraded faults, the same way
-            MORE[p.kind](p, group)
+            LOOPS[p.kind](p, group)
     return "finished"
 
 

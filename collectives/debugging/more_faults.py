@@ -1,7 +1,7 @@
 """Faults beyond the graded eight: arguments the exercise's checks do not compare, and ends they do not see.
 
-Each is a small loop run on every rank of a world (:func:`.faults.run_fault` runs them as it
-runs the others), with what the diagnosis must say first (:data:`FIRST`)::
+Each is a small loop run on every rank of a world (:func:`run_more`, as
+:func:`.faults.run_fault` runs the others), with what the diagnosis must say first (:data:`FIRST`)::
 
     groups    a new_group of every rank beside the default group; at one step the culprit
               all-reduces on them in the other order        -> missing: the culprit (groups by name)
@@ -114,4 +114,12 @@ def raises(p: Params, group) -> None:
 LOOPS = {"groups": same_ranks_groups, "root": other_root, "op": other_op, "p2p": p2p_sizes,
          "uneven": uneven_all_to_all, "waiting": killed_waiting, "raises": raises}
 
-__all__ = ["MORE", "LAB_MORE", "FIRST", "HANGS_MORE", "LOOPS"]
+
+
+def run_more(p: Params, cluster=None, group_timeout: float | None = None) -> str:
+    """What every rank of one of these scenarios' worlds runs (as :func:`.faults.run_fault`)."""
+    LOOPS[p.kind](p, None)
+    return "finished"
+
+
+__all__ = ["MORE", "LAB_MORE", "FIRST", "HANGS_MORE", "LOOPS", "run_more"]

@@ -28,7 +28,8 @@ from pathlib import Path
 
 from ..core import launch
 from ..core.cluster import Cluster
-from .faults import Params, run_fault
+from .faults import KINDS, Params, run_fault
+from .more_faults import run_more
 
 
 @dataclass
@@ -68,7 +69,8 @@ def run_scenario(params: Params, directory: str | Path | None = None, *, timeout
     start = time.perf_counter()
     error, ended, errors = "", "finished", {}
     try:
-        launch.run(run_fault, params.world_size, args=(params, cluster, group_timeout), timeout=timeout,
+        launch.run(run_fault if params.kind in KINDS else run_more, params.world_size,
+                   args=(params, cluster, group_timeout), timeout=timeout,
                    check=False, env=env, cluster=cluster, flight_recorder=directory if record else None)
     except launch.WorldTimeout as exc:
         error, ended = str(exc), f"timed out after {timeout:g} s"
