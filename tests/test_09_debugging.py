@@ -430,5 +430,5 @@ def test_bench_recorder_writes_its_measurements_with_device_versions_date_and_co
             assert len(spread["blocks"]) == 3 and spread["q1"] <= spread["median"] <= spread["q3"]
         assert r["added"] == r["recorded"]["median"] - r["wrapped"]["median"]
     page = json.loads((tmp_path / "09-bench-recorder.json").read_text())
-    assert {c["id"] for c in page["comparisons"]} == {"call-path", "alpha", "added", "listener"}
+    assert {c["id"] for c in page["comparisons"]} == {"call-path", "alpha", "added", "listener", "source"}
     assert page["comparisons"][1]["microseconds"] == data["rows"][0]["plain"]["median"] * 1e6

@@ -291,6 +291,10 @@ def page_record(record: dict):
               microseconds=us["recorded"] - us["wrapped"], quartiles_overlap=overlap)
     page.fact("listener", f"The recorder's own work, timed alone: {record['listener_seconds'] * 1e6:.2f} µs of CPU "
               "per call (posted, started, completed).", microseconds=record["listener_seconds"] * 1e6)
+    page.fact("source", f"Measured by `{m['command']}` on {m['device']} ({m.get('cpus', '?')} cores"
+              + (f", {m['gpus']} GPUs, NCCL {m['nccl']}" if m.get("nccl") else "")
+              + f"), {m['world_size']} ranks, {m['backend']}, torch {m['torch']}, {str(m['date'])[:10]}: µs per call, "
+              f"median (quartiles) of {m['blocks']} blocks of {m['iters']} calls, slowest rank.")
     page.table = {"head": ["call", "size", "torch's call", "wrapped", "wrapped + recorded", "recorded − wrapped",
                            "under DETAIL"],
                   "rows": [[f"`{r['call']}`", timing.human_bytes(r["nbytes"])] + [_us(r[k]) for k in MODES]
