@@ -1,8 +1,10 @@
 """Run by ``torchrun`` in tests/test_09_debugging.py: the page's recipe under torchrun.
 
 Each rank starts the flight recorder itself (nothing else wraps ``torch.distributed`` here),
-trains a DDP model (whose all-reduces are made by its C++ reducer), waits on two all-reduces
-through their futures, and ends: rank 0 returns, rank 1 raises.
+gathers an object (whose all-gathers torch makes below its public functions: only torch's own
+Flight Recorder sees them), waits on two all-reduces through their futures, and ends: rank 0
+returns, rank 1 raises. (DDP's calls, made the same way from C++, are the fault "ddp" of
+``collectives.debugging.more_faults``.)
 """
 
 import sys
@@ -17,9 +19,8 @@ from collectives.core import flight_recorder
 def main(directory: str) -> None:
     flight_recorder.start(directory)          # before init_process_group: torch's own recorder too
     dist.init_process_group("gloo")
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
-    for _ in range(3):
-        model(torch.ones(2, 4)).sum().backward()
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {"rank": dist.get_rank()})
     x = torch.ones(3)
     dist.all_reduce(x)
     dist.all_reduce(x, async_op=True).get_future().wait()

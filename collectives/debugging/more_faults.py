@@ -13,6 +13,8 @@ Each is a small loop run on every rank of a world (:func:`run_more`, as
               reached yet (they compute)                             -> dead: the culprit, and no
                                                                         living rank blamed
     raises    the culprit raises ValueError at one step              -> raised, quoting it
+    ddp       a DDP model; at one step the culprit skips its backward (an uneven last batch):
+              the others wait in DDP's all-reduce, made by its C++ reducer -> missing: the culprit
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch.distributed as dist
 
 from .faults import Params
 
-MORE = ("groups", "root", "op", "p2p", "uneven", "waiting", "raises")
+MORE = ("groups", "root", "op", "p2p", "uneven", "waiting", "raises", "ddp")
 LAB_MORE = {
     "groups": Params("groups", 3, (0, 1, 2), culprit=1, step=2, steps=4, numel=100),
     "root": Params("root", 3, (0, 1, 2), culprit=2, step=1, steps=3, numel=100),
@@ -36,6 +38,7 @@ LAB_MORE = {
     "uneven": Params("uneven", 3, (0, 1, 2), culprit=0, step=0, steps=2, numel=6),
     "waiting": Params("waiting", 3, (0, 1, 2), culprit=1, step=2, steps=4, numel=100),
     "raises": Params("raises", 3, (0, 1, 2), culprit=2, step=1, steps=3, numel=100),
+    "ddp": Params("ddp", 3, (0, 1, 2), culprit=1, step=2, steps=4, numel=16),
 }
 # the first finding: (kind, ranks) from the parameters; None: no finding at all
 FIRST = {
@@ -46,8 +49,15 @@ FIRST = {
     "uneven": lambda p: None,
     "waiting": lambda p: ("dead", (p.culprit,)),
     "raises": lambda p: ("raised", (p.culprit,)),
+    "ddp": lambda p: ("missing", (p.culprit,)),
 }
-HANGS_MORE = ("groups", "root")
+HANGS_MORE = ("groups", "root", "ddp")
+
+
+def limit(kind: str) -> float:
+    """Seconds a run of ``kind`` may take: a hang spends all of it (DDP's set-up takes a
+    little longer), one that ends by itself ends before."""
+    return 8.0 if kind not in HANGS_MORE else 3.5 if kind == "ddp" else 2.5
 
 
 def same_ranks_groups(p: Params, group) -> None:
@@ -111,7 +121,15 @@ def raises(p: Params, group) -> None:
         dist.all_reduce(grad)
 
 
-LOOPS = {"groups": same_ranks_groups, "root": other_root, "op": other_op, "p2p": p2p_sizes,
+def ddp_skipped_backward(p: Params, group) -> None:
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(p.numel, 2))
+    for step in range(p.steps):
+        if dist.get_rank() == p.culprit and step == p.step:
+            continue
+        model(torch.ones(4, p.numel)).sum().backward()
+
+
+LOOPS = {"ddp": ddp_skipped_backward, "groups": same_ranks_groups, "root": other_root, "op": other_op, "p2p": p2p_sizes,
          "uneven": uneven_all_to_all, "waiting": killed_waiting, "raises": raises}
 
 
@@ -122,4 +140,4 @@ def run_more(p: Params, cluster=None, group_timeout: float | None = None) -> str
     return "finished"
 
 
-__all__ = ["MORE", "LAB_MORE", "FIRST", "HANGS_MORE", "LOOPS", "run_more"]
+__all__ = ["MORE", "LAB_MORE", "FIRST", "HANGS_MORE", "LOOPS", "run_more", "limit"]

@@ -66,6 +66,8 @@ def run_scenario(params: Params, directory: str | Path | None = None, *, timeout
     if cluster is not None and params.world_size % cluster.n_machines:
         raise ValueError(f"a world of {params.world_size} does not fit {cluster.n_machines} machines")
     directory = Path(directory or tempfile.mkdtemp(prefix=f"collectives-{params.kind}-"))
+    if params.kind == "ddp":
+        import torch._dynamo  # noqa: F401 - DDP imports it on every rank: once here, before the fork
     start = time.perf_counter()
     error, ended, errors = "", "finished", {}
     try:
