@@ -106,7 +106,7 @@ def test_each_further_fault_gives_its_first_finding_and_blames_no_living_rank_fo
     if kind == "root":
         assert "in its root" in findings[0].text
     if kind == "op":
-        assert "in its reduce op: rank 0 MAX" in findings[0].text
+        assert "in its reduce op: rank 0: reduce op MAX" in findings[0].text
 
 
 def test_all_gather_and_reduce_scatter_sizes_are_checked_against_the_group_size():

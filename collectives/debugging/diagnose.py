@@ -180,12 +180,12 @@ def _mismatch_finding(m, dumps, p) -> Finding | None:
     if group is None:
         return None
     call = {r: collective_entries(ranks[r], group)[m.seq] for r in values if r in ranks}
-    differ = "; ".join(f"rank {r} {values[r]} at {where(call[r])}" for r in m.differ if r in call)
+    differ = "; ".join(f"rank {r}: {m.field} {values[r]} at {where(call[r])}" for r in m.differ if r in call)
     others = sorted(set(call) - set(m.differ))
     op = describe(call[m.differ[0] if m.differ and m.differ[0] in call else next(iter(call))])
     text = f"collective #{m.seq} of {_named(dumps, group, p)} ({op}) does not match in its {m.field}: {differ}"
     if others:
-        text += f"; {_ranks_text(others)} {values[others[0]]} at {where(call[others[0]])}"
+        text += f"; {_ranks_text(others)}: {m.field} {values[others[0]]} at {where(call[others[0]])}"
     return Finding("mismatch", m.differ, text + ".", tuple(where(call[r]) for r in m.differ if r in call),
                    m.group, m.seq)
 
