@@ -119,6 +119,16 @@ def test_all_gather_and_reduce_scatter_sizes_are_checked_against_the_group_size(
     assert [(m.seq, m.field, m.differ) for m in found] == [(3, "sizes for the group", (1,))]
 
 
+def test_torchs_fr_trace_reads_the_exported_dumps_and_names_what_it_sees():
+    from collectives.debugging.fr_compare import compare
+
+    skip = compare("skip", (2,), dumps_for(LAB["skip"]))
+    assert (skip.fr_trace.named, skip.fr_trace.said, skip.analyzer) == ((2,), "#5: missing ranks 2", "missing: 2")
+    order = compare("order", (1,), dumps_for(LAB["order"]))
+    assert order.fr_trace.named == (1,) and "COLLECTIVE_TYPE_MISMATCH" in order.fr_trace.said
+    assert compare("straggler", (3,), dumps_for(LAB["straggler"])).fr_trace.said == "no error found"
+
+
 # ---- bad input -------------------------------------------------------------------------------------
 
 def _write(directory: Path, dumps, run_id="run-a"):
