@@ -140,7 +140,7 @@ def _write(directory: Path, dumps, run_id="run-a"):
 def _cli(directory, capsys):
     code = diagnose_main([str(directory)])
     out = capsys.readouterr()
-    assert "Traceback" not in out.out + out.err
+    assert "Traceback" not in out.out + out.err and "could not analyse" not in out.err, out.err
     return code, out.out
 
 
@@ -161,6 +161,37 @@ def test_damaged_directories_give_one_line_each_and_never_a_traceback(tmp_path, 
     assert lines[3] == "input: rank 4: unreadable ring, rank4.ring is not a flight recorder ring (an older format)"
     assert lines[4].startswith("input: rank 5: unreadable ring, rank5.ring is")
     assert "died" not in out
+
+
+def test_dumps_damaged_field_by_field_never_give_a_traceback(tmp_path, capsys):
+    import random
+
+    rng = random.Random(9)
+    odd = [None, "x", -1, 1.5, [], {}, [[None]], [1, "a"], True]
+    for trial in range(300):
+        dumps = copy.deepcopy(dumps_for(LAB[rng.choice(sorted(LAB))]))
+        for _ in range(rng.randint(1, 3)):
+            dump = rng.choice(dumps)
+            entries = dump.get("entries")
+            if isinstance(entries, list) and entries and isinstance(entries[0], dict) and rng.random() < 0.8:
+                entry = rng.choice(dump["entries"])
+                key = rng.choice(sorted(entry))
+                if rng.random() < 0.3:
+                    del entry[key]
+                else:
+                    entry[key] = rng.choice(odd)
+            else:
+                dump[rng.choice(sorted(dump))] = rng.choice(odd)
+        directory = tmp_path / str(trial)
+        _write(directory, [d for d in dumps if isinstance(d.get("rank"), int)])
+        if trial % 3 == 0:                # and the launcher's record, damaged too
+            world = {"run_id": "run-a", "world_size": len(dumps), "reason": "timeout", "failed_rank": 1,
+                     "stderr_tail": "", "ranks": {str(r): {"dumped": True, "end": "hung"} for r in range(len(dumps))}}
+            target = world if rng.random() < 0.5 else world["ranks"]["0"]
+            target[rng.choice(sorted(target))] = rng.choice(odd)
+            (directory / "world.json").write_text(json.dumps(world))
+        code, _ = _cli(directory, capsys)
+        assert code in (0, 1, 2)
 
 
 def test_a_deleted_dump_is_missing_not_dead_and_other_runs_are_left_out(tmp_path, capsys):

@@ -171,8 +171,8 @@ def find_unpaired(dumps: list[dict]) -> list[Unpaired]:
 
 def _whole(dump: dict) -> bool:
     """Does the dump hold every call the rank made (its ring never came round)?"""
-    recorded = dump.get("entries_recorded")
-    return recorded is None or recorded <= dump.get("buffer_size", recorded)
+    recorded, size = dump.get("entries_recorded"), dump.get("buffer_size")
+    return recorded is None or size is None or recorded <= size
 
 
 __all__ = ["find_argument_mismatch", "find_unpaired", "find_state_split", "Unpaired", "ROOTED", "UNEVEN", "SYMMETRIC"]

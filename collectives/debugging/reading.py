@@ -53,6 +53,16 @@ def _check_dump(data, rank: int) -> str | None:
     if data.get("rank", rank) != rank:
         return f"it says it is rank {data.get('rank')}'s"
     data.setdefault("rank", rank)
+    for name in ("world_size", "entries_recorded", "buffer_size", "machine"):
+        if data.get(name) is not None and type(data[name]) is not int:
+            return f"its {name!r} is not an integer"
+    for name in ("exception", "run_id", "hostname"):
+        if data.get(name) is not None and not isinstance(data[name], str):
+            return f"its {name!r} is not text"
+    network = data.get("network")
+    if network is not None and not (isinstance(network, dict) and isinstance(network.get("up"), bool)
+                                    and isinstance(network.get("running"), bool)):
+        return "its 'network' is not the recorder's"
     data.setdefault("reason", "unknown")
     if not isinstance(data["reason"], str):
         data["reason"] = str(data["reason"])
@@ -72,7 +82,49 @@ def _check_dump(data, rank: int) -> str | None:
         for name, empty in OPTIONAL.items():
             entry.setdefault(name, empty)
         entry.setdefault("record_id", i)
+        problem = _check_fields(entry)
+        if problem:
+            return f"entry {i} {problem}"
     return None
+
+
+def _sizes(value) -> bool:
+    return isinstance(value, list) and all(isinstance(s, list) and all(type(n) is int for n in s) for s in value)
+
+
+def _check_fields(entry: dict) -> str | None:
+    """Why the optional fields the analyzer reads are unusable (None: they are usable)."""
+    if not _sizes(entry["input_sizes"]) or not (entry["output_sizes"] is None or _sizes(entry["output_sizes"])):
+        return "has sizes that are not lists of integers"
+    for name in ("input_dtypes", "output_dtypes"):
+        value = entry[name]
+        if not (value is None and name == "output_dtypes") and not (
+                isinstance(value, list) and all(isinstance(d, str) for d in value)):
+            return f"has no valid {name!r}"
+    if entry["peer"] is not None and type(entry["peer"]) is not int:
+        return "has a peer that is not a rank"
+    if not isinstance(entry["frames"], list) or not all(
+            isinstance(f, dict) and isinstance(f.get("filename"), str) and isinstance(f.get("name"), str)
+            and type(f.get("line")) is int for f in entry["frames"]):
+        return "has frames without a file, a function and a line"
+    for name in ("time_discovered_started_ns", "time_discovered_completed_ns"):
+        if entry[name] is not None and type(entry[name]) is not int:
+            return f"has no valid {name!r}"
+    if entry["error"] is not None and not isinstance(entry["error"], str):
+        entry["error"] = str(entry["error"])
+    return None
+
+
+def _is_world(world) -> bool:
+    """Is ``world`` what the launcher writes (the fields the diagnosis reads, of their types)?"""
+    return (isinstance(world, dict) and type(world.get("world_size")) is int
+            and isinstance(world.get("ranks", {}), dict)
+            and all(isinstance(v, dict) for v in world.get("ranks", {}).values())
+            and isinstance(world.get("stderr_tail", "") or "", str)
+            and (world.get("failed_rank") is None or type(world["failed_rank"]) is int)
+            and (world.get("run_id") is None or isinstance(world["run_id"], str))
+            and all(isinstance(v.get(k), (str, type(None))) for v in world.get("ranks", {}).values()
+                    for k in ("end", "exception", "exit")))
 
 
 def read_dumps(directory: str | Path) -> Dumps:
@@ -87,7 +139,7 @@ def read_dumps(directory: str | Path) -> Dumps:
     if world_path.exists():
         try:
             world = json.loads(world_path.read_text())
-            if not isinstance(world, dict) or not isinstance(world.get("ranks", {}), dict):
+            if not _is_world(world):
                 raise ValueError("not the launcher's record")
         except (OSError, ValueError) as exc:
             notes.append(f"world.json: unreadable, {_short(exc)}; read without it")

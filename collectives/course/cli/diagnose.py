@@ -50,7 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as exc:
         print(exc, file=sys.stderr)
         return 2
-    findings = diagnose(found.dumps, found.world, skipped=found.left_out)
+    try:
+        findings = diagnose(found.dumps, found.world, skipped=found.left_out)
+    except Exception as exc:  # noqa: BLE001 - one line, never a traceback
+        print(f"could not analyse the dumps of {args.directory}: {type(exc).__name__}: {exc}".splitlines()[0],
+              file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps({"notes": found.notes, "findings": [asdict(f) for f in findings]}, indent=1))
     else:
