@@ -3,8 +3,8 @@
 DDP's reducer, ``all_gather_object`` and torch's other internals call the process group from
 C++ (or below ``torch.distributed``'s public functions): the course's wrappers
 (:mod:`collectives.core.trace`) never see them. torch records every call a process group
-makes when ``TORCH_FR_BUFFER_SIZE`` is set before the group is made -- on gloo as on NCCL --
-and hands them over as JSON (``torch._C._distributed_c10d._dump_fr_trace_json``). At every
+makes -- on gloo as on NCCL; torch 2.13 does so by default, ``TORCH_FR_BUFFER_SIZE`` sets
+how many calls it keeps -- and hands them over as JSON (``torch._C._distributed_c10d._dump_fr_trace_json``). At every
 dump the recorder merges them into its own entries, group by group::
 
     torch's, per group:  #1 all_gather  #2 broadcast  #3 all_reduce  #4 all_reduce  #5 all_reduce
@@ -35,8 +35,9 @@ ENV_BUFFER = "TORCH_FR_BUFFER_SIZE"
 
 
 def enable(buffer_size: int) -> bool:
-    """Ask torch to record (it reads the variables as each process group is made: call this
-    before ``init_process_group``). False when the user turned it off (``TORCH_FR_BUFFER_SIZE=0``)."""
+    """Ask torch to keep ``buffer_size`` calls where nobody said otherwise (it reads the
+    variables as it starts: call this before ``init_process_group``), and, on NCCL, to time
+    them with CUDA events. False when the user turned it off (``TORCH_FR_BUFFER_SIZE=0``)."""
     os.environ.setdefault(ENV_BUFFER, os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", str(buffer_size)))
     os.environ.setdefault("TORCH_NCCL_ENABLE_TIMING", "1")
     return os.environ[ENV_BUFFER] not in ("", "0")
