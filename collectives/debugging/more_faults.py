@@ -57,7 +57,7 @@ HANGS_MORE = ("groups", "root", "ddp")
 def limit(kind: str) -> float:
     """Seconds a run of ``kind`` may take: a hang spends all of it (DDP's set-up takes a
     little longer), one that ends by itself ends before."""
-    return 8.0 if kind not in HANGS_MORE else 3.5 if kind == "ddp" else 2.5
+    return 8.0 if kind not in HANGS_MORE else 5.0 if kind == "ddp" else 4.0
 
 
 def same_ranks_groups(p: Params, group) -> None:
