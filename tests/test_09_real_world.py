@@ -229,7 +229,7 @@ def test_empty_rings_say_that_nothing_was_recorded(tmp_path, capsys):
 NEWCOMER = '''
 import dataclasses
 from collectives.debugging import analyze
-from collectives.debugging.analyze import find_wait_cycle, find_stragglers, wait_for_graph  # noqa: F401
+from collectives.debugging.analyze import find_wait_cycle, wait_for_graph  # noqa: F401
 LESSON = 9
 
 
@@ -239,6 +239,10 @@ def find_missing(dumps):
 
 def find_mismatch(dumps):
     return [dataclasses.replace(m, values=()) for m in analyze.find_mismatch(dumps)]
+
+
+def find_stragglers(dumps, min_lag=0.02):
+    return [dataclasses.replace(s, median_lag=s.median_lag * 2) for s in analyze.find_stragglers(dumps, min_lag)]
 '''
 
 
@@ -249,8 +253,9 @@ def test_every_field_is_judged_and_a_failure_names_fields_seed_and_a_replay(tmp_
     shutil.copytree(ROOT / "lessons", student)
     (student / "09_debugging" / "exercise.py").write_text(NEWCOMER)
     monkeypatch.setenv("COLLECTIVES_EXERCISE_DIR", str(student))
-    scores = {s.task: s.verdict for s in grading.grade([9], "exercise", tasks=[1, 2, 3])[2]}
-    assert not scores[1].ok and not scores[2].ok and scores[3].ok
+    scores = {s.task: s.verdict for s in grading.grade([9], "exercise")[2]}
+    assert not scores[1].ok and not scores[2].ok and scores[3].ok and not scores[4].ok
+    assert any("median_lag=" in p for p in scores[4].problems)
     skip = next(p for p in scores[1].problems if "a skip scenario" in p)
     assert "op='all_reduce'" in skip and "op='banana'" in skip and "(seed " in skip
     command = skip.split("replay: ", 1)[1]

@@ -16,8 +16,10 @@ lists and null only); the judge reads that text, checks every type itself (``boo
 an int; an object of the student's is nothing), and only then compares it with what the
 scenario's own parameters say it must find (:func:`collectives.debugging.expected`),
 computed after the rank's world has ended. No expected answer exists in any memory the
-student's code shares. Every field the docstrings ask for is compared: ``Missing.op``
-and ``Mismatch.values`` too. A failed case names its fields, the scenario's seed and a
+student's code shares. Every field the docstrings ask for is compared: ``Missing.op``,
+``Mismatch.values``, a straggler's ``late_in``, ``of`` and ``median_lag`` too (within
+:data:`LAG_TOLERANCE`); a wait cycle's ``waits`` and a straggler's ``worst_seq`` describe
+the dumps, not the fault, and are not. A failed case names its fields, the scenario's seed and a
 command that replays it.
 """
 
@@ -41,7 +43,7 @@ CHECKS = {
     1: ("find_missing", "missing", ("group", "seq", "op", "missing", "waiting")),
     2: ("find_mismatch", "mismatch", ("group", "seq", "field", "differ", "values")),
     3: ("find_wait_cycle", "cycle", ("ranks",)),
-    4: ("find_stragglers", "stragglers", ("group", "rank")),
+    4: ("find_stragglers", "stragglers", ("group", "rank", "late_in", "of", "median_lag")),
 }
 _ANSWER = {1: "Missing", 2: "Mismatch", 3: "WaitCycle", 4: "Straggler"}
 
@@ -57,6 +59,8 @@ def _plain(value):
         return value
     if type(value) in (tuple, list):
         return [_plain(v) for v in value]
+    if type(value) is float and value == value:          # a median lag (not NaN)
+        return value
     raise NotPlain(f"a {type(value).__name__} where plain ints, strings and tuples belong")
 
 
@@ -107,6 +111,12 @@ def _ints(v) -> tuple[int, ...]:
     return tuple(_int(x) for x in v)
 
 
+def _float(v) -> float:
+    if type(v) not in (float, int) or type(v) is bool:
+        raise NotPlain(f"{v!r} is not a number of seconds")
+    return float(v)
+
+
 def _str(v) -> str:
     if type(v) is not str:
         raise NotPlain(f"{v!r} is not a string")
@@ -139,8 +149,28 @@ def read_answer(task: int, text) -> object:
                 values.append((_int(pair[0]), _str(pair[1])))
             rows.append((_ints(row[0]), _int(row[1]), _str(row[2]), _ints(row[3]), tuple(values)))
         else:
-            rows.append((_ints(row[0]), _int(row[1])))
+            rows.append((_ints(row[0]), _int(row[1]), _int(row[2]), _int(row[3]), _float(row[4])))
     return rows
+
+
+LAG_TOLERANCE = 0.005     # seconds: a median lag within this of the culprit's delay is right
+
+
+def wanted(task: int, kind: str, seed: int):
+    """What the scenario's parameters say task ``task`` must answer. A straggler is late in
+    every collective after #1 (``steps - 1`` of them), by its delay."""
+    params = draw(kind, seed)
+    want = expected(params)[CHECKS[task][1]]
+    if task == 4:
+        want = [(group, rank, params.steps - 1, params.steps - 1, params.delay) for group, rank in want]
+    return want
+
+
+def same(task: int, want, got) -> bool:
+    if task != 4:
+        return want == got
+    return len(want) == len(got) and all(w[:4] == g[:4] and abs(w[4] - g[4]) <= LAG_TOLERANCE
+                                         for w, g in zip(want, got))
 
 
 def _shown(task: int, answer) -> str:
@@ -185,13 +215,13 @@ def _judge(task: int):
                               not_written if type(not_written) is str else "")
             if outcome_problem(where, outcome, verdict):
                 continue
-            want = expected(draw(kind, seed))[key]          # computed now, the rank's world has ended
+            want = wanted(task, kind, seed)                  # computed now, the rank's world has ended
             try:
                 got = read_answer(task, value)
             except (NotPlain, ValueError) as exc:
                 verdict.add(f"{where}: the answer is not plain data ({exc})")
                 continue
-            if got != want:
+            if not same(task, want, got):
                 verdict.add(f"{where}: expected {_shown(task, want)}, got {_shown(task, got)}; "
                             f"replay: {replay(task, kind, seed, handmade, grading.spec)}")
         return verdict
