@@ -26,7 +26,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 
+from collectives import launch
 from collectives.core import flight_recorder
 from collectives.course.catalog import ROOT
 from collectives.course.cli.diagnose import main as diagnose_main
@@ -74,6 +77,24 @@ def test_under_torchrun_start_records_torchs_own_calls_and_futures_and_tells_exi
     findings = diagnose(found.dumps, found.world)
     assert [(f.kind, f.ranks) for f in findings] == [("raised", (1,))], [f.text for f in findings]
     assert "ValueError: rank one gives up" in findings[0].text
+
+
+def calls_torch_names_otherwise():
+    x = torch.ones(4)
+    dist.all_gather_into_tensor(torch.zeros(8), x)           # torch: all_gather
+    dist.reduce_scatter_tensor(torch.zeros(2), x)            # gloo: an all_reduce
+    dist.all_to_all_single(torch.zeros(4), x)                # torch: all_to_all
+    dist.all_gather_object([None, None], dist.get_rank())    # two all_gathers Python never sees
+    dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    entries = json.loads(flight_recorder.dump().read_text())["entries"]
+    return [(e["profiling_name"], e["collective_seq_id"], e.get("source"), e.get("reduce_op")) for e in entries]
+
+
+def test_torchs_calls_are_merged_in_order_whatever_torch_names_ours(tmp_path):
+    assert launch.run(calls_torch_names_otherwise, 2, flight_recorder=tmp_path, timeout=60)[0] == [
+        ("gloo:all_gather_into_tensor", 1, None, None), ("gloo:reduce_scatter_tensor", 2, None, "SUM"),
+        ("gloo:all_to_all_single", 3, None, None), ("gloo:all_gather", 4, "torch", None),
+        ("gloo:all_gather", 5, "torch", None), ("gloo:all_reduce", 6, None, "MAX")]
 
 
 # ---- more faults, for real ---------------------------------------------------------------------------

@@ -43,6 +43,7 @@ _DTYPES = {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half
            torch.int8: "Char", torch.uint8: "Byte", torch.bool: "Bool"}
 
 
+_REDUCING = ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor")
 # collectives whose output is not their input: the argument that holds it
 _OUTPUT_ARG = {"all_gather": "tensor_list", "all_gather_into_tensor": "output_tensor", "gather": "gather_list",
                "reduce_scatter": "output", "reduce_scatter_tensor": "output", "all_to_all": "output_tensor_list",
@@ -61,7 +62,7 @@ def call_details(kind: str, arguments) -> tuple:
     sizes and dtype, an all-to-all's splits (a tuple: part of the site's cache key)."""
     if not arguments:
         return ()
-    op = arguments.get("op")
+    op = arguments.get("op", "SUM" if kind in _REDUCING else None)   # not given: the default, SUM
     out = arguments.get(_OUTPUT_ARG.get(kind, ""))
     out_shapes, out_dtype = shapes_of(out) if out is not None else ((), None)
     splits = (tuple(arguments.get("input_split_sizes") or ()), tuple(arguments.get("output_split_sizes") or ()))

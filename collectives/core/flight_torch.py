@@ -20,8 +20,10 @@ knows only whether a call was retired (``completed``) or not (``scheduled``). On
 events: a matched call's ``duration_ms`` is then torch's (``"duration_source": "cuda
 events"``), the time the GPU spent, not the time the host waited.
 
-Point-to-point calls keep our numbering (gloo's Flight Recorder does not record them).
-A rank that died is read from its ring only: its numbers are its own.
+A call of ours that torch never made (it failed before) keeps its own number, marked
+``"seq_source": "own"``. Point-to-point calls keep our numbering (gloo's Flight Recorder
+does not record them). A rank that died is read from its ring only: its numbers are its
+own, and where torch made calls Python did not see (DDP's), they differ from the others'.
 """
 
 from __future__ import annotations
@@ -54,6 +56,22 @@ def torch_entries() -> list[dict]:
         return []
 
 
+# the names torch gives the calls the course's wrappers name otherwise (gloo's fallbacks included)
+_ALIASES = {"all_gather_into_tensor": {"all_gather", "_allgather_base", "all_gather_into_tensor"},
+            "reduce_scatter_tensor": {"reduce_scatter", "_reduce_scatter_base", "all_reduce"},
+            "reduce_scatter": {"reduce_scatter", "all_reduce"},
+            "all_to_all_single": {"all_to_all", "alltoall_base", "all_to_all_single"}}
+
+
+def _op(entry: dict) -> str:
+    return str(entry.get("profiling_name", "")).split(":", 1)[-1].split(" ", 1)[0]
+
+
+def _same_kind(ours: dict, theirs: dict) -> bool:
+    mine = _op(ours)
+    return _op(theirs) in _ALIASES.get(mine, {mine})
+
+
 def _state(entry: dict) -> str:
     if entry.get("retired") or entry.get("state") == "completed":
         return "completed"
@@ -78,14 +96,20 @@ def merge(ours: list[dict], theirs: list[dict], wrapped: bool) -> tuple[list[dic
                       key=lambda e: e["record_id"])
         used = [False] * len(torch_calls)
         at = 0
-        for e in mine:
+        for i, e in enumerate(mine):
+            # the first of torch's calls made at or after ours, of a kind ours can be, before our next call
+            until = mine[i + 1]["time_created_ns"] if i + 1 < len(mine) else None
             while at < len(torch_calls) and int(torch_calls[at]["time_created_ns"]) < e["time_created_ns"]:
                 at += 1
-            if at == len(torch_calls):
-                break
-            t = torch_calls[at]
-            used[at] = True
-            at += 1
+            match = next((j for j in range(at, len(torch_calls))
+                          if (until is None or int(torch_calls[j]["time_created_ns"]) < until)
+                          and _same_kind(e, torch_calls[j])), None)
+            if match is None:
+                e["seq_source"] = "own"       # torch has no such call (it failed before it was made)
+                continue
+            t = torch_calls[match]
+            used[match] = True
+            at = match + 1
             e["collective_seq_id"] = int(t["collective_seq_id"])
             if t.get("duration_ms") is not None and "nccl" in str(t.get("profiling_name", "")):
                 e["duration_ms"], e["duration_source"] = float(t["duration_ms"]), "cuda events"
