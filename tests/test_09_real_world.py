@@ -130,6 +130,16 @@ def test_each_further_fault_gives_its_first_finding_and_blames_no_living_rank_fo
         assert "in its reduce op: rank 0: reduce op MAX" in findings[0].text
 
 
+def test_the_healthy_uneven_run_is_synthesised_call_for_call_and_nothing_is_found_in_it(more_runs):
+    from collectives.debugging.synth import scenario_dumps
+
+    def calls(dumps):
+        return [[(e["profiling_name"], e["collective_seq_id"], e["input_sizes"], e["input_dtypes"],
+                  e["frames"][0]["line"], e["state"]) for e in d["entries"]] for d in dumps]
+    assert calls(more_runs["uneven"].dumps) == calls(dumps_for(LAB_MORE["uneven"]))
+    assert all(diagnose(scenario_dumps("uneven", seed)) == [] for seed in range(10))
+
+
 def test_all_gather_and_reduce_scatter_sizes_are_checked_against_the_group_size():
     dumps = copy.deepcopy(dumps_for(LAB["straggler"]))         # 4 ranks, all_reduce of 1000
     for d in dumps:

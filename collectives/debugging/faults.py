@@ -237,15 +237,18 @@ def blame(p: Params) -> tuple[int, ...]:
 # -- where each call is made, read from this file -----------------------------------------------
 
 def _sites() -> dict[str, tuple[str, str, int]]:
-    """``{site: (function, file, line)}`` for every ``# site:`` comment above."""
-    found, function = {}, "?"
-    with open(__file__, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if line.startswith("def "):
-                function = line[4:].split("(")[0]
-            match = re.search(r"# site: ([\w-]+)", line)
-            if match and "re.search" not in line:
-                found[match.group(1)] = (function, __file__, number)
+    """``{site: (function, file, line)}`` for every ``# site:`` comment above (and in
+    more_faults.py, beside this file: the further faults whose dumps are synthesised too)."""
+    found = {}
+    for path in (__file__, os.path.join(os.path.dirname(__file__), "more_faults.py")):
+        function = "?"
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, start=1):
+                if line.startswith("def "):
+                    function = line[4:].split("(")[0]
+                match = re.search(r"# site: ([\w-]+)", line)
+                if match and "re.search" not in line:
+                    found[match.group(1)] = (function, path, number)
     return found
 
 

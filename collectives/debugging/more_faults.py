@@ -98,8 +98,8 @@ def uneven_all_to_all(p: Params, group) -> None:
     receives = [peer + rank + 1 for peer in range(size)]
     for _ in range(p.steps):
         out = torch.zeros(sum(receives))
-        dist.all_to_all_single(out, torch.ones(sum(sends)), receives, sends)
-        dist.all_reduce(torch.ones(p.numel))
+        dist.all_to_all_single(out, torch.ones(sum(sends)), receives, sends)   # site: uneven-all-to-all
+        dist.all_reduce(torch.ones(p.numel))                                    # site: uneven-all-reduce
 
 
 def killed_waiting(p: Params, group) -> None:

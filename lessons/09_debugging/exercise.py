@@ -15,8 +15,9 @@ Check your work:
     .venv/bin/python lessons/09_debugging/exercise.py --task 3 --verbose   # one task, every problem
     make grade LESSON=09                                          # the same verdicts, as points
 
-The checks are the grader's: every fault, on scenarios drawn from seeds nobody sees, a new
-set on every run, each answer compared with what the scenario's own parameters say. Try
+The checks are the grader's: every fault and a healthy run with uneven all-to-alls, on
+scenarios drawn from seeds nobody sees, a new set on every run, each answer compared with
+what the scenario's own parameters say. Try
 your functions first on the lab's scenarios, or on ``scenario_dumps(kind, seed)`` with the
 public seeds 0-5 and ``expected(draw(kind, seed))``.
 

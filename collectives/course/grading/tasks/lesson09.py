@@ -2,7 +2,8 @@
 
 For every fault the course knows (a rank that skips a collective, two collectives swapped,
 a send-before-receive deadlock, a size or dtype mismatch, a straggler, a killed rank, a
-link taken down), the rank draws scenarios from seeds of its own (``os.urandom``, never
+link taken down) and a healthy run whose all-to-alls have uneven splits (where nothing
+must be found), the rank draws scenarios from seeds of its own (``os.urandom``, never
 the lab's, whose seeds are public), makes every rank's flight-recorder dump of each -- as
 the course's recorder writes them (:func:`collectives.debugging.scenario_dumps`) and as
 another program might (:func:`collectives.debugging.handmade_dumps`: other function and
@@ -31,10 +32,12 @@ import os
 import torch.distributed as dist
 
 from ....debugging import KINDS, draw, expected, handmade_dumps, scenario_dumps
+from ....debugging.synth import HEALTHY
 from . import GradedTask
 from .world import Grading, InWorldGrading, Outcome, Probe, Verdict, outcome_problem
 
 HERE = __name__
+GRADED = (*KINDS, HEALTHY)   # every fault, and a healthy run whose all-to-alls have uneven splits
 SEEDS_PER_FAULT = 3          # the first as the recorder writes them, the others hand-made
 TIMEOUT = 20.0               # seconds for the student's analysis of every scenario of a task
 
@@ -159,6 +162,8 @@ LAG_TOLERANCE = 0.005     # seconds: a median lag within this of the culprit's d
 def wanted(task: int, kind: str, seed: int):
     """What the scenario's parameters say task ``task`` must answer. A straggler is late in
     every collective after #1 (``steps - 1`` of them), by its delay."""
+    if kind == HEALTHY:
+        return None if task == 3 else []
     params = draw(kind, seed)
     want = expected(params)[CHECKS[task][1]]
     if task == 4:
@@ -193,15 +198,15 @@ def _judge(task: int):
     def judge(grading: Grading) -> Verdict:
         verdict = Verdict()
         name, key, _ = CHECKS[task]
-        run = grading.world(f"{HERE}:probe_analysis", 1, task, KINDS, SEEDS_PER_FAULT, timeout=TIMEOUT)
+        run = grading.world(f"{HERE}:probe_analysis", 1, task, GRADED, SEEDS_PER_FAULT, timeout=TIMEOUT)
         for problem in run.problems():
             verdict.add(problem)
         # in one torchrun world every rank draws, probes and judges its own scenarios
         mine = dist.get_rank() if isinstance(grading, InWorldGrading) else 0
         notes, results = run.notes[mine], run.results[mine]
-        noted = all(type(n) is tuple and len(n) == 3 and n[0] in KINDS and type(n[1]) is int and type(n[2]) is bool
+        noted = all(type(n) is tuple and len(n) == 3 and n[0] in GRADED and type(n[1]) is int and type(n[2]) is bool
                     for n in notes)
-        if not noted or type(results) is not list or len(notes) != len(KINDS) * SEEDS_PER_FAULT \
+        if not noted or type(results) is not list or len(notes) != len(GRADED) * SEEDS_PER_FAULT \
                 or len(results) != len(notes):
             verdict.add(f"{name}: the probe's record is incomplete ({len(notes)} scenarios noted)")
             return verdict
