@@ -197,7 +197,7 @@ def replay(task: int, kind: str, seed: int, handmade: bool, spec: str = "exercis
 def _judge(task: int):
     def judge(grading: Grading) -> Verdict:
         verdict = Verdict()
-        name, key, _ = CHECKS[task]
+        name = CHECKS[task][0]
         run = grading.world(f"{HERE}:probe_analysis", 1, task, GRADED, SEEDS_PER_FAULT, timeout=TIMEOUT)
         for problem in run.problems():
             verdict.add(problem)
