@@ -338,8 +338,8 @@ def checks(impl):
 
 def _answers(checks, dumps) -> dict:
     cycle = checks["find_wait_cycle"](dumps)
-    return {"missing": [(m.group, m.seq, m.missing, m.waiting) for m in checks["find_missing"](dumps)],
-            "mismatch": [(m.group, m.seq, m.field, m.differ) for m in checks["find_mismatch"](dumps)],
+    return {"missing": [(m.group, m.seq, m.op, m.missing, m.waiting) for m in checks["find_missing"](dumps)],
+            "mismatch": [(m.group, m.seq, m.field, m.differ, m.values) for m in checks["find_mismatch"](dumps)],
             "cycle": cycle.ranks if cycle else None,
             "stragglers": [(s.group, s.rank) for s in checks["find_stragglers"](dumps)]}
 
@@ -360,9 +360,9 @@ def test_checks_read_what_is_left_in_a_ring_that_came_round_and_a_world_with_a_r
     dumps = dumps_for(LAB["skip"])                       # rank 2 never enters #5 of ranks 0-3
     worn = copy.deepcopy(dumps)
     worn[2]["entries"] = worn[2]["entries"][-1:]          # only #4 left in its ring
-    assert _answers(checks, worn)["missing"] == [((0, 1, 2, 3), 5, (2,), (0, 1, 3))]
+    assert _answers(checks, worn)["missing"] == [((0, 1, 2, 3), 5, "all_reduce", (2,), (0, 1, 3))]
     without_rank_3 = copy.deepcopy(dumps)[:3]
-    assert _answers(checks, without_rank_3)["missing"] == [((0, 1, 2, 3), 5, (2,), (0, 1))]
+    assert _answers(checks, without_rank_3)["missing"] == [((0, 1, 2, 3), 5, "all_reduce", (2,), (0, 1))]
     order = copy.deepcopy(dumps_for(LAB["order"]))       # the swap at #5: drop #5 from rank 0's ring
     order[0]["entries"] = [e for e in order[0]["entries"] if e["collective_seq_id"] != 5]
     assert _answers(checks, order)["mismatch"] == []      # #5 is not in every ring: it cannot be compared
@@ -370,11 +370,11 @@ def test_checks_read_what_is_left_in_a_ring_that_came_round_and_a_world_with_a_r
 
 def test_a_tie_expects_the_lowest_ranks_value_and_a_mismatch_names_the_first_field_that_differs(checks):
     dumps = dumps_for(Params("size", 2, (0, 1), culprit=1, step=0, steps=2, numel=8, wrong_numel=9))
-    assert _answers(checks, dumps)["mismatch"] == [((0, 1), 1, "sizes", (1,))]
+    assert _answers(checks, dumps)["mismatch"] == [((0, 1), 1, "sizes", (1,), ((0, "[8]"), (1, "[9]")))]
     both = copy.deepcopy(dumps)
     call = both[1]["entries"][0]
     call["input_dtypes"], call["profiling_name"] = ["Long"], "gloo:broadcast"
-    assert _answers(checks, both)["mismatch"] == [((0, 1), 1, "operation", (1,))]
+    assert _answers(checks, both)["mismatch"] == [((0, 1), 1, "operation", (1,), ((0, "all_reduce"), (1, "broadcast")))]
 
 
 def test_a_transfer_both_ends_are_in_is_no_wait_and_a_send_that_timed_out_still_waits(checks):
@@ -409,19 +409,27 @@ def test_diagnose_reads_a_dump_directory_and_says_what_it_found(tmp_path, capsys
     assert main([str(tmp_path)]) == 1
     out = capsys.readouterr().out
     params = draw("order", 4)
-    assert f"1. mismatch: collective #{2 * params.step + 1} " in out and f"rank {params.culprit} broadcast" in out
+    assert f"1. mismatch: collective #{2 * params.step + 1} " in out
+    assert f"rank {params.culprit}: operation broadcast" in out
     assert main([str(tmp_path), "--json"]) == 1
-    assert json.loads(capsys.readouterr().out)[0]["ranks"] == [params.culprit]
+    assert json.loads(capsys.readouterr().out)["findings"][0]["ranks"] == [params.culprit]
     assert main([str(tmp_path / "nothing-here")]) == 2
 
 
 def test_bench_recorder_writes_its_measurements_with_device_versions_date_and_command(tmp_path):
-    from collectives.course.benchmarks.debugging import main
+    from collectives.course.benchmarks.debugging import MODES, main
 
-    assert main(["--iters", "5", "--blocks", "1", "--sizes", "4", "--no-detail", "--out", str(tmp_path)]) == 0
+    assert main(["--iters", "5", "--blocks", "3", "--sizes", "4", "--no-detail", "--out", str(tmp_path),
+                 "--record", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "recorder.json").read_text())
-    assert {"command", "date", "device", "torch", "python", "backend", "world_size"} <= set(data["meta"])
+    assert {"command", "date", "device", "torch", "python", "backend", "world_size", "commit"} <= set(data["meta"])
     assert data["listener_seconds"] > 0
     assert [(r["call"], r["nbytes"]) for r in data["rows"]] == [("all_reduce", 4), ("isend+irecv", 4)]
-    assert all(r["off"] > 0 and r["on"] > 0 for r in data["rows"])
-
+    for r in data["rows"]:             # torch's call, wrapped, recorded: each with its spread over 3 blocks
+        for mode in MODES:
+            spread = r[mode]
+            assert len(spread["blocks"]) == 3 and spread["q1"] <= spread["median"] <= spread["q3"]
+        assert r["added"] == r["recorded"]["median"] - r["wrapped"]["median"]
+    page = json.loads((tmp_path / "09-bench-recorder.json").read_text())
+    assert {c["id"] for c in page["comparisons"]} == {"call-path", "alpha", "added", "listener", "source"}
+    assert page["comparisons"][1]["microseconds"] == data["rows"][0]["plain"]["median"] * 1e6

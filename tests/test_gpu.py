@@ -33,6 +33,19 @@ def test_the_ring_is_exact_on_nccl_registered_memory():
     assert problems == [None, None]
 
 
+def test_the_flight_recorder_on_nccl_merges_ddps_calls_timed_by_cuda_events():
+    # tools/gpu_lesson09.py's check: DDP's all-reduces from torch's Flight Recorder, durations from CUDA events
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "tools" / "gpu_lesson09.py"
+    spec = importlib.util.spec_from_file_location("gpu_lesson09", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result = module.check(2)
+    assert result["ok"], result["problems"]
+
+
 # What the GPU lane runs, held by the tests too: a red tour or runner cannot hide behind green
 # unit tests (each row of the tour calls the benchmarks' own tour runners, so they run here).
 

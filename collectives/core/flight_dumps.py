@@ -9,7 +9,8 @@ every rank returns -- and before it kills the ranks::
     wait until each rank<r>.json                 "request_id": id on its first line
       answers request id (or 5 s)
     rank died?  read DIR/rank<r>.ring (its ring, mapped into memory, outlives it)
-    write DIR/world.json: how each rank ended, where it waited, the failure
+    write DIR/world.json: the run's id, how each rank ended (returned, raised, exited,
+      killed by a signal, hung), where it waited, the failure
 
 The recorder itself is :mod:`collectives.core.flight_recorder`.
 """
@@ -23,8 +24,9 @@ import time
 from pathlib import Path
 
 from .flight_recorder import DUMP_SIGNAL, read_ring
+from .flight_ring import RUN_ENV
 
-__all__ = ["prepare", "request_dumps", "dump_world", "DUMP_GRACE"]
+__all__ = ["prepare", "request_dumps", "dump_world", "how_it_ended", "DUMP_GRACE", "RUN_ENV"]
 
 DUMP_GRACE = 5.0          # seconds the launcher waits for the ranks' dumps (they take milliseconds)
 
@@ -77,7 +79,20 @@ def _exit_text(code: int | None) -> str | None:
         return f"killed by signal {-code}"
 
 
-def dump_world(directory: str | os.PathLike, procs, where, failure: BaseException | None) -> None:
+def how_it_ended(code: int | None, status: str, exception: str | None, timed_out: bool) -> str:
+    """One rank's end, in words: ``returned``, ``raised ValueError: ...``, ``exited with code 1``,
+    ``killed by SIGKILL``, ``hung (in all_reduce ...)`` or ``stopped (running ...)``."""
+    if code is not None:
+        return "exited" if code == 0 else _exit_text(code).replace("exit code", "exited with code")
+    if exception:
+        return f"raised {exception}"
+    if status == "finished":
+        return "returned"
+    return f"hung ({status or 'no status'})" if timed_out else f"stopped by the launcher ({status or 'no status'})"
+
+
+def dump_world(directory: str | os.PathLike, procs, where, failure: BaseException | None,
+               run_id: str = "") -> None:
     """What ``launch.run(..., flight_recorder=DIR)`` does as a world ends, before it kills the
     ranks: every live rank dumps, the rings of the others are recovered, and ``world.json``
     records how each rank ended. ``where(rank)`` is the launcher's "where is it waiting"."""
@@ -88,15 +103,28 @@ def dump_world(directory: str | os.PathLike, procs, where, failure: BaseExceptio
     ranks = {}
     for rank, p in enumerate(procs):
         code = p.exitcode
-        ranks[rank] = {"pid": p.pid, "alive": code is None, "exit": _exit_text(code),
-                       "where": where(rank), "dumped": rank in dumped}
+        status = where(rank)
+        exception = None
+        if rank in dumped:
+            try:
+                exception = json.loads((directory / f"rank{rank}.json").read_text()).get("exception")
+            except (OSError, ValueError):
+                pass
+        ranks[rank] = {"pid": p.pid, "alive": code is None, "exit": _exit_text(code), "where": status,
+                       "dumped": rank in dumped, "exception": exception,
+                       "end": how_it_ended(code, status, exception, reason == "timeout")}
         ring = directory / f"rank{rank}.ring"
         if rank not in dumped and ring.exists():
             # dead: what its ring holds is all there is; alive but slow to answer: its ring is current
-            how = (f"recovered from its ring: {ranks[rank]['exit']}" if code is not None
+            how = (f"recovered from its ring: {ranks[rank]['end']}" if code is not None
                    else f"{reason} (read from its ring: it did not answer within {DUMP_GRACE:g} s)")
-            (directory / f"rank{rank}.json").write_text(json.dumps(read_ring(ring, reason=how), indent=1))
-    record = {"world_size": len(procs), "reason": reason, "ranks": ranks,
+            try:
+                data = read_ring(ring, reason=how)
+            except ValueError:
+                continue
+            data["run_id"] = data.get("run_id") or run_id
+            (directory / f"rank{rank}.json").write_text(json.dumps(data, indent=1))
+    record = {"run_id": run_id, "world_size": len(procs), "reason": reason, "ranks": ranks,
               "failure": str(failure).splitlines()[0] if failure else None,
               "failed_rank": getattr(failure, "rank", None),
               "stderr_tail": getattr(failure, "stderr_tail", "")}

@@ -3,22 +3,12 @@
 After torch's Flight Recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``, ``TORCH_NCCL_DUMP_ON_TIMEOUT``),
 whose entry fields it follows. Each rank keeps a ring of its last ``buffer_size`` calls,
 fed by :func:`collectives.core.trace.add_listener` (so a student's ``dist.isend`` is
-recorded without a change to their code)::
-
-    slot = record_id % N        ring file DIR/rank<r>.ring, mapped into memory
-    ┌──────────┬──────────────────┬──────┬────────────────────────────────────────┐
-    │record_id │ seq ids, 3 times │state │ what (op, group, sizes, dtype, peer,   │
-    │          │                  │      │ caller's file:line), cached per site   │
-    └──────────┴──────────────────┴──────┴────────────────────────────────────────┘
+recorded without a change to their code), in a file mapped into memory that outlives the
+process (:mod:`~collectives.core.flight_ring`: its layout, and reading it back).
 
 * **what a call costs** -- a call made from a site seen before (a training loop's
   all-reduce) reuses its encoded description: one dictionary look-up, a few integers
   packed into the slot, and two more when it starts and completes.
-* **why a file** -- gloo ends a rank that receives a message of the wrong size with
-  ``std::terminate`` (SIGABRT), and ``kill -9`` ends one at once: nothing in the process
-  runs after that, so a buffer in its memory would die with it. The ring lives in a file
-  mapped into memory (``mmap``): the kernel keeps the pages when the process dies, and
-  :func:`read_ring` recovers the calls of a rank that could not dump.
 * **states** (torch's names): ``scheduled`` -- posted and not yet waited on (an ``isend``
   before its ``wait()``); ``started`` -- the rank is waiting in it; ``completed``. A call
   that raised stays started and carries its ``error``.
@@ -33,6 +23,14 @@ recorded without a change to their code)::
   failed or finished -- before it kills them, recovers the rings of the ranks that died,
   and writes what it saw of each rank to ``DIR/world.json``
   (:mod:`~collectives.core.flight_dumps`).
+* **what Python never sees** -- DDP's reducer and torch's internals call the process group
+  from C++: torch's own Flight Recorder (``TORCH_FR_BUFFER_SIZE``, on gloo as on NCCL, which
+  :func:`start` turns on) records them, and every dump merges its entries into ours
+  (:mod:`~collectives.core.flight_torch`). A call awaited through its future
+  (``work.get_future().wait()``, ``.then()``, a DDP hook) completes when the future does.
+* **how a rank ends** -- a dump is also written when the rank's code raises (with the
+  exception, :func:`note_exception`) and when it exits (``atexit``): under ``torchrun``, where
+  no launcher asks, a rank that finished is not mistaken for one that died.
 
 On NCCL, the calls of one ``batch_isend_irecv`` are waited on through the batch's handles,
 not their own: they stay ``scheduled``.
@@ -42,12 +40,11 @@ not their own: they stay ``scheduled``.
 
 from __future__ import annotations
 
+import atexit
 import json
 import mmap
 import os
 import signal
-import socket
-import struct
 import sys
 import threading
 import time
@@ -56,40 +53,27 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import trace
+from . import flight_ring as fr
+from . import flight_torch, trace
+from .flight_ring import SLOT_BYTES, STATES, VERSION, read_ring
 
-__all__ = ["FlightRecorder", "start", "start_from_env", "active", "dump", "stop", "read_ring",
-           "ENV_DIR", "ENV_BUFFER", "ENV_DUMP_AFTER", "DUMP_SIGNAL"]
+__all__ = ["FlightRecorder", "start", "start_from_env", "active", "dump", "stop", "read_ring", "note_exception",
+           "ENV_DIR", "ENV_BUFFER", "ENV_DUMP_AFTER", "DUMP_SIGNAL", "SLOT_BYTES", "STATES", "VERSION"]
 
 ENV_DIR = "COLLECTIVES_FLIGHT_RECORDER"        # the dump directory; launch.run(flight_recorder=DIR) sets it
 ENV_BUFFER = "COLLECTIVES_TRACE_BUFFER_SIZE"   # after TORCH_NCCL_TRACE_BUFFER_SIZE
 ENV_DUMP_AFTER = "COLLECTIVES_DUMP_ON_TIMEOUT"  # seconds a call may be in flight before the rank dumps
 DUMP_SIGNAL = signal.SIGUSR1
-VERSION = "collectives-fr-1"
 DEFAULT_BUFFER = 2000
 
-SLOT_BYTES = 512
-# a slot: record_id, collective and p2p seq ids, created / started / completed (ns), state,
-# failed, the length of the text that follows (the call's description, JSON)
-_HEAD = struct.Struct("<qqqqqqBBH")
-_ID = struct.Struct("<q")
-_STARTED_AT, _COMPLETED_AT, _STATE_AT = 32, 40, 48
-_FILE = struct.Struct("<4sIIiiiq")      # magic, slot bytes, slots, rank, world size, pid, start ns
-_MAGIC = b"CFR1"
-STATES = {1: "scheduled", 2: "started", 3: "completed"}
-_SCHEDULED, _STARTED, _COMPLETED = 1, 2, 3
-
-_DTYPES = {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half",
-           torch.bfloat16: "BFloat16", torch.int32: "Int", torch.int64: "Long", torch.int16: "Short",
-           torch.int8: "Char", torch.uint8: "Byte", torch.bool: "Bool"}
-_IN_PLACE = ("all_reduce", "broadcast", "reduce", "send", "recv", "isend", "irecv")
+_HEAD, _ID = fr.HEAD, fr.ID
 _INSIDE = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
 _P2P = frozenset(trace.POINT_TO_POINT)
-_Tensor = torch.Tensor
-
-
+_IN_PLACE = ("all_reduce", "broadcast", "reduce", "send", "recv", "isend", "irecv")
 class FlightRecorder:
     """One rank's ring of calls, in ``directory/rank<rank>.ring``; dumps to ``rank<rank>.json``."""
+
+    wants_arguments = True      # the trace hands over a collective's arguments (its reduce op, its output)
 
     def __init__(self, directory: str | os.PathLike, rank: int, world_size: int,
                  buffer_size: int = DEFAULT_BUFFER, dump_after: float | None = None):
@@ -104,14 +88,13 @@ class FlightRecorder:
         with open(self.ring_path, "w+b") as f:
             f.truncate(SLOT_BYTES * (buffer_size + 1))
             self._ring = mmap.mmap(f.fileno(), 0)
-        _FILE.pack_into(self._ring, 0, _MAGIC, SLOT_BYTES, buffer_size, rank, world_size, os.getpid(),
-                        time.time_ns())
-        for slot in range(buffer_size):
-            _ID.pack_into(self._ring, SLOT_BYTES * (slot + 1), -1)
+        fr.create(self._ring, buffer_size, rank, world_size)
         self.recorded = 0                    # calls seen; the next record_id
+        self.exception: str | None = None    # what the rank's code raised (note_exception)
+        self.merge_torch = True              # merge torch's Flight Recorder into every dump
         self._seq: dict = {}                 # group (and its name) -> [collectives, point-to-point] so far
         self._groups: dict = {}              # group object -> (name, description, ranks, backend)
-        self._sites: dict = {}               # (op, group, peer, sizes, dtype, code id, line) -> (code, text)
+        self._sites: dict = {}               # (op, group, peer, sizes, dtype, details, code id, line) -> (code, text)
         self._inside: dict = {}              # code id -> (code, is it torch's or collectives.core's?)
         self._waiting: dict[int, int] = {}   # record_id -> started ns, of the calls a rank waits in
         self._timed_out: set[int] = set()
@@ -119,21 +102,19 @@ class FlightRecorder:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._restore: tuple | None = None    # the signal mask and handler before serve()
+        self._lock = threading.Lock()
 
     # -- recording: the trace listener ---------------------------------------------------
-    def __call__(self, kind, peer, tensors, group):
+    def __call__(self, kind, peer, tensors, group, arguments=None):
         counts = self._seq.get(group)
         if counts is None:
             counts = self._seq[group] = self._counts(group)
         counts[kind in _P2P] += 1
-        if isinstance(tensors, _Tensor):
-            shapes, dtype = (tensors.shape,), tensors.dtype
-        else:
-            flat = [t for t in tensors if isinstance(t, _Tensor)]
-            shapes, dtype = tuple(t.shape for t in flat), (flat[0].dtype if flat else None)
+        shapes, dtype = fr.shapes_of(tensors)
+        details = fr.call_details(kind, arguments) if arguments is not None else ()
         code, line = self._caller()
         # code objects hash their whole contents, every time: they are keyed by id (and checked)
-        key = (kind, group, peer, shapes, dtype, id(code), line)
+        key = (kind, group, peer, shapes, dtype, details, id(code), line)
         site = self._sites.get(key)
         text = site[1] if site is not None and site[0] is code else self._describe(key, code, group)
         record_id = self.recorded
@@ -142,19 +123,19 @@ class FlightRecorder:
         ring = self._ring
         ring[offset + _HEAD.size:offset + _HEAD.size + len(text)] = text
         _HEAD.pack_into(ring, offset, record_id, counts[0], counts[1], time.time_ns(), 0, 0,
-                        _SCHEDULED, 0, len(text))
+                        fr.SCHEDULED, 0, len(text))
 
         def end(stage, error=None):
             if _ID.unpack_from(ring, offset)[0] != record_id:
                 return                         # the ring came round: the slot holds a newer call
             if stage == "started":
                 now = time.time_ns()
-                _ID.pack_into(ring, offset + _STARTED_AT, now)
-                ring[offset + _STATE_AT] = _STARTED
+                _ID.pack_into(ring, offset + fr.STARTED_AT, now)
+                ring[offset + fr.STATE_AT] = fr.STARTED
                 self._waiting[record_id] = now
             elif stage == "completed":
-                ring[offset + _STATE_AT] = _COMPLETED
-                _ID.pack_into(ring, offset + _COMPLETED_AT, time.time_ns())
+                ring[offset + fr.STATE_AT] = fr.COMPLETED
+                _ID.pack_into(ring, offset + fr.COMPLETED_AT, time.time_ns())
                 self._waiting.pop(record_id, None)
             else:                              # failed: stays started, with the error
                 self._fail(offset, record_id, error)
@@ -190,7 +171,7 @@ class FlightRecorder:
         return None, 0
 
     def _describe(self, key, code, group) -> bytes:
-        kind, _, peer, shapes, dtype, _, line = key
+        kind, _, peer, shapes, dtype, details, _, line = key
         name, desc, ranks, backend = self._group(group)
         profiling = f"{backend}:{kind}"
         if kind in trace.SENDS:
@@ -198,16 +179,32 @@ class FlightRecorder:
         elif kind in trace.RECVS:
             profiling += f" {self.rank}<-{peer}"
         sizes = [list(s) for s in shapes]
-        dtypes = [_DTYPES.get(dtype, str(dtype).replace("torch.", ""))] * len(sizes) if dtype else []
+        dtypes = [fr.dtype_name(dtype)] * len(sizes) if dtype else []
+        reduce_op, out_shapes, out_dtype, splits = details or (None, (), None, None)
+        if kind in _IN_PLACE:
+            out_sizes, out_dtypes = sizes, dtypes
+        elif out_shapes:
+            out_sizes = [list(s) for s in out_shapes]
+            out_dtypes = [fr.dtype_name(out_dtype)] * len(out_sizes) if out_dtype else []
+        else:
+            out_sizes = out_dtypes = None
         frames = [] if code is None else [{"name": code.co_name, "filename": code.co_filename, "line": line}]
-        text = json.dumps({"profiling_name": profiling, "process_group": [name, desc], "pg_ranks": list(ranks),
-                           "is_p2p": kind in trace.POINT_TO_POINT, "peer": peer,
-                           "input_sizes": sizes, "input_dtypes": dtypes,
-                           "output_sizes": sizes if kind in _IN_PLACE else None,
-                           "output_dtypes": dtypes if kind in _IN_PLACE else None,
-                           "frames": frames}, separators=(",", ":")).encode()
+        what = {"profiling_name": profiling, "process_group": [name, desc], "pg_ranks": list(ranks),
+                "is_p2p": kind in trace.POINT_TO_POINT, "peer": peer,
+                "input_sizes": sizes, "input_dtypes": dtypes, "output_sizes": out_sizes, "output_dtypes": out_dtypes,
+                "frames": frames}
+        if reduce_op is not None:
+            what["reduce_op"] = reduce_op
+        if splits is not None:
+            what["split_sizes"] = [list(splits[0]), list(splits[1])]
+        text = json.dumps(what, separators=(",", ":")).encode()
         if len(text) > SLOT_BYTES - _HEAD.size:     # a long list of tensors: keep the first sizes
-            return self._describe((kind, group, peer, shapes[:4], dtype, id(code), line), code, group)
+            if len(shapes) <= 1 and len(out_shapes) <= 1:
+                frames[:] = [dict(f, filename=os.path.basename(f["filename"])) for f in frames]
+                what["frames"] = frames
+                return json.dumps(what, separators=(",", ":")).encode()[:SLOT_BYTES - _HEAD.size]
+            shorter = (reduce_op, out_shapes[:4], out_dtype, None) if details else ()
+            return self._describe((kind, group, peer, shapes[:4], dtype, shorter, key[6], line), code, group)
         if len(self._sites) > 4096:
             self._sites.clear()
         self._sites[key] = (code, text)
@@ -224,28 +221,35 @@ class FlightRecorder:
             extra = json.dumps({"error": message}, separators=(",", ":")).encode()
         text = (text[:-1] + b"," + extra[1:]) if len(extra) <= room else text
         self._ring[offset + _HEAD.size:offset + _HEAD.size + len(text)] = text
-        head[6], head[7], head[8] = _STARTED, 1, len(text)
+        head[6], head[7], head[8] = fr.STARTED, 1, len(text)
         _HEAD.pack_into(self._ring, offset, *head)
         self._waiting.pop(record_id, None)
 
     # -- reading and dumping ---------------------------------------------------------------
     def entries(self) -> list[dict]:
         """The calls in the ring, oldest first, as torch's Flight Recorder names their fields."""
-        return _entries(self._ring, self.buffer_size)
+        return fr.ring_entries(self._ring, self.buffer_size)
 
     def dump(self, reason: str = "request", request_id: int | None = None) -> Path:
         """Write ``rank<r>.json`` (atomically: a reader never sees half a file); its path.
         ``request_id``: the launcher's request this dump answers."""
-        data = {"request_id": request_id}
-        data.update(_dump_header(self.rank, self.world_size, os.getpid(), reason, self.buffer_size, self.recorded))
-        data["network"] = _network()
-        data["entries"] = self.entries()
-        data["pg_config"] = {e["process_group"][0]: {"name": e["process_group"][0], "desc": e["process_group"][1],
-                                                     "ranks": e["pg_ranks"]} for e in data["entries"]}
-        tmp = self.dump_path.with_suffix(f".tmp{threading.get_ident()}")
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, self.dump_path)
-        return self.dump_path
+        with self._lock:
+            data = {"request_id": request_id}
+            data.update(fr.dump_header(self.rank, self.world_size, os.getpid(), reason, self.buffer_size,
+                                       self.recorded))
+            data["exception"] = self.exception
+            data["network"] = fr.network()
+            entries, added = self.entries(), 0
+            if self.merge_torch:
+                entries, added = flight_torch.merge(entries, flight_torch.torch_entries(),
+                                                    self.recorded > self.buffer_size)
+            data["torch_entries"] = added
+            data["entries"] = entries
+            data["pg_config"] = fr.pg_config(entries)
+            tmp = self.dump_path.with_suffix(f".tmp{threading.get_ident()}")
+            tmp.write_text(json.dumps(data, indent=1))
+            os.replace(tmp, self.dump_path)
+            return self.dump_path
 
     # -- the thread that answers signals and timeouts --------------------------------------
     def serve(self) -> None:
@@ -256,19 +260,24 @@ class FlightRecorder:
         handler = None
         if threading.current_thread() is threading.main_thread():
             # a thread that existed before (started it late) may still get the signal: answer it there
-            handler = signal.signal(DUMP_SIGNAL, lambda *_: self.dump("signal"))
+            handler = signal.signal(DUMP_SIGNAL, lambda *_: self.dump(*_request(self.directory)))
         self._restore = (mask, handler)
         self._thread = threading.Thread(target=self._serve, name="flight-recorder", daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
-        period = min(0.5, self.dump_after / 4) if self.dump_after else 3600.0
+        # A thread torch started before serve() (its intra-op pool) may take the signal instead,
+        # and the main thread may be asleep: the launcher's request file is also looked at.
+        period = min(0.1, self.dump_after / 4) if self.dump_after else 0.1
+        answered = None
         while not self._stopping:
             got = signal.sigtimedwait({DUMP_SIGNAL}, period)
             if self._stopping:
                 return
-            if got is not None:
-                self.dump(*_request(self.directory))
+            reason, request_id = _request(self.directory)
+            if got is not None or (request_id is not None and request_id != answered):
+                answered = request_id
+                self.dump(reason, request_id)
             elif self.dump_after:
                 limit = time.time_ns() - int(self.dump_after * 1e9)
                 overdue = {r for r, t in list(self._waiting.items()) if t < limit} - self._timed_out
@@ -297,73 +306,6 @@ class FlightRecorder:
         self._ring.close()
 
 
-def _dump_header(rank, world_size, pid, reason, buffer_size, recorded) -> dict:
-    return {"version": VERSION, "rank": rank, "world_size": world_size, "pid": pid,
-            "hostname": socket.gethostname(), "machine": _int_env("GROUP_RANK"), "reason": reason,
-            "time_dumped_ns": time.time_ns(), "buffer_size": buffer_size, "entries_recorded": recorded}
-
-
-def _int_env(name: str) -> int | None:
-    value = os.environ.get(name, "")
-    return int(value) if value.isdigit() else None
-
-
-def _entries(ring, slots: int) -> list[dict]:
-    rows = []
-    for slot in range(slots):
-        offset = SLOT_BYTES * (slot + 1)
-        record_id, cseq, pseq, created, started, completed, state, failed, length = _HEAD.unpack_from(ring, offset)
-        if record_id < 0 or state not in STATES:
-            continue
-        try:
-            what = json.loads(bytes(ring[offset + _HEAD.size:offset + _HEAD.size + length]))
-        except ValueError:       # a slot being written as we read it
-            continue
-        entry = {"record_id": record_id, "pg_id": int(what["process_group"][0]) if what["process_group"][0].isdigit()
-                 else -1, "collective_seq_id": cseq, "p2p_seq_id": pseq, "op_id": record_id}
-        entry.update(what)
-        entry.update(state=STATES[state], time_created_ns=created,
-                     time_discovered_started_ns=started or None, time_discovered_completed_ns=completed or None,
-                     duration_ms=(completed - started) / 1e6 if completed and started else None,
-                     retired=state == _COMPLETED)
-        entry.setdefault("error", None)
-        rows.append(entry)
-    return sorted(rows, key=lambda e: e["record_id"])
-
-
-def read_ring(path: str | os.PathLike, reason: str = "recovered") -> dict:
-    """A dump made from a ring file, as the rank would have dumped it: for a rank that died."""
-    with open(path, "rb") as f:
-        ring = f.read()
-    magic, slot_bytes, slots, rank, world_size, pid, _ = _FILE.unpack_from(ring, 0)
-    if magic != _MAGIC or slot_bytes != SLOT_BYTES:
-        raise ValueError(f"{path} is not a flight recorder ring")
-    entries = _entries(ring, slots)
-    data = {"request_id": None}
-    data.update(_dump_header(rank, world_size, pid, reason, slots,
-                             max((e["record_id"] for e in entries), default=-1) + 1))
-    data.update(machine=None, hostname=None, network=None, entries=entries,
-                pg_config={e["process_group"][0]: {"name": e["process_group"][0], "desc": e["process_group"][1],
-                                                   "ranks": e["pg_ranks"]} for e in entries})
-    return data
-
-
-def _network() -> dict | None:
-    """The state of the interface this rank's messages leave by (``GLOO_SOCKET_IFNAME``), as
-    this rank's network namespace sees it: ``up`` (set up), ``running`` (it has a carrier)."""
-    name = os.environ.get("GLOO_SOCKET_IFNAME")
-    if not name:
-        return None
-    import fcntl
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            request = struct.pack("16sH14s", name.encode()[:15], 0, b"")
-            flags = struct.unpack("16sH14s", fcntl.ioctl(s.fileno(), 0x8913, request))[1]  # SIOCGIFFLAGS
-    except OSError as exc:
-        return {"interface": name, "up": False, "running": False, "error": str(exc)}
-    return {"interface": name, "up": bool(flags & 0x1), "running": bool(flags & 0x40)}
-
-
 def _request(directory: Path) -> tuple[str, int | None]:
     """The reason and id of the launcher's request (a signal from anyone else: "signal")."""
     try:
@@ -381,6 +323,11 @@ def start(directory: str | os.PathLike, rank: int | None = None, world_size: int
           buffer_size: int | None = None, dump_after: float | None = None) -> FlightRecorder:
     """Record this rank's calls into ``directory`` and answer dump requests (one per process).
 
+    Installs the call wrappers (:func:`collectives.core.trace.install`) where nothing did
+    (``torchrun``), turns torch's own Flight Recorder on when no process group exists yet
+    (call it before ``init_process_group`` to record DDP's calls), and dumps when the
+    process exits or its code raises.
+
     ``rank``/``world_size`` default to the environment's (``RANK``, ``WORLD_SIZE``);
     ``buffer_size`` to ``COLLECTIVES_TRACE_BUFFER_SIZE`` or 2000; ``dump_after`` (seconds a
     call may stay in flight before the rank dumps by itself) to ``COLLECTIVES_DUMP_ON_TIMEOUT``.
@@ -393,10 +340,24 @@ def start(directory: str | os.PathLike, rank: int | None = None, world_size: int
     buffer_size = buffer_size or int(os.environ.get(ENV_BUFFER, DEFAULT_BUFFER))
     if dump_after is None and os.environ.get(ENV_DUMP_AFTER):
         dump_after = float(os.environ[ENV_DUMP_AFTER])
+    if not dist.is_initialized():
+        flight_torch.enable(buffer_size)     # torch reads it as each process group is made
     recorder = FlightRecorder(directory, rank, world_size, buffer_size, dump_after)
     recorder._remove = trace.add_listener(recorder)
+    if not trace.installed():               # under torchrun nothing else wraps torch.distributed
+        trace.install(rank)
     recorder.serve()
     _active = recorder
+    global _hooked
+    if not _hooked:
+        _hooked = True
+        atexit.register(_at_exit)
+        previous = sys.excepthook
+
+        def excepthook(kind, value, tb):
+            note_exception(value)
+            previous(kind, value, tb)
+        sys.excepthook = excepthook
     return recorder
 
 
@@ -404,6 +365,28 @@ def start_from_env(rank: int, world_size: int) -> FlightRecorder | None:
     """:func:`start` into ``COLLECTIVES_FLIGHT_RECORDER`` when it is set (what the launcher does)."""
     directory = os.environ.get(ENV_DIR)
     return start(directory, rank, world_size) if directory else None
+
+
+_hooked = False
+
+
+def note_exception(exc: BaseException) -> None:
+    """The rank's code raised ``exc``: remember it (every later dump quotes it) and dump now."""
+    if _active is None:
+        return
+    _active.exception = (f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__).splitlines()[0][:500]
+    try:
+        _active.dump(f"exception: {_active.exception}")
+    except Exception:  # noqa: BLE001 - a dump that fails must not hide the exception
+        pass
+
+
+def _at_exit() -> None:
+    if _active is not None and not _active._stopping:
+        try:
+            _active.dump("exit" if _active.exception is None else f"exception: {_active.exception}")
+        except Exception:  # noqa: BLE001 - the interpreter is going away
+            pass
 
 
 def active() -> FlightRecorder | None:

@@ -242,6 +242,7 @@ def run_world(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwa
     recorder_dir = flight_recorder or env.get(_recorder.ENV_DIR) or os.environ.get(_recorder.ENV_DIR)
     if recorder_dir:
         env[_recorder.ENV_DIR] = recorder_dir = str(flight_dumps.prepare(recorder_dir).resolve())
+        env[flight_dumps.RUN_ENV] = run_id = os.urandom(6).hex()    # in every dump and world.json
     stderr_dir = tempfile.mkdtemp(prefix="collectives-world-")
     stderr_paths = [os.path.join(stderr_dir, f"rank{rank}.stderr") for rank in range(world_size)]
     procs, conns, secret_ends, streams = [], {}, [], {}
@@ -277,10 +278,10 @@ def run_world(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwa
             results, counts = _collect(procs, conns, board, timeout, stderr_paths, streams, received, oom_before)
         except (WorldTimeout, RankError) as exc:
             if recorder_dir:        # every live rank dumps its calls before it is stopped
-                flight_dumps.dump_world(recorder_dir, procs, lambda r: board.read(r)[0], exc)
+                flight_dumps.dump_world(recorder_dir, procs, lambda r: board.read(r)[0], exc, run_id)
             raise
         if recorder_dir:
-            flight_dumps.dump_world(recorder_dir, procs, lambda r: board.read(r)[0], None)
+            flight_dumps.dump_world(recorder_dir, procs, lambda r: board.read(r)[0], None, run_id)
         _end(procs)
         for path in stderr_paths:    # a world that worked: its ranks' stderr, where it belongs
             text = rankio.read_tail(path)

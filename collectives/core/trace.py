@@ -114,14 +114,20 @@ def add_listener(listener) -> Any:
     error=None)``, which is then told ``"started"`` when the rank starts waiting on the
     call (a blocking call at once, an ``isend`` at ``wait()``), ``"completed"`` when it
     returns, or ``"failed"`` with the exception that ended it. A listener must be fast and
-    must not raise. Returns a function that removes the listener."""
+    must not raise. Returns a function that removes the listener.
+
+    A listener with ``wants_arguments = True`` is also given, for a collective, the call's
+    arguments by name (``arguments={"op": ReduceOp.MAX, "tensor_list": [...], ...}``)."""
     _listeners.append(listener)
     return lambda: listener in _listeners and _listeners.remove(listener)
 
 
-def _notify(kind, peer, tensors, group) -> list | None:
+def _notify(kind, peer, tensors, group, arguments=None) -> list | None:
     """The listeners' ``end`` callbacks for a call being made (None: nobody listens)."""
-    ends = [end for listener in _listeners if (end := listener(kind, peer, tensors, group)) is not None]
+    ends = [end for listener in _listeners
+            if (end := (listener(kind, peer, tensors, group, arguments=arguments)
+                        if arguments is not None and getattr(listener, "wants_arguments", False)
+                        else listener(kind, peer, tensors, group))) is not None]
     return ends or None
 
 
@@ -162,7 +168,29 @@ class TracedWork:
             self._event.t1 = time.perf_counter()
         return result
 
-    def __getattr__(self, name):  # is_completed, exception, get_future, result, ...
+    def get_future(self):
+        """The work's future; the listeners hear ``"started"`` now (the rank waits through the
+        future: a DDP communication hook hands it to the reducer) and ``"completed"`` or
+        ``"failed"`` when it is done, whoever waits on it (``.wait()``, ``.then()``, DDP's C++).
+        With listeners, the future returned is the work's chained with that news: whoever
+        waits on it waits until they have heard."""
+        future = self._work.get_future()
+        ends, self._ends = self._ends, None
+        if not ends:
+            return future
+        _tell(ends, "started")
+
+        def done(fut):
+            try:
+                value = fut.value()
+            except BaseException as exc:
+                _tell(ends, "failed", exc)
+                raise
+            _tell(ends, "completed")
+            return value
+        return future.then(done)
+
+    def __getattr__(self, name):  # is_completed, exception, result, ...
         return getattr(self._work, name)
 
 
@@ -241,7 +269,7 @@ def _wrap_collective(kind: str, original):
             tensors = bound.get(tensor_arg) if tensor_arg else []
             tensors = tensors if tensors is not None else []
             event = _record(kind, root, tensors, group)
-            ends = _notify(kind, root, tensors, group) if _listeners else None
+            ends = _notify(kind, root, tensors, group, bound) if _listeners else None
             what = _describe(kind, root)
         if bound.get("async_op"):
             work = _call(original, ends, False, *args, _named=what, **kwargs)

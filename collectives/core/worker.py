@@ -109,6 +109,7 @@ def _worker(rank, world_size, local_world_size, fn, args, kwargs, backend, port_
         status.set("finished")
         payload = pickle.dumps(("ok", result, "", channels.sent()))
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the caller
+        _recorder.note_exception(exc)       # a dump that quotes it (when the recorder is on)
         summary = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
         payload = pickle.dumps(("error", summary, traceback.format_exc(), channels.sent()))
     try:

@@ -131,7 +131,8 @@ def pending(dump: dict) -> list[dict]:
 def where(entry: dict) -> str:
     """The line that made the call: ``"faults.py:78 (skipped_collective)"``."""
     if not entry.get("frames"):
-        return "(no frame)"
+        return "(made inside torch: DDP's reducer or another C++ caller)" if entry.get("source") == "torch" \
+            else "(no frame)"
     frame = entry["frames"][0]
     path = frame["filename"]
     relative = os.path.relpath(path) if os.path.isabs(path) else path
@@ -145,7 +146,8 @@ def describe(entry: dict) -> str:
     if entry["is_p2p"]:
         toward = "to" if op in ("send", "isend") else "from"
         return f"{op} {toward} rank {entry['peer']} (p2p #{entry['p2p_seq_id']})"
-    return f"{op} #{entry['collective_seq_id']}"
+    return f"{op} #{entry['collective_seq_id']}" + (f" of group {entry['process_group'][0]!r}"
+                                                      if entry["process_group"][0] not in ("0", "") else "")
 
 
 def group_name(ranks: tuple[int, ...], world_size: int | None) -> str:

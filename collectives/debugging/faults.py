@@ -185,13 +185,16 @@ FINDING = {"skip": "missing", "order": "mismatch", "deadlock": "cycle", "size": 
            "straggler": "straggler", "killed": "dead", "link": "link"}
 
 
+_DTYPE_NAMES = {"float32": "Float", "float64": "Double", "int32": "Int", "int64": "Long"}
+
+
 def expected(p: Params) -> dict:
     """What each of the analyzer's four checks must report for this scenario, worked out from
     its parameters alone (not from any dump): ``missing`` and ``mismatch`` as lists of
     tuples, ``cycle`` as a tuple of ranks or None, ``stragglers`` as a list of tuples::
 
-        missing:    (group, seq, missing ranks, waiting ranks)
-        mismatch:   (group, seq, field, ranks that differ)
+        missing:    (group, seq, op, missing ranks, waiting ranks)
+        mismatch:   (group, seq, field, ranks that differ, ((rank, its value), ...) for every rank)
         cycle:      the ranks, from the smallest, each waiting for the next
         stragglers: (group, rank)
 
@@ -200,12 +203,19 @@ def expected(p: Params) -> dict:
     step k makes collective #2k+1 differ; a bad tensor at step k makes #k+1 differ."""
     found = {"missing": [], "mismatch": [], "cycle": None, "stragglers": []}
     others = tuple(r for r in p.group if r != p.culprit)
+
+    def values(mine, theirs):
+        return tuple((r, mine if r == p.culprit else theirs) for r in p.group)
     if p.kind == "skip":
-        found["missing"] = [(p.group, p.steps, (p.culprit,), others)]
+        found["missing"] = [(p.group, p.steps, "all_reduce", (p.culprit,), others)]
     elif p.kind == "order":
-        found["mismatch"] = [(p.group, 2 * p.step + 1, "operation", (p.culprit,))]
-    elif p.kind in ("size", "dtype"):
-        found["mismatch"] = [(p.group, p.step + 1, "sizes" if p.kind == "size" else "dtype", (p.culprit,))]
+        found["mismatch"] = [(p.group, 2 * p.step + 1, "operation", (p.culprit,), values("broadcast", "all_reduce"))]
+    elif p.kind == "size":
+        found["mismatch"] = [(p.group, p.step + 1, "sizes", (p.culprit,),
+                              values(str([p.wrong_numel]), str([p.numel])))]
+    elif p.kind == "dtype":
+        found["mismatch"] = [(p.group, p.step + 1, "dtype", (p.culprit,),
+                              values(_DTYPE_NAMES[p.wrong_dtype], _DTYPE_NAMES[p.dtype]))]
     elif p.kind == "deadlock":
         found["cycle"] = p.group
     elif p.kind == "straggler":
@@ -227,15 +237,18 @@ def blame(p: Params) -> tuple[int, ...]:
 # -- where each call is made, read from this file -----------------------------------------------
 
 def _sites() -> dict[str, tuple[str, str, int]]:
-    """``{site: (function, file, line)}`` for every ``# site:`` comment above."""
-    found, function = {}, "?"
-    with open(__file__, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if line.startswith("def "):
-                function = line[4:].split("(")[0]
-            match = re.search(r"# site: ([\w-]+)", line)
-            if match and "re.search" not in line:
-                found[match.group(1)] = (function, __file__, number)
+    """``{site: (function, file, line)}`` for every ``# site:`` comment above (and in
+    more_faults.py, beside this file: the further faults whose dumps are synthesised too)."""
+    found = {}
+    for path in (__file__, os.path.join(os.path.dirname(__file__), "more_faults.py")):
+        function = "?"
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, start=1):
+                if line.startswith("def "):
+                    function = line[4:].split("(")[0]
+                match = re.search(r"# site: ([\w-]+)", line)
+                if match and "re.search" not in line:
+                    found[match.group(1)] = (function, path, number)
     return found
 
 

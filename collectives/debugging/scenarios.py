@@ -18,7 +18,6 @@ died, its ring has been recovered. With ``detail=True`` the same loop runs under
 from __future__ import annotations
 
 import io
-import json
 import multiprocessing as mp
 import multiprocessing.connection
 import sys
@@ -29,7 +28,8 @@ from pathlib import Path
 
 from ..core import launch
 from ..core.cluster import Cluster
-from .faults import Params, run_fault
+from .faults import KINDS, Params, run_fault
+from .more_faults import run_more
 
 
 @dataclass
@@ -66,10 +66,13 @@ def run_scenario(params: Params, directory: str | Path | None = None, *, timeout
     if cluster is not None and params.world_size % cluster.n_machines:
         raise ValueError(f"a world of {params.world_size} does not fit {cluster.n_machines} machines")
     directory = Path(directory or tempfile.mkdtemp(prefix=f"collectives-{params.kind}-"))
+    if params.kind == "ddp":
+        import torch._dynamo  # noqa: F401 - DDP imports it on every rank: once here, before the fork
     start = time.perf_counter()
     error, ended, errors = "", "finished", {}
     try:
-        launch.run(run_fault, params.world_size, args=(params, cluster, group_timeout), timeout=timeout,
+        launch.run(run_fault if params.kind in KINDS else run_more, params.world_size,
+                   args=(params, cluster, group_timeout), timeout=timeout,
                    check=False, env=env, cluster=cluster, flight_recorder=directory if record else None)
     except launch.WorldTimeout as exc:
         error, ended = str(exc), f"timed out after {timeout:g} s"
@@ -126,23 +129,10 @@ def _job(conn, params: Params, kwargs: dict) -> None:
 
 
 def load_dumps(directory: str | Path) -> tuple[list[dict], dict | None]:
-    """Every ``rank<r>.json`` of ``directory`` (rank order) and its ``world.json`` (or None).
-    A rank's ring whose dump is missing (no launcher wrote one) is read from ``rank<r>.ring``."""
-    from ..core.flight_recorder import read_ring
+    """Every usable ``rank<r>.json`` of ``directory`` (rank order) and its ``world.json`` (or
+    None); a rank's ring whose dump is missing is read from ``rank<r>.ring``. What cannot be
+    used is left out: :func:`.reading.read_dumps` says what."""
+    from .reading import read_dumps
 
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise FileNotFoundError(f"no dump directory at {directory}")
-    dumps = {}
-    for path in directory.glob("rank*.json"):
-        data = json.loads(path.read_text())
-        dumps[data["rank"]] = data
-    for path in directory.glob("rank*.ring"):
-        rank = int(path.stem[4:])
-        if rank not in dumps:
-            dumps[rank] = read_ring(path, reason="recovered from its ring: the rank did not dump")
-    if not dumps:
-        raise FileNotFoundError(f"no flight recorder dumps (rank<r>.json) in {directory}")
-    world_path = directory / "world.json"
-    world = json.loads(world_path.read_text()) if world_path.exists() else None
-    return [dumps[r] for r in sorted(dumps)], world
+    found = read_dumps(directory)
+    return found.dumps, found.world

@@ -167,6 +167,13 @@ def _loop(p: Params, ranks: dict[int, _Rank], rng: random.Random) -> dict[int, s
                         entries[r]["error"] = CLOSED
                 break
             _collective(ranks, members, "killed-all-reduce", "all_reduce", group, numel, dtype, rng)
+    elif p.kind == HEALTHY:
+        size = len(members)
+        for _ in range(p.steps):
+            _collective(ranks, members, "uneven-all-to-all", "all_to_all_single", group, 1, dtype, rng,
+                        sizes={r: (sum(r + peer + 1 for peer in range(size)), dtype) for r in members})
+            _collective(ranks, members, "uneven-all-reduce", "all_reduce", group, p.numel, dtype, rng)
+        reasons = {r: "exit" for r in ranks}
     elif p.kind == "link":
         for step in range(p.step + 1):
             _collective(ranks, members, "link-all-reduce", "all_reduce", group, numel, dtype, rng,
@@ -191,9 +198,25 @@ def scenario_dumps(kind: str, seed: int, max_world: int = 8) -> list[dict]:
     """Every rank's dump (rank order) after the scenario :func:`~.faults.draw` makes from
     ``seed``: the flight recorder's format, as ``launch.run(..., flight_recorder=DIR)``
     leaves it. Takes about a millisecond."""
+    if kind == HEALTHY:
+        return healthy_dumps(seed, max_world)
     if kind not in KINDS:
-        raise ValueError(f"unknown fault {kind!r}; the faults are {', '.join(KINDS)}")
+        raise ValueError(f"unknown fault {kind!r}; the faults are {', '.join(KINDS)} (and {HEALTHY!r})")
     return dumps_for(draw(kind, seed, max_world), seed)
+
+
+HEALTHY = "uneven"      # a run with nothing wrong in it, whose all-to-alls have uneven splits
+
+
+def healthy_dumps(seed: int, max_world: int = 8) -> list[dict]:
+    """The dumps of a healthy run (``more_faults``' "uneven"): every step an
+    ``all_to_all_single`` whose splits differ from rank to rank -- rank r sends r + peer + 1
+    elements to each peer -- then an all-reduce; the world of 2 to ``max_world`` ranks and
+    the number of steps drawn from ``seed``. Every check must find nothing in it."""
+    rng = random.Random(f"{HEALTHY}:{seed}")
+    world = rng.randint(2, max(2, max_world))
+    return dumps_for(Params(HEALTHY, world, tuple(range(world)), culprit=0, step=0, steps=rng.randint(3, 6),
+                            numel=rng.choice((1, 7, 100))), seed)
 
 
 def dumps_for(p: Params, seed: int = 0) -> list[dict]:
@@ -218,4 +241,30 @@ def dumps_for(p: Params, seed: int = 0) -> list[dict]:
             "entries_recorded": len(me.entries), "network": network, "entries": me.entries,
             "pg_config": {e["process_group"][0]: {"name": e["process_group"][0], "desc": e["process_group"][1],
                                                   "ranks": e["pg_ranks"]} for e in me.entries}})
+    return dumps
+
+
+_NAMES = ("train_step", "sync_gradients", "exchange_halo", "update", "run_epoch", "reduce_loss", "step",
+          "backward_hook", "shard_sync", "loop_body")
+
+
+def handmade_dumps(kind: str, seed: int, max_world: int = 8) -> list[dict]:
+    """The same scenario's dumps as if another program had made them: every function and file
+    name of the frames replaced (consistently) by others drawn from ``seed``, the lines moved,
+    and the dumps in another order. What the checks must find is unchanged: they read calls,
+    not names."""
+    dumps = scenario_dumps(kind, seed, max_world)
+    rng = random.Random(f"handmade:{kind}:{seed}")
+    names: dict[str, str] = {}
+    files: dict[str, str] = {}
+    shift = rng.randrange(1, 400)
+    for dump in dumps:
+        for entry in dump["entries"]:
+            frames = []
+            for frame in entry["frames"]:
+                name = names.setdefault(frame["name"], f"{rng.choice(_NAMES)}_{rng.randrange(10**4)}")
+                path = files.setdefault(frame["filename"], f"/srv/job{rng.randrange(10**6)}/{rng.choice(_NAMES)}.py")
+                frames.append({"name": name, "filename": path, "line": frame["line"] + shift})
+            entry["frames"] = frames
+    rng.shuffle(dumps)
     return dumps

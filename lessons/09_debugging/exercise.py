@@ -15,8 +15,9 @@ Check your work:
     .venv/bin/python lessons/09_debugging/exercise.py --task 3 --verbose   # one task, every problem
     make grade LESSON=09                                          # the same verdicts, as points
 
-The checks are the grader's: every fault, on scenarios drawn from seeds nobody sees, a new
-set on every run, each answer compared with what the scenario's own parameters say. Try
+The checks are the grader's: every fault and a healthy run with uneven all-to-alls, on
+scenarios drawn from seeds nobody sees, a new set on every run, each answer compared with
+what the scenario's own parameters say. Try
 your functions first on the lab's scenarios, or on ``scenario_dumps(kind, seed)`` with the
 public seeds 0-5 and ``expected(draw(kind, seed))``.
 
@@ -101,6 +102,7 @@ LESSON = 9
 MIN_LAG = 0.02              # seconds: a straggler keeps the others waiting at least this long (median)
 MIN_COLLECTIVES = 3         # collectives every rank entered, before anyone is called a straggler
 FIELDS = ("operation", "sizes", "dtype")
+UNEVEN = ("all_to_all", "all_to_all_single")   # sizes that may differ from rank to rank, by design
 
 
 # ---- task 1: who never came ---------------------------------------------------------------------
@@ -132,7 +134,9 @@ def find_mismatch(dumps: list[dict]) -> list[Mismatch]:
     TODO:     for each group, for each seq every member has in its dump (ascending): compare
               the members' calls on FIELDS in order -- "operation" (``op_of``), "sizes"
               (``str`` of ``input_sizes[0]`` for one tensor, of the list for several),
-              "dtype" (``",".join(input_dtypes)``). At the first field that takes more than
+              "dtype" (``",".join(input_dtypes)``); an ``all_to_all``/``all_to_all_single``'s
+              sizes are not compared (UNEVEN: its inputs may differ from rank to rank). At the
+              first field that takes more than
               one value: the expected value is ``majority({rank: value})``; report
               ``Mismatch(group ranks, seq, field, ranks whose value differs,
               tuple(sorted({rank: value}.items())))`` and go on to the next group.

@@ -1,21 +1,21 @@
 """``.venv/bin/python -m collectives bench-recorder``: what lesson 9's flight recorder costs per call.
 
-Three measurements, printed as a table and written as JSON (with the device, versions,
-date and command) to ``--out``:
+Measured in the real call path, and written as JSON (with the device, versions, date and
+command) to ``--out``, and as the lesson page's record with ``--record``:
 
-* **the recorder alone** (one rank, no communication, CPU time): the listener a traced call
-  tells of its call, then of its start and its completion -- what the recorder adds to any
-  call, whatever else shares the cores;
 * **per call in a world** (``--world`` ranks, gloo on CPU, NCCL with a GPU per rank): a loop
   of ``all_reduce`` at each of ``--sizes``, and of a ring exchange (``isend`` + ``irecv`` +
-  two waits), timed with the recorder off and on in alternating blocks (the median of
-  ``--blocks``, each ``--iters`` calls, slowest rank);
+  two waits), three ways in rotating order within each of ``--blocks`` blocks of
+  ``--iters`` calls: **plain** (torch's own functions, nothing wrapped), **wrapped** (the
+  course's trace wrappers, no listener: what every launched world runs) and **recorded**
+  (wrapped, with the flight recorder on). Each is given as the median and quartiles of its
+  blocks (slowest rank): the spread says how far a difference can be trusted;
+* **the recorder alone** (one rank, no communication, CPU time): the listener a traced call
+  tells of its call, then of its start and its completion;
 * **torch's DETAIL check** on the same all-reduce loop (``TORCH_DISTRIBUTED_DEBUG=DETAIL``,
   a world of its own), for scale: it runs a barrier and an all-gather before each call.
-
-Every world here is traced (the launcher wraps ``torch.distributed``), so "off" is the course's
-ordinary call and the difference is the recorder's own.
 """
+
 
 from __future__ import annotations
 
@@ -89,25 +89,49 @@ def _per_call(fn, iters: int, device) -> float:
     return timing.measure_back_to_back(fn, iters=iters, device=device)
 
 
+MODES = ("plain", "wrapped", "recorded")
+
+
+def _spread(times: list[float]) -> dict:
+    """Median and quartiles of per-call seconds, one value per block."""
+    q1, median, q3 = statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1 else times * 3
+    return {"median": median, "q1": q1, "q3": q3, "blocks": list(times)}
+
+
+def _mode(mode: str, directory: str) -> None:
+    """Put this rank's call path in ``mode``: torch's functions, wrapped, or wrapped and recorded."""
+    flight_recorder.stop()
+    if mode == "plain":
+        trace.uninstall()
+        return
+    trace.install(dist.get_rank())
+    if mode == "recorded":
+        flight_recorder.start(directory, buffer_size=2000)
+
+
 def compare_in_world(sizes: list[int], iters: int, blocks: int) -> dict:
-    """On every rank: each loop off and on the recorder, alternating blocks; rank 0's table."""
+    """On every rank: each loop plain, wrapped and recorded, in rotating order per block."""
     device = verify.rank_device()
     directory = tempfile.mkdtemp(prefix="collectives-bench-recorder-")
     rows = []
-    for nbytes in sizes:
-        for name, fn in _loops(nbytes, device).items():
-            if name != "all_reduce" and dist.get_world_size() < 2:
-                continue
-            off, on = [], []
-            for _ in range(blocks):
-                off.append(_per_call(fn, iters, device))
-                flight_recorder.start(directory, buffer_size=2000)
-                try:
-                    on.append(_per_call(fn, iters, device))
-                finally:
-                    flight_recorder.stop()
-            rows.append(dict(call=name, nbytes=nbytes, off=statistics.median(off), on=statistics.median(on)))
-    shutil.rmtree(directory, ignore_errors=True)
+    try:
+        for nbytes in sizes:
+            for name, fn in _loops(nbytes, device).items():
+                if name != "all_reduce" and dist.get_world_size() < 2:
+                    continue
+                times: dict[str, list[float]] = {m: [] for m in MODES}
+                for block in range(blocks):
+                    for i in range(len(MODES)):
+                        mode = MODES[(block + i) % len(MODES)]
+                        _mode(mode, directory)
+                        times[mode].append(_per_call(fn, iters, device))
+                row = {"call": name, "nbytes": nbytes, **{m: _spread(times[m]) for m in MODES}}
+                row["added"] = row["recorded"]["median"] - row["wrapped"]["median"]
+                rows.append(row)
+    finally:
+        flight_recorder.stop()
+        trace.install(dist.get_rank())
+        shutil.rmtree(directory, ignore_errors=True)
     return dict(rows=rows, listener=listener_seconds(max(2000, 50 * iters)))
 
 
@@ -159,11 +183,14 @@ def tour_runner(nbytes: int) -> dict:
                 bytes_theory=cost.cost("ring", x.numel() * 4, p).bytes_per_rank)
 
 
+def _us(spread: dict) -> str:
+    return f"{spread['median'] * 1e6:.1f} ({spread['q1'] * 1e6:.1f}-{spread['q3'] * 1e6:.1f})"
+
+
 def _row_text(r: dict) -> str:
-    off, on = r["off"] * 1e6, r["on"] * 1e6
-    detail = f"{r['detail'] * 1e6:10.1f}" if "detail" in r else f"{'-':>10}"
-    return (f"{r['call']:>12} {timing.human_bytes(r['nbytes']):>8} {off:10.1f} {on:10.1f} "
-            f"{on - off:+9.1f} {on / off:7.3f} {detail}")
+    detail = f"{r['detail'] * 1e6:.1f}" if "detail" in r else "-"
+    return (f"{r['call']:>12} {timing.human_bytes(r['nbytes']):>8} " + " ".join(f"{_us(r[m]):>22}" for m in MODES)
+            + f" {r['added'] * 1e6:+9.1f} {detail:>10}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,8 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", choices=("gloo", "nccl"), default=None,
                         help="default: nccl when there is a GPU per rank, else gloo")
     parser.add_argument("--out", default="build/bench-recorder", help="directory for recorder.json")
+    parser.add_argument("--record", default="", help="also write the lesson page's record (09-bench-recorder.json) "
+                        "into this directory (docs/img for the site)")
     parser.add_argument("--snippet", default="", help="also write the table as Markdown here, with its JSON beside "
-                        "it (the lesson page includes docs/snippets/bench-recorder.md)")
+                        "it (the page itself reads the record of --record)")
     args = parser.parse_args(argv)
     sizes = [timing.parse_size(s) for s in args.sizes.split(",") if s]
     backend = args.backend or launch.auto_backend(args.world)
@@ -190,9 +219,9 @@ def main(argv: list[str] | None = None) -> int:
                             timeout=1800, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})[0]
         for row, d in zip((r for r in result["rows"] if r["call"] == "all_reduce"), detail):
             row["detail"] = d["detail"]
-    print(f"flight recorder, {args.world} ranks, {backend}: µs per call, median of {args.blocks} blocks "
-          f"of {args.iters} calls (slowest rank)")
-    print(f"{'call':>12} {'size':>8} {'off':>10} {'on':>10} {'added':>9} {'on/off':>7} {'DETAIL':>10}")
+    print(f"flight recorder, {args.world} ranks, {backend}: µs per call, median (quartiles) of {args.blocks} "
+          f"blocks of {args.iters} calls (slowest rank)")
+    print(f"{'call':>12} {'size':>8} " + " ".join(f"{m:>22}" for m in MODES) + f" {'added':>9} {'DETAIL':>10}")
     for r in result["rows"]:
         print(_row_text(r))
     print(f"the recorder alone: {result['listener'] * 1e6:.2f} µs of CPU per call (posted, started, completed)")
@@ -201,12 +230,16 @@ def main(argv: list[str] | None = None) -> int:
                 date=started.isoformat(timespec="seconds"), torch=torch.__version__,
                 python=platform.python_version(), backend=backend, world_size=args.world, iters=args.iters,
                 blocks=args.blocks, host=platform.node(), cpus=os.cpu_count(),
-                device=torch.cuda.get_device_name(0) if backend == "nccl" else _cpu_name())
+                device=torch.cuda.get_device_name(0) if backend == "nccl" else _cpu_name(),
+                nccl=".".join(map(str, torch.cuda.nccl.version())) if backend == "nccl" else None,
+                gpus=torch.cuda.device_count() if backend == "nccl" else 0, commit=_commit())
     record = {"meta": meta, "listener_seconds": result["listener"], "rows": result["rows"]}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "recorder.json").write_text(json.dumps(record, indent=1))
     print(f"wrote {out / 'recorder.json'}")
+    if args.record:
+        print(f"wrote {page_record(record).save(Path(args.record) / '09-bench-recorder')}")
     if args.snippet:
         snippet = Path(args.snippet)
         snippet.parent.mkdir(parents=True, exist_ok=True)
@@ -216,19 +249,69 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def markdown(record: dict) -> str:
-    """The lesson page's table, from a run's record: what was measured, where, and how."""
+def _commit() -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+NAMES = {"plain": "torch's own call", "wrapped": "the course's wrapped call",
+         "recorded": "the wrapped call with the recorder on"}
+
+
+def page_record(record: dict):
+    """The lesson page's record (``{{ claim: 09-bench-recorder ID }}``, ``{{ table: ... }}``)."""
+    from ..site import claims
+
     m = record["meta"]
+    page = claims.Record("09-bench-recorder", names=NAMES, meta=dict(m),
+                         title="What the flight recorder costs per call")
+    rows = [r for r in record["rows"] if r["call"] == "all_reduce"]
+    small = min(rows, key=lambda r: r["nbytes"])
+    size = timing.human_bytes(small["nbytes"])
+    where = f"an all_reduce of {size} on {m['world_size']} ranks, {m['backend']}"
+    page.times("call-path", {k: small[k]["median"] for k in MODES}, baseline="plain", where=where)
+    us = {k: small[k]["median"] * 1e6 for k in MODES}
+    overlap = small["recorded"]["q1"] <= small["wrapped"]["q3"] and small["wrapped"]["q1"] <= small["recorded"]["q3"]
+    page.fact("alpha", f"On {m['device']}, {where} takes {us['plain']:.1f} µs with nothing wrapped (median of "
+              f"{m['blocks']} blocks; quartiles {small['plain']['q1'] * 1e6:.1f} to {small['plain']['q3'] * 1e6:.1f}"
+              " µs): this is the α the recorder's cost is set against.", microseconds=us["plain"])
+    page.fact("added", f"There, recording adds {us['recorded'] - us['wrapped']:+.1f} µs per call to the wrapped call "
+              f"({us['wrapped']:.1f} µs, quartiles {small['wrapped']['q1'] * 1e6:.1f} to "
+              f"{small['wrapped']['q3'] * 1e6:.1f}; recorded {us['recorded']:.1f} µs, quartiles "
+              f"{small['recorded']['q1'] * 1e6:.1f} to {small['recorded']['q3'] * 1e6:.1f}), and the wrapping itself "
+              f"{us['wrapped'] - us['plain']:+.1f} µs to torch's call: "
+              f"{(us['recorded'] - us['plain']) / us['plain'] * 100:+.0f} % in all on the smallest call"
+              + (" -- the quartiles of the wrapped and the recorded call overlap: in this run the difference is "
+                 "within the noise of the machine." if overlap else " -- the quartiles do not overlap."),
+              microseconds=us["recorded"] - us["wrapped"], quartiles_overlap=overlap)
+    page.fact("listener", f"The recorder's own work, timed alone: {record['listener_seconds'] * 1e6:.2f} µs of CPU "
+              "per call (posted, started, completed).", microseconds=record["listener_seconds"] * 1e6)
+    page.fact("source", f"Measured by `{m['command']}` on {m['device']} ({m.get('cpus', '?')} cores"
+              + (f", {m['gpus']} GPUs, NCCL {m['nccl']}" if m.get("nccl") else "")
+              + f"), {m['world_size']} ranks, {m['backend']}, torch {m['torch']}, {str(m['date'])[:10]}: µs per call, "
+              f"median (quartiles) of {m['blocks']} blocks of {m['iters']} calls, slowest rank.")
+    page.table = {"head": ["call", "size", "torch's call", "wrapped", "wrapped + recorded", "recorded − wrapped",
+                           "under DETAIL"],
+                  "rows": [[f"`{r['call']}`", timing.human_bytes(r["nbytes"])] + [_us(r[k]) for k in MODES]
+                           + [f"{r['added'] * 1e6:+.1f}", f"{r['detail'] * 1e6:.1f}" if "detail" in r else "--"]
+                           for r in record["rows"]]}
+    page.caption = page.text("alpha", "added")
+    return page
+
+
+def markdown(record: dict) -> str:
+    """The table as Markdown, from a run's record: what was measured, where, and how."""
+    m = record["meta"]
+    page = page_record(record)
     lines = [f"`{m['command']}` on {m['device']} ({m['cpus']} cores), {m['world_size']} ranks, {m['backend']}, "
-             f"torch {m['torch']}, Python {m['python']}, {m['date'][:10]}: µs per call, median of {m['blocks']} "
-             f"blocks of {m['iters']} calls, slowest rank.", "",
-             "| call | size | recorder off | recorder on | added | on ÷ off | under DETAIL |",
-             "|---|---|---|---|---|---|---|"]
-    for r in record["rows"]:
-        off, on = r["off"] * 1e6, r["on"] * 1e6
-        detail = f"{r['detail'] * 1e6:.1f}" if "detail" in r else "--"
-        lines.append(f"| `{r['call']}` | {timing.human_bytes(r['nbytes'])} | {off:.1f} | {on:.1f} | {on - off:+.1f} "
-                     f"| {on / off:.3f} | {detail} |")
-    lines += ["", f"The recorder's own work, timed alone (CPU time): **{record['listener_seconds'] * 1e6:.2f} µs per "
-                  "call** (posted, started, completed).", ""]
+             f"torch {m['torch']}, Python {m['python']}, {m['date'][:10]}: µs per call, median (quartiles) of "
+             f"{m['blocks']} blocks of {m['iters']} calls, slowest rank.", "",
+             "| " + " | ".join(page.table["head"]) + " |", "|" + "---|" * len(page.table["head"])]
+    lines += ["| " + " | ".join(row) + " |" for row in page.table["rows"]]
+    lines += ["", page.text("listener"), ""]
     return "\n".join(lines)

@@ -8,7 +8,8 @@
 
 Prints one numbered finding per problem -- a rank that never entered collective #k, a
 mismatch at #k, a cycle of waits, a dead rank, a link down, a straggler -- each naming
-ranks, sequence numbers and source lines (:mod:`collectives.debugging`). Exit status 0 when
+ranks, sequence numbers and source lines (:mod:`collectives.debugging`); a file it cannot
+use is one line ("rank 1: unreadable dump, ..."), never a traceback. Exit status 0 when
 nothing was found, 1 when something was, 2 when there was nothing to read.
 """
 
@@ -20,7 +21,7 @@ import sys
 import tempfile
 from dataclasses import asdict
 
-from ...debugging import KINDS, LAB, diagnose, draw, load_dumps, report, run_scenario
+from ...debugging import KINDS, LAB, diagnose, draw, read_dumps, report, run_scenario
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,13 +46,18 @@ def main(argv: list[str] | None = None) -> int:
         print("give a dump directory, or --run FAULT", file=sys.stderr)
         return 2
     try:
-        dumps, world = load_dumps(args.directory)
+        found = read_dumps(args.directory)
     except FileNotFoundError as exc:
         print(exc, file=sys.stderr)
         return 2
-    findings = diagnose(dumps, world)
+    try:
+        findings = diagnose(found.dumps, found.world, skipped=found.left_out)
+    except Exception as exc:  # noqa: BLE001 - one line, never a traceback
+        print(f"could not analyse the dumps of {args.directory}: {type(exc).__name__}: {exc}".splitlines()[0],
+              file=sys.stderr)
+        return 2
     if args.json:
-        print(json.dumps([asdict(f) for f in findings], indent=1))
+        print(json.dumps({"notes": found.notes, "findings": [asdict(f) for f in findings]}, indent=1))
     else:
-        print(report(findings, dumps))
-    return 1 if findings else 0
+        print(report(findings, found.dumps, found.notes))
+    return 1 if findings or found.notes else 0

@@ -78,6 +78,12 @@ class Probe:
         """A seed for ``key`` drawn from this rank's secret; :meth:`Run.seed` gives the same."""
         return seed_of(self.secret, key)
 
+    def note(self, item: Any) -> None:
+        """Tell the judge ``item`` (plain data) before any of the student's code runs: what the
+        probe drew for itself, so that no memory the student's code can read holds it then
+        (notes sent after the first :meth:`call` are not read)."""
+        self._sink(("note", item))
+
     def call(self, key: str, fn: Callable, *args, **kwargs) -> Outcome:
         """``fn(*args, **kwargs)`` with its calls recorded under ``key``; errors become an Outcome."""
         name = getattr(fn, "__name__", "the function")
@@ -120,6 +126,7 @@ class Run:
     loose: list[list[Call]]                      # per rank: calls outside every case
     complete: list[bool] = field(default_factory=list)
     check_traffic: bool = False                  # check mode's store calls are the course's own
+    notes: list[list[Any]] = field(default_factory=list)   # per rank: the probe's notes (Probe.note)
 
     def seed(self, rank: int, key: str) -> int:
         return seed_of(self.secrets[rank], key)
@@ -148,18 +155,24 @@ class Run:
         return out
 
 
-def _split(stream: list[Any]) -> tuple[dict[str, list[Call]], list[Call]]:
+def _split(stream: list[Any]) -> tuple[dict[str, list[Call]], list[Call], list[Any]]:
+    """The calls by case, the calls outside every case, and the probe's notes: ``("note", x)``
+    items sent before the first case (before any of the student's code ran)."""
     calls: dict[str, list[Call]] = {}
     loose: list[Call] = []
-    key = None
+    notes: list[Any] = []
+    key, cases = None, False
     for item in stream:
         if isinstance(item, tuple) and len(item) == 2 and item[0] in ("case", "end"):
             key = item[1] if item[0] == "case" else None
+            cases = True
             if key is not None:
                 calls.setdefault(key, [])
         elif isinstance(item, Call):
             (calls[key] if key is not None else loose).append(item)
-    return calls, loose
+        elif isinstance(item, tuple) and len(item) == 2 and item[0] == "note" and not cases:
+            notes.append(item[1])
+    return calls, loose, notes
 
 
 class Grading:
@@ -190,8 +203,8 @@ class Grading:
                                  timeout=timeout or self.timeout, check=self.check, secrets=True,
                                  stream=True, machines=machines, backend=self.backend)
         split = [_split(s) for s in world.streams]
-        return Run(world_size, world.secrets, world.results, [c for c, _ in split], [lo for _, lo in split],
-                   world.complete, check_traffic=self.check)
+        return Run(world_size, world.secrets, world.results, [c for c, _, _ in split], [lo for _, lo, _ in split],
+                   world.complete, check_traffic=self.check, notes=[n for _, _, n in split])
 
 
 class InWorldGrading(Grading):
@@ -230,8 +243,8 @@ class InWorldGrading(Grading):
         store.wait(keys)
         gathered = [pickle.loads(v) for v in store.multi_get(keys)]
         split = [_split(calls) for _, _, calls in gathered]
-        return Run(size, [g[0] for g in gathered], [g[1] for g in gathered], [c for c, _ in split],
-                   [lo for _, lo in split], [], check_traffic=True)
+        return Run(size, [g[0] for g in gathered], [g[1] for g in gathered], [c for c, _, _ in split],
+                   [lo for _, lo, _ in split], [], check_traffic=True, notes=[n for _, _, n in split])
 
 
 _ROUNDS = itertools.count(1)     # the store keys of in-world rounds (the same on every rank)
