@@ -8,7 +8,7 @@
 No torchrun: the script starts one process per GPU itself (:func:`collectives.core.launch.run`,
 ``backend="nccl"``). NVLink multicast stays off: ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``,
 ``NCCL_NVLS_ENABLE=0`` and ``NVSHMEM_DISABLE_NVLS=1`` are set below before torch is imported,
-and passed on to every rank; nothing calls a ``multimem_*`` op.
+and passed on to every rank; nothing calls a multicast (multimem) op.
 
 Writes into DIR, every file with the device, GPU count, torch and NCCL versions, date,
 command and git commit:

@@ -19,7 +19,7 @@ a launch per peer and reads the running sum back each time: the Triton kernels o
 :mod:`collectives.symmetric.triton_allreduce` do it in one launch. Both keep NVLink
 multicast off: :func:`no_multicast` sets ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``,
 ``NCCL_NVLS_ENABLE=0`` and ``NVSHMEM_DISABLE_NVLS=1``, and nothing here calls a
-``multimem_*`` op.
+multicast (multimem) op.
 
 Everything imports lazily: on a machine without CUDA this module imports and does nothing.
 """
@@ -113,7 +113,7 @@ def torch_two_shot(buf: SymmetricBuffer, numel: int) -> None:
 def symm_mem_ops() -> dict:
     """torch's own one-shot and two-shot on symmetric memory, where the installed torch has
     them (``torch.ops.symm_mem.one_shot_all_reduce``, ``two_shot_all_reduce_``: loads from
-    the peers' buffers; the multicast variants are the ``multimem_*`` ones, never used)."""
+    the peers' buffers; the multicast (multimem) variants are never used)."""
     import torch.distributed._symmetric_memory  # noqa: F401 - registers torch.ops.symm_mem
 
     ops = {}

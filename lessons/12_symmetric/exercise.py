@@ -149,7 +149,7 @@ def triton_one_shot(handle, numel: int, dtype: torch.dtype, out: torch.Tensor) -
     EXAMPLE:  2 GPUs, 1 MiB of bf16: one launch, no NCCL call, equal to ``dist.all_reduce``.
     HINT:     ``collectives/symmetric/triton_barrier.py`` and ``triton_allreduce.py`` are the
               reference; ``.venv/bin/python tools/gpu_lesson12.py --out DIR --exercise`` checks
-              yours against NCCL. Never NVLink multicast: no ``multimem_*``; keep
+              yours against NCCL. Never NVLink multicast: no multicast (multimem) ops; keep
               ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` and ``NCCL_NVLS_ENABLE=0``.
     CALLS:    none
     """

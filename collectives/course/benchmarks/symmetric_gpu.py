@@ -9,7 +9,7 @@ symmetric-memory all-reduce writes its tensor into the buffer; that copy is not 
 
 * ``nccl``: ``dist.all_reduce`` in place;
 * ``symm_one_shot``, ``symm_two_shot``: ``torch.ops.symm_mem.one_shot_all_reduce`` and
-  ``two_shot_all_reduce_`` (loads from peers' buffers; not the ``multimem_*`` variants);
+  ``two_shot_all_reduce_`` (loads from peers' buffers; not the multicast (multimem) variants);
 * ``triton_one_shot``, ``triton_two_shot``: the lesson's kernels
   (:mod:`collectives.symmetric.triton_allreduce`), where Triton is installed;
 * ``torch_one_shot``, ``torch_two_shot``: the lesson's plain-torch versions
