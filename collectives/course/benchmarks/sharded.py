@@ -114,9 +114,13 @@ def _bench_in_rank(names, layers, width, batch, iters, backend, hybrid_rpm=2) ->
     g = torch.Generator().manual_seed(dist.get_rank())
     xs = [torch.randn(batch, width, generator=g).to(device) for _ in range(2)]
     for name in names:
+        before = 0
         if device.type == "cuda":
+            import gc
+            gc.collect()                        # what an earlier contender left is not this one's
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
         fwd, step, mem = _contender(name, layers, width, device, hybrid_rpm)
         times, memory = [], None
         for i in range(iters + 1):
@@ -130,8 +134,9 @@ def _bench_in_rank(names, layers, width, batch, iters, backend, hybrid_rpm=2) ->
             if i > 0:                           # the first step builds the optimizer state
                 times.append(time.perf_counter() - t0)
         row = dict(name=name, seconds=statistics.median(times), times=times, memory=memory)
-        if device.type == "cuda":
-            row["max_memory_allocated"] = torch.cuda.max_memory_allocated(device)
+        if device.type == "cuda":                 # the peak above what was allocated before it began
+            row["max_memory_allocated"] = torch.cuda.max_memory_allocated(device) - before
+            row["allocated_before"] = before
         if hasattr(fwd, "close"):
             fwd.close()
         rows.append(row)
