@@ -28,6 +28,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from collectives import launch, ops, timing  # noqa: E402
+from gpu_hierarchical import _in_flight  # noqa: E402  (tools/, beside this script)
 
 
 def _host(fn, device, reps=30) -> float:
@@ -105,13 +106,7 @@ def rank_fn(numel: int) -> dict:
     reducer = HierarchicalAllReducer(layout=layout)
 
     def inflight(k):
-        window = []
-        for b in buckets:
-            if len(window) == k:
-                window.pop(0).wait()
-            window.append(reducer.all_reduce(b))
-        for h in window:
-            h.wait()
+        _in_flight(reducer, buckets, k)
 
     def flat():
         for w in [dist.all_reduce(b, async_op=True) for b in buckets]:
