@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from gpu_hierarchical import _in_flight  # noqa: E402  (tools/, beside this script)
 
 from collectives import launch, ops, timing  # noqa: E402
-from gpu_hierarchical import _in_flight  # noqa: E402  (tools/, beside this script)
 
 
 def _host(fn, device, reps=30) -> float:
