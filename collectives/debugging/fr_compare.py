@@ -1,6 +1,6 @@
 """The same dumps read by torch's ``fr_trace``: what it says of each fault, beside the analyzer.
 
-torch's analyzer (``python -m torch.distributed.flight_recorder.fr_trace DIR``) reads one
+torch's analyzer (``.venv/bin/python -m torch.distributed.flight_recorder.fr_trace DIR``) reads one
 pickled dump per rank, ``<prefix><rank>``, in the format of torch's own Flight Recorder.
 :func:`export` writes the course's dumps in that format (the fields are the same; the
 group's ranks become the string torch writes, an ``isend`` a ``send``), :func:`fr_trace_says`
