@@ -198,3 +198,19 @@ def test_check_mode_compares_what_the_caller_names_and_names_a_rank_that_skipped
         assert skipped[rank].startswith("skipped_demo: rank 2 did not make checked call 1 on the world"), skipped
 
 
+
+
+def test_a_graded_worlds_results_come_back_as_data_and_a_foreign_answer_equals_nothing():
+    """What a graded rank returns is read as data: ``mock.ANY`` and an object of a class of its
+    own, which say they equal anything, equal nothing in the launcher; plain data, tensors and
+    dtypes come back as they were. A world without secrets is read as before."""
+    import torch
+
+    sealed = launch.run_world(workers.answers_equal_to_anything, 1, secrets=True, timeout=60).results[0]
+    assert sealed["any"] != 1 and not sealed["any"] == sealed["any"]
+    assert sealed["mine"] != 0 and not sealed["mine"] == "anything"
+    assert "not plain data" in repr(sealed["any"]) and "EqualToEverything" in repr(sealed["mine"])
+    assert sealed["data"] == [1, "two", (3.0, None)] and sealed["dtype"] is torch.bfloat16
+    assert torch.equal(sealed["tensor"], torch.tensor([1, 4]))
+    plain = launch.run(workers.answers_equal_to_anything, 1, timeout=60)[0]
+    assert plain["any"] == 1                   # the ordinary path rebuilds it: only graded worlds are sealed

@@ -284,3 +284,20 @@ def rank_one_is_killed():
 
 def launcher_tag():
     return os.environ.get("COLLECTIVES_LAUNCHER", "")
+
+
+class EqualToEverything:
+    """A rank's answer that says it equals anything (a cheat a judge must not be fooled by)."""
+
+    def __eq__(self, other):
+        return True
+
+    __hash__ = object.__hash__
+
+
+def answers_equal_to_anything():
+    from unittest import mock
+
+    import torch
+    return {"any": mock.ANY, "mine": EqualToEverything(), "data": [1, "two", (3.0, None)],
+            "tensor": torch.arange(6).reshape(2, 3)[:, 1], "dtype": torch.bfloat16}

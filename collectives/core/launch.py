@@ -275,7 +275,8 @@ def run_world(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwa
                 end.close()
         received: list[list[Any]] = [[] for _ in range(world_size)]
         try:
-            results, counts = _collect(procs, conns, board, timeout, stderr_paths, streams, received, oom_before)
+            results, counts = _collect(procs, conns, board, timeout, stderr_paths, streams, received, oom_before,
+                                       sealed=secrets)
         except (WorldTimeout, RankError) as exc:
             if recorder_dir:        # every live rank dumps its calls before it is stopped
                 flight_dumps.dump_world(recorder_dir, procs, lambda r: board.read(r)[0], exc, run_id)
@@ -313,7 +314,8 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def _collect(procs, conns, board, timeout, stderr_paths, streams=None, received=None, oom_before=None):
+def _collect(procs, conns, board, timeout, stderr_paths, streams=None, received=None, oom_before=None,
+             sealed: bool = False):
     """Every rank's result (and the count of objects it sent on its stream), reading the
     streams as they come; raises :class:`RankError` or :class:`WorldTimeout`."""
     world_size = len(procs)
@@ -359,10 +361,14 @@ def _collect(procs, conns, board, timeout, stderr_paths, streams=None, received=
         for conn in ready:
             rank = pending.pop(conn)
             try:
-                status, value, tb, counts[rank] = pickle.loads(conn.recv_bytes())
+                # a graded world's result is read as data: no class of the rank's own is rebuilt here
+                status, value, tb, counts[rank] = (channels.sealed_loads if sealed else pickle.loads)(conn.recv_bytes())
                 if rank in by_rank and by_rank[rank] in open_streams:
                     # everything it sent before its result is in the pipe already
                     channels.drain(by_rank[rank], received[rank])
+            except pickle.UnpicklingError as exc:     # a graded rank sent what is not data
+                errors[rank] = (f"its result could not be read as data: {exc}", "", time.monotonic())
+                continue
             except (EOFError, OSError):
                 procs[rank].join(timeout=1)
                 code = procs[rank].exitcode
