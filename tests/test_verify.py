@@ -168,3 +168,13 @@ def test_the_harness_catches_ranks_that_end_with_different_bits():
 
 def _waived():
     return verify.check_all_reduce(ar_nudges_one_rank, quick=True, identical_bits=False)
+
+
+def test_every_case_has_a_name_of_its_own_at_every_world_size():
+    """A judge keys each case's record by its name: two cases of one name would be judged as
+    one (at p = 2, "fewer elements than ranks" is the one-element case)."""
+    from collectives.course.cases import default_cases
+    for p in range(1, 9):
+        for quick in (False, True):
+            names = [c.name for c in default_cases(p, quick=quick)]
+            assert len(names) == len(set(names)), (p, quick, sorted(n for n in names if names.count(n) > 1))

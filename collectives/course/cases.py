@@ -71,8 +71,10 @@ def default_cases(world_size: int, *, quick: bool = False, large: bool = True) -
             if quick and op not in (ReduceOp.SUM, ReduceOp.MAX) and dtype != torch.float32:
                 continue
             cases.append(Case(odd, dtype, op))
-    # sizes that break naive chunking: empty, one element, fewer elements than ranks
-    sizes = [0, 1, max(p - 1, 1), 7 * p + 3]
+    # sizes that break naive chunking: empty, one element, fewer elements than ranks -- each
+    # once: at p = 2 "fewer than ranks" is one element, and two cases of one name would be
+    # judged as one (their messages counted together)
+    sizes = list(dict.fromkeys([0, 1, max(p - 1, 1), 7 * p + 3]))
     for n in sizes:
         cases.append(Case(n, torch.float32, ReduceOp.SUM))
         if not quick:
