@@ -34,8 +34,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ...core import cost, flight_recorder, launch, timing, trace
+from ...core import cost, flight_recorder, launch, ops, timing, trace
 from .. import verify
+from ..site.claims import commit
 
 DEFAULT_SIZES = "4,4K,1M"
 
@@ -78,8 +79,9 @@ def _loops(nbytes: int, device):
     rank, p = dist.get_rank(), dist.get_world_size()
 
     def exchange():
-        works = [dist.irecv(back, (rank - 1) % p), dist.isend(out, (rank + 1) % p)]
-        for w in works:
+        # posted together (one batch on NCCL: a receive and a send posted one by one to the same
+        # peer wait for each other there, and the ring of two never moved)
+        for w in ops.post_exchange([(back, (rank - 1) % p)], [(out, (rank + 1) % p)]):
             w.wait()
     return {"all_reduce": lambda: dist.all_reduce(x), "isend+irecv": exchange}
 
@@ -232,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                 blocks=args.blocks, host=platform.node(), cpus=os.cpu_count(),
                 device=torch.cuda.get_device_name(0) if backend == "nccl" else _cpu_name(),
                 nccl=".".join(map(str, torch.cuda.nccl.version())) if backend == "nccl" else None,
-                gpus=torch.cuda.device_count() if backend == "nccl" else 0, commit=_commit())
+                gpus=torch.cuda.device_count() if backend == "nccl" else 0, commit=commit())
     record = {"meta": meta, "listener_seconds": result["listener"], "rows": result["rows"]}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -247,16 +249,6 @@ def main(argv: list[str] | None = None) -> int:
         snippet.with_suffix(".json").write_text(json.dumps(record, indent=1))
         print(f"wrote {snippet} and {snippet.with_suffix('.json')}")
     return 0
-
-
-def _commit() -> str:
-    import subprocess
-
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
 
 
 NAMES = {"plain": "torch's own call", "wrapped": "the course's wrapped call",
