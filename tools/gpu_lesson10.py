@@ -127,8 +127,8 @@ def _checks():
 
 
 def _meta(argv) -> dict:
-    from collectives.course.site.claims import commit as _commit
-    commit = _commit()
+    from collectives.course.site import claims
+    commit = claims.commit()
     return {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU",
             "gpus": torch.cuda.device_count(), "torch": torch.__version__,
             "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,

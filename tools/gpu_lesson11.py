@@ -48,8 +48,8 @@ from collectives import launch, ops  # noqa: E402
 
 
 def _meta(p: int, argv: list[str]) -> dict:
-    from collectives.course.site.claims import commit as _commit
-    commit = _commit()
+    from collectives.course.site import claims
+    commit = claims.commit()
     return {"device": f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}", "gpus_used": p,
             "gpu_count": torch.cuda.device_count(), "torch": torch.__version__,
             "nccl": ".".join(map(str, torch.cuda.nccl.version())),

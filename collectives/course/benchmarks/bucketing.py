@@ -93,9 +93,7 @@ def _max_param_diff(a, b) -> float:
     """Largest |a − b| over all parameters, relative to the largest |b|, max over ranks."""
     worst = max(((pa - pb).abs().max() / pb.abs().max().clamp_min(1e-30)).item()
                 for pa, pb in zip(a.parameters(), b.parameters()))
-    t = torch.tensor([worst], dtype=torch.float64, device=verify.rank_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+    return timing.max_over_ranks(worst)
 
 
 def run_rank(cfg: dict) -> dict:
@@ -318,13 +316,12 @@ def tour_fields(nbytes: int) -> dict:
         ours_step()
     p = dist.get_world_size()
     ring = 2 * (p - 1) / p          # bytes each rank sends per byte all-reduced (a ring)
-    sent = torch.tensor([float(sum(e.nbytes for e in t.of_kind("all_reduce")) * ring)], device=device)
+    sent = timing.max_over_ranks(sum(e.nbytes for e in t.of_kind("all_reduce")) * ring)
     with trace.paused():
-        dist.all_reduce(sent, op=dist.ReduceOp.MAX)
         ours = timing.measure(ours_step, device=device)
         ref = timing.measure(ddp_step, device=device)
     grads = sum(q.numel() * q.element_size() for q in base.parameters())
     ok = diff <= 1e-5
     return dict(verified=ok, detail="" if ok else f"parameters differ from torch DDP by {diff:.1e} (relative)",
                 seconds=timing.median(ours), ref_seconds=timing.median(ref), nbytes=grads,
-                bytes_sent=sent.item(), bytes_theory=ring * grads, baseline="torch DDP")
+                bytes_sent=sent, bytes_theory=ring * grads, baseline="torch DDP")

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ...core import launch, timing, trace
 from . import hierarchical_record as record
-from .bucketing import MODELS
+from .bucketing import MODELS, _max_param_diff
 from .hierarchical import EXERCISE, QUEUE
 
 VARIANTS = ("DDP, default hook", "DDP, hierarchical hook", "lesson 6 reducer, hierarchical")
@@ -92,13 +92,6 @@ def _rank(model_kind: str, caps: list[float], warmup: int, steps: int, impl: str
         out["caps"][cap] = dict(times=times, diff=diff)
     return out
 
-
-def _max_param_diff(a, b) -> float:
-    worst = max(((pa - pb).abs().max() / pb.abs().max().clamp_min(1e-30)).item()
-                for pa, pb in zip(a.parameters(), b.parameters()))
-    t = torch.tensor([worst], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 def run(model_kind: str, link: str, rails: bool, caps: list[float], warmup: int, steps: int, impl: str,

@@ -104,9 +104,6 @@ def commit() -> str:
     return head + ("+dirty" if head and dirty else "")
 
 
-_commit = commit
-
-
 def environment(backend: str = "gloo", command: str | None = None, **extra) -> dict:
     """Where and how a measurement was made: the record's ``meta``.
 
@@ -116,7 +113,7 @@ def environment(backend: str = "gloo", command: str | None = None, **extra) -> d
 
     cpus = os.cpu_count() or 1
     device = f"{cpus}-core {platform.machine()} host ({_cpu_model()})"
-    meta = {"command": command or _command(), "commit": _commit(),
+    meta = {"command": command or _command(), "commit": commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
             "device": device, "torch": torch.__version__, "python": platform.python_version(),
             "backend": backend, "cpus": cpus}
