@@ -25,7 +25,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -40,12 +39,12 @@ import torch.distributed as dist  # noqa: E402
 from collectives import launch  # noqa: E402
 from collectives.core import flight_recorder  # noqa: E402
 from collectives.course.benchmarks import debugging as bench  # noqa: E402
+from collectives.course.site import claims  # noqa: E402
 from collectives.debugging import diagnose, read_dumps  # noqa: E402
 
 
 def _meta(world: int) -> dict:
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
+    commit = claims.commit()
     return {"device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "world_size": world,
             "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),

@@ -48,9 +48,10 @@ def headline(step: str, data, tail: list[str]) -> tuple[str, str]:
         last = next((line for line in reversed(tail) if "tasks pass" in line), "")
         return last.strip(), "every task passes on the reference"
     if step.startswith("ringcheck") and isinstance(data, dict):
+        p4 = step.startswith("ringcheck-p4")
         return (f"ring ÷ NCCL (speed) {data['ratio']:.3f} at {data['bytes'] >> 20} MiB, registered memory, exact "
                 f"{data['exact']}; host time per ring {data['ring_host_s'] * 1e3:.2f} ms",
-                "speed ≥ 0.97 (p = 2); host ≤ 0.12 ms")
+                "speed ≥ 0.80; host ≤ 0.45 ms (p = 4)" if p4 else "speed ≥ 0.97; host ≤ 0.12 ms (p = 2)")
     if step.startswith("bench-") and isinstance(data, dict) and "rows" in data:
         rows = data["rows"]
         algos = sorted({r["algo"] for r in rows if r["algo"] != "nccl"})
@@ -73,7 +74,17 @@ def headline(step: str, data, tail: list[str]) -> tuple[str, str]:
         parts = []
         for r in data.get("rows", []):
             parts.append(f"{tuple(r['layout'])} {r['name']} {r['nccl'] / r['seconds']:.2f}")
-        return "speed ÷ NCCL: " + "; ".join(parts), "pipelined ≥ one slice; 16 in flight ≥ 0.67"
+        return ("speed ÷ NCCL: " + "; ".join(parts),
+                ("one slice ≥ 0.75 on (2, 2); " if step == "hier-p4" else "")
+                + "pipelined ≥ one slice; 16 in flight ≥ 0.67")
+    if step.startswith("recorder") and isinstance(data, dict):
+        return _recorder_headline(data.get("recorder.json", data))
+    if step == "lesson09" and isinstance(data, dict):
+        check = data.get("check.json", {})
+        what, target = _recorder_headline(data.get("recorder.json", {}))
+        return (f"torchrun-style world with DDP on NCCL recorded and merged: {check.get('ok')}"
+                + (f" ({'; '.join(check.get('problems', []))[:200]})" if check.get("problems") else "")
+                + f"; {what}", "every check holds; " + target)
     if step.startswith("sparse") and isinstance(data, dict) and isinstance(data.get("NVLink (NCCL)"), dict):
         nv = data["NVLink (NCCL)"]
         best = min(nv.get("sweep", []), key=lambda r: r["allgather"], default=None)
@@ -106,25 +117,38 @@ def headline(step: str, data, tail: list[str]) -> tuple[str, str]:
     return ("; ".join(tail[-1:]) if tail else ""), ""
 
 
+def _recorder_headline(rec: dict) -> tuple[str, str]:
+    """bench-recorder's record: the recorded call's cost over torch's call, per size."""
+    rows = rec.get("rows", []) if isinstance(rec, dict) else []
+    parts = [f"{r['call']} {r['nbytes']} B {r['recorded']['median'] / r['plain']['median']:.2f}×"
+             for r in rows if r.get("plain", {}).get("median") and r.get("recorded", {}).get("median")]
+    return ("recorded call ÷ torch's call: " + ", ".join(parts) if parts else "recorder ran"), \
+        "the recorder's cost per call measured"
+
+
 def figures(steps: list[dict]) -> dict:
-    """The lane's headline numbers as flat fields (what a page quotes, checked against them)."""
+    """The lane's headline numbers as flat fields (what a page quotes, checked against them):
+    at 2 GPUs without a suffix, at p GPUs with ``_p{p}``."""
     by = {s["step"]: s["data"] for s in steps if s.get("data")}
     out = {}
-    ring = by.get("ringcheck-p2-256M")
-    if isinstance(ring, dict):
-        out.update(ring_speed_vs_nccl=ring["ratio"], ring_host_s=ring["ring_host_s"], ring_nccl_s=ring["nccl_s"])
-    ddp = by.get("ddp-p2")
-    if isinstance(ddp, dict) and ddp:
-        rec = next(iter(ddp.values())) if all(isinstance(v, dict) for v in ddp.values()) else ddp
-        out["reducer_over_ddp_step"] = rec.get("paired", {}).get("reducer / torch DDP")
-    fused = by.get("fused-p2")
-    if isinstance(fused, dict):
-        rows = {r["case"]: r["seconds"] for r in fused.get("bench-fused.json", fused).get("rows", [])}
-        flat = rows.get("flat all_reduce")
-        for key, name in (("fused_over_flat", "fused"), ("bound_over_flat", "fused, bound"),
-                          ("copies_over_flat", "flat + 2 copies")):
-            if flat and name in rows:
-                out[key] = rows[name] / flat
+    for p in sorted({int(s["step"].split("-p")[1].split("-")[0]) for s in steps if "-p" in s["step"]}):
+        suffix = "" if p == 2 else f"_p{p}"
+        ring = by.get(f"ringcheck-p{p}-256M")
+        if isinstance(ring, dict):
+            out.update({"ring_speed_vs_nccl" + suffix: ring["ratio"], "ring_host_s" + suffix: ring["ring_host_s"],
+                        "ring_nccl_s" + suffix: ring["nccl_s"]})
+        ddp = by.get(f"ddp-p{p}")
+        if isinstance(ddp, dict) and ddp:
+            rec = next(iter(ddp.values())) if all(isinstance(v, dict) for v in ddp.values()) else ddp
+            out["reducer_over_ddp_step" + suffix] = rec.get("paired", {}).get("reducer / torch DDP")
+        fused = by.get(f"fused-p{p}")
+        if isinstance(fused, dict):
+            rows = {r["case"]: r["seconds"] for r in fused.get("bench-fused.json", fused).get("rows", [])}
+            flat = rows.get("flat all_reduce")
+            for key, name in (("fused_over_flat", "fused"), ("bound_over_flat", "fused, bound"),
+                              ("copies_over_flat", "flat + 2 copies")):
+                if flat and name in rows:
+                    out[key + suffix] = rows[name] / flat
     return out
 
 

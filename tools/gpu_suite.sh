@@ -9,10 +9,13 @@
 #   tests     the gpu-marked tests (pytest -m gpu)
 #   tour      the tour, every row verified, at 2 GPUs and at every larger count the machine has
 #   runners   every lesson's exercise runner on the reference, --backend nccl, 2 GPUs
+#             (GPU_RUNNERS="02 10": only those lessons' runners)
 #   bench     lessons 3-4: every algorithm 4 KiB .. 1 GiB against NCCL (plain memory), and the
 #             ring on registered memory with its host time (tools/gpu_ring_check.py)
 #   fused     lesson 5      ddp    lesson 6      hier   lesson 7 (tools/gpu_hierarchical.py)
-#   sparse    lesson 8      recorder  lesson 9   lessons   lessons 10-12's GPU scripts, where they exist
+#   sparse    lesson 8      recorder  lesson 9   lessons   lessons 9-12's GPU scripts, where they exist
+# Parts that measure run at 2 GPUs and at every larger even count the machine has
+# (GPU_COUNTS="4": only at 4); the lessons' scripts take every GPU of the machine.
 # Every step has its own time limit and writes its output under DIR/steps/; a hang costs that
 # step alone (the launcher's watchdog names where each rank waited). Last,
 # tools/gpu_record.py gathers every step into DIR/lane.json: the record the benchmarks page reads.
@@ -28,7 +31,10 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export COLLECTIVES_COMMIT=${COLLECTIVES_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 n=$($PY -c "import torch; print(torch.cuda.device_count())")
 if [ "$n" -lt 2 ]; then echo "the GPU lane needs at least 2 GPUs (found $n)"; exit 2; fi
-COUNTS=$(seq 2 2 "$n" | tr '\n' ' ')     # 2, 4, ...: every even count up to the machine's
+COUNTS=${GPU_COUNTS:-$(seq 2 2 "$n" | tr '\n' ' ')}     # 2, 4, ...: every even count up to the machine's
+for p in $COUNTS; do
+  if [ "$p" -gt "$n" ] || [ "$p" -lt 2 ]; then echo "GPU_COUNTS: $p GPUs asked, the machine has $n"; exit 2; fi
+done
 STATUS="$OUT/steps/status.tsv"
 touch "$STATUS"          # parts run one call after another add to it; the last run of a step counts
 
@@ -58,6 +64,7 @@ for part in $PARTS; do case $part in
   runners)
     for ex in lessons/[0-9][0-9]_*/exercise.py; do
       nn=$(basename "$(dirname "$ex")" | cut -c1-2)
+      case " ${GPU_RUNNERS:-$nn} " in *" $nn "*) ;; *) continue ;; esac
       on2 step "runner-$nn" 240 $PY "$ex" --impl reference --backend nccl --world 2 --timeout 60
     done ;;
   bench)
@@ -71,23 +78,35 @@ for part in $PARTS; do case $part in
       done
     done ;;
   fused)
-    on2 step fused-p2 200 $PY -m collectives bench-fused --backend nccl --world 2 --count 1000 --numel 4096 \
-        --out "$OUT/steps/fused-p2" ;;
+    for p in $COUNTS; do
+      pin=$([ "$p" = 2 ] && echo on2)
+      $pin step "fused-p$p" 200 $PY -m collectives bench-fused --backend nccl --world "$p" --count 1000 \
+          --numel 4096 --out "$OUT/steps/fused-p$p"
+    done ;;
   ddp)
-    on2 step ddp-p2 200 $PY -m collectives bench-ddp --backend nccl --world 2 --out "$OUT/steps/ddp-p2" ;;
+    for p in $COUNTS; do
+      pin=$([ "$p" = 2 ] && echo on2)
+      $pin step "ddp-p$p" 200 $PY -m collectives bench-ddp --backend nccl --world "$p" --out "$OUT/steps/ddp-p$p"
+    done ;;
   hier)
     for p in $COUNTS; do
       pin=$([ "$p" = 2 ] && echo on2)
       $pin step "hier-p$p" 300 $PY tools/gpu_hierarchical.py --world "$p" --size 256M --json "$OUT/steps/hier-p$p.json"
     done ;;
   sparse)
-    on2 step sparse-p2 300 $PY -m collectives bench-sparse --backend nccl --world 2 --size 256M \
-        --sweep 0.001,0.003,0.01,0.03,0.1 --json "$OUT/steps/sparse-p2.json" ;;
+    for p in $COUNTS; do
+      pin=$([ "$p" = 2 ] && echo on2)
+      $pin step "sparse-p$p" 300 $PY -m collectives bench-sparse --backend nccl --world "$p" --size 256M \
+          --sweep 0.001,0.003,0.01,0.03,0.1 --json "$OUT/steps/sparse-p$p.json"
+    done ;;
   recorder)
-    on2 step recorder-p2 200 $PY -m collectives bench-recorder --backend nccl --world 2 --no-detail \
-        --out "$OUT/steps/recorder-p2" ;;
+    for p in $COUNTS; do
+      pin=$([ "$p" = 2 ] && echo on2)
+      $pin step "recorder-p$p" 200 $PY -m collectives bench-recorder --backend nccl --world "$p" --no-detail \
+          --out "$OUT/steps/recorder-p$p"
+    done ;;
   lessons)
-    for nn in 10 11 12; do
+    for nn in 09 10 11 12; do
       [ -f "tools/gpu_lesson$nn.py" ] || continue
       extra=GPU_LESSON${nn}_ARGS      # e.g. GPU_LESSON12_ARGS="--quick": a shorter run of that lesson
       step "lesson$nn" 420 $PY "tools/gpu_lesson$nn.py" --out "$OUT/steps/lesson$nn" ${!extra:-}
