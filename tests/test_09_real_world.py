@@ -97,6 +97,25 @@ def test_torchs_calls_are_merged_in_order_whatever_torch_names_ours(tmp_path):
         ("gloo:all_gather", 5, "torch", None), ("gloo:all_reduce", 6, None, "MAX")]
 
 
+def test_both_of_torchs_recorders_are_read_nccls_and_the_others_oldest_first_each_call_once(monkeypatch):
+    """torch keeps NCCL's calls in a recorder of their own (timed with CUDA events) and every
+    other backend's in another: both are read; a call found behind both names counts once."""
+    from collectives.core import flight_torch
+
+    def entry(name, t, rid):
+        return {"process_group": ["0", "default_pg"], "record_id": rid, "collective_seq_id": rid + 1,
+                "p2p_seq_id": 0, "profiling_name": name, "time_created_ns": t}
+    gloo = [entry("gloo:all_reduce", 30, 0), entry("gloo:broadcast", 10, 1)]
+    nccl = [entry("nccl:all_reduce", 20, 0), entry("gloo:all_reduce", 30, 0)]   # the last: the same call
+    c10d = torch._C._distributed_c10d
+    monkeypatch.setattr(c10d, "_dump_fr_trace_json", lambda *a: json.dumps({"entries": gloo}), raising=False)
+    monkeypatch.setattr(c10d, "_dump_nccl_trace_json", lambda *a: json.dumps({"entries": nccl}), raising=False)
+    got = [(e["profiling_name"], e["time_created_ns"]) for e in flight_torch.torch_entries()]
+    assert got == [("gloo:broadcast", 10), ("nccl:all_reduce", 20), ("gloo:all_reduce", 30)]
+    monkeypatch.setattr(c10d, "_dump_nccl_trace_json", lambda *a: 1 / 0, raising=False)   # one fails: the other
+    assert [e["time_created_ns"] for e in flight_torch.torch_entries()] == [10, 30]
+
+
 # ---- more faults, for real ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,10 @@ DDP's reducer, ``all_gather_object`` and torch's other internals call the proces
 C++ (or below ``torch.distributed``'s public functions): the course's wrappers
 (:mod:`collectives.core.trace`) never see them. torch records every call a process group
 makes -- on gloo as on NCCL; torch 2.13 does so by default, ``TORCH_FR_BUFFER_SIZE`` sets
-how many calls it keeps -- and hands them over as JSON (``torch._C._distributed_c10d._dump_fr_trace_json``). At every
-dump the recorder merges them into its own entries, group by group::
+how many calls it keeps -- and hands them over as JSON. It keeps two recorders: NCCL's calls
+go into one timed with CUDA events (``torch._C._distributed_c10d._dump_nccl_trace_json``),
+every other backend's into the other (``_dump_fr_trace_json``); :func:`torch_entries` reads
+both. At every dump the recorder merges them into its own entries, group by group::
 
     torch's, per group:  #1 all_gather  #2 broadcast  #3 all_reduce  #4 all_reduce  #5 all_reduce
     ours (Python):                                    all_reduce @t3              all_reduce @t5
@@ -45,15 +47,31 @@ def enable(buffer_size: int) -> bool:
     return os.environ[ENV_BUFFER] not in ("", "0")
 
 
-def torch_entries() -> list[dict]:
-    """Every entry torch's Flight Recorder holds in this process (none when it is off or fails)."""
-    try:
-        import torch
+_DUMPS = ("_dump_fr_trace_json", "_dump_nccl_trace_json")   # other backends' recorder, NCCL's (CUDA events)
 
-        raw = torch._C._distributed_c10d._dump_fr_trace_json(True, False)
-        return list(json.loads(raw).get("entries") or [])
-    except Exception:  # noqa: BLE001 - an older torch, no process group yet: nothing to merge
-        return []
+
+def torch_entries() -> list[dict]:
+    """Every entry torch's Flight Recorders hold in this process, NCCL's and the others', oldest
+    first (none when they are off or fail). An entry found in both (one recorder behind both
+    names) is kept once."""
+    import torch
+
+    seen, out = set(), []
+    for name in _DUMPS:
+        dump = getattr(torch._C._distributed_c10d, name, None)
+        if dump is None:                      # a CPU build has no NCCL recorder
+            continue
+        try:
+            entries = json.loads(dump(True, False)).get("entries") or []
+        except Exception:  # noqa: BLE001 - recorder off, no process group yet: nothing from this one
+            continue
+        for e in entries:
+            key = (str(e.get("process_group")), e.get("record_id"), e.get("collective_seq_id"),
+                   e.get("p2p_seq_id"), e.get("profiling_name"), e.get("time_created_ns"))
+            if key not in seen:
+                seen.add(key)
+                out.append(e)
+    return sorted(out, key=lambda e: int(e.get("time_created_ns") or 0))
 
 
 # the names torch gives the calls the course's wrappers name otherwise (gloo's fallbacks included)
@@ -86,7 +104,8 @@ def merge(ours: list[dict], theirs: list[dict], wrapped: bool) -> tuple[list[dic
         return ours, 0
     oldest = min((e["time_created_ns"] for e in ours), default=0) if wrapped else 0
     by_group: dict[str, list[dict]] = {}
-    for t in sorted(theirs, key=lambda t: (t.get("record_id", 0))):
+    # two recorders number their entries apart: order by the time torch made each call
+    for t in sorted(theirs, key=lambda t: (int(t.get("time_created_ns") or 0), t.get("record_id", 0))):
         if not t.get("is_p2p") and int(t.get("time_created_ns") or 0) >= oldest:
             by_group.setdefault(str(t["process_group"][0]), []).append(t)
     merged = [dict(e) for e in ours]
