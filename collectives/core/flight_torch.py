@@ -50,10 +50,25 @@ def enable(buffer_size: int) -> bool:
 _DUMPS = ("_dump_fr_trace_json", "_dump_nccl_trace_json")   # other backends' recorder, NCCL's (CUDA events)
 
 
-def torch_entries() -> list[dict]:
+def torch_entries(settle: float = 1.0) -> list[dict]:
     """Every entry torch's Flight Recorders hold in this process, NCCL's and the others', oldest
     first (none when they are off or fail). An entry found in both (one recorder behind both
-    names) is kept once."""
+    names) is kept once. NCCL's watchdog writes a call's CUDA-event duration when it retires the
+    call, up to a tenth of a second after the call completed: calls the GPU finished but the
+    watchdog has not yet retired are waited for, at most ``settle`` seconds."""
+    import time
+
+    deadline = time.monotonic() + settle
+    while True:
+        entries = _read_recorders()
+        pending = [e for e in entries if str(e.get("profiling_name", "")).startswith("nccl:")
+                   and e.get("state") == "completed" and not e.get("retired")]
+        if not pending or time.monotonic() >= deadline:
+            return entries
+        time.sleep(0.02)
+
+
+def _read_recorders() -> list[dict]:
     import torch
 
     seen, out = set(), []
