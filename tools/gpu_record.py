@@ -175,6 +175,33 @@ def figures(steps: list[dict]) -> dict:
                               ("copies_over_flat", "flat + 2 copies")):
                 if flat and name in rows:
                     out[key + suffix] = rows[name] / flat
+        tour = by.get(f"tour-p{p}")
+        if isinstance(tour, list):
+            out["tour_rows" + suffix] = len(tour)
+            out["tour_verified" + suffix] = sum(bool(r.get("verified")) for r in tour)
+        hier = by.get(f"hier-p{p}")
+        if isinstance(hier, dict):
+            for r in hier.get("rows", []):      # e.g. hier_2x2_one_slice_p4: NCCL's time over ours
+                name = r["name"].replace(",", "").replace(" ", "_")
+                out[f"hier_{r['layout'][0]}x{r['layout'][1]}_{name}{suffix}"] = r["nccl"] / r["seconds"]
+    lesson10 = by.get("lesson10")
+    if isinstance(lesson10, dict) and "10-sharded-nccl.json" in lesson10:
+        rows = {r["name"]: r for r in lesson10["10-sharded-nccl.json"]["rows"]}
+        f = rows.get("fsdp2")
+        for name in ("zero3", "zero3_torch"):
+            if f and name in rows:
+                out[f"{name}_step_over_fsdp2"] = rows[name]["seconds"] / f["seconds"]
+                peak = max(rows[name]["max_memory_allocated"])
+                out[f"{name}_peak_over_fsdp2"] = peak / max(f["max_memory_allocated"])
+        judged = _lesson10_judged(lesson10.get("10-sharded-gpu-checks.json", {}).get("checks", {}))
+        out["lesson10_checks"], out["lesson10_checks_held"] = len(judged), sum(ok for _, _, ok in judged)
+    lesson11 = by.get("lesson11")
+    if isinstance(lesson11, dict):
+        for k, v in lesson11.items():
+            if k.startswith("bench-alltoall-local"):
+                world = k.rsplit("-p", 1)[-1].split(".")[0]
+                for t in v.get("target", []):
+                    out[f"alltoall_best_over_nccl_{t['nbytes'] >> 20}M_p{world}"] = t["fraction_of_nccl"]
     return out
 
 

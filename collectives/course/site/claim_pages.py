@@ -138,7 +138,8 @@ def expand_records(markdown: str, data: Path | None = None) -> str:
             text = record.get("caption") or " ".join(c.get("text", "") for c in record.get("comparisons", [])
                                                       if isinstance(c, dict))
             parts.append(f"**{title}** " + (text + " " if text else "") + _source_line({"meta": meta})
-                         + f" (`docs/data/{m.group(1)}/{path.name}`)")
+                         + f" (`docs/data/{m.group(1)}/{path.name}`)"
+                         + (f" *{record['commit_note']}*" if isinstance(record.get("commit_note"), str) else ""))
             table = record.get("table") if isinstance(record.get("table"), dict) else _rows_table(record.get("rows"))
             if table and table.get("head"):
                 parts.append("\n".join(_table_lines(table)))
