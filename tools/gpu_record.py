@@ -202,6 +202,20 @@ def figures(steps: list[dict]) -> dict:
                 world = k.rsplit("-p", 1)[-1].split(".")[0]
                 for t in v.get("target", []):
                     out[f"alltoall_best_over_nccl_{t['nbytes'] >> 20}M_p{world}"] = t["fraction_of_nccl"]
+    lesson12 = by.get("lesson12")
+    bench12 = lesson12.get("12-bench-gpu.json") if isinstance(lesson12, dict) else None
+    if isinstance(bench12, dict):              # speed over NCCL's (NCCL's time / theirs) per dtype and kernel
+        sizes = bench12["sizes"]
+        for dtype, runs in bench12["runs"].items():
+            nccl = runs["nccl"]
+            for name, times in runs.items():
+                speed = [n / t if t else None for n, t in zip(nccl, times)]
+                small = [v for size, v in zip(sizes, speed) if size <= 1 << 20 and v]
+                if name == "nccl" or not small:
+                    continue
+                out[f"symm_{dtype}_{name}_le1M_min"], out[f"symm_{dtype}_{name}_le1M_max"] = min(small), max(small)
+                if 256 << 20 in sizes and speed[sizes.index(256 << 20)]:
+                    out[f"symm_{dtype}_{name}_256M"] = speed[sizes.index(256 << 20)]
     return out
 
 
