@@ -62,4 +62,5 @@ def test_under_torchrun_on_one_machine_each_task_is_judged_in_the_world_and_says
     verdicts = [line.split(" (")[0].strip() for line in lines]
     assert verdicts == ["task 3 ring all-reduce: PASS", "task 4 pipelined ring: PASS"], proc.stdout + proc.stderr[-999:]
     assert all(" s per rank" in line for line in lines), lines
+    assert "a check, not a grade" in proc.stdout           # the grade is make grade's, sealed from the student
     assert proc.returncode == 0

@@ -17,7 +17,9 @@ solution instead. A task that hangs costs its own line, which says where it hung
 Under ``.venv/bin/torchrun --nproc-per-node 4 lessons/NN_topic/exercise.py`` (and one
 torchrun per machine on the simulated cluster) the probes run in torchrun's world, the
 ranks meet each other's records through the rendezvous store, and rank 0 prints the same
-lines. Every rank exits 0 there -- the verdict is in the lines.
+lines. Every rank exits 0 there -- the verdict is in the lines. The checks share those
+processes with the student's code, so they are a check, not a grade, and say so: the grade is
+``make grade``'s, judged where the student's code cannot reach.
 
 Check mode is on in the runner's worlds (``COLLECTIVES_CHECK=1``, see
 :mod:`collectives.core.checkmode`): ranks that call a course collective with different
@@ -140,6 +142,13 @@ def run_tasks(number: int, tasks=None, argv: list[str] | None = None) -> None:
     sys.exit(0 if passed == total else 1)
 
 
+# In torchrun's world the checks run in the processes that run the student's code: they check,
+# they do not grade. ``make grade`` judges in processes the student's code never shares
+# (results read back as plain data, expected answers made after the world ended).
+IN_WORLD_NOTE = ("(checked in torchrun's world, inside the processes your code runs in: a check, not a grade; "
+                 "make grade judges where your code cannot reach)")
+
+
 def _init_from_torchrun(timeout: float | None = None) -> None:
     timeout = world_timeout() if timeout is None else timeout
     if not dist.is_initialized():
@@ -205,6 +214,7 @@ def _under_torchrun(number: int, spec: str, chosen: list[int], timeout: float, v
             _say(extra)
         passed = sum(v.ok for _, v, _ in results)
         _say(f"lesson {number}: {passed} of {len(results)} tasks pass on torchrun's world of {dist.get_world_size()}")
+        _say(IN_WORLD_NOTE)
     _exit_without_teardown(False)
 
 
@@ -287,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         failed = [line for line in lines if not line[2]]
         if dist.get_rank() == 0:
             _say(f"rank 0: {len(lines) - len(failed)} of {len(lines)} checks pass")
+            _say(IN_WORLD_NOTE)
         _exit_without_teardown(bool(failed))
     from ...core import launch
 
