@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                 date=started.isoformat(timespec="seconds"), torch=torch.__version__,
                 python=platform.python_version(), backend=backend, world_size=args.world, iters=args.iters,
                 blocks=args.blocks, host=platform.node(), cpus=os.cpu_count(),
-                device=torch.cuda.get_device_name(0) if backend == "nccl" else _cpu_name(),
+                device=(f"{args.world}× {torch.cuda.get_device_name(0)}" if backend == "nccl" else _cpu_name()),
                 nccl=".".join(map(str, torch.cuda.nccl.version())) if backend == "nccl" else None,
                 gpus=torch.cuda.device_count() if backend == "nccl" else 0, commit=commit())
     record = {"meta": meta, "listener_seconds": result["listener"], "rows": result["rows"]}
