@@ -202,6 +202,12 @@ def figures(steps: list[dict]) -> dict:
                 world = k.rsplit("-p", 1)[-1].split(".")[0]
                 for t in v.get("target", []):
                     out[f"alltoall_best_over_nccl_{t['nbytes'] >> 20}M_p{world}"] = t["fraction_of_nccl"]
+    lesson09 = by.get("lesson09")
+    recorder = lesson09.get("recorder.json") if isinstance(lesson09, dict) else None
+    if isinstance(recorder, dict):             # torch's own call per size: what one call costs the host at least
+        for r in recorder.get("rows", []):
+            key = "p2p" if r["call"].startswith("isend") else r["call"]
+            out[f"torch_{key}_{r['nbytes']}B_s"] = r["plain"]["median"]
     lesson12 = by.get("lesson12")
     bench12 = lesson12.get("12-bench-gpu.json") if isinstance(lesson12, dict) else None
     if isinstance(bench12, dict):              # speed over NCCL's (NCCL's time / theirs) per dtype and kernel
