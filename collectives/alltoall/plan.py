@@ -146,17 +146,15 @@ def plan_for(what: str, output, input, output_split_sizes, input_split_sizes, gr
     shapes, strides, dtypes, devices, this rank's splits, the group, ``extra``, and which
     ``isend`` is installed (a trace installed later must see the messages) -- so a call
     that finds its plan would pass the checks again."""
-    from .flat import check_all_to_all_args
     try:
         key = _key(what, output, input, output_split_sizes, input_split_sizes, group, extra)
-        hash(key)
-    except TypeError:
-        key = None
-    if key is not None and not ops.check_mode():
-        plan = _PLANS.get(key)
-        if plan is not None:
-            trace.note_call(what)
-            return plan
+        plan = None if ops.check_mode() else _PLANS.get(key)
+    except TypeError:                                   # something unhashable: the check will say what
+        key = plan = None
+    if plan is not None:
+        trace.note_call(what)
+        return plan
+    from .flat import check_all_to_all_args
     checked = check_all_to_all_args(output, input, output_split_sizes, input_split_sizes, group, what)
     if checked is None:
         return None

@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skews", default="0,1,2,4,8", help="moe: router bias towards expert 0, uniform at 0")
     parser.add_argument("--factors", default="1.25,100", help="moe: capacity factors (100: nothing dropped)")
     parser.add_argument("--calls", type=int, default=200, help="host: calls per timed batch")
-    parser.add_argument("--repeats", type=int, default=5, help="host: timed batches (median)")
+    parser.add_argument("--repeats", type=int, default=9, help="host: timed batches (median)")
     parser.add_argument("--before", default="", help="host: an earlier host record to compare with")
     parser.add_argument("--out", default="", help="folder for the JSON (default build/bench)")
     args = parser.parse_args(rest)

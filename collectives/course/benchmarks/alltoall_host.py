@@ -7,12 +7,14 @@ tensors (one element per block by default), for every algorithm and for
 
 * ``host_seconds`` -- CPU time of the calling thread per call (``time.thread_time``),
   the median of ``--repeats`` batches of ``--calls`` calls back to back; waiting for a
-  peer sleeps and is not counted;
+  peer sleeps and is not counted (on GPUs the GPU's work is asynchronous: this is the
+  time the host takes to issue the call);
 * ``floor_seconds`` -- the same for the call's messages alone: this rank's trace of one
   call, replayed (buffers made once, one ``batch_isend_irecv`` per labelled round, each
   round waited before the next). No algorithm can post its messages for less, and
-  ``own_seconds`` = host − floor is what the algorithm adds: checks, cutting, copies,
-  lists;
+  ``own_seconds`` = host − floor (the median of the batches' differences; a batch of
+  the call and one of its floor run in turn) is what the algorithm adds: checks,
+  cutting, copies, lists;
 * ``untraced_floor_seconds`` -- the floor again through torch's own ``isend``/``irecv``,
   past the course's trace: floor − untraced floor is what the trace's wrappers (the
   watchdog's "rank 1 waiting in irecv from rank 0") cost;
@@ -21,8 +23,10 @@ tensors (one element per block by default), for every algorithm and for
 * ``python_calls`` -- Python function calls per call (``cProfile``), by whose code:
   the lesson's, the course's core (the trace's wrappers), torch's, and C built-ins.
 
-Every number is the maximum over ranks. ``--before RECORD`` puts an earlier host record
-beside this one and writes the ratios (before / now).
+``alone`` repeats ``host_seconds`` in a world of one rank, where a call sends nothing: all
+the host does there is the call's own work. Every number is the maximum over ranks.
+``--before RECORD`` puts an earlier host record beside this one and writes the ratios
+(before / now).
 """
 
 from __future__ import annotations
@@ -52,19 +56,21 @@ def _owner(filename: str) -> str:
     return "torch" if "torch" in filename else "other"
 
 
-def _cpu_per_call(fn, calls: int, repeats: int, sync) -> tuple[float, float]:
-    """(thread CPU seconds, wall seconds) per call: medians over ``repeats`` batches."""
-    cpu, wall = [], []
+def _per_call(fns: list, calls: int, repeats: int, sync) -> list[list[tuple[float, float]]]:
+    """For each of ``fns``: ``repeats`` (thread CPU seconds, wall seconds) per call, each a
+    batch of ``calls`` calls back to back; the functions take turns batch by batch, so a
+    busy moment of a shared machine falls on all of them alike."""
+    out: list[list[tuple[float, float]]] = [[] for _ in fns]
     for _ in range(repeats):
-        sync()
-        dist.barrier()
-        c0, t0 = time.thread_time(), time.perf_counter()
-        for _ in range(calls):
-            fn()
-        cpu.append((time.thread_time() - c0) / calls)
-        wall.append((time.perf_counter() - t0) / calls)
+        for i, fn in enumerate(fns):
+            sync()
+            dist.barrier()
+            c0, t0 = time.thread_time(), time.perf_counter()
+            for _ in range(calls):
+                fn()
+            out[i].append(((time.thread_time() - c0) / calls, (time.perf_counter() - t0) / calls))
     sync()
-    return statistics.median(cpu), statistics.median(wall)
+    return out
 
 
 def _replay(events, device, untraced: bool = False):
@@ -123,7 +129,7 @@ def _host_in_rank(names: list[str], calls: int, repeats: int, per_block: int) ->
     from .alltoall import _algorithms
     p = dist.get_world_size()
     device = ops.rank_device()
-    layout = (2, p // 2) if p % 2 == 0 and p > 2 else (p, 1)
+    layout = (2, p // 2) if p % 2 == 0 and p > 2 else (1, 1) if p == 1 else (p, 1)
     fns = _algorithms(names, layout)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     x = torch.arange(p * per_block, dtype=torch.float32, device=device) + 1000 * dist.get_rank()
@@ -140,26 +146,30 @@ def _host_in_rank(names: list[str], calls: int, repeats: int, per_block: int) ->
         with trace.recording() as t:
             fn()
         messages = [e for e in t if e.kind in ("isend", "irecv")]
-        host, wall = _cpu_per_call(fn, calls, repeats, sync)
-        floor = bare = None
+        fns = [fn]
         if messages:                      # the library's messages are inside its C++: no floor to replay
-            floor_fn = _replay(messages, device)
-            floor_fn()
-            floor, _ = _cpu_per_call(floor_fn, calls, repeats, sync)
-            bare_fn = _replay(messages, device, untraced=True)
-            bare_fn()
-            bare, _ = _cpu_per_call(bare_fn, calls, repeats, sync)
+            fns += [_replay(messages, device), _replay(messages, device, untraced=True)]
+            for f in fns[1:]:
+                f()
+        runs = _per_call(fns, calls, repeats, sync)
+        med = lambda i, k=0: statistics.median(r[k] for r in runs[i])    # noqa: E731
+        host, wall = med(0), med(0, 1)
+        floor = bare = own = None
+        if messages:
+            floor, bare = med(1), med(2)
+            own = statistics.median(a[0] - b[0] for a, b in zip(runs[0], runs[1]))
         dist.barrier()
         profile = _profile(fn, max(10, calls // 4))
         sync()
-        mine = dict(host=host, floor=floor, bare=bare, wall=wall)
+        mine = dict(host=host, floor=floor, bare=bare, own=own, wall=wall)
         every = [None] * p
         dist.all_gather_object(every, mine)
         rows.append(dict(name=name, verified=verified, nbytes=x.numel() * 4,
                          messages=len([e for e in t if e.kind in ("isend", "send")]),
                          host_seconds=max(r["host"] for r in every),
                          floor_seconds=None if floor is None else max(r["floor"] for r in every),
-                         own_seconds=None if floor is None else max(r["host"] - r["floor"] for r in every),
+                         own_seconds=None if floor is None else max(r["own"] for r in every),
+                         own_per_rank=None if floor is None else [r["own"] for r in every],
                          untraced_floor_seconds=None if bare is None else max(r["bare"] for r in every),
                          wall_seconds=max(r["wall"] for r in every),
                          python_calls=profile, python_calls_total=round(sum(profile.values()), 1)))
@@ -173,14 +183,21 @@ def suite_host(args, argv) -> dict:
     names = [n for n in NAMES if n != "hierarchical" or (p % 2 == 0 and p > 2)]
     result = launch.run(_host_in_rank, p, args=(names, args.calls, args.repeats, 1), backend=args.backend,
                         timeout=600)[0]
+    # alone: a world of one rank, no message at all -- all the host does is the call's own work
+    result["alone"] = launch.run(_host_in_rank, 1, args=(list(NAMES), args.calls, args.repeats, 1),
+                                 timeout=600)[0]["rows"]
     if args.before:
         before = json.loads(Path(args.before).read_text())
-        result["before"] = {"meta": before.get("meta"), "rows": before.get("rows")}
+        result["before"] = {"meta": before.get("meta"), "rows": before.get("rows"), "alone": before.get("alone")}
         was = {r["name"]: r for r in before.get("rows", [])}
         result["ratios"] = {
             r["name"]: {k: was[r["name"]][f"{k}_seconds"] / r[f"{k}_seconds"] for k in ("host", "own", "wall")
                         if (r[f"{k}_seconds"] or 0) > 0 and (was[r["name"]].get(f"{k}_seconds") or 0) > 0}
             for r in result["rows"] if r["name"] in was}
+        alone = {r["name"]: r["host_seconds"] for r in before.get("alone") or []}
+        for r in result["alone"]:
+            if r["name"] in alone and r["name"] in result["ratios"]:
+                result["ratios"][r["name"]]["alone"] = alone[r["name"]] / r["host_seconds"]
     return result
 
 
@@ -193,4 +210,8 @@ def print_rows(result: dict) -> None:
               f"  own {us['own']:>10}  untraced floor {us['untraced_floor']:>10}"
               f"  wall {row['wall_seconds'] * 1e6:8.1f} µs  "
               f"py calls {row['python_calls_total']:6.1f}  verified={row['verified']}"
-              + (f"  before/now: host {ratio.get('host', 0):.2f}x own {ratio.get('own', 0):.2f}x" if ratio else ""))
+              + (f"  before/now: host {ratio.get('host', 0):.2f}x own {ratio.get('own', 0):.2f}x"
+                 f" alone {ratio.get('alone', 0):.2f}x" if ratio else ""))
+    for row in result.get("alone", []):
+        print(f"{row['name']:<24} alone (1 rank, no messages): host {row['host_seconds'] * 1e6:8.1f} µs  "
+              f"py calls {row['python_calls_total']:6.1f}")
