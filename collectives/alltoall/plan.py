@@ -28,11 +28,58 @@ import torch
 import torch.distributed as dist
 
 from ..core import ops, trace
+from ..core.ops import ReduceOp
 
-__all__ = ["Plan", "plan_for", "clear_plans", "MAX_PLANS"]
+__all__ = ["Plan", "plan_for", "clear_plans", "MAX_PLANS", "check_all_to_all_args"]
 
 MAX_PLANS = 16
 _PLANS: dict = {}
+
+
+def _is_split_list(value) -> bool:
+    return isinstance(value, (list, tuple)) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value)
+
+
+def check_all_to_all_args(output, input, output_split_sizes, input_split_sizes, group, what: str):
+    """Check an all-to-all's arguments before anything is sent; return ``(rows_out, rows_in)``,
+    the block sizes along dim 0 (lists of p), or None for a rank outside ``group``.
+
+    Everything checked here depends on this rank's arguments only, so a wrong call raises
+    on the rank that made it before any message leaves it.
+    """
+    for name, t in (("output", output), ("input", input)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if not ops.check_all_reduce_args(input, ReduceOp.SUM, group, what=what,
+                                     compare=output_split_sizes is None and input_split_sizes is None):
+        return None
+    rank, p = ops.group_rank_and_size(group)
+    if output.dtype != input.dtype:
+        raise TypeError(f"{what}: rank {rank}'s output is {output.dtype} but its input is {input.dtype}")
+    if input.dim() == 0 or output.dim() == 0:
+        raise ValueError(f"{what}: rank {rank}: input and output need at least one dimension (blocks are rows)")
+    if input.shape[1:] != output.shape[1:]:
+        raise ValueError(f"{what}: rank {rank}: input rows {tuple(input.shape[1:])} and output rows "
+                         f"{tuple(output.shape[1:])} differ")
+    if output.numel() > 1 and torch._debug_has_internal_overlap(output) == 1:
+        raise ValueError(f"{what}: rank {rank}'s output has elements that share memory (an expanded tensor)")
+    splits = []
+    for name, sizes, t in (("output_split_sizes", output_split_sizes, output),
+                           ("input_split_sizes", input_split_sizes, input)):
+        if sizes is None:
+            if t.shape[0] % p:
+                raise ValueError(f"{what}: rank {rank}: the {name[:-12]}'s {t.shape[0]} rows do not split into "
+                                 f"{p} equal blocks; pass {name}")
+            splits.append([t.shape[0] // p] * p)
+            continue
+        if not _is_split_list(sizes) or len(sizes) != p or any(s < 0 for s in sizes):
+            raise ValueError(f"{what}: rank {rank}: {name} must be {p} non-negative integers, got {sizes!r}")
+        if sum(sizes) != t.shape[0]:
+            raise ValueError(f"{what}: rank {rank}: {name} {list(sizes)} add up to {sum(sizes)} rows, "
+                             f"but the {name[:-12]} has {t.shape[0]}")
+        splits.append(list(sizes))
+    return splits[0], splits[1]
 
 
 def alias(base: torch.Tensor, start: int, numel: int) -> torch.Tensor:
@@ -138,7 +185,7 @@ def _key(what, output, input, output_split_sizes, input_split_sizes, group, extr
 def plan_for(what: str, output, input, output_split_sizes, input_split_sizes, group, *, extra=None,
              check=None) -> Plan | None:
     """The plan of this call: the cached one when the same call was made before on the same
-    buffers, else a new one, made after :func:`~collectives.alltoall.flat.check_all_to_all_args`
+    buffers, else a new one, made after :func:`check_all_to_all_args`
     (and ``check(plan)``, for what an algorithm checks besides) have passed. None on a rank
     outside ``group``: nothing to do. ``extra``: anything else the plan depends on (a layout).
 
@@ -154,7 +201,6 @@ def plan_for(what: str, output, input, output_split_sizes, input_split_sizes, gr
     if plan is not None:
         trace.note_call(what)
         return plan
-    from .flat import check_all_to_all_args
     checked = check_all_to_all_args(output, input, output_split_sizes, input_split_sizes, group, what)
     if checked is None:
         return None

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import json
 import os
 import sys
@@ -35,25 +34,10 @@ import torch.distributed as dist
 from ...core import cost as core_cost
 from ...core import launch, netns, ops, timing, trace
 from ..catalog import ROOT
+from .alltoall_host import FLAT, _algorithms, library_all_to_all, print_rows, suite_host  # noqa: F401
 
 DEFAULT_OUT = ROOT / "build" / "bench"
 QUEUE = "50ms"
-FLAT = {"linear": "linear_all_to_all", "pairwise": "pairwise_all_to_all", "bruck": "bruck_all_to_all"}
-
-
-def library_all_to_all(output, input, group=None, **_):
-    dist.all_to_all_single(output, input, group=group)
-
-
-def _algorithms(names, layout=None) -> dict:
-    import collectives.alltoall as a2a
-    table = {"dist.all_to_all_single": library_all_to_all}
-    table.update({k: getattr(a2a, v) for k, v in FLAT.items()})
-    if layout is not None:
-        table["hierarchical"] = functools.partial(a2a.hierarchical_all_to_all, layout=layout)
-    return {k: table[k] for k in names}
-
-
 def _time_in_rank(sizes: list[int], iters: int, names: list[str], layout=None) -> dict:
     """Every algorithm at every size: verified against the library once, then timed (max over ranks)."""
     p = dist.get_world_size()
@@ -185,11 +169,6 @@ def suite_moe(args, argv) -> dict:
             "ffn": args.ffn, "k": 2, "experts": 2 * args.ranks}
 
 
-def suite_host(args, argv) -> dict:
-    from .alltoall_host import suite_host as host
-    return host(args, argv)
-
-
 SUITES = {"local": suite_local, "cluster": suite_cluster, "moe": suite_moe, "host": suite_host}
 
 
@@ -236,7 +215,6 @@ def main(argv: list[str] | None = None) -> int:
     path = write(suite, [suite, *rest], args.backend, result, args.out or None)
     rows = result.get("rows", []) + [r for run in result.get("runs", []) for r in run["rows"]]
     if suite == "host":
-        from .alltoall_host import print_rows
         print_rows(result)
         rows = []
     for row in rows:

@@ -32,6 +32,7 @@ the host does there is the call's own work. Every number is the maximum over ran
 from __future__ import annotations
 
 import cProfile
+import functools
 import json
 import pstats
 import statistics
@@ -42,6 +43,22 @@ import torch
 import torch.distributed as dist
 
 from ...core import launch, ops, trace
+
+FLAT = {"linear": "linear_all_to_all", "pairwise": "pairwise_all_to_all", "bruck": "bruck_all_to_all"}
+
+
+def library_all_to_all(output, input, group=None, **_):
+    dist.all_to_all_single(output, input, group=group)
+
+
+def _algorithms(names, layout=None) -> dict:
+    import collectives.alltoall as a2a
+    table = {"dist.all_to_all_single": library_all_to_all}
+    table.update({k: getattr(a2a, v) for k, v in FLAT.items()})
+    if layout is not None:
+        table["hierarchical"] = functools.partial(a2a.hierarchical_all_to_all, layout=layout)
+    return {k: table[k] for k in names}
+
 
 NAMES = ("dist.all_to_all_single", "linear", "pairwise", "bruck", "hierarchical")
 
@@ -126,7 +143,6 @@ def _profile(fn, calls: int) -> dict:
 
 
 def _host_in_rank(names: list[str], calls: int, repeats: int, per_block: int) -> dict:
-    from .alltoall import _algorithms
     p = dist.get_world_size()
     device = ops.rank_device()
     layout = (2, p // 2) if p % 2 == 0 and p > 2 else (1, 1) if p == 1 else (p, 1)
