@@ -201,7 +201,7 @@ def suite_host(args, argv) -> dict:
                         timeout=600)[0]
     # alone: a world of one rank, no message at all -- all the host does is the call's own work
     result["alone"] = launch.run(_host_in_rank, 1, args=(list(NAMES), args.calls, args.repeats, 1),
-                                 timeout=600)[0]["rows"]
+                                 backend=args.backend, timeout=600)[0]["rows"]
     if args.before:
         before = json.loads(Path(args.before).read_text())
         result["before"] = {"meta": before.get("meta"), "rows": before.get("rows"), "alone": before.get("alone")}
