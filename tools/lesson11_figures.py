@@ -223,6 +223,11 @@ def host_record(raw: dict, out: Path) -> None:
                 f"{_us(lin['floor_seconds'])}, and {_us(lin['untraced_floor_seconds'])} through torch's own "
                 f"isend/irecv past the course's trace.", host=lin["host_seconds"], floor=lin["floor_seconds"],
                 untraced=lin["untraced_floor_seconds"])
+    if (was.get("linear") or {}).get("own_seconds") and lin.get("own_seconds"):
+        record.fact("own-linear", f"On {p} ranks the linear all-to-all's own work -- a call's time minus its "
+                    f"messages' alone, the slowest rank -- was {_us(was['linear']['own_seconds'])} before its plan "
+                    f"and {_us(lin['own_seconds'])} with it; the two runs were made on the same busy host.",
+                    before=was["linear"]["own_seconds"], now=lin["own_seconds"])
     lib = rows.get("dist.all_to_all_single")
     if lib:
         record.fact("library", f"The library's all_to_all_single, one C++ call for all of its messages, took "
