@@ -332,3 +332,29 @@ def _on_gpus():
 @pytest.mark.gpu
 def test_every_all_to_all_on_nccl_with_gpu_tensors():
     assert launch.run(_on_gpus, 2, backend="nccl", timeout=120) == [[], []]
+
+
+def test_the_host_suite_replays_each_calls_messages_and_compares_with_a_record(tmp_path):
+    import json
+
+    from collectives.course.benchmarks import alltoall as bench
+    argv = ["host", "--ranks", "2", "--calls", "3", "--repeats", "1", "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    first = json.loads((tmp_path / "bench-alltoall-host.json").read_text())
+    rows = {r["name"]: r for r in first["rows"]}
+    assert all(r["verified"] for r in first["rows"]) and set(rows) == {"dist.all_to_all_single", "linear",
+                                                                        "pairwise", "bruck"}
+    assert rows["linear"]["messages"] == 1 and rows["bruck"]["messages"] == 1      # p = 2: one block each way
+    assert rows["dist.all_to_all_single"]["floor_seconds"] is None                 # its messages are its C++'s
+    assert all(rows[n]["floor_seconds"] > 0 and rows[n]["untraced_floor_seconds"] > 0 for n in ("linear", "bruck"))
+    assert {r["name"] for r in first["alone"]} == set(rows) | {"hierarchical"}      # one rank: nothing sent
+    assert all(r["messages"] == 0 and r["verified"] for r in first["alone"])
+    assert rows["linear"]["python_calls"]["lesson"] > 0 and rows["linear"]["python_calls"]["core"] > 0
+    (tmp_path / "before.json").write_text(json.dumps(first))
+    assert bench.main(argv + ["--before", str(tmp_path / "before.json")]) == 0
+    again = json.loads((tmp_path / "bench-alltoall-host.json").read_text())
+    assert again["before"]["rows"] == first["rows"]
+    for name in ("linear", "pairwise", "bruck"):
+        ratio = again["ratios"][name]
+        now = {r["name"]: r for r in again["rows"]}[name]
+        assert ratio["host"] == pytest.approx(rows[name]["host_seconds"] / now["host_seconds"])
