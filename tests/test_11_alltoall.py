@@ -173,6 +173,76 @@ def test_bad_input_is_refused_before_any_message_and_the_world_goes_on():
         assert after == [0.0, 1.0, 2.0]
 
 
+def _plans():
+    """Calls that find their plan: the same buffers with new data, strided buffers, uneven
+    splits whose relayed sizes change, then the buffers freed (the plan goes with them)."""
+    import gc
+
+    import collectives.alltoall as a2a
+    from collectives.alltoall import plan as plans
+    r, p = dist.get_rank(), dist.get_world_size()
+    wrong = []
+    plans.clear_plans()
+    names = ALGORITHMS + ("hierarchical_all_to_all",)
+    x = torch.zeros(3 * p, 2, dtype=torch.int64)
+    outs = {name: torch.empty_like(x) for name in names}
+    strided_in, strided_out = torch.zeros(2, 4 * p, dtype=torch.int64).t(), torch.zeros(2, 4 * p, dtype=torch.int64).t()
+    for call in range(3):                              # 1st call makes the plans, 2nd and 3rd find them
+        x.copy_(_values(r, x.numel(), torch.int64, salt=call).view_as(x))
+        expected = _library(torch.empty_like(x), x)
+        for name in names:
+            kwargs = {"layout": (2, p // 2)} if name == "hierarchical_all_to_all" else {}
+            with trace.recording() as t:
+                getattr(a2a, name)(outs[name], x, **kwargs)
+            if not torch.equal(outs[name], expected):
+                wrong.append((name, call))
+            messages = [(e.kind, e.peer, e.numel, e.label) for e in t if e.kind in ("isend", "irecv")]
+            if call == 0:
+                outs[name + " trace"] = messages
+            elif messages != outs[name + " trace"]:
+                wrong.append((name, call, "trace differs"))
+        strided_in.copy_(_values(r, strided_in.numel(), torch.int64, salt=call).view_as(strided_in))
+        expected = _library(torch.empty(4 * p, 2, dtype=torch.int64), strided_in.contiguous())
+        for name in ALGORITHMS:
+            strided_out.zero_()
+            getattr(a2a, name)(strided_out, strided_in)
+            if not torch.equal(strided_out, expected):
+                wrong.append((name, "strided", call))
+    hits = plans.cached_plans()
+    # Bruck relays the block from rank 0 to rank 3 through rank 1: rank 1 calls with the same
+    # buffers and splits each time while the size it relays changes
+    buffers = {}
+    for call, far in enumerate((1, 3, 0)):
+        ins = [1, 2, 1, far] if r == 0 else [2, 1, 1, 2]
+        outs_ = a2a.exchange_splits(ins)
+        x = buffers.setdefault(("in", sum(ins)), torch.zeros(sum(ins), 1, dtype=torch.int64))
+        got = buffers.setdefault(("out", sum(outs_)), torch.zeros(sum(outs_), 1, dtype=torch.int64))
+        x.copy_(_values(r, sum(ins), torch.int64, salt=call).view(-1, 1))
+        expected = _library(torch.empty(sum(outs_), 1, dtype=torch.int64), x, outs_, ins)
+        got.zero_()
+        a2a.bruck_all_to_all(got, x, outs_, ins)
+        if not torch.equal(got, expected):
+            wrong.append(("bruck relayed sizes", call))
+    # a call that does not match its plan is checked again
+    try:
+        a2a.linear_all_to_all(outs["linear_all_to_all"], torch.zeros(3 * p, 2, dtype=torch.int32))
+        wrong.append("a changed dtype passed")
+    except TypeError as exc:
+        if "int64 but its input is torch.int32" not in str(exc):
+            wrong.append(str(exc))
+    before = plans.cached_plans()
+    del x, outs, strided_in, strided_out, expected, got, buffers
+    gc.collect()
+    return wrong, hits, before, plans.cached_plans()
+
+
+def test_plans_are_reused_exactly_and_go_with_their_buffers():
+    for wrong, hits, before, after in launch.run(_plans, 4, timeout=WORLD_TIMEOUT):
+        assert wrong == []
+        assert hits == 4 + 3                   # one plan per algorithm and buffers, the strided ones too
+        assert before > after == 0, (before, after)
+
+
 def _moe_twin(k: int, factor: float, skew: float):
     from collectives.alltoall import MoELayer, make_expert, make_router, moe_reference
     r, p = dist.get_rank(), dist.get_world_size()
@@ -262,3 +332,29 @@ def _on_gpus():
 @pytest.mark.gpu
 def test_every_all_to_all_on_nccl_with_gpu_tensors():
     assert launch.run(_on_gpus, 2, backend="nccl", timeout=120) == [[], []]
+
+
+def test_the_host_suite_replays_each_calls_messages_and_compares_with_a_record(tmp_path):
+    import json
+
+    from collectives.course.benchmarks import alltoall as bench
+    argv = ["host", "--ranks", "2", "--calls", "3", "--repeats", "1", "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    first = json.loads((tmp_path / "bench-alltoall-host.json").read_text())
+    rows = {r["name"]: r for r in first["rows"]}
+    assert all(r["verified"] for r in first["rows"]) and set(rows) == {"dist.all_to_all_single", "linear",
+                                                                        "pairwise", "bruck"}
+    assert rows["linear"]["messages"] == 1 and rows["bruck"]["messages"] == 1      # p = 2: one block each way
+    assert rows["dist.all_to_all_single"]["floor_seconds"] is None                 # its messages are its C++'s
+    assert all(rows[n]["floor_seconds"] > 0 and rows[n]["untraced_floor_seconds"] > 0 for n in ("linear", "bruck"))
+    assert {r["name"] for r in first["alone"]} == set(rows) | {"hierarchical"}      # one rank: nothing sent
+    assert all(r["messages"] == 0 and r["verified"] for r in first["alone"])
+    assert rows["linear"]["python_calls"]["lesson"] > 0 and rows["linear"]["python_calls"]["core"] > 0
+    (tmp_path / "before.json").write_text(json.dumps(first))
+    assert bench.main(argv + ["--before", str(tmp_path / "before.json")]) == 0
+    again = json.loads((tmp_path / "bench-alltoall-host.json").read_text())
+    assert again["before"]["rows"] == first["rows"]
+    for name in ("linear", "pairwise", "bruck"):
+        ratio = again["ratios"][name]
+        now = {r["name"]: r for r in again["rows"]}[name]
+        assert ratio["host"] == pytest.approx(rows[name]["host_seconds"] / now["host_seconds"])

@@ -14,7 +14,10 @@ For each GPU count p (one rank per GPU, NCCL, spawned ranks):
 * the benchmark -- ``bench-alltoall local --backend nccl`` (4 KiB to 256 MiB per rank) and
   ``bench-alltoall moe --backend nccl``, with a summary of the best hand-written
   all-to-all's speed as a fraction of NCCL's at every size from 32 MiB up (the lesson's
-  target: 0.85 or more). Written to ``DIR/bench-alltoall-*-nccl-p<p>.json``.
+  target: 0.85 or more); ``bench-alltoall host --backend nccl``: the host's time per call
+  of each all-to-all on tiny tensors, beside the floor its messages alone cost (what a
+  call costs before the GPU has anything to do). Written to
+  ``DIR/bench-alltoall-*-nccl-p<p>.json``.
 
 Every JSON record carries the device, GPU count, torch and NCCL versions, the date, the
 command and the git commit. NVLink multicast stays off (NCCL_NVLS_ENABLE=0,
@@ -121,6 +124,8 @@ def _bench(suite: str, p: int, out: Path, quick: bool, argv: list[str]) -> Path 
             "--out", str(tmp)]
     if suite == "local":
         args += ["--sizes", "4K,64K,1M,32M,64M" if quick else "4K..256M", "--iters", "5" if quick else "20"]
+    elif suite == "host":
+        args += ["--calls", "50" if quick else "200", "--repeats", "3" if quick else "9"]
     else:
         args += ["--iters", "3" if quick else "10", "--tokens", "4096" if quick else "16384",
                  "--hidden", "1024", "--ffn", "4096"]
@@ -177,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         path.write_text(json.dumps({"meta": _meta(p, argv), "per_rank": checks, "failed": failed}, indent=1) + "\n")
         print(f"{p} GPUs: {len(checks[0])} checks per rank, failed: {failed or 'none'}  -> {path}")
         if not args.skip_bench:
-            for suite in ("local", "moe"):
+            for suite in ("local", "host", "moe"):
                 made = _bench(suite, p, out, args.quick, argv)
                 print(f"{p} GPUs, bench {suite}: {made or 'FAILED'}")
                 ok &= made is not None

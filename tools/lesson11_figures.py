@@ -12,7 +12,11 @@ command and commit come from the bench record's ``meta``):
 * ``11-alltoall-cluster``: the hierarchical all-to-all against the flat ones and the library
   on the simulated 2 × 2 and 4 × 2 clusters, the two-tier model beside;
 * ``11-alltoall-moe``: the MoE layer's dispatch + combine against its expert compute, and the
-  slowest rank's step as the routing skews.
+  slowest rank's step as the routing skews;
+* ``11-alltoall-host``: the host's CPU time per call of each all-to-all, before its plan and
+  with it, alone and on local ranks, beside what its messages alone cost (``bench-alltoall host``);
+* ``11-alltoall-gpu-gap`` (a record, no image): NCCL's ``all_to_all_single`` against the
+  hand-written ones on GPUs (``bench-alltoall-local-nccl-p4.json``, from ``tools/gpu_lesson11.py``).
 
 Nothing is typed by hand: every sentence is made from the values.
 """
@@ -180,13 +184,118 @@ def moe_record(raw: dict, out: Path) -> None:
     print(plots.save(fig, out / "11-alltoall-moe", record))
 
 
+def _us(seconds) -> str:
+    return "n/a" if seconds is None else claims.human(seconds)
+
+
+def host_record(raw: dict, out: Path) -> None:
+    """The host's work per call, before the plans and now: alone (no message) and at p ranks."""
+    before = raw.get("before") or {}
+    was_alone = {r["name"]: r for r in before.get("alone") or []}
+    was = {r["name"]: r for r in before.get("rows") or []}
+    now_alone = {r["name"]: r for r in raw.get("alone") or []}
+    rows = {r["name"]: r for r in raw["rows"]}
+    p = raw["world_size"]
+    names = [n for n in NAMES if n in rows and n != "dist.all_to_all_single"]
+    record = claims.Record("11-alltoall-host", names={KEYS[n]: NAMES[n] for n in NAMES}, meta=_meta(raw),
+                           title=f"Host CPU time per call, tiny tensors: alone and on {p} local ranks",
+                           alt="Bars: host time per call of each all-to-all before and after its plan; "
+                               "stacked: messages through torch, the trace's wrappers, the algorithm's own work")
+    table_rows = []
+    for n in names:
+        a0, a1 = was_alone.get(n, {}).get("host_seconds"), now_alone.get(n, {}).get("host_seconds")
+        r0, r1 = was.get(n, {}), rows[n]
+        table_rows.append([NAMES[n], _us(a0), _us(a1), f"{a0 / a1:.1f}×" if a0 and a1 else "n/a",
+                           f"{r0.get('python_calls_total', 'n/a')} → {r1['python_calls_total']}",
+                           _us(r1["host_seconds"]), _us(r1["floor_seconds"]), _us(r1["untraced_floor_seconds"])])
+    record.table = {"head": ["all-to-all", "alone, before", "alone, now", "before ÷ now",
+                             f"Python calls per call ({p} ranks)", f"host, {p} ranks", "its messages alone",
+                             "the same, untraced"], "rows": table_rows}
+    lin, lin_alone = rows["linear"], now_alone.get("linear", {})
+    if "linear" in was_alone and lin_alone:
+        record.fact("alone-linear", f"Alone -- one rank, nothing sent -- a call of the linear all-to-all took "
+                    f"{_us(was_alone['linear']['host_seconds'])} of host CPU before its plan and "
+                    f"{_us(lin_alone['host_seconds'])} with it: "
+                    f"{was_alone['linear']['host_seconds'] / lin_alone['host_seconds']:.1f}× less.",
+                    before=was_alone["linear"]["host_seconds"], now=lin_alone["host_seconds"])
+    record.fact("floor-linear", f"On {p} ranks a call of the linear all-to-all took {_us(lin['host_seconds'])} of "
+                f"host CPU; its {lin['messages']} sends and as many receives alone, replayed, took "
+                f"{_us(lin['floor_seconds'])}, and {_us(lin['untraced_floor_seconds'])} through torch's own "
+                f"isend/irecv past the course's trace.", host=lin["host_seconds"], floor=lin["floor_seconds"],
+                untraced=lin["untraced_floor_seconds"])
+    if (was.get("linear") or {}).get("own_seconds") and lin.get("own_seconds"):
+        record.fact("own-linear", f"On {p} ranks the linear all-to-all's own work -- a call's time minus its "
+                    f"messages' alone, the slowest rank -- was {_us(was['linear']['own_seconds'])} before its plan "
+                    f"and {_us(lin['own_seconds'])} with it; the two runs were made on the same busy host.",
+                    before=was["linear"]["own_seconds"], now=lin["own_seconds"])
+    lib = rows.get("dist.all_to_all_single")
+    if lib:
+        record.fact("library", f"The library's all_to_all_single, one C++ call for all of its messages, took "
+                    f"{_us(lib['host_seconds'])} of host CPU per call on the same ranks.",
+                    library=lib["host_seconds"])
+    fig = plots._figure(9.0, 3.4)
+    left, right = fig.subplots(1, 2)
+    xs = range(len(names))
+    if was_alone:
+        left.bar([x - 0.2 for x in xs], [was_alone[n]["host_seconds"] * 1e6 for n in names], 0.4,
+                 color="tab:gray", label="before the plans")
+    left.bar([x + 0.2 for x in xs], [now_alone[n]["host_seconds"] * 1e6 for n in names], 0.4,
+             color="tab:blue", label="with the plans")
+    left.set_title("alone: one rank, no message", fontsize=9)
+    bare = [rows[n]["untraced_floor_seconds"] * 1e6 for n in names]
+    wrap = [max(0.0, (rows[n]["floor_seconds"] - rows[n]["untraced_floor_seconds"]) * 1e6) for n in names]
+    own = [max(0.0, (rows[n]["host_seconds"] - rows[n]["floor_seconds"]) * 1e6) for n in names]
+    right.bar(xs, bare, color="tab:gray", label="messages, torch's own isend/irecv")
+    right.bar(xs, wrap, bottom=bare, color="tab:orange", label="the course's trace wrappers")
+    right.bar(xs, own, bottom=[a + b for a, b in zip(bare, wrap)], color="tab:blue", label="the algorithm's own")
+    right.set_title(f"{p} ranks, with the plans", fontsize=9)
+    for ax in (left, right):
+        ax.set_xticks(list(xs), [KEYS[n] for n in names], fontsize=9)
+        ax.tick_params(labelsize=9)
+        ax.legend(fontsize=9)
+    left.set_ylabel("host CPU µs per call", fontsize=9)
+    record.caption = record.text()
+    print(plots.save(fig, out / "11-alltoall-host", record))
+
+
+def gpu_gap_record(raw: dict, out: Path) -> None:
+    """NCCL's all_to_all_single against the hand-written ones on GPUs: the fixed gap and the large sizes."""
+    rows = raw["rows"]
+    meta = dict(raw.get("gpu_meta") or raw["meta"])
+    for key in ("command", "commit", "date", "device", "torch", "nccl"):
+        meta.setdefault(key, raw["meta"].get(key))
+    record = claims.Record("11-alltoall-gpu-gap", names=_names() | {"library": "NCCL's all_to_all_single"},
+                           meta=meta, title="All-to-all on GPUs: NCCL's against the hand-written ones")
+    at = lambda n, s: next(r["seconds"] for r in rows if r["name"] == n and r["nbytes"] == s)   # noqa: E731
+    sizes = sorted({r["nbytes"] for r in rows})
+    small, large = sizes[0], [s for s in sizes if s >= 32 << 20]
+    where = f"{raw['world_size']} GPUs"
+    for s in [small] + large:
+        record.times(f"at-{timing.human_bytes(s).replace(' ', '')}",
+                     {KEYS[n]: at(n, s) for n in ("dist.all_to_all_single", "linear", "pairwise")},
+                     baseline="library", where=f"{timing.human_bytes(s)} per rank, {where}")
+    gaps = {s: at("linear", s) - at("dist.all_to_all_single", s) for s in [small] + large}
+    record.fact("gap", f"The linear all-to-all's time minus NCCL's: {_us(gaps[small])} at "
+                f"{timing.human_bytes(small)}, where neither moves many bytes; "
+                + ", ".join(f"{_us(gaps[s])} at {timing.human_bytes(s)}" for s in large)
+                + ". Most of the gap is the same at every size: a fixed cost per call.",
+                gaps={str(k): v for k, v in gaps.items()})
+    record.table = {"head": ["size per rank", "NCCL", "linear", "pairwise", "NCCL ÷ linear"],
+                    "rows": [[timing.human_bytes(s), _us(at("dist.all_to_all_single", s)), _us(at("linear", s)),
+                              _us(at("pairwise", s)), f"{at('dist.all_to_all_single', s) / at('linear', s):.2f}"]
+                             for s in [small] + large]}
+    record.caption = record.text()
+    print(record.save(out / "11-alltoall-gpu-gap"))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--records", default=str(ROOT / "docs" / "data" / "11-alltoall"))
     parser.add_argument("--out", default=str(claims.IMG))
     args = parser.parse_args()
     folder, out = Path(args.records), Path(args.out)
-    for suite, draw in (("local", local_record), ("cluster", cluster_record), ("moe", moe_record)):
+    for suite, draw in (("local", local_record), ("cluster", cluster_record), ("moe", moe_record),
+                        ("host", host_record), ("local-nccl-p4", gpu_gap_record)):
         path = folder / f"bench-alltoall-{suite}.json"
         if path.exists():
             draw(json.loads(path.read_text()), out)

@@ -9,7 +9,9 @@
   across, scatter inside;
 * :mod:`.moe` -- a top-k router with capacity, dispatch and combine as autograd
   all-to-alls, and the same layer in one process to check it against;
-* :mod:`.cost` -- the α–β cost of each, and Bruck's crossover.
+* :mod:`.cost` -- the α–β cost of each, and Bruck's crossover;
+* :mod:`.plan` -- what a call works out once and reuses on the same buffers: blocks as
+  views of the output, ranks, the ``P2POp`` lists.
 """
 
 from . import cost

@@ -33,112 +33,38 @@ below that bound -- Bruck only trades the other way.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..core import ops, trace
-from ..core.ops import ReduceOp
+from .plan import Plan, alias, check_all_to_all_args, plan_for, post, wait
 
 __all__ = ["linear_all_to_all", "pairwise_all_to_all", "bruck_all_to_all", "check_all_to_all_args",
            "pairwise_schedule"]
-
-
-def _is_split_list(value) -> bool:
-    return isinstance(value, (list, tuple)) and all(
-        isinstance(v, int) and not isinstance(v, bool) for v in value)
-
-
-def check_all_to_all_args(output, input, output_split_sizes, input_split_sizes, group, what: str):
-    """Check an all-to-all's arguments before anything is sent; return ``(rows_out, rows_in)``,
-    the block sizes along dim 0 (lists of p), or None for a rank outside ``group``.
-
-    Everything checked here depends on this rank's arguments only, so a wrong call raises
-    on the rank that made it before any message leaves it.
-    """
-    for name, t in (("output", output), ("input", input)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if not ops.check_all_reduce_args(input, ReduceOp.SUM, group, what=what,
-                                     compare=output_split_sizes is None and input_split_sizes is None):
-        return None
-    rank, p = ops.group_rank_and_size(group)
-    if output.dtype != input.dtype:
-        raise TypeError(f"{what}: rank {rank}'s output is {output.dtype} but its input is {input.dtype}")
-    if input.dim() == 0 or output.dim() == 0:
-        raise ValueError(f"{what}: rank {rank}: input and output need at least one dimension (blocks are rows)")
-    if input.shape[1:] != output.shape[1:]:
-        raise ValueError(f"{what}: rank {rank}: input rows {tuple(input.shape[1:])} and output rows "
-                         f"{tuple(output.shape[1:])} differ")
-    if output.numel() > 1 and torch._debug_has_internal_overlap(output) == 1:
-        raise ValueError(f"{what}: rank {rank}'s output has elements that share memory (an expanded tensor)")
-    splits = []
-    for name, sizes, t in (("output_split_sizes", output_split_sizes, output),
-                           ("input_split_sizes", input_split_sizes, input)):
-        if sizes is None:
-            if t.shape[0] % p:
-                raise ValueError(f"{what}: rank {rank}: the {name[:-12]}'s {t.shape[0]} rows do not split into "
-                                 f"{p} equal blocks; pass {name}")
-            splits.append([t.shape[0] // p] * p)
-            continue
-        if not _is_split_list(sizes) or len(sizes) != p or any(s < 0 for s in sizes):
-            raise ValueError(f"{what}: rank {rank}: {name} must be {p} non-negative integers, got {sizes!r}")
-        if sum(sizes) != t.shape[0]:
-            raise ValueError(f"{what}: rank {rank}: {name} {list(sizes)} add up to {sum(sizes)} rows, "
-                             f"but the {name[:-12]} has {t.shape[0]}")
-        splits.append(list(sizes))
-    return splits[0], splits[1]
-
-
-def _offsets(sizes: list[int]) -> list[int]:
-    out, at = [], 0
-    for s in sizes:
-        out.append(at)
-        at += s
-    return out
-
-
-class _Blocks:
-    """A tensor seen as p blocks of rows, flat: ``block(i)`` is a contiguous 1-D view."""
-
-    def __init__(self, flat: torch.Tensor, rows: list[int], row_numel: int):
-        self.flat, self.rows, self.row_numel = flat, rows, row_numel
-        self.starts = [o * row_numel for o in _offsets(rows)]
-
-    def block(self, i: int) -> torch.Tensor:
-        return self.flat[self.starts[i]: self.starts[i] + self.rows[i] * self.row_numel]
-
-
-def _prepare(output, input, output_split_sizes, input_split_sizes, group, what):
-    checked = check_all_to_all_args(output, input, output_split_sizes, input_split_sizes, group, what)
-    if checked is None:
-        return None
-    rows_out, rows_in = checked
-    row_numel = math.prod(input.shape[1:])
-    source = input.detach().reshape(-1) if input.is_contiguous() else input.detach().contiguous().view(-1)
-    target = ops.work_buffer(output)
-    return _Blocks(source, rows_in, row_numel), _Blocks(target, rows_out, row_numel)
 
 
 def linear_all_to_all(output: torch.Tensor, input: torch.Tensor, output_split_sizes=None,
                       input_split_sizes=None, group=None) -> None:
     """All-to-all with every receive and every send posted at once (p − 1 of each).
 
-    Cost: (p − 1)·α + (p − 1)/p·n·β on one port; the order is the transport's.
+    Cost: (p − 1)·α + (p − 1)/p·n·β on one port; the order is the transport's. The
+    receives land straight in the output's blocks; the own block is copied while the
+    messages are under way. What to post is worked out on the first call and reused
+    (:mod:`.plan`): one ``batch_isend_irecv`` of a ready list per call.
     """
-    prepared = _prepare(output, input, output_split_sizes, input_split_sizes, group, "linear_all_to_all")
-    if prepared is None:
+    plan = plan_for("linear_all_to_all", output, input, output_split_sizes, input_split_sizes, group)
+    if plan is None:
         return
-    src, dst = prepared
-    rank, p = ops.group_rank_and_size(group)
-    dst.block(rank).copy_(src.block(rank))
-    peers = [(rank + k) % p for k in range(1, p)]
+    p2p = plan.cache.get("linear")
+    if p2p is None:
+        peers = [(plan.rank + k) % plan.p for k in range(1, plan.p)]
+        p2p = plan.cache["linear"] = plan.p2p([(plan.dst.blocks[s], s) for s in peers],
+                                              [(plan.src.blocks[d], d) for d in peers])
+    plan.stage_in(input)
     with trace.label("linear: every pair at once"):
-        works = ops.post_exchange([(dst.block(s), ops.global_rank(group, s)) for s in peers],
-                                  [(src.block(d), ops.global_rank(group, d)) for d in peers], group)
-        for work in works:
-            work.wait()
-    ops.write_back(output, dst.flat)
+        works = post(p2p)
+        plan.copy_self()
+        wait(works)
+    plan.stage_out(output)
 
 
 def pairwise_schedule(rank: int, p: int) -> list[tuple[int, int]]:
@@ -156,19 +82,25 @@ def pairwise_all_to_all(output: torch.Tensor, input: torch.Tensor, output_split_
     rank + k and receive from rank − k. Every rank is sending one block and receiving one
     at any time. Cost: (p − 1)·α + (p − 1)/p·n·β.
     """
-    prepared = _prepare(output, input, output_split_sizes, input_split_sizes, group, "pairwise_all_to_all")
-    if prepared is None:
+    plan = plan_for("pairwise_all_to_all", output, input, output_split_sizes, input_split_sizes, group)
+    if plan is None:
         return
-    src, dst = prepared
-    rank, p = ops.group_rank_and_size(group)
-    dst.block(rank).copy_(src.block(rank))
-    for k, (to, frm) in enumerate(pairwise_schedule(rank, p), start=1):
-        with trace.label(f"pairwise round {k}: to {to}, from {frm}"):
-            recv, send = ops.sendrecv(src.block(to), ops.global_rank(group, to),
-                                      dst.block(frm), ops.global_rank(group, frm), group)
-            recv.wait()
-            send.wait()
-    ops.write_back(output, dst.flat)
+    rounds = plan.cache.get("pairwise")
+    if rounds is None:
+        src, dst = plan.src.blocks, plan.dst.blocks
+        rounds = plan.cache["pairwise"] = [
+            (f"pairwise round {k}: to {to}, from {frm}", plan.p2p([(dst[frm], frm)], [(src[to], to)]))
+            for k, (to, frm) in enumerate(pairwise_schedule(plan.rank, plan.p), start=1)]
+    plan.stage_in(input)
+    if not rounds:
+        plan.copy_self()
+    for k, (text, p2p) in enumerate(rounds):
+        with trace.label(text):
+            works = post(p2p)
+            if k == 0:
+                plan.copy_self()            # while the first round's messages are under way
+            wait(works)
+    plan.stage_out(output)
 
 
 def _size_matrix(rows_in: list[int], equal: bool, group) -> list[list[int]]:
@@ -196,15 +128,33 @@ def bruck_all_to_all(output: torch.Tensor, input: torch.Tensor, output_split_siz
     what a packed message holds: they are all-gathered first (p·p integers).
     Cost: ⌈log2 p⌉·α + Σ_k |{i : bit k of i}|·b·β ≈ ⌈log2 p⌉·α + ⌈log2 p⌉·(n/2)·β.
     """
-    prepared = _prepare(output, input, output_split_sizes, input_split_sizes, group, "bruck_all_to_all")
-    if prepared is None:
+    plan = plan_for("bruck_all_to_all", output, input, output_split_sizes, input_split_sizes, group)
+    if plan is None:
         return
-    src, dst = prepared
-    rank, p = ops.group_rank_and_size(group)
     equal = input_split_sizes is None and output_split_sizes is None
-    sizes = _size_matrix(src.rows, equal, group)
-    row = src.row_numel
-    slots = [src.block((rank + i) % p) for i in range(p)]          # slot i: for rank + i
+    rounds = plan.cache.get("bruck")
+    if rounds is None:
+        rounds = _bruck_rounds(plan, _size_matrix(plan.src.rows, equal, group))
+        if equal:                   # uneven: the other ranks' sizes may change from call to call
+            plan.cache["bruck"] = rounds
+    steps, final = rounds
+    plan.stage_in(input)
+    for text, sources, packed, p2p in steps:
+        torch.cat(sources, out=packed)
+        with trace.label(text):
+            wait(post(p2p))
+    torch.cat(final, out=plan.dst.flat)
+    plan.stage_out(output)
+
+
+def _bruck_rounds(plan: Plan, sizes: list[list[int]]):
+    """Bruck's rounds, worked out: for each, the slots to pack, the buffer they are packed
+    into, and the P2POps (receive into a landing buffer, send the packed one); then the
+    slots in output order. The slots a round receives are views of its landing buffer."""
+    rank, p, row = plan.rank, plan.p, plan.src.row_numel
+    flat = plan.src.flat
+    slots = [plan.src.blocks[(rank + i) % p] for i in range(p)]          # slot i: for rank + i
+    steps = []
     d = 1
     while d < p:
         moving = [i for i in range(p) if i & d]
@@ -214,15 +164,14 @@ def bruck_all_to_all(output: torch.Tensor, input: torch.Tensor, output_split_siz
         for i in moving:
             source = (frm - (i & (d - 1))) % p
             incoming.append(sizes[source][(source + i) % p] * row)
-        packed = torch.cat([slots[i] for i in moving]) if moving else src.flat[:0]
-        landing = torch.empty(sum(incoming), dtype=src.flat.dtype, device=src.flat.device)
-        with trace.label(f"bruck round {d.bit_length() - 1}: {len(moving)} blocks to {to}"):
-            recv, send = ops.sendrecv(packed, ops.global_rank(group, to), landing, ops.global_rank(group, frm), group)
-            recv.wait()
-            send.wait()
-        for i, piece in zip(moving, torch.split(landing, incoming)):
-            slots[i] = piece
+        sources = [slots[i] for i in moving]
+        packed = torch.empty(sum(t.numel() for t in sources), dtype=flat.dtype, device=flat.device)
+        landing = torch.empty(sum(incoming), dtype=flat.dtype, device=flat.device)
+        steps.append((f"bruck round {d.bit_length() - 1}: {len(moving)} blocks to {to}", sources, packed,
+                      plan.p2p([(landing, frm)], [(packed, to)])))
+        at = 0
+        for i, n in zip(moving, incoming):
+            slots[i] = alias(landing, at, n)
+            at += n
         d <<= 1
-    for s in range(p):
-        dst.block(s).copy_(slots[(rank - s) % p])
-    ops.write_back(output, dst.flat)
+    return steps, [slots[(rank - s) % p] for s in range(p)]

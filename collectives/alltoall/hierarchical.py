@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import torch
 
-from ..core import ops, trace
+from ..core import trace
 from ..hierarchical.layout import resolve
-from .flat import _prepare
+from .plan import alias, plan_for, post, wait
 
 __all__ = ["hierarchical_all_to_all", "carrier"]
 
@@ -39,77 +39,85 @@ def carrier(src_machine: int, dst_machine: int, D: int) -> tuple[int, int]:
     return dst_machine % D, src_machine % D
 
 
-def _wait(works) -> None:
-    for work in works:
-        work.wait()
-
-
 def hierarchical_all_to_all(output: torch.Tensor, input: torch.Tensor, group=None, layout=None) -> None:
     """``dist.all_to_all_single(output, input, group=group)`` (equal blocks) in three stages.
 
     ``layout=(D, M)`` as in lesson 7, or from the launcher's ``LOCAL_WORLD_SIZE``. Equal
     blocks only: the gather and the scatter would otherwise need every rank's sizes.
+    The stages are worked out on the first call and reused (:mod:`.plan`).
     """
-    prepared = _prepare(output, input, None, None, group, "hierarchical_all_to_all")
-    if prepared is None:
+    plan = plan_for("hierarchical_all_to_all", output, input, None, None, group, extra=("layout", layout),
+                    check=lambda made: made.cache.update(hierarchical=_stages(made, resolve(layout, group))))
+    if plan is None:
         return
-    src, dst = prepared
-    lay = resolve(layout, group)
+    plan.stage_in(input)
+    for text, before, p2p, after in plan.cache["hierarchical"]:
+        with trace.label(text):
+            works = post(p2p)
+            for to, frm in before:
+                to.copy_(frm)
+            wait(works)
+        for to, frm in after:
+            to.copy_(frm)
+    plan.stage_out(output)
+
+
+def _stages(plan, lay) -> list:
+    """The three stages, each ``(label, copies while posted, P2POps, copies after)``."""
+    src, dst = plan.src, plan.dst
     D, M = lay.D, lay.M
-    rank, p = ops.group_rank_and_size(group)
+    rank = plan.rank
     m, d = lay.machine(rank), lay.local(rank)
-    g = lambda r: ops.global_rank(group, r)          # noqa: E731 - group rank -> global rank
     block = src.rows[0] * src.row_numel               # elements per block
     span = D * block                                  # the blocks of one machine, contiguous
-    for_machine = lambda t, mm: t[mm * span:(mm + 1) * span]   # noqa: E731
+    new = lambda n: torch.empty(n, dtype=src.flat.dtype, device=src.flat.device)   # noqa: E731
+    for_machine = lambda t, mm: alias(t, mm * span, span)                          # noqa: E731
 
     # 1. inside: own machine's blocks straight to their ranks; other machines' to their carrier
     mine_out = [mm for mm in range(M) if mm != m and carrier(m, mm, D)[0] == d]   # pairs I carry out
-    gathered = {mm: torch.empty(D * span, dtype=src.flat.dtype, device=src.flat.device) for mm in mine_out}
-    recvs, sends = [], []
+    gathered = {mm: new(D * span) for mm in mine_out}
+    recvs, sends, copies = [], [], [(dst.blocks[rank], src.blocks[rank])]
     for dd in range(D):
         peer = m * D + dd
-        if dd == d:
-            dst.block(rank).copy_(src.block(rank))
-        else:
-            recvs.append((dst.block(peer), g(peer)))
-            sends.append((src.block(peer), g(peer)))
+        if dd != d:
+            recvs.append((dst.blocks[peer], peer))
+            sends.append((src.blocks[peer], peer))
     for mm in range(M):
         if mm == m:
             continue
         c = carrier(m, mm, D)[0]
         if c == d:
-            gathered[mm][d * span:(d + 1) * span].copy_(for_machine(src.flat, mm))
+            copies.append((alias(gathered[mm], d * span, span), for_machine(src.flat, mm)))
         else:
-            sends.append((for_machine(src.flat, mm), g(m * D + c)))
+            sends.append((for_machine(src.flat, mm), m * D + c))
     for mm in mine_out:
-        recvs += [(gathered[mm][dd * span:(dd + 1) * span], g(m * D + dd)) for dd in range(D) if dd != d]
-    with trace.label("hierarchical 1: gather inside"):
-        _wait(ops.post_exchange(recvs, sends, group))
+        recvs += [(alias(gathered[mm], dd * span, span), m * D + dd) for dd in range(D) if dd != d]
+    stages = [("hierarchical 1: gather inside", copies, plan.p2p(recvs, sends), [])]
 
     # 2. across: one message per machine pair, carrier to carrier
     mine_in = [mm for mm in range(M) if mm != m and carrier(mm, m, D)[1] == d]     # pairs I receive
-    arrived = {mm: torch.empty(D * span, dtype=src.flat.dtype, device=src.flat.device) for mm in mine_in}
-    recvs = [(arrived[mm], g(mm * D + carrier(mm, m, D)[0])) for mm in mine_in]
-    sends = [(gathered[mm], g(mm * D + carrier(m, mm, D)[1])) for mm in mine_out]
-    with trace.label("hierarchical 2: across, one message per machine pair"):
-        _wait(ops.post_exchange(recvs, sends, group))
+    arrived = {mm: new(D * span) for mm in mine_in}
+    recvs = [(arrived[mm], mm * D + carrier(mm, m, D)[0]) for mm in mine_in]
+    sends = [(gathered[mm], mm * D + carrier(m, mm, D)[1]) for mm in mine_out]
+    # an arrival holds [source d][destination d'][block]; each d' gets its column
+    columns = {mm: new(D * span) for mm in mine_in}
+    after = [(columns[mm].view(D, D, block), arrived[mm].view(D, D, block).transpose(0, 1)) for mm in mine_in]
+    stages.append(("hierarchical 2: across, one message per machine pair", [], plan.p2p(recvs, sends), after))
 
-    # 3. inside: an arrival holds [source d][destination d'][block]; each d' gets its column
-    recvs, sends = [], []
+    # 3. inside: the carrier scatters the columns
+    recvs, sends, copies = [], [], []
     for mm in range(M):
         if mm == m:
             continue
         c = carrier(mm, m, D)[1]
         if c == d:
-            columns = arrived[mm].view(D, D, block).transpose(0, 1).contiguous()
             for dd in range(D):
+                column = alias(columns[mm], dd * span, span)
                 if dd == d:
-                    for_machine(dst.flat, mm).copy_(columns[dd].view(-1))
+                    copies.append((for_machine(dst.flat, mm), column))
                 else:
-                    sends.append((columns[dd].view(-1), g(m * D + dd)))
+                    sends.append((column, m * D + dd))
         else:
-            recvs.append((for_machine(dst.flat, mm), g(m * D + c)))
-    with trace.label("hierarchical 3: scatter inside"):
-        _wait(ops.post_exchange(recvs, sends, group))
-    ops.write_back(output, dst.flat)
+            recvs.append((for_machine(dst.flat, mm), m * D + c))
+    stages.append(("hierarchical 3: scatter inside", copies, plan.p2p(recvs, sends), []))
+    return stages

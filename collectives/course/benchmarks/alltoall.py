@@ -9,6 +9,8 @@ command, commit, every row) under ``--out``:
 * ``cluster`` (or ``--cluster``) -- the simulated 2 × 2 and 4 × 2 clusters (root, network namespaces, links
   shaped to ``--link``): the hierarchical all-to-all against the flat ones and the library,
   the two-tier cost model beside;
+* ``host`` -- the host's work per call of each algorithm on tiny tensors, beside the
+  floor its messages alone cost (:mod:`.alltoall_host`);
 * ``moe`` -- the MoE layer's dispatch + combine time against its expert compute, and an
   imbalance sweep (routing from uniform to skewed): the tokens the busiest rank receives
   and the step time the slowest rank sets.
@@ -21,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import json
 import os
 import sys
@@ -33,25 +34,10 @@ import torch.distributed as dist
 from ...core import cost as core_cost
 from ...core import launch, netns, ops, timing, trace
 from ..catalog import ROOT
+from .alltoall_host import FLAT, _algorithms, library_all_to_all, print_rows, suite_host  # noqa: F401
 
 DEFAULT_OUT = ROOT / "build" / "bench"
 QUEUE = "50ms"
-FLAT = {"linear": "linear_all_to_all", "pairwise": "pairwise_all_to_all", "bruck": "bruck_all_to_all"}
-
-
-def library_all_to_all(output, input, group=None, **_):
-    dist.all_to_all_single(output, input, group=group)
-
-
-def _algorithms(names, layout=None) -> dict:
-    import collectives.alltoall as a2a
-    table = {"dist.all_to_all_single": library_all_to_all}
-    table.update({k: getattr(a2a, v) for k, v in FLAT.items()})
-    if layout is not None:
-        table["hierarchical"] = functools.partial(a2a.hierarchical_all_to_all, layout=layout)
-    return {k: table[k] for k in names}
-
-
 def _time_in_rank(sizes: list[int], iters: int, names: list[str], layout=None) -> dict:
     """Every algorithm at every size: verified against the library once, then timed (max over ranks)."""
     p = dist.get_world_size()
@@ -183,7 +169,7 @@ def suite_moe(args, argv) -> dict:
             "ffn": args.ffn, "k": 2, "experts": 2 * args.ranks}
 
 
-SUITES = {"local": suite_local, "cluster": suite_cluster, "moe": suite_moe}
+SUITES = {"local": suite_local, "cluster": suite_cluster, "moe": suite_moe, "host": suite_host}
 
 
 def write(suite: str, argv: list[str], backend: str, result: dict, out: str | None) -> Path:
@@ -218,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ffn", type=int, default=1024, help="moe")
     parser.add_argument("--skews", default="0,1,2,4,8", help="moe: router bias towards expert 0, uniform at 0")
     parser.add_argument("--factors", default="1.25,100", help="moe: capacity factors (100: nothing dropped)")
+    parser.add_argument("--calls", type=int, default=200, help="host: calls per timed batch")
+    parser.add_argument("--repeats", type=int, default=9, help="host: timed batches (median)")
+    parser.add_argument("--before", default="", help="host: an earlier host record to compare with")
     parser.add_argument("--out", default="", help="folder for the JSON (default build/bench)")
     args = parser.parse_args(rest)
     if args.backend == "nccl":
@@ -225,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     result = SUITES[suite](args, rest)
     path = write(suite, [suite, *rest], args.backend, result, args.out or None)
     rows = result.get("rows", []) + [r for run in result.get("runs", []) for r in run["rows"]]
+    if suite == "host":
+        print_rows(result)
+        rows = []
     for row in rows:
         if "nbytes" in row:
             print(f"{row.get('layout', '')}{timing.human_bytes(row['nbytes']):>10}  {row['name']:<24} "
@@ -233,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"factor {row['factor']:<6} skew {row['skew']:<4} slowest {timing.human_seconds(row['slowest'])} "
                   f"mean {timing.human_seconds(row['mean'])} received {row['received']} dropped {row['dropped']}")
     print(f"wrote {path}")
-    return 0 if all(r.get("verified", True) for r in rows) else 1
+    return 0 if all(r.get("verified", True) for r in result.get("rows", []) + rows) else 1
 
 
 def tour_runner(nbytes: int) -> dict:
