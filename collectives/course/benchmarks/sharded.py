@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...core import launch, netns, ops
+from ...core import launch, live_bytes, netns, ops
 from ...core.cost import AlphaBeta, TwoTier
 from ...hierarchical.cost import DEFAULT_TIERS
 from ...sharded import FSDP, ZeRO, hybrid_groups, optimizer_state_bytes, tensor_bytes
@@ -133,7 +133,8 @@ def _bench_in_rank(names, layers, width, batch, iters, backend, hybrid_rpm=2) ->
             _sync(device)
             if i > 0:                           # the first step builds the optimizer state
                 times.append(time.perf_counter() - t0)
-        row = dict(name=name, seconds=statistics.median(times), times=times, memory=memory)
+        row = dict(name=name, seconds=statistics.median(times), times=times, memory=memory,
+                   peak_bytes=_metered_step(fwd, step, xs[0], device))
         if device.type == "cuda":                 # the peak above what was allocated before it began
             row["max_memory_allocated"] = torch.cuda.max_memory_allocated(device) - before
             row["allocated_before"] = before
@@ -142,6 +143,20 @@ def _bench_in_rank(names, layers, width, batch, iters, backend, hybrid_rpm=2) ->
         rows.append(row)
         del fwd, step, mem
     return rows
+
+
+def _metered_step(fwd, step, x, device) -> int:
+    """Peak live tensor bytes above the start of one more training step (forward, backward,
+    optimizer step, zero_grad), counted by :class:`~collectives.core.live_bytes.LiveBytes`:
+    the same meter on CPU and GPU, for every contender."""
+    import gc
+    gc.collect()
+    _sync(device)
+    with live_bytes.LiveBytes() as meter:
+        fwd(x).square().mean().backward()
+        step()
+    _sync(device)
+    return meter.peak
 
 
 def predictions(psi_bytes: float, machines: int, rpm: int, link: str) -> dict:
@@ -176,6 +191,7 @@ def run(args, argv) -> dict:
         per_rank = [r[k] for r in rows]
         out.append(dict(name=name, label=NAMES[name], seconds=max(r["seconds"] for r in per_rank),
                         memory_per_rank=[r["memory"] for r in per_rank],
+                        peak_bytes=[r["peak_bytes"] for r in per_rank],
                         max_memory_allocated=[r.get("max_memory_allocated") for r in per_rank]))
     psi = sum(q.numel() for q in make_model(args.layers, args.width, "cpu").parameters())
     result = dict(world_size=p, layers=args.layers, width=args.width, batch=args.batch, iters=args.iters,
