@@ -323,10 +323,14 @@ class FSDP:
         for q in u.params:
             q.grad = None               # the full gradient goes once packed
 
+        box = [packed]                  # work takes it out: nothing holds it once reduced
+
         def work():
             t0 = time.perf_counter()
-            piece = packed.new_empty(u.group.shard_numel)
-            reduce_scatter(piece, packed, use_torch=self.use_torch, group=self.group, scratch=True)
+            grads = box.pop()
+            piece = grads.new_empty(u.group.shard_numel)
+            reduce_scatter(piece, grads, use_torch=self.use_torch, group=self.group, scratch=True)
+            del grads                   # gone before the result is handed over
             if self.replicate_group is not None:
                 if self.use_torch:
                     dist.all_reduce(piece, op=ReduceOp.AVG, group=self.replicate_group)
@@ -334,7 +338,8 @@ class FSDP:
                     ring_all_reduce(piece, op=ReduceOp.AVG, group=self.replicate_group)
             self._note("reduce_scatter", u.index, t0, time.perf_counter())
             return [piece]
-        self._reductions.append((u, self.side.submit(work, keep=(packed,))))
+        del packed
+        self._reductions.append((u, self.side.submit(work, keep=tuple(box))))
 
     def _end_backward(self) -> None:
         for u, future in self._reductions:
