@@ -11,6 +11,14 @@ only its rows of every parameter (:mod:`collectives.sharded.shard`). For each un
 Three collectives of Ψ elements instead of data parallel's one all-reduce (two halves):
 1.5x the bytes, for memory (4 + 4 + 8) · Ψ/p instead of 16 · Ψ (fp32 Adam).
 
+Freeing, for real: a layer's forward saves its weight for the backward, and autograd holds
+the parameter itself. So each unit's full parameters are made once and freed by shrinking
+their storage to nothing (FSDP2's way); a gather grows it back and copies the all-gathered
+buffer in. Between forward and backward nothing of them stays alive, and at the peak a rank
+holds one unit gathered, the next one's all-gather, one unit's gradients and their packed
+reduce-scatter input -- at most one reduce-scatter in flight, its input dropped once reduced
+(:class:`collectives.core.live_bytes.LiveBytes` counts it; the tests hold it to FSDP2's).
+
 Overlap: the gathers and reduce-scatters run on a side stream -- on CPU a thread of their
 own, in the order they were issued, which is the same on every rank -- so the next unit's
 all-gather (prefetched when this one starts) and the previous unit's reduce-scatter
@@ -123,9 +131,12 @@ class _Unit:
         # the full parameters, made once: freeing one shrinks its storage to nothing and
         # gathering grows it back, so autograd's saved references to the parameter (the
         # weight a layer keeps for its backward) hold no memory between the two (FSDP2's way)
-        self.fulls = [torch.empty(q.shape, dtype=dtype, device=device) for q in params]
-        for q, full in zip(params, self.fulls):
-            q.data = full
+        self.fulls = []
+        for q in params:                # one at a time: never a whole unit more than the model
+            full = torch.empty(q.shape, dtype=dtype, device=device)
+            q.data = full               # the model's own tensor goes here (if nothing else holds it)
+            full.untyped_storage().resize_(0)
+            self.fulls.append(full)
         self.gathered = False      # full parameters present
         self.pending = None        # the in-flight all-gather
         self.ready = 0             # gradients arrived this backward
