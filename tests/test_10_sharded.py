@@ -230,7 +230,8 @@ def _peaks() -> dict:
                 opt.step()
                 opt.zero_grad()
         peaks[name] = meter.peak
-        if name != "fsdp2":
+        if name != "fsdp2":                        # between steps a freed weight reads as empty
+            peaks[name + " numel between steps"] = sum(q.numel() for q in m.parameters())
             fwd.close()
     return peaks
 
@@ -294,6 +295,7 @@ def _check_peaks(peaks: dict) -> None:
         # were freed for real, every layer's stayed alive until backward: about 2x
         assert peaks[name] <= 1.05 * peaks["fsdp2"], peaks
         assert peaks[name] >= 2 * layer, peaks        # a gathered unit and its gradient at least
+        assert peaks[name + " numel between steps"] == 0, peaks
 
 
 def _check_prefetch_order(timeline: list[dict]) -> None:

@@ -129,13 +129,14 @@ class _Unit:
         self.shards = [nn.Parameter(spec.unpad(v, rank)) for v, spec in zip(self.group.shard_views(self.piece),
                                                                           self.group.specs)]
         # the full parameters, made once: freeing one shrinks its storage to nothing and
-        # gathering grows it back, so autograd's saved references to the parameter (the
-        # weight a layer keeps for its backward) hold no memory between the two (FSDP2's way)
-        self.fulls = []
+        # gathering grows it back, so what autograd saved of it (the weight a layer keeps
+        # for its backward, a view of this storage) holds no memory between the two (FSDP2's
+        # way). While freed, the Parameter itself shows an empty tensor: safe to read.
+        self.fulls, self.empty = [], torch.empty(0, dtype=dtype, device=device)
         for q in params:                # one at a time: never a whole unit more than the model
             full = torch.empty(q.shape, dtype=dtype, device=device)
-            q.data = full               # the model's own tensor goes here (if nothing else holds it)
             full.untyped_storage().resize_(0)
+            q.data = self.empty         # the model's own tensor goes (if nothing else holds it)
             self.fulls.append(full)
         self.gathered = False      # full parameters present
         self.pending = None        # the in-flight all-gather
@@ -266,12 +267,15 @@ class FSDP:
                 full.untyped_storage().resize_(full.numel() * full.element_size())
             u.group.unpack_into(gathered, u.fulls)
         del gathered                    # the flat buffer goes as soon as it is copied out
+        for q, full in zip(u.params, u.fulls):
+            q.data = full
         u.gathered = True
         alive = sum(q.numel() * q.element_size() for w in self.units if w.gathered for q in w.params)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, alive)
 
     def _free(self, u: _Unit) -> None:
-        for full in u.fulls:
+        for q, full in zip(u.params, u.fulls):
+            q.data = u.empty
             full.untyped_storage().resize_(0)
         u.gathered = False
 
