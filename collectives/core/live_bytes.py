@@ -23,7 +23,9 @@ How it sees them:
 
 The peak is taken after every operator and every resize. What it does not see: scratch
 an operator allocates and frees inside itself, memory a library holds outside tensors
-(gloo's, NCCL's), and storages from before the start that die untracked. The dispatch
+(gloo's, NCCL's), sparse tensors, tensors made from Python data (``torch.tensor([...])``,
+``torch.from_numpy``: no operator makes them), and storages from before the start that die
+untracked. The dispatch
 mode is per thread: work handed to another thread is seen when wrapped in :func:`carry`.
 """
 
@@ -59,8 +61,8 @@ def _storages(tree) -> dict:
     out = {}
     for leaf in tree_leaves(tree):
         for t in _plain(leaf):
-            if t.device.type == "meta":
-                continue
+            if t.device.type == "meta" or t.layout != torch.strided:
+                continue                            # no storage of bytes (sparse tensors: not counted)
             s = t.untyped_storage()
             out[s._cdata] = s
     return out
