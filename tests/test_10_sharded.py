@@ -29,6 +29,8 @@ What is checked:
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -225,7 +227,7 @@ def _peaks() -> dict:
             opt = adam(fwd.parameters())
         for metered in (False, True):
             dist.barrier()
-            with LiveBytes() if metered else _nothing() as meter:
+            with LiveBytes() if metered else contextlib.nullcontext() as meter:
                 fwd(x).square().mean().backward()
                 opt.step()
                 opt.zero_grad()
@@ -234,14 +236,6 @@ def _peaks() -> dict:
             peaks[name + " numel between steps"] = sum(q.numel() for q in m.parameters())
             fwd.close()
     return peaks
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return None
 
 
 PSI = 5 * 7 + 7 + 7 * 6 + 6 + 6 * 3 + 3            # parameters of make_model()
@@ -292,7 +286,7 @@ def _check_peaks(peaks: dict) -> None:
     layer = 4 * (PEAK_WIDTH * PEAK_WIDTH + PEAK_WIDTH)
     for name in ("ring", "torch"):
         # ZeRO-3 (both ways) within 1.05x of fully_shard's peak; before its gathered weights
-        # were freed for real, every layer's stayed alive until backward: about 2x
+        # were freed for real, every layer's stayed alive until backward, above the bound
         assert peaks[name] <= 1.05 * peaks["fsdp2"], peaks
         assert peaks[name] >= 2 * layer, peaks        # a gathered unit and its gradient at least
         assert peaks[name + " numel between steps"] == 0, peaks
