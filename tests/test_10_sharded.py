@@ -21,10 +21,15 @@ What is checked:
   averaged across them, equal to DDP to 1e-6;
 * **overlap** -- prefetched gathers run while a unit computes, never more than
   ``max_alive`` units gathered; the exercise's :func:`forward_prefetch` likewise;
+* **peak memory** -- :class:`~collectives.core.live_bytes.LiveBytes` counts a known pattern of
+  allocations, views, frees and storage resizes exactly, on two threads; in a step of an MLP
+  shaped like the benchmark's, ZeRO-3's peak live bytes stay within 1.05x FSDP2's;
 * **bad input** -- clear errors before anything is sent.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -32,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from collectives import launch, trace
+from collectives.core.live_bytes import LiveBytes, carry
 from collectives.course.catalog import world_timeout
 from collectives.course.impl import resolve
 from collectives.sharded import (
@@ -184,9 +190,52 @@ def _world(mode: str):
                             vs_fp32=_same(ours["params"], fsdp2[1]), ring=_same(ring["params"], mp[1]))
         one = ours_fsdp(False, prefetch=True, max_alive=1)
         out["max_alive_1"] = (one["peak_alive"], _same(one["params"], fsdp2[1]))
+    if full and dist.get_world_size() == 3:
+        out["peaks"] = _peaks()
     if dist.get_world_size() == 1:
         out["bad_input"] = _bad_input()
     return out
+
+
+PEAK_LAYERS, PEAK_WIDTH = 4, 96           # square layers, as the benchmark's MLP, small
+
+
+def _peak_model() -> nn.Module:
+    torch.manual_seed(0)
+    mods = []
+    for _ in range(PEAK_LAYERS):
+        mods += [nn.Linear(PEAK_WIDTH, PEAK_WIDTH), nn.ReLU()]
+    return nn.Sequential(*mods[:-1])
+
+
+def _peaks() -> dict:
+    """Peak live bytes above the start of one training step (after a first one made the
+    optimizer state) of FSDP2 and of ZeRO-3 on the ring and on torch's collectives."""
+    from torch.distributed.fsdp import fully_shard
+    x = torch.randn(8, PEAK_WIDTH, generator=torch.Generator().manual_seed(dist.get_rank()))
+    peaks = {}
+    for name in ("fsdp2", "ring", "torch"):
+        m = _peak_model()
+        if name == "fsdp2":
+            for layer in m:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer)
+            fwd = fully_shard(m)
+            opt = adam(m.parameters())
+        else:
+            fwd = FSDP(m, use_torch=name == "torch")
+            opt = adam(fwd.parameters())
+        for metered in (False, True):
+            dist.barrier()
+            with LiveBytes() if metered else contextlib.nullcontext() as meter:
+                fwd(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+        peaks[name] = meter.peak
+        if name != "fsdp2":                        # between steps a freed weight reads as empty
+            peaks[name + " numel between steps"] = sum(q.numel() for q in m.parameters())
+            fwd.close()
+    return peaks
 
 
 PSI = 5 * 7 + 7 + 7 * 6 + 6 + 6 * 3 + 3            # parameters of make_model()
@@ -229,6 +278,18 @@ def _check_world(p: int, results: list, full: bool) -> None:
         if full:
             _check_memory(p, rank, out)
             _check_mixed(p, out)
+        if "peaks" in out:
+            _check_peaks(out["peaks"])
+
+
+def _check_peaks(peaks: dict) -> None:
+    layer = 4 * (PEAK_WIDTH * PEAK_WIDTH + PEAK_WIDTH)
+    for name in ("ring", "torch"):
+        # ZeRO-3 (both ways) within 1.05x of fully_shard's peak; before its gathered weights
+        # were freed for real, every layer's stayed alive until backward, above the bound
+        assert peaks[name] <= 1.05 * peaks["fsdp2"], peaks
+        assert peaks[name] >= 2 * layer, peaks        # a gathered unit and its gradient at least
+        assert peaks[name + " numel between steps"] == 0, peaks
 
 
 def _check_prefetch_order(timeline: list[dict]) -> None:
@@ -306,6 +367,34 @@ def test_layout_pads_packs_and_unpacks_every_size():
             for r in range(p):                       # the reduce-scatter hands rank r its shards
                 assert torch.equal(packed[r], pieces[r])
             assert group.padding == p * group.shard_numel - group.numel >= 0
+
+
+def test_live_bytes_counts_a_known_pattern():
+    import threading
+    kept = torch.zeros(1000)                         # 4000 bytes from before the start
+    with LiveBytes() as meter:
+        a = torch.empty(256)                         # +1024             live 1024
+        b = torch.empty(512)                         # +2048             live 3072
+        v = a.view(16, 16)                           # a view: nothing
+        a.add_(1)                                    # in place: nothing
+        del a                                        # v still holds it
+        c = b[:128].clone()                          # +512              live 3584 (peak so far)
+        del v, c                                     # -1024 -512        live 2048
+        kept.untyped_storage().resize_(0)            # -4000             live -1952
+        kept.untyped_storage().resize_(8000)         # +8000             live 6048
+        d = b * 2                                    # +2048             live 8096: the peak
+        del b, d                                     # -4096             live 4000
+        got = []
+        worker = threading.Thread(target=carry(lambda: got.append(torch.empty(250))))   # +1000 on another thread
+        worker.start()
+        worker.join()
+        assert meter.live == 5000
+        del got[:]                                   # -1000
+    assert (meter.peak, meter.live, meter.allocated) == (8096, 4000, 1024 + 2048 + 512 + 8000 + 2048 + 1000)
+    with pytest.raises(RuntimeError, match="already running"):
+        with LiveBytes():
+            with LiveBytes():
+                pass
 
 
 def test_cost_formulas():

@@ -11,6 +11,14 @@ only its rows of every parameter (:mod:`collectives.sharded.shard`). For each un
 Three collectives of Ψ elements instead of data parallel's one all-reduce (two halves):
 1.5x the bytes, for memory (4 + 4 + 8) · Ψ/p instead of 16 · Ψ (fp32 Adam).
 
+Freeing, for real: a layer's forward saves its weight for the backward, and autograd holds
+the parameter itself. So each unit's full parameters are made once and freed by shrinking
+their storage to nothing (FSDP2's way); a gather grows it back and copies the all-gathered
+buffer in. Between forward and backward nothing of them stays alive, and at the peak a rank
+holds one unit gathered, the next one's all-gather, one unit's gradients and their packed
+reduce-scatter input -- at most one reduce-scatter in flight, its input dropped once reduced
+(:class:`collectives.core.live_bytes.LiveBytes` counts it; the tests hold it to FSDP2's).
+
 Overlap: the gathers and reduce-scatters run on a side stream -- on CPU a thread of their
 own, in the order they were issued, which is the same on every rank -- so the next unit's
 all-gather (prefetched when this one starts) and the previous unit's reduce-scatter
@@ -33,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from collectives.core import streams
+from collectives.core import live_bytes, streams
 from collectives.core.ops import ReduceOp
 from collectives.ring import ring_all_reduce
 
@@ -79,7 +87,7 @@ class SideStream:
         """Run ``fn`` here; ``keep``: tensors of the issuing stream it reads (on a GPU the
         allocator is told they are in use on the side stream until it is done)."""
         if self.pool is not None:
-            return self.pool.submit(fn)
+            return self.pool.submit(live_bytes.carry(fn))     # a running meter sees the thread's tensors
         if self.stream is None:
             return _Done(fn(), None, None)
         for t in keep:
@@ -111,7 +119,7 @@ class _Done:
 class _Unit:
     """One layer: its parameters (full-size only while gathered) and this rank's rows."""
 
-    def __init__(self, index, module, params, p, rank, device):
+    def __init__(self, index, module, params, p, rank, device, dtype):
         self.index, self.module, self.params = index, module, params
         self.group = ShardGroup([q.shape for q in params], p)
         self.piece = torch.zeros(self.group.shard_numel, dtype=torch.float32, device=device)
@@ -120,6 +128,16 @@ class _Unit:
                 view.copy_(spec.shard(q.detach().float(), rank))
         self.shards = [nn.Parameter(spec.unpad(v, rank)) for v, spec in zip(self.group.shard_views(self.piece),
                                                                           self.group.specs)]
+        # the full parameters, made once: freeing one shrinks its storage to nothing and
+        # gathering grows it back, so what autograd saved of it (the weight a layer keeps
+        # for its backward, a view of this storage) holds no memory between the two (FSDP2's
+        # way). While freed, the Parameter itself shows an empty tensor: safe to read.
+        self.fulls, self.empty = [], torch.empty(0, dtype=dtype, device=device)
+        for q in params:                # one at a time: never a whole unit more than the model
+            full = torch.empty(q.shape, dtype=dtype, device=device)
+            full.untyped_storage().resize_(0)
+            q.data = self.empty         # the model's own tensor goes (if nothing else holds it)
+            self.fulls.append(full)
         self.gathered = False      # full parameters present
         self.pending = None        # the in-flight all-gather
         self.ready = 0             # gradients arrived this backward
@@ -166,7 +184,8 @@ class FSDP:
                 raise ValueError(f"FSDP: unit {k}'s parameters must be float32 (the masters), "
                                  f"got {sorted({str(q.dtype) for q in mine})}")
             owned.update(id(q) for q in mine)
-            self.units.append(_Unit(k, module, mine, self.p, self.rank, self.device))
+            self.units.append(_Unit(k, module, mine, self.p, self.rank, self.device,
+                                    self.mixed.param_dtype or torch.float32))
         missing = [i for i, q in enumerate(params) if id(q) not in owned]
         if missing:
             raise ValueError(f"FSDP: parameters {missing} of the model belong to no unit; "
@@ -231,9 +250,8 @@ class FSDP:
             local = u.piece.to(dtype)
             gathered = local.new_empty(self.p * u.group.shard_numel)
             all_gather(gathered, local, use_torch=self.use_torch, group=self.group)
-            fulls = u.group.unpack(gathered)
             self._note("all_gather", u.index, t0, time.perf_counter())
-            return fulls
+            return [gathered]
         u.pending = self.side.submit(work)
         self.timeline.append(dict(what="issue_all_gather", unit=u.index, start=issued, end=issued))
         self.peak_alive = max(self.peak_alive, self._alive())
@@ -242,18 +260,23 @@ class FSDP:
         if u.gathered:
             return
         self._start_gather(u)
-        fulls = u.pending.result()
+        gathered = u.pending.result()[0]
         u.pending = None
-        for q, full in zip(u.params, fulls):
+        with torch.no_grad():
+            for full in u.fulls:
+                full.untyped_storage().resize_(full.numel() * full.element_size())
+            u.group.unpack_into(gathered, u.fulls)
+        del gathered                    # the flat buffer goes as soon as it is copied out
+        for q, full in zip(u.params, u.fulls):
             q.data = full
         u.gathered = True
         alive = sum(q.numel() * q.element_size() for w in self.units if w.gathered for q in w.params)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, alive)
 
     def _free(self, u: _Unit) -> None:
-        dtype = self.mixed.param_dtype or torch.float32
-        for q in u.params:
-            q.data = torch.empty(0, dtype=dtype, device=self.device)
+        for q, full in zip(u.params, u.fulls):
+            q.data = u.empty
+            full.untyped_storage().resize_(0)
         u.gathered = False
 
     def _maybe_prefetch(self, k: int) -> None:
@@ -306,15 +329,23 @@ class FSDP:
         if u.entry is not None and u.entry["what"] == "backward":
             u.entry["end"] = time.perf_counter()
         reduce_dtype = self.mixed.reduce_dtype or self.mixed.param_dtype or torch.float32
+        self._free(u)                   # the weights' last reader was this backward
+        # at most one reduce-scatter in flight, as FSDP2: wait for the one before (its input
+        # then goes) before this unit's input is made
+        if self._reductions:
+            self._reductions[-1][1].result()
         packed = u.group.pack([q.grad for q in u.params], dtype=reduce_dtype)
         for q in u.params:
-            q.grad = None
-        self._free(u)
+            q.grad = None               # the full gradient goes once packed
+
+        box = [packed]                  # work takes it out: nothing holds it once reduced
 
         def work():
             t0 = time.perf_counter()
-            piece = packed.new_empty(u.group.shard_numel)
-            reduce_scatter(piece, packed, use_torch=self.use_torch, group=self.group)
+            grads = box.pop()
+            piece = grads.new_empty(u.group.shard_numel)
+            reduce_scatter(piece, grads, use_torch=self.use_torch, group=self.group, scratch=True)
+            del grads                   # gone before the result is handed over
             if self.replicate_group is not None:
                 if self.use_torch:
                     dist.all_reduce(piece, op=ReduceOp.AVG, group=self.replicate_group)
@@ -322,7 +353,8 @@ class FSDP:
                     ring_all_reduce(piece, op=ReduceOp.AVG, group=self.replicate_group)
             self._note("reduce_scatter", u.index, t0, time.perf_counter())
             return [piece]
-        self._reductions.append((u, self.side.submit(work, keep=(packed,))))
+        del packed
+        self._reductions.append((u, self.side.submit(work, keep=tuple(box))))
 
     def _end_backward(self) -> None:
         for u, future in self._reductions:

@@ -29,8 +29,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from collectives.core import ops
 from collectives.core.ops import ReduceOp
-from collectives.ring import ring_all_gather, ring_reduce_scatter
+from collectives.ring import _neighbours, _reduce_scatter_in_place, ring_all_gather, ring_reduce_scatter
 
 
 @dataclass(frozen=True)
@@ -138,16 +139,47 @@ class ShardGroup:
             out.append(rows[:spec.rows].reshape(spec.shape))
         return out
 
+    def unpack_into(self, gathered: torch.Tensor, fulls) -> None:
+        """Copy an all-gathered buffer into the full tensors ``fulls`` (their own memory):
+        rank r's rows of each, block by block -- no tensor the size of the buffer in between."""
+        if gathered.numel() != self.p * self.shard_numel:
+            raise ValueError(f"ShardGroup.unpack_into: expected {self.p * self.shard_numel} elements, "
+                             f"got {gathered.numel()}")
+        self._check(fulls, "ShardGroup.unpack_into")
+        blocks = gathered.view(self.p, self.shard_numel)
+        for full, spec, o in zip(fulls, self.specs, self.offsets):
+            rows = full.view(spec.rows, spec.row_numel)
+            for r in range(self.p):
+                lo, hi = spec.owned_rows(r)
+                if hi > lo:
+                    rows[lo:hi].copy_(blocks[r, o:o + (hi - lo) * spec.row_numel].view(hi - lo, spec.row_numel))
+
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, use_torch: bool = False,
-                   op=ReduceOp.AVG, group=None) -> None:
+                   op=ReduceOp.AVG, group=None, scratch: bool = False) -> None:
     """``output`` ← this rank's piece of the reduction of ``input`` over the group.
 
     Lesson 4's ring by default; ``dist.reduce_scatter_tensor`` when ``use_torch`` (gloo
     and NCCL sum in their own orders, so the two agree to rounding unless p ≤ 2).
+    ``scratch``: ``input`` (flat, contiguous) is a buffer nobody reads again, and the ring
+    builds its running sums in it instead of in a copy -- the same steps, the same bits,
+    one buffer the size of ``input`` fewer.
     """
     if use_torch:
         dist.reduce_scatter_tensor(output, input, op=op, group=group)
+    elif scratch and input.is_contiguous() and ops.check_all_reduce_args(input, op, group,
+                                                                         what="reduce_scatter"):
+        rank, p, right, left = _neighbours(group)
+        bounds = ops.chunk_bounds(input.numel(), p)
+        lo, hi = bounds[rank]
+        if output.numel() != hi - lo or output.dtype != input.dtype:
+            raise ValueError(f"reduce_scatter: rank {rank}'s output must hold {hi - lo} elements "
+                             f"of {input.dtype}, got {output.numel()} of {output.dtype}")
+        flat = input.detach().view(-1)
+        if p > 1 and flat.numel() > 0:
+            _reduce_scatter_in_place(flat, bounds, op, rank, p, right, left, group)
+        ops.finish_(flat[lo:hi], op, p)
+        output.copy_(flat[lo:hi].view(output.shape))
     else:
         ring_reduce_scatter(output, input, op=op, group=group)
 

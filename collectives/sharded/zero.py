@@ -128,13 +128,17 @@ class ZeRO:
                                    "every parameter must be used")
             grads.append(q.grad)
         packed = g.pack(grads)
+        del grads
+        for i in bucket:
+            self.params[i].grad = None                  # the full gradients are packed: not needed any more
         piece = packed.new_empty(g.shard_numel)
-        reduce_scatter(piece, packed, use_torch=self.use_torch, group=self.group)
+        # packed is ours to overwrite: the ring sums in it, no copy
+        reduce_scatter(piece, packed, use_torch=self.use_torch, group=self.group, scratch=True)
+        del packed
         for i, spec, view in zip(bucket, g.specs, g.shard_views(piece)):
             row_grad = spec.unpad(view, self.rank)
             shard = self.rows[i]
             shard.grad = row_grad if shard.grad is None else shard.grad.add_(row_grad)
-            self.params[i].grad = None                  # the full gradient is not needed any more
         self.reduced_buckets += 1
 
     def _grad_ready(self, i: int, param) -> None:
@@ -159,8 +163,8 @@ class ZeRO:
                 mine = torch.cat(g.shard([self.params[i].detach() for i in b], self.rank))
                 gathered = mine.new_empty(self.p * g.shard_numel)
                 all_gather(gathered, mine, use_torch=self.use_torch, group=self.group)
-                for i, full in zip(b, g.unpack(gathered)):
-                    self.params[i].copy_(full)
+                g.unpack_into(gathered, [self.params[i] for i in b])   # straight into the weights
+                del gathered
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

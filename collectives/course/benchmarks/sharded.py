@@ -11,8 +11,10 @@ trained a few steps by each contender in one run: torch's DDP, torch's FSDP2
 (``fully_shard`` per layer), and lesson 10's ZeRO-1, ZeRO-2 and ZeRO-3 (on lesson 4's
 ring; ZeRO-3 also on torch's collectives). Each row: the median step time over
 ``--iters`` steps (every rank waits for the slowest) and the bytes each rank holds of
-parameters, gradients and optimizer state, counted tensor by tensor after a backward
-(on GPUs also ``torch.cuda.max_memory_allocated`` of a step).
+parameters, gradients and optimizer state, counted tensor by tensor after a backward, and
+the peak of live tensor bytes above the start of one more step
+(:class:`~collectives.core.live_bytes.LiveBytes`, on CPU and GPU alike; on GPUs also
+``torch.cuda.max_memory_allocated``).
 
 ``--cluster`` runs on a simulated cluster (:class:`~collectives.core.cluster.Cluster`,
 needs root) and sets hybrid sharding (ZeRO-3 inside a machine, the gradient shards
@@ -35,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...core import launch, netns, ops
+from ...core import launch, live_bytes, netns, ops
 from ...core.cost import AlphaBeta, TwoTier
 from ...hierarchical.cost import DEFAULT_TIERS
 from ...sharded import FSDP, ZeRO, hybrid_groups, optimizer_state_bytes, tensor_bytes
@@ -133,7 +135,8 @@ def _bench_in_rank(names, layers, width, batch, iters, backend, hybrid_rpm=2) ->
             _sync(device)
             if i > 0:                           # the first step builds the optimizer state
                 times.append(time.perf_counter() - t0)
-        row = dict(name=name, seconds=statistics.median(times), times=times, memory=memory)
+        row = dict(name=name, seconds=statistics.median(times), times=times, memory=memory,
+                   peak_bytes=_metered_step(fwd, step, xs[0], device))
         if device.type == "cuda":                 # the peak above what was allocated before it began
             row["max_memory_allocated"] = torch.cuda.max_memory_allocated(device) - before
             row["allocated_before"] = before
@@ -142,6 +145,20 @@ def _bench_in_rank(names, layers, width, batch, iters, backend, hybrid_rpm=2) ->
         rows.append(row)
         del fwd, step, mem
     return rows
+
+
+def _metered_step(fwd, step, x, device) -> int:
+    """Peak live tensor bytes above the start of one more training step (forward, backward,
+    optimizer step, zero_grad), counted by :class:`~collectives.core.live_bytes.LiveBytes`:
+    the same meter on CPU and GPU, for every contender."""
+    import gc
+    gc.collect()
+    _sync(device)
+    with live_bytes.LiveBytes() as meter:
+        fwd(x).square().mean().backward()
+        step()
+    _sync(device)
+    return meter.peak
 
 
 def predictions(psi_bytes: float, machines: int, rpm: int, link: str) -> dict:
@@ -176,6 +193,7 @@ def run(args, argv) -> dict:
         per_rank = [r[k] for r in rows]
         out.append(dict(name=name, label=NAMES[name], seconds=max(r["seconds"] for r in per_rank),
                         memory_per_rank=[r["memory"] for r in per_rank],
+                        peak_bytes=[r["peak_bytes"] for r in per_rank],
                         max_memory_allocated=[r.get("max_memory_allocated") for r in per_rank]))
     psi = sum(q.numel() for q in make_model(args.layers, args.width, "cpu").parameters())
     result = dict(world_size=p, layers=args.layers, width=args.width, batch=args.batch, iters=args.iters,
@@ -239,6 +257,16 @@ def figure(suite: str, result: dict, meta: dict):
         record.fact("model", "The cost model's communication per step: "
                     + ", ".join(f"{names[k]} {claims.human(v)}" for k, v in pred.items() if k in names) + ".",
                     predicted=pred)
+    if all(r.get("peak_bytes") for r in rows):
+        peak = {r["name"]: max(r["peak_bytes"]) for r in rows}
+        head.append("peak MiB")
+        for row, r in zip(table_rows, rows):
+            row.append(f"{peak[r['name']] / 2**20:.2f}")
+        vs = "fsdp2" if "fsdp2" in peak else None
+        said = [f"{names[k]} {v / 2**20:.2f} MiB" + (f" ({v / peak[vs]:.2f}× {names[vs]}'s)" if vs and k != vs else "")
+                for k, v in peak.items()]
+        record.fact("peak", "Peak live tensor bytes above the start of one training step, the largest of any "
+                    "rank's: " + ", ".join(said) + ".", bytes=peak)
     if any(r["max_memory_allocated"][0] for r in rows):
         head.append("max allocated MiB")
         for row, r in zip(table_rows, rows):
@@ -292,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         m = r["memory_per_rank"][0]
         peak = r["max_memory_allocated"][0]
         extra = f", max allocated {peak / 2**20:.1f} MiB" if peak else ""
+        extra = f", peak live {max(r['peak_bytes']) / 2**20:.2f} MiB" + extra
         print(f"{r['label']:28s} step {claims.human(r['seconds']):>9s}  rank 0 holds "
               f"{sum(m.values()) / 2**20:.2f} MiB{extra}")
     if args.cluster:
