@@ -55,6 +55,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -64,10 +65,13 @@ from ..core.ops import ReduceOp
 from .lanes import OwnSlot, StagingRing, StreamLane, ThreadLane, aligned
 from .layout import check_layout, checked_layout, resolve, stage_groups
 from .pipeline import default_slice_numel, default_tiers, inside_mode
+from .program import PreparedSlice
 from .slice import Slice
 
 STAGES = ("reduce-scatter", "collect", "add", "diffuse", "all-gather")
+LANES = ("reduce-scatter", "collect", "add and diffuse", "all-gather")   # the add runs just before the diffuse
 DEFAULT_MEMORY = 64 << 20       # bytes of staging, all slices in flight together
+MAX_PREPARED = 4096             # bucket tensors whose prepared slices a reducer keeps at most
 
 
 class Handle:
@@ -101,6 +105,7 @@ def _finished(tensor: torch.Tensor, bucket: int = -1) -> Handle:
     return Handle(tensor, future, bucket)
 
 
+_WHAT = "HierarchicalAllReducer.all_reduce"
 _serial = itertools.count()     # reducers made in this process: every rank makes them in the same order
 
 
@@ -157,10 +162,14 @@ class HierarchicalAllReducer:
         if sum(aligned(b) for b in largest.values()) > memory_bytes:
             raise ValueError(f"memory_bytes={memory_bytes} cannot hold the staging of one slice of "
                              f"{self.slice_bytes} bytes; give more memory or smaller slices")
-        self.ring = StagingRing(memory_bytes, self.device)
         self.lanes = self._make_lanes() if self.groups is not None else []
+        self.ring = StagingRing(memory_bytes, self.device, recycle=self.lanes[-1].recycle if self.lanes else None)
+        # the stream of each of the five stages (the add's is the diffuse's; stand-ins for threads)
+        lane_streams = [getattr(lane, "stream", streams.NullStream()) for lane in self.lanes]
+        self._streams = lane_streams[:3] + lane_streams[2:]
+        self._plans: dict[tuple, tuple] = {}      # (elements, element size, D, M) -> slices and their staging
+        self._programs: dict[int, tuple] = {}     # id(tensor) -> (weak reference, what, its prepared slices)
         self._slices = 0                          # slices handed over so far
-        self._finished: dict[int, object] = {}    # slice -> event set when its last stage is done
         self._buckets = 0
         self._pending: dict[int, torch.futures.Future] = {}
         self._followers: dict[int, list] = {}     # bucket -> empty buckets to complete right after it
@@ -183,8 +192,8 @@ class HierarchicalAllReducer:
 
     def _make_lanes(self) -> list:
         if self.progress == "streams":
-            return [StreamLane(self.device, stage) for stage in STAGES]
-        return [ThreadLane(self, stage) for stage in STAGES]
+            return [StreamLane(self.device, lane) for lane in LANES]
+        return [ThreadLane(self, lane) for lane in LANES]
 
     @property
     def staging_bytes(self) -> int:
@@ -199,9 +208,12 @@ class HierarchicalAllReducer:
         Checked before anything is issued (a tensor, an op it supports, on this engine's
         device; in check mode the ranks compare it, layout included). The tensor must not be
         touched until the handle completes."""
-        what = "HierarchicalAllReducer.all_reduce"
-        shape = checked_layout(tensor, op, self.group, self.layout, what, engine="in flight",
-                               memory_bytes=self.memory_bytes, slice_bytes=self.slice_bytes)
+        what = _WHAT
+        if ops.check_mode():             # the ranks compare the call, layout included
+            shape = checked_layout(tensor, op, self.group, self.layout, what, engine="in flight",
+                                   memory_bytes=self.memory_bytes, slice_bytes=self.slice_bytes)
+        else:                            # the layout was resolved and checked when the reducer was made
+            shape = self.layout if ops.check_all_reduce_args(tensor, op, self.group, what=what, compare=False) else None
         if shape is None or tensor.numel() == 0 or self.p == 1:
             return self._nothing_to_send(tensor)
         if tensor.device != self.device:
@@ -209,25 +221,49 @@ class HierarchicalAllReducer:
         if self.error is not None:
             raise RuntimeError(f"{what}: an earlier bucket failed on this rank: {self.error!r}")
         flat = ops.work_buffer(tensor.detach())
-        D, M = shape.D, shape.M
-        plan = default_slice_numel(flat.numel(), flat.element_size(), shape, default_tiers(self.device))
-        step = max(D * M, min(plan, self.slice_bytes // flat.element_size()) // (D * M) * (D * M))
-        bounds = [(lo, min(lo + step, flat.numel())) for lo in range(0, flat.numel(), step)]
+        bounds, needs = self._plan(flat.numel(), flat.element_size(), shape)
         bucket = self._buckets
         self._buckets += 1
         future = torch.futures.Future(devices=[self.device]) if self.device.type == "cuda" else torch.futures.Future()
         with self._lock:
             self._pending[bucket] = future
             self.peak_in_flight = max(self.peak_in_flight, len(self._pending))
-        if self.progress == "streams":     # the bucket's writes, queued on the caller's stream, come first
-            self.lanes[0].stream.wait_stream(streams.current_stream(self.device))
-            for lane in self.lanes:          # the host lets go of it before the lanes are done with it
-                streams.record_stream(flat, lane.stream)
         done = None
+        if self.progress == "streams":
+            if self.device.type == "cuda":   # the bucket's writes, queued on the caller's stream, come first
+                self.lanes[0].stream.wait_stream(streams.current_stream(self.device))
+                for lane in self.lanes:      # the host lets go of it before the lanes are done with it
+                    streams.record_stream(flat, lane.stream)
+            else:                            # stand-in streams: the same order, kept for streams.checking
+                self.lanes[0].stream.wait_stream(streams.current_stream(self.device))
+            issue = self._issue_streams
+        else:
+            issue = self._issue_threads
+        last = len(bounds) - 1
+        prepared = self._prepared(tensor, flat, bounds)
         for k, (lo, hi) in enumerate(bounds):
-            done = self._issue(flat[lo:hi], op, bucket, k, last=k == len(bounds) - 1,
-                               finish=(tensor, flat, future))
+            ready = prepared[k] if prepared is not None and prepared[k] is not None and not prepared[k].busy else None
+            done = issue(ready or flat[lo:hi], needs[k == last], op, bucket, k,
+                         (tensor, flat, future) if k == last else None)
         return Handle(tensor, future, bucket, done if self.progress == "streams" else None)
+
+    def _plan(self, numel: int, element_size: int, shape) -> tuple[list, dict]:
+        """The slices of a bucket of ``numel`` elements and each slice's staging, computed once
+        per (elements, element size, layout) and looked up after: ``(bounds, {last?: need})``."""
+        key = (numel, element_size, shape.D, shape.M)
+        plan = self._plans.get(key)
+        if plan is None:
+            D, M = shape.D, shape.M
+            best = default_slice_numel(numel, element_size, shape, default_tiers(self.device))
+            step = max(D * M, min(best, self.slice_bytes // element_size) // (D * M) * (D * M))
+            bounds = [(lo, min(lo + step, numel)) for lo in range(0, numel, step)]
+            needs = {}
+            for last in (False, True):
+                lo, hi = bounds[-1] if last else bounds[0]
+                kinds = self._staging_need(hi - lo, element_size, D, M)
+                needs[last] = (kinds, sum(aligned(b) for b in kinds.values()))
+            plan = self._plans[key] = (bounds, needs)
+        return plan
 
     def _nothing_to_send(self, tensor: torch.Tensor) -> Handle:
         """An empty tensor, or a group of one: done as soon as the buckets before it are
@@ -239,72 +275,147 @@ class HierarchicalAllReducer:
                 return Handle(tensor, future, -1)
         return _finished(tensor)
 
-    def _issue(self, piece: torch.Tensor, op, bucket: int, k: int, last: bool, finish) -> object:
-        """Hand the five stages of one slice to the lanes; return its "finished" event."""
+    def _prepared(self, tensor: torch.Tensor, flat: torch.Tensor, bounds: list) -> list | None:
+        """The prepared slices of ``tensor`` (:mod:`.program`), made on its first call and
+        kept while the tensor object lives: None for a slice with a padding tail, or when
+        ``flat`` is a copy (a non-contiguous tensor)."""
+        if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
+            return None
+        key, what = id(tensor), (flat.data_ptr(), flat.numel(), flat.dtype, len(bounds))
+        entry = self._programs.get(key)
+        if entry is not None and entry[0]() is tensor and entry[1] == what:
+            return entry[2]
+        DM = self.layout.D * self.layout.M
+        slices = [PreparedSlice(flat[lo:hi], self.groups, self.p, self.inside) if (hi - lo) % DM == 0 else None
+                  for lo, hi in bounds]
+        if len(self._programs) >= MAX_PREPARED:
+            self._programs.clear()
+        programs = self._programs
+
+        def forget(_, key=key):
+            if programs.get(key) is entry:
+                programs.pop(key, None)
+        entry = (weakref.ref(tensor, forget), what, slices)
+        programs[key] = entry
+        return slices
+
+    def _pools(self, need) -> tuple[dict, object]:
+        """This slice's own staging, carved from its region of the ring; and the event of the
+        slice that last used those bytes (None: nothing to wait for)."""
+        kinds, nbytes = need
+        region, after = self.ring.reserve(nbytes)
+        pools, at = {"region": region}, 0
+        for kind, size in kinds.items():
+            pools[kind] = OwnSlot(region[at:at + size])
+            at += aligned(size)
+        return pools, after
+
+    def _note(self, bucket: int, k: int, i: int, stage: str, t0: float) -> None:
+        self.timeline.append(dict(bucket=bucket, slice=k, index=i, stage=stage, issued=t0, done=time.perf_counter()))
+
+    def _issue_streams(self, piece, need, op, bucket: int, k: int, finish) -> object:
+        """The five stages of one slice, issued at once on the four lanes' streams (the add
+        runs on the diffuse's lane, just before it); each lane's stream waits for the previous
+        lane's event and for the previous stage's handles -- the host waits for nothing.
+        Returns the event recorded after the last stage of a bucket's last slice."""
         i = self._slices
         self._slices += 1
-        D, M = self.layout.D, self.layout.M
-        need = self._staging_need(piece.numel(), piece.element_size(), D, M)
-        region, reused = self.ring.reserve(i, sum(aligned(b) for b in need.values()))
-        pools, at = {}, 0
-        for kind, nbytes in need.items():      # this slice's own staging, carved from its region
-            pools[kind] = OwnSlot(region[at:at + nbytes])
-            at += aligned(nbytes)
-        previous = None                        # the last slice whose bytes this one reuses: done?
-        for j in [j for j in self._finished if reused is not None and j <= reused]:
-            event = self._finished.pop(j)
-            previous = event if j == reused else previous
-        lanes, state = self.lanes, {}
-        lane_streams = [getattr(lane, "stream", streams.NullStream()) for lane in lanes]
+        if isinstance(piece, PreparedSlice):
+            region, after = self.ring.reserve(need[1])
+            one = piece.bind(op, region, need[0], i)
+        else:
+            pools, after = self._pools(need)
+            one = Slice(piece, self.groups, op, self.p, pools, self._streams, index=i, inside=self.inside)
+        rs, collect, diffuse, gather = self.lanes
+        record = self.record
+        t0 = time.perf_counter()
+        works = _on(rs, after, (), one.reduce_scatter)
+        self.ring.waited(after)
+        if record:
+            self._note(bucket, k, i, "reduce-scatter", t0)
+            t0 = time.perf_counter()
+        works = _on(collect, rs.event, works, one.collect)
+        if record:
+            self._note(bucket, k, i, "collect", t0)
+            t0 = time.perf_counter()
+        works = _on(diffuse, collect.event, works, one.add, one.diffuse)
+        if record:
+            self._note(bucket, k, i, "add", t0)
+            self._note(bucket, k, i, "diffuse", t0)
+            t0 = time.perf_counter()
+        stream = gather.stream
+        with streams.use(stream):
+            stream.wait_event(diffuse.event)
+            for w in works:
+                w.wait()
+            for w in one.all_gather():
+                w.wait()
+            one.finish()
+            if finish is not None:
+                self._complete(bucket, *finish)
+        if record:
+            self._note(bucket, k, i, "all-gather", t0)
+        if need[1]:                          # a later slice will reuse these bytes: it waits for this
+            self.ring.finished(gather.finish_event())
+        if finish is None:
+            return None
+        done = streams.new_event(self.device)       # the bucket's own: its handle waits for it
+        done.record(stream)
+        return done
 
-        def note(stage: str, t0: float) -> None:
-            if self.record:
-                self.timeline.append(dict(bucket=bucket, slice=k, index=i, stage=stage, issued=t0,
-                                          done=time.perf_counter()))
-
-        def wait_all(works) -> None:
-            for work in works:
-                work.wait()
+    def _issue_threads(self, piece: torch.Tensor, need, op, bucket: int, k: int, finish) -> object:
+        """The five stages of one slice handed to the four lanes' threads, one queue entry per
+        lane: each lane waits for the previous lane's event, then for the previous stage's
+        messages, then posts its own. Returns the event set when the slice is done."""
+        i = self._slices
+        self._slices += 1
+        pools, after = self._pools(need)
+        rs, collect, diffuse, gather = self.lanes
+        record, state = self.record, {}
+        ready = piece.bind(op, pools["region"], need[0], i) if isinstance(piece, PreparedSlice) else None
 
         def reduce_scatter():
             state["t"] = time.perf_counter()
-            one = state["slice"] = Slice(piece, self.groups, op, self.p, pools, lane_streams,
-                                         index=i, inside=self.inside, labels=self.progress == "streams")
+            one = state["slice"] = ready or Slice(piece, self.groups, op, self.p, pools, self._streams,
+                                                  index=i, inside=self.inside, labels=False)
             state["works"] = one.reduce_scatter()
 
-        def collect():
-            wait_all(state.pop("works"))
-            note("reduce-scatter", state["t"])
+        def wait(stage: str) -> None:
+            for w in state.pop("works"):
+                w.wait()
+            if record:
+                self._note(bucket, k, i, stage, state["t"])
             state["t"] = time.perf_counter()
+
+        def collect_():
+            wait("reduce-scatter")
             state["works"] = state["slice"].collect()
 
-        def add():
-            wait_all(state.pop("works"))
-            note("collect", state["t"])
-            state["t"] = time.perf_counter()
+        def add_and_diffuse():
+            wait("collect")
             state["slice"].add()
-            note("add", state["t"])
-
-        def diffuse():
+            if record:
+                self._note(bucket, k, i, "add", state["t"])
             state["t"] = time.perf_counter()
             state["works"] = state["slice"].diffuse()
 
         def all_gather():
-            wait_all(state.pop("works"))
-            note("diffuse", state["t"])
-            t0 = time.perf_counter()
-            wait_all(state["slice"].all_gather())
+            wait("diffuse")
+            for w in state["slice"].all_gather():
+                w.wait()
             state.pop("slice").finish()
-            note("all-gather", t0)
-            if last:
+            if record:
+                self._note(bucket, k, i, "all-gather", state["t"])
+            if finish is not None:
                 self._complete(bucket, *finish)
 
-        for lane, work in zip(lanes, (reduce_scatter, collect, add, diffuse, all_gather)):
-            lane.wait_for(previous)          # the staging's last user (first lane), else the stage before
-            lane.submit(work)
-            previous = lane.mark()
-        self._finished[i] = previous
-        return previous
+        event = rs.submit(reduce_scatter, after)
+        event = collect.submit(collect_, event)
+        event = diffuse.submit(add_and_diffuse, event)
+        event = gather.submit(all_gather, event)
+        if need[1]:
+            self.ring.finished(event)
+        return event
 
     def _complete(self, bucket: int, tensor: torch.Tensor, flat: torch.Tensor, future) -> None:
         ops.write_back(tensor.detach(), flat)
@@ -349,6 +460,22 @@ class HierarchicalAllReducer:
                 if isinstance(lane, ThreadLane):
                     lane.close()
             self.lanes = []
+
+
+def _on(lane, event, works, *stages):
+    """Issue ``stages`` on ``lane``'s stream after ``event`` and the previous stage's handles
+    (as the stream: NCCL's ``wait()`` makes the current stream wait); record the lane's
+    event after them. Returns the handles of the last stage."""
+    stream = lane.stream
+    with streams.use(stream):
+        if event is not None:
+            stream.wait_event(event)
+        for w in works:
+            w.wait()
+        for stage in stages:
+            out = stage()
+    lane.event.record(stream)
+    return out or ()
 
 
 _reducers: dict[tuple, HierarchicalAllReducer] = {}
