@@ -657,3 +657,32 @@ def test_an_unwritten_function_is_named_and_not_timed_by_bench_hier():
     assert why_not_timed(stub) == "not written yet (Lesson 7, task 4: hierarchical_all_reduce)"
     wrong = verify.Report([verify.CaseResult("n=7 float32 SUM", 1, False, "3 of 7 elements differ")])
     assert "n=7 float32 SUM" in why_not_timed(wrong) and "3 of 7" in why_not_timed(wrong)
+
+
+def test_the_planner_pays_the_hosts_time_to_issue_each_slice():
+    # NVLink-class links at 256 MiB: a stage takes about a millisecond, and issuing a slice
+    # takes the host about as long. Every slice pays it again: one slice is the plan.
+    import dataclasses
+
+    n = 256 << 20
+    nvlink = cost.AlphaBeta(10e-6, 1 / 300e9)
+    busy_host = hcost.Tiers(nvlink, nvlink, rails=True, issue=1.3e-3)
+    free_host = dataclasses.replace(busy_host, issue=0.0)
+    assert hcost.best_slice_bytes(n, 2, 2, busy_host) >= n
+    assert n / hcost.best_slice_bytes(n, 2, 2, free_host) >= 2          # the same links, a free host: slices
+    one = hcost.predict_tiered("hierarchical", n, 2, 2, free_host)
+    assert hcost.predict_tiered("hierarchical", n, 2, 2, busy_host) == pytest.approx(one + 1.3e-3)
+    # four slices: the host issues one per 1.3 ms, slower than either link's share of a slice
+    assert hcost.predict_tiered("hierarchical", n, 2, 2, busy_host, 4) == pytest.approx(
+        hcost.predict_tiered("hierarchical", n, 2, 2, free_host, 4) + 1.3e-3 + 3 * (1.3e-3 - max(
+            sum(s.seconds(free_host) for s in hcost.tiered("hierarchical", n / 4, 2, 2, True) if s.tier == t)
+            for t in ("inside", "across"))))
+    # a slow tier across (1 Gbit/s): still pipelined, with or without the host's time
+    slow = hcost.Tiers(cost.AlphaBeta(50e-6, 1 / 1e9), cost.AlphaBeta(100e-6, 8 / 1e9))
+    for tiers in (slow, dataclasses.replace(slow, issue=1e-4), hcost.DEFAULT_TIERS):
+        assert (64 << 20) / hcost.best_slice_bytes(64 << 20, 2, 2, tiers) >= 4
+    # the defaults: NCCL's GPUs on one host plan one slice of 256 MiB on every layout of 4
+    one_host = hcost.tiers_for("nccl", "cuda", one_host=True)
+    assert one_host.issue > 0 and one_host != hcost.tiers_for("nccl", "cuda")
+    for D, M in ((2, 2), (1, 4), (4, 1)):
+        assert hcost.slice_plan(n // 4, 4, D, M, one_host) == n // 4

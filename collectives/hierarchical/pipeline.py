@@ -42,6 +42,7 @@ each group must agree (:mod:`.inflight` relies on that).
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -72,9 +73,12 @@ def slice_resources(groups, device) -> dict:
 
 def default_tiers(device) -> cost.Tiers:
     """The tiers to plan with for tensors on ``device`` in this world: NCCL over NVLink is
-    not gloo over loopback (:func:`cost.tiers_for`)."""
+    not gloo over loopback, and NCCL's GPUs on one host (no ``LOCAL_WORLD_SIZE`` below the
+    world's size) are NVLink on both tiers (:func:`cost.tiers_for`)."""
     backend = dist.get_backend() if dist.is_initialized() else None
-    return cost.tiers_for(backend, torch.device(device).type)
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    one_host = not local.isdigit() or (dist.is_initialized() and int(local) >= dist.get_world_size())
+    return cost.tiers_for(backend, torch.device(device).type, one_host)
 
 
 def default_slice_numel(numel: int, element_size: int, layout: Layout,
