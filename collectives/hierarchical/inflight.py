@@ -344,7 +344,7 @@ class HierarchicalAllReducer:
             self._note(bucket, k, i, "diffuse", t0)
             t0 = time.perf_counter()
         stream = gather.stream
-        with streams.use(stream):
+        with gather.use(stream):
             stream.wait_event(diffuse.event)
             for w in works:
                 w.wait()
@@ -467,7 +467,7 @@ def _on(lane, event, works, *stages):
     (as the stream: NCCL's ``wait()`` makes the current stream wait); record the lane's
     event after them. Returns the handles of the last stage."""
     stream = lane.stream
-    with streams.use(stream):
+    with lane.use(stream):
         if event is not None:
             stream.wait_event(event)
         for w in works:

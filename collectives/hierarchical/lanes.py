@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import queue
 import threading
 
@@ -36,11 +37,13 @@ class StreamLane:
     def __init__(self, device, name: str):
         self.device, self.stream = device, streams.new_stream(device, name=f"the {name} lane")
         self.event = streams.new_event(device)
+        # ``with lane.use(lane.stream)``: the stream's context, or nothing for a CPU stand-in
+        self.use = _no_context if type(self.stream) is streams.NullStream else streams.use
         self._spare: list = []                   # finish events handed back by the staging ring
 
     def submit(self, work, after=None):
         stream = self.stream
-        with streams.use(stream):
+        with self.use(stream):
             if after is not None:
                 stream.wait_event(after)
             work()
@@ -103,6 +106,13 @@ class ThreadLane:
 
     def close(self) -> None:
         self.queue.put(None)
+
+
+_NOTHING = contextlib.nullcontext()
+
+
+def _no_context(stream):
+    return _NOTHING
 
 
 def aligned(nbytes: int) -> int:

@@ -13,8 +13,9 @@ a message, a collective, ``wait()``) taken out by a clock around each of them
 (:func:`c10d_clock`). What is left is the course's own host work:
 
 * **per bucket**: ``HierarchicalAllReducer.all_reduce`` on buckets of one slice each, with
-  ``progress="streams"`` -- the GPU's path (on a CPU the stand-in streams run each stage as
-  it is issued, so all of it is on the caller's thread and can be clocked);
+  ``progress="streams"`` and ``inside="collectives"`` -- the GPU's path (on a CPU the stand-in
+  streams run each stage as it is issued, so all of it is on the caller's thread and can be
+  clocked); and with messages inside (gloo's default);
 * **per slice**: one bucket cut into many slices, the same reducer; and the blocking
   ``hierarchical_all_reduce`` with many slices;
 * **calls**: Python function calls per bucket and per slice (``cProfile``'s count: the same
@@ -209,7 +210,9 @@ def _rank(layouts: list[tuple[int, int]], buckets: int, numel: int, slices: int,
         per_slice = numel                                        # elements per slice of the long bucket
         reducers = {
             "bucket": HierarchicalAllReducer(layout=layout, progress="streams", slice_bytes=one_slice,
-                                             memory_bytes=1 << 20),
+                                             memory_bytes=1 << 20, inside="collectives"),
+            "bucket, messages": HierarchicalAllReducer(layout=layout, progress="streams", slice_bytes=one_slice,
+                                                       memory_bytes=1 << 20),
             "slice": HierarchicalAllReducer(layout=layout, progress="streams", slice_bytes=per_slice * element,
                                             memory_bytes=1 << 22),
             "threads": HierarchicalAllReducer(layout=layout, progress="threads", slice_bytes=one_slice,
@@ -236,16 +239,19 @@ def _rank(layouts: list[tuple[int, int]], buckets: int, numel: int, slices: int,
                 h.wait()
 
         cases = {"bucket": (lambda: buckets_through(reducers["bucket"]), buckets),
+                 "bucket, messages": (lambda: buckets_through(reducers["bucket, messages"]), buckets),
                  "slice": (lambda: long_through(reducers["slice"]), slices),
                  "pipeline slice": (pipeline, slices)}
         # correct first: every path gives dist.all_reduce's values, bit for bit (integer-valued data)
         want = [t.clone() for t in data]
         for t in want:
             dist.all_reduce(t)
-        got = [t.clone() for t in data]
-        for h in [reducers["bucket"].all_reduce(t) for t in got]:
-            h.wait()
-        verified = all(torch.equal(a, b) for a, b in zip(got, want))
+        verified = True
+        for name in ("bucket", "bucket, messages", "threads"):
+            got = [t.clone() for t in data]
+            for h in [reducers[name].all_reduce(t) for t in got]:
+                h.wait()
+            verified = verified and all(torch.equal(a, b) for a, b in zip(got, want))
         for run, _ in cases.values():        # warm-up: groups, arena, plans, connections
             run()
             run()
@@ -290,7 +296,8 @@ def run(layouts, buckets: int, numel: int, slices: int, iters: int) -> list[dict
     return rows
 
 
-LABELS = {"bucket": "in flight, per bucket (1 slice, streams: the GPU's path)",
+LABELS = {"bucket": "in flight, per bucket (1 slice, streams, collectives: the GPU's path)",
+          "bucket, messages": "in flight, per bucket (1 slice, streams, messages inside)",
           "slice": "in flight, per slice (streams)",
           "pipeline slice": "hierarchical_all_reduce, per slice",
           "threads": "in flight, threads, per bucket (all threads' CPU)"}
@@ -304,7 +311,7 @@ def suite(args, argv):
     iters = 3 if args.quick else max(args.iters, 5)
     rows = run(layouts, buckets, numel, slices, iters)
     for r in rows:
-        print(f"layout {tuple(r['layout'])}  {LABELS[r['name']]:58s} issue {r['issue_us']:6.1f} us  "
+        print(f"layout {tuple(r['layout'])}  {LABELS[r['name']]:66s} issue {r['issue_us']:6.1f} us  "
               f"CPU {r['cpu_us']:6.1f} us  "
               f"host {r['host_us']:7.1f} us  "
               f"wall {r['wall_us']:7.1f} us  py calls {r['python_calls']:5.0f}  c10d calls {r['c10d_calls']:3.0f}")
