@@ -220,7 +220,7 @@ class HierarchicalAllReducer:
             raise ValueError(f"{what}: the tensor is on {tensor.device}, this reducer on {self.device}")
         if self.error is not None:
             raise RuntimeError(f"{what}: an earlier bucket failed on this rank: {self.error!r}")
-        flat = ops.work_buffer(tensor.detach())
+        flat = ops.work_buffer(tensor)
         bounds, needs = self._plan(flat.numel(), flat.element_size(), shape)
         bucket = self._buckets
         self._buckets += 1
@@ -467,15 +467,26 @@ def _on(lane, event, works, *stages):
     (as the stream: NCCL's ``wait()`` makes the current stream wait); record the lane's
     event after them. Returns the handles of the last stage."""
     stream = lane.stream
-    with lane.use(stream):
-        if event is not None:
-            stream.wait_event(event)
-        for w in works:
-            w.wait()
-        for stage in stages:
-            out = stage()
+    if event is not None:
+        stream.wait_event(event)
+    if lane.cuda:
+        with torch.cuda.stream(stream):
+            out = _run(works, stages)
+    elif lane.use is streams.use:        # a stand-in stream that keeps count (streams.checking)
+        with streams.use(stream):
+            out = _run(works, stages)
+    else:
+        out = _run(works, stages)
     lane.event.record(stream)
     return out or ()
+
+
+def _run(works, stages):
+    for w in works:
+        w.wait()
+    for stage in stages:
+        out = stage()
+    return out
 
 
 _reducers: dict[tuple, HierarchicalAllReducer] = {}

@@ -39,6 +39,7 @@ class StreamLane:
         self.event = streams.new_event(device)
         # ``with lane.use(lane.stream)``: the stream's context, or nothing for a CPU stand-in
         self.use = _no_context if type(self.stream) is streams.NullStream else streams.use
+        self.cuda = isinstance(self.stream, torch.cuda.Stream)
         self._spare: list = []                   # finish events handed back by the staging ring
 
     def submit(self, work, after=None):

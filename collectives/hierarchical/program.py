@@ -71,8 +71,12 @@ class PreparedSlice:
         self.collect_sends = [(self.own[j], rail[j]) for j in far]
         self.diffuse_messages = ([(self.own[j], rail[j]) for j in far], [(self.mine, rail[j]) for j in far])
         self.staging = blocks[(d + 1) % D] if D > 1 and M > 1 else None    # Fairring's trick (see .slice)
+        # the flat views the collectives take
+        self.flat_blocks, self.flat_own, self.flat_mine = blocks.view(-1), self.own.view(-1), self.mine.view(-1)
+        self.flat_staging = self.staging.view(-1) if self.staging is not None else None
         self.partials: list = []
         self.rows: list = []
+        self.labelled = False
 
     # ---- per call ----------------------------------------------------------------------
 
@@ -81,6 +85,7 @@ class PreparedSlice:
         D = 1, the collect's M rows, carved from ``region`` (bytes of the reducer's ring laid
         out as ``kinds``: name -> bytes, each on a 64-byte boundary)."""
         self.busy, self.op, self.index = True, op, index
+        self.labelled = trace.active()           # a recording is open: the stages label their calls
         dtype, k, D, M = self.piece.dtype, self.k, self.D, self.M
         at = 0
         for kind, size in kinds.items():
@@ -88,14 +93,15 @@ class PreparedSlice:
                 buf = region[at:at + (D - 1) * M * k * dtype.itemsize].view(dtype)
                 self.partials = list(buf.view(D - 1, M, k).unbind(0))
             elif kind == "staging" and M > 1 and D == 1:
-                self.staging = region[at:at + M * k * dtype.itemsize].view(dtype).view(M, k)
+                self.flat_staging = region[at:at + M * k * dtype.itemsize].view(dtype)
+                self.staging = self.flat_staging.view(M, k)
             at += -(-size // 64) * 64
         if M > 1:
             self.rows = [self.staging[j] for j in self.far]
         return self
 
     def _label(self, stage: str):
-        return trace.label(f"slice {self.index}: {stage}") if trace.active() else _NONE
+        return trace.label(f"slice {self.index}: {stage}") if self.labelled else _NONE
 
     def reduce_scatter(self) -> list:
         if self.D == 1:
@@ -104,8 +110,7 @@ class PreparedSlice:
         with self._label("reduce-scatter"):
             if self.collectives_inside:
                 base = ReduceOp.SUM if self.op == ReduceOp.AVG else self.op
-                return [dist.reduce_scatter_tensor(self.own.view(-1), self.blocks.view(-1), op=base, group=g,
-                                                   async_op=True)]
+                return [dist.reduce_scatter_tensor(self.flat_own, self.flat_blocks, op=base, group=g, async_op=True)]
             return post(list(zip(self.partials, self.near_peers)), self.rs_sends, g, self.cuda)
 
     def collect(self) -> list:
@@ -117,7 +122,7 @@ class PreparedSlice:
         g = self.groups.collect
         with self._label("collect"):
             if self.collectives_inside:
-                return [dist.all_to_all_single(self.staging.view(-1), self.own.view(-1), group=g, async_op=True)]
+                return [dist.all_to_all_single(self.flat_staging, self.flat_own, group=g, async_op=True)]
             return post(list(zip(self.rows, self.far_peers)), self.collect_sends, g, self.cuda)
 
     def add(self) -> None:
@@ -131,7 +136,7 @@ class PreparedSlice:
         g = self.groups.diffuse
         with self._label("diffuse"):
             if self.collectives_inside:
-                return [dist.all_gather_into_tensor(self.own.view(-1), self.mine.view(-1), group=g, async_op=True)]
+                return [dist.all_gather_into_tensor(self.flat_own, self.flat_mine, group=g, async_op=True)]
             return post(*self.diffuse_messages, g, self.cuda)
 
     def all_gather(self) -> list:
@@ -140,7 +145,7 @@ class PreparedSlice:
         g = self.groups.all_gather
         with self._label("all-gather"):
             if self.collectives_inside:
-                return [dist.all_gather_into_tensor(self.blocks.view(-1), self.own.view(-1), group=g, async_op=True)]
+                return [dist.all_gather_into_tensor(self.flat_blocks, self.flat_own, group=g, async_op=True)]
             return post(*self.ag, g, self.cuda)
 
     def finish(self) -> None:

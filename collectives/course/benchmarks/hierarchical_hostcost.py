@@ -154,17 +154,20 @@ def c10d_stubbed():
             setattr(module, name, original)
 
 
-def _issue_cost(fn, per: int, rounds: int, clock=time.thread_time) -> list[float]:
-    """CPU seconds per unit of ``fn()`` with torch.distributed's calls stubbed out, per round of ``rounds`` calls."""
+def _issue_cost(fn, per: int, rounds: int, clock=time.thread_time) -> tuple[list[float], float]:
+    """With torch.distributed's calls stubbed out: CPU seconds per unit of ``fn()``, one value
+    per round of ``rounds`` calls (nine rounds); and the Python calls per unit (the same on
+    every run, whatever else the machine is doing)."""
     out = []
     with c10d_stubbed():
         fn()
-        for _ in range(5):
+        for _ in range(9):
             c0 = clock()
             for _ in range(rounds):
                 fn()
             out.append((clock() - c0) / (rounds * per))
-    return out
+        calls = _python_calls(fn) / per
+    return out, calls
 
 
 def _python_calls(fn) -> int:
@@ -268,13 +271,13 @@ def _rank(layouts: list[tuple[int, int]], buckets: int, numel: int, slices: int,
                                  host=[h / per for h in hosts], cpu=[c / per for c in cpus], python_calls=calls / per,
                                  c10d_calls=c10d_calls / per, verified=verified))
         for row, (run, per) in zip(rows[-len(cases):], cases.values()):
-            row["issue"] = _issue_cost(run, per, 10)
+            row["issue"], row["issue_calls"] = _issue_cost(run, per, 10)
         issue.clear()
         walls = [timing.measure(threads, warmup=0, iters=1)[0] for _ in range(iters)]
         rows.append(dict(layout=layout, name="threads", per=buckets, wall=[w / buckets for w in walls],
                          host=[i / buckets for i in issue], cpu=[float("nan")], python_calls=float("nan"),
-                         c10d_calls=float("nan"), verified=verified,
-                         issue=_issue_cost(threads, buckets, 10, clock=time.process_time)))
+                         c10d_calls=float("nan"), verified=verified))
+        rows[-1]["issue"], rows[-1]["issue_calls"] = _issue_cost(threads, buckets, 10, clock=time.process_time)
         for reducer in reducers.values():
             reducer.close()
     return rows
@@ -291,6 +294,8 @@ def run(layouts, buckets: int, numel: int, slices: int, iters: int) -> list[dict
                          host_us=max(timing.median(r["host"]) for r in mine) * 1e6,
                          cpu_us=max(timing.median(r["cpu"]) for r in mine) * 1e6,
                          issue_us=max(timing.median(r["issue"]) for r in mine) * 1e6,
+                         issue_min_us=max(min(r["issue"]) for r in mine) * 1e6,
+                         issue_calls=row["issue_calls"],
                          python_calls=row["python_calls"], c10d_calls=row["c10d_calls"],
                          verified=all(r["verified"] for r in mine)))
     return rows
@@ -311,7 +316,8 @@ def suite(args, argv):
     iters = 3 if args.quick else max(args.iters, 5)
     rows = run(layouts, buckets, numel, slices, iters)
     for r in rows:
-        print(f"layout {tuple(r['layout'])}  {LABELS[r['name']]:66s} issue {r['issue_us']:6.1f} us  "
+        print(f"layout {tuple(r['layout'])}  {LABELS[r['name']]:66s} issue {r['issue_us']:6.1f} us "
+              f"(least {r['issue_min_us']:6.1f}, {r['issue_calls']:4.0f} calls)  "
               f"CPU {r['cpu_us']:6.1f} us  "
               f"host {r['host_us']:7.1f} us  "
               f"wall {r['wall_us']:7.1f} us  py calls {r['python_calls']:5.0f}  c10d calls {r['c10d_calls']:3.0f}")
