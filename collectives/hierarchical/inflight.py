@@ -234,7 +234,7 @@ class HierarchicalAllReducer:
                 self.lanes[0].stream.wait_stream(streams.current_stream(self.device))
                 for lane in self.lanes:      # the host lets go of it before the lanes are done with it
                     streams.record_stream(flat, lane.stream)
-            else:                            # stand-in streams: the same order, kept for streams.checking
+            elif self.lanes[0].use is streams.use:   # stand-ins that keep count (streams.checking): the same
                 self.lanes[0].stream.wait_stream(streams.current_stream(self.device))
             issue = self._issue_streams
         else:
@@ -357,8 +357,8 @@ class HierarchicalAllReducer:
             self._note(bucket, k, i, "all-gather", t0)
         if need[1]:                          # a later slice will reuse these bytes: it waits for this
             self.ring.finished(gather.finish_event())
-        if finish is None:
-            return None
+        if finish is None or not (gather.cuda or gather.use is streams.use):
+            return None                             # not the last slice, or plain stand-ins: nothing to wait for
         done = streams.new_event(self.device)       # the bucket's own: its handle waits for it
         done.record(stream)
         return done
