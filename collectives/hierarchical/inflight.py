@@ -52,6 +52,7 @@ order), and every rank must hand over the same buckets in the same order (DDP do
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -366,7 +367,9 @@ class HierarchicalAllReducer:
     def _issue_threads(self, piece: torch.Tensor, need, op, bucket: int, k: int, finish) -> object:
         """The five stages of one slice handed to the four lanes' threads, one queue entry per
         lane: each lane waits for the previous lane's event, then for the previous stage's
-        messages, then posts its own. Returns the event set when the slice is done."""
+        messages, then posts its own. A tier of one rank has no messages to wait for: with
+        D = 1 the collect's lane starts the slice, with M = 1 the all-gather's lane does the
+        sum and the add (two hand-offs, not four). Returns the event set when the slice is done."""
         i = self._slices
         self._slices += 1
         pools, after = self._pools(need)
@@ -409,10 +412,17 @@ class HierarchicalAllReducer:
             if finish is not None:
                 self._complete(bucket, *finish)
 
-        event = rs.submit(reduce_scatter, after)
-        event = collect.submit(collect_, event)
-        event = diffuse.submit(add_and_diffuse, event)
-        event = gather.submit(all_gather, event)
+        steps = [(rs, [reduce_scatter]), (collect, [collect_]), (diffuse, [add_and_diffuse]), (gather, [all_gather])]
+        D, M = self.layout.D, self.layout.M
+        if D == 1:      # no reduce-scatter to wait for: the collect's lane starts the slice
+            steps[1][1].insert(0, reduce_scatter)
+            del steps[0]
+        if M == 1:      # no collect or diffuse in flight: the all-gather's lane sums, adds and posts
+            steps[-1][1][:0] = collect_, add_and_diffuse
+            del steps[-3:-1]
+        event = after
+        for lane, works in steps:      # one hand-off per lane that has something to wait for
+            event = lane.submit(works[0] if len(works) == 1 else functools.partial(_each, works), event)
         if need[1]:
             self.ring.finished(event)
         return event
@@ -479,6 +489,11 @@ def _on(lane, event, works, *stages):
         out = _run(works, stages)
     lane.event.record(stream)
     return out or ()
+
+
+def _each(works) -> None:
+    for work in works:
+        work()
 
 
 def _run(works, stages):
