@@ -100,15 +100,14 @@ class Issuing:
             self._note(bucket, k, i, "diffuse", t0)
             t0 = time.perf_counter()
         stream = gather.stream
-        with gather.use(stream):
-            stream.wait_event(diffuse.event)
-            for w in works:
-                w.wait()
+
+        def all_gather():
             for w in one.all_gather():
                 w.wait()
             one.finish()
             if finish is not None:
                 self._complete(bucket, *finish)
+        _on(gather, diffuse.event, works, all_gather)
         if record:
             self._note(bucket, k, i, "all-gather", t0)
         if need[1]:                          # a later slice will reuse these bytes: it waits for this
@@ -196,8 +195,11 @@ def _on(lane, event, works, *stages):
     elif lane.use is streams.use:        # a stand-in stream that keeps count (streams.checking)
         with streams.use(stream):
             out = _run(works, stages)
-    else:
-        out = _run(works, stages)
+    else:                                # a plain stand-in: the work runs as it is given
+        for w in works:
+            w.wait()
+        for stage in stages:
+            out = stage()
     lane.event.record(stream)
     return out or ()
 

@@ -100,18 +100,23 @@ class PreparedSlice:
             self.rows = [self.staging[j] for j in self.far]
         return self
 
-    def _label(self, stage: str):
-        return trace.label(f"slice {self.index}: {stage}") if self.labelled else _NONE
+    def _labelled(self, stage: str, post_stage) -> list:
+        with trace.label(f"slice {self.index}: {stage}"):
+            return post_stage()
+
+    # ---- the stages (labelled in a trace only while a recording is open) ----------------
 
     def reduce_scatter(self) -> list:
         if self.D == 1:
             return []
+        return self._labelled("reduce-scatter", self._reduce_scatter) if self.labelled else self._reduce_scatter()
+
+    def _reduce_scatter(self) -> list:
         g = self.groups.reduce_scatter
-        with self._label("reduce-scatter"):
-            if self.collectives_inside:
-                base = ReduceOp.SUM if self.op == ReduceOp.AVG else self.op
-                return [dist.reduce_scatter_tensor(self.flat_own, self.flat_blocks, op=base, group=g, async_op=True)]
-            return post(list(zip(self.partials, self.near_peers)), self.rs_sends, g, self.cuda)
+        if self.collectives_inside:
+            base = ReduceOp.SUM if self.op == ReduceOp.AVG else self.op
+            return [dist.reduce_scatter_tensor(self.flat_own, self.flat_blocks, op=base, group=g, async_op=True)]
+        return post(list(zip(self.partials, self.near_peers)), self.rs_sends, g, self.cuda)
 
     def collect(self) -> list:
         for row in self.partials:              # the end of stage 1: the partial sums are in
@@ -119,11 +124,13 @@ class PreparedSlice:
         self.partials = []
         if self.M == 1:
             return []
+        return self._labelled("collect", self._collect) if self.labelled else self._collect()
+
+    def _collect(self) -> list:
         g = self.groups.collect
-        with self._label("collect"):
-            if self.collectives_inside:
-                return [dist.all_to_all_single(self.flat_staging, self.flat_own, group=g, async_op=True)]
-            return post(list(zip(self.rows, self.far_peers)), self.collect_sends, g, self.cuda)
+        if self.collectives_inside:
+            return [dist.all_to_all_single(self.flat_staging, self.flat_own, group=g, async_op=True)]
+        return post(list(zip(self.rows, self.far_peers)), self.collect_sends, g, self.cuda)
 
     def add(self) -> None:
         for row in self.rows:
@@ -133,32 +140,25 @@ class PreparedSlice:
     def diffuse(self) -> list:
         if self.M == 1:
             return []
+        return self._labelled("diffuse", self._diffuse) if self.labelled else self._diffuse()
+
+    def _diffuse(self) -> list:
         g = self.groups.diffuse
-        with self._label("diffuse"):
-            if self.collectives_inside:
-                return [dist.all_gather_into_tensor(self.flat_own, self.flat_mine, group=g, async_op=True)]
-            return post(*self.diffuse_messages, g, self.cuda)
+        if self.collectives_inside:
+            return [dist.all_gather_into_tensor(self.flat_own, self.flat_mine, group=g, async_op=True)]
+        return post(*self.diffuse_messages, g, self.cuda)
 
     def all_gather(self) -> list:
         if self.D == 1:
             return []
+        return self._labelled("all-gather", self._all_gather) if self.labelled else self._all_gather()
+
+    def _all_gather(self) -> list:
         g = self.groups.all_gather
-        with self._label("all-gather"):
-            if self.collectives_inside:
-                return [dist.all_gather_into_tensor(self.flat_blocks, self.flat_own, group=g, async_op=True)]
-            return post(*self.ag, g, self.cuda)
+        if self.collectives_inside:
+            return [dist.all_gather_into_tensor(self.flat_blocks, self.flat_own, group=g, async_op=True)]
+        return post(*self.ag, g, self.cuda)
 
     def finish(self) -> None:
         self.rows = []
         self.busy = False
-
-
-class _Nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-_NONE = _Nothing()
