@@ -122,10 +122,12 @@ def _rank(layouts, numel, bucket_numel, iters):
             rows.append(dict(layout=layout, name=f"16 buckets, {k} in flight", exact=exact, seconds=t,
                              nccl=nccl_buckets, nbytes=16 * bucket_numel * 4, host_seconds=host,
                              host_per_bucket=host / 16, nccl_host=nccl_buckets_host))
-        issue = timing.median(_issue_cost(lambda: _in_flight(reducer, buckets, 16), 16, 5))
+        issue, calls = _issue_cost(lambda: _in_flight(reducer, buckets, 16), 16, 5)
+        issue = timing.median(issue)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        rows[-1]["issue_per_bucket"] = rows[-2]["issue_per_bucket"] = issue
+        for row in rows[-2:]:
+            row.update(issue_per_bucket=issue, python_calls_per_bucket=calls)
         reducer.close()
     return rows
 
