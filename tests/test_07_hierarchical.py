@@ -136,6 +136,10 @@ def _extra_checks(impl, layout):
         collectives_inside = functools.partial(ref, inside="collectives", slice_numel=SLICE_N)
         out["inside collectives"] = verify.check_all_reduce(collectives_inside, cases)
         out["traces"]["inside collectives"] = _traced(collectives_inside, PATTERN_N)
+        # the in-flight reducer on NCCL's path (streams, every stage a collective), here on gloo
+        prepared = _prepared_checks(layout, cases)
+        out["traces"].update(prepared.pop("traces"))
+        out.update(prepared)
         # the flat ring over every rail
         rail_ring = functools.partial(load(f"{REFERENCE}:rail_ring_all_reduce"), layout=layout)
         out["rail ring"] = verify.check_all_reduce(rail_ring, cases)
@@ -148,6 +152,43 @@ def _extra_checks(impl, layout):
         out["in flight"] = _in_flight_checks(layout)
     if layout in TRAINED:
         out["training"] = _training_checks(impl, layout)
+    return out
+
+
+def _prepared_checks(layout, cases):
+    """The in-flight reducer with every stage a collective (NCCL's path, run on gloo), with
+    streams and with threads for lanes: exact on every case; the same tensor handed over
+    again and again reuses its prepared slices; its bytes by tier; and the host's own Python
+    per bucket (torch.distributed's calls stubbed), counted."""
+    from collectives.course.benchmarks.hierarchical_hostcost import _python_calls, c10d_stubbed
+    from collectives.hierarchical import HierarchicalAllReducer
+
+    out = {}
+    reducers = {progress: HierarchicalAllReducer(layout=layout, progress=progress, inside="collectives",
+                                                 slice_bytes=512, memory_bytes=8192)
+                for progress in ("streams", "threads")}
+    for progress, reducer in reducers.items():
+        def call(tensor, op=ReduceOp.SUM, group=None, reducer=reducer):
+            reducer.all_reduce(tensor, op).wait()
+        out[f"in flight collectives, {progress}"] = verify.check_all_reduce(call, cases)
+    reducer = reducers["streams"]
+    x = torch.randint(-8, 9, (PRIME - 1,), generator=torch.Generator().manual_seed(dist.get_rank())).float()
+    want = x.clone()
+    dist.all_reduce(want)
+    y, rounds = x.clone(), []
+    for _ in range(3):                  # the same tensor: prepared on the first call, reused after
+        y.copy_(x)
+        reducer.all_reduce(y).wait()
+        rounds.append((torch.equal(y, want), id(reducer._programs[id(y)][2])))
+    out["prepared rounds"] = rounds
+    D, M = layout
+    bucket = torch.ones(D * M * (128 // (D * M)))       # one slice of at most 512 bytes, no padding tail
+    reducer.all_reduce(bucket).wait()
+    with c10d_stubbed():
+        out["python calls per bucket"] = _python_calls(lambda: reducer.all_reduce(bucket).wait())
+    out["traces"] = {"in flight collectives": _traced(lambda t: reducer.all_reduce(t).wait(), PATTERN_N)}
+    for r in reducers.values():
+        r.close()
     return out
 
 
@@ -657,3 +698,49 @@ def test_an_unwritten_function_is_named_and_not_timed_by_bench_hier():
     assert why_not_timed(stub) == "not written yet (Lesson 7, task 4: hierarchical_all_reduce)"
     wrong = verify.Report([verify.CaseResult("n=7 float32 SUM", 1, False, "3 of 7 elements differ")])
     assert "n=7 float32 SUM" in why_not_timed(wrong) and "3 of 7" in why_not_timed(wrong)
+
+
+def test_the_planner_pays_the_hosts_time_to_issue_each_slice():
+    # NVLink-class links at 256 MiB: a stage takes about a millisecond, and issuing a slice
+    # takes the host about as long. Every slice pays it again: one slice is the plan.
+    import dataclasses
+
+    n = 256 << 20
+    nvlink = cost.AlphaBeta(10e-6, 1 / 300e9)
+    busy_host = hcost.Tiers(nvlink, nvlink, rails=True, issue=1.3e-3)
+    free_host = dataclasses.replace(busy_host, issue=0.0)
+    assert hcost.best_slice_bytes(n, 2, 2, busy_host) >= n
+    assert n / hcost.best_slice_bytes(n, 2, 2, free_host) >= 2          # the same links, a free host: slices
+    one = hcost.predict_tiered("hierarchical", n, 2, 2, free_host)
+    assert hcost.predict_tiered("hierarchical", n, 2, 2, busy_host) == pytest.approx(one + 1.3e-3)
+    # four slices: the host issues one per 1.3 ms, slower than either link's share of a slice
+    assert hcost.predict_tiered("hierarchical", n, 2, 2, busy_host, 4) == pytest.approx(
+        hcost.predict_tiered("hierarchical", n, 2, 2, free_host, 4) + 1.3e-3 + 3 * (1.3e-3 - max(
+            sum(s.seconds(free_host) for s in hcost.tiered("hierarchical", n / 4, 2, 2, True) if s.tier == t)
+            for t in ("inside", "across"))))
+    # a slow tier across (1 Gbit/s): still pipelined, with or without the host's time
+    slow = hcost.Tiers(cost.AlphaBeta(50e-6, 1 / 1e9), cost.AlphaBeta(100e-6, 8 / 1e9))
+    for tiers in (slow, dataclasses.replace(slow, issue=1e-4), hcost.DEFAULT_TIERS):
+        assert (64 << 20) / hcost.best_slice_bytes(64 << 20, 2, 2, tiers) >= 4
+    # the defaults: NCCL's GPUs on one host plan one slice of 256 MiB on every layout of 4
+    one_host = hcost.tiers_for("nccl", "cuda", one_host=True)
+    assert one_host.issue > 0 and one_host != hcost.tiers_for("nccl", "cuda")
+    for D, M in ((2, 2), (1, 4), (4, 1)):
+        assert hcost.slice_plan(n // 4, 4, D, M, one_host) == n // 4
+
+
+@pytest.mark.parametrize("layout", TWO_TIERS_INSIDE)
+def test_the_in_flight_reducer_on_nccls_path_is_exact_prepares_once_and_keeps_the_host_light(worlds, layout):
+    # Streams for lanes and every stage a collective (an all-to-all and an all-gather on the
+    # rail): exact, lanes as streams or threads; a bucket handed over again reuses the slices
+    # prepared on its first call; Fairring's bytes by tier; and the host's own work per bucket
+    # stays small: Python calls counted with torch.distributed's calls stubbed (at (2, 2), 328
+    # before the slices were prepared once, about 100 after: bench-hier host-cost's records).
+    for progress in ("streams", "threads"):
+        _assert_report(worlds, layout, f"in flight collectives, {progress}")
+    _assert_fairring_bytes(worlds, layout, "in flight collectives")
+    for rank, r in enumerate(worlds[layout]):
+        where = f"layout {layout}, rank {rank}"
+        assert all(exact for exact, _ in r["prepared rounds"]), where
+        assert len({program for _, program in r["prepared rounds"]}) == 1, f"{where}: prepared again"
+        assert r["python calls per bucket"] <= 150, f"{where}: {r['python calls per bucket']} Python calls per bucket"

@@ -11,6 +11,13 @@ messages, and 16 buckets of --bucket bytes handed to the in-flight reducer with 
 flight, beside NCCL's flat all_reduce of the same bytes (one call per bucket, as DDP's
 default hook). On one machine every link is NVLink: the layout only pretends, so this
 measures what the stages, streams and lanes cost, not a gain.
+
+Beside each GPU time, the host's: ``host_seconds`` is the time the host takes to *issue* the
+call (after a synchronisation, until the call returns; the GPUs run on), ``host_per_slice``
+and ``host_per_bucket`` divide it; ``issue_per_bucket`` is the in-flight reducer's own host
+work per bucket with torch.distributed's calls stubbed out (``bench-hier host-cost``'s
+measure, here with CUDA streams and events). The course's call tracing is off, for NCCL's
+calls as for ours: a plain program. Multicast stays off (NVLS, symmetric memory).
 """
 
 from __future__ import annotations
@@ -19,15 +26,23 @@ import argparse
 import datetime
 import functools
 import json
+import os
 import sys
+import time
 from pathlib import Path
+
+for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                      ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ.setdefault(_name, _value)      # no multicast: the ranks inherit it
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from collectives import launch, ops, timing  # noqa: E402
+from collectives import launch, ops, timing, trace  # noqa: E402
+from collectives.course.benchmarks.hierarchical_hostcost import _issue_cost  # noqa: E402
+from collectives.course.site.claims import commit  # noqa: E402
 from collectives.hierarchical import (  # noqa: E402
     HierarchicalAllReducer,
     default_slice_numel,
@@ -48,7 +63,22 @@ def _in_flight(reducer, buckets, k):
         h.wait()
 
 
+def _host(call, device, iters):
+    """Median seconds the host takes to issue ``call()`` (synchronised before each, not after)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda device: None)
+    out = []
+    for _ in range(iters):
+        sync(device)
+        dist.barrier()
+        t0 = time.perf_counter()
+        call()
+        out.append(time.perf_counter() - t0)
+    sync(device)
+    return timing.median(out)
+
+
 def _rank(layouts, numel, bucket_numel, iters):
+    trace.uninstall()
     device = ops.rank_device()
     rows = []
     x = torch.randint(-8, 9, (numel,), device=device).float()
@@ -60,6 +90,8 @@ def _rank(layouts, numel, bucket_numel, iters):
         for w in [dist.all_reduce(b, async_op=True) for b in buckets]:
             w.wait()
     nccl_buckets = timing.median(timing.measure(flat_buckets, iters=iters, device=device))
+    nccl_host = _host(lambda: dist.all_reduce(timed), device, iters)
+    nccl_buckets_host = _host(flat_buckets, device, iters)
     for layout in layouts:
         plan = default_slice_numel(numel, 4, resolve(layout), default_tiers(device))
         variants = {"one slice": functools.partial(one_slice_all_reduce, layout=layout),
@@ -73,8 +105,10 @@ def _rank(layouts, numel, bucket_numel, iters):
             call(y)
             exact = bool(torch.equal(y, want))
             t = timing.median(timing.measure(lambda: call(y), iters=iters, device=device))
+            slices = 1 if name == "one slice" else -(-numel // plan)
+            host = _host(lambda: call(y), device, iters)
             rows.append(dict(layout=layout, name=name, exact=exact, seconds=t, nccl=nccl, nbytes=numel * 4,
-                             slices=-(-numel // plan)))
+                             slices=slices, host_seconds=host, host_per_slice=host / slices, nccl_host=nccl_host))
         reducer = HierarchicalAllReducer(layout=layout)
         want = [b.clone() for b in buckets]
         for w in want:
@@ -84,8 +118,17 @@ def _rank(layouts, numel, bucket_numel, iters):
         exact = all(torch.equal(a, b) for a, b in zip(got, want))
         for k in (1, 8):
             t = timing.median(timing.measure(lambda: _in_flight(reducer, buckets, k), iters=iters, device=device))
+            host = _host(lambda: _in_flight(reducer, buckets, k), device, iters)
             rows.append(dict(layout=layout, name=f"16 buckets, {k} in flight", exact=exact, seconds=t,
-                             nccl=nccl_buckets, nbytes=16 * bucket_numel * 4))
+                             nccl=nccl_buckets, nbytes=16 * bucket_numel * 4, host_seconds=host,
+                             host_per_bucket=host / 16, nccl_host=nccl_buckets_host))
+        issue, calls = _issue_cost(lambda: _in_flight(reducer, buckets, 16), 16, 5)
+        issue = timing.median(issue)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        for row in rows[-2:]:
+            row.update(issue_per_bucket=issue, python_calls_per_bucket=calls)
+        reducer.close()
     return rows
 
 
@@ -107,13 +150,17 @@ def main() -> int:
           f"{args.size} float32")
     for r in rows:
         extra = f"  ({r['slices']} slices)" if "slices" in r else ""
+        extra += f"  host {r['host_seconds'] * 1e3:.3f} ms (NCCL's {r['nccl_host'] * 1e3:.3f} ms)"
+        if "issue_per_bucket" in r:
+            extra += f"  course's own host work {r['issue_per_bucket'] * 1e6:.0f} us per bucket"
         print(f"layout {r['layout']}  {r['name']:32s} exact={r['exact']}  {r['seconds'] * 1e3:8.2f} ms   "
               f"NCCL {r['nccl'] * 1e3:8.2f} ms   ratio to NCCL {r['nccl'] / r['seconds']:.2f}{extra}")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(
             command=".venv/bin/python tools/gpu_hierarchical.py " + " ".join(sys.argv[1:]), device=device,
             torch=torch.__version__, nccl=".".join(map(str, torch.cuda.nccl.version())),
-            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), rows=rows), indent=1))
+            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), commit=commit(),
+            gpus=p, rows=rows), indent=1))
     return 0 if all(r["exact"] for r in rows) else 1
 
 

@@ -10,7 +10,9 @@ record (:mod:`collectives.course.site.claims`; device, versions, date and the be
 its ``meta``): ``train`` (a DDP step, DDP's default hook against the hierarchical hook),
 ``inflight`` (buckets in flight), ``crossover`` (16 KiB to 16 MiB against the flat
 all-reduces), ``sizes`` (every algorithm at 64 MiB, one link and rails), ``machines`` (M = 2, 4
-with D = 1, 2). It also writes ``docs/snippets/bench-hier-results.md``, every comparison
+with D = 1, 2), ``host-cost`` (the host's own work per bucket and per slice, from the records
+of ``bench-hier host-cost`` under ``DIR/host-cost/before`` and ``/after``; ``--only host-cost``
+draws it alone). It also writes ``docs/snippets/bench-hier-results.md``, every comparison
 each bench computed, for the notes page. Nothing is typed by hand: the sentences are made
 from the values.
 
@@ -316,22 +318,86 @@ def train_record(folder: Path, out: Path) -> None:
     print(plots.save(fig, out / "07-bench-train", record))
 
 
-def records(folder: Path, out: Path) -> None:
+HOST_ROWS = {"bucket": ("bucket", "per bucket, the GPU's path (streams, every stage a collective)"),
+             "slice": ("slice", "per slice, in flight (streams, messages inside)"),
+             "threads": ("threads", "per bucket, threads for lanes (every thread's CPU)")}
+
+
+def host_cost_record(folder: Path, out: Path) -> None:
+    """``07-host-cost``: the host's own work per bucket and per slice, the reducer before its
+    slices were prepared once against now, from ``bench-hier host-cost``'s two records
+    (``folder/host-cost/before`` and ``/after``)."""
+    recs = [_load(folder / "host-cost" / when, "host-cost") for when in ("before", "after")]
+    if not all(recs):
+        return
+    before, after = ({(tuple(r["layout"]), r["name"]): r for r in rec["runs"][0]["rows"]} for rec in recs)
+    meta = {"device": f"{recs[1]['machine']['cores']}-core host ({recs[1]['machine']['cpu']}), "
+                      "4 local gloo ranks, shared with other work",
+            "torch": recs[1]["versions"]["torch"], "python": recs[1]["versions"].get("python", ""),
+            "backend": "gloo", "cpus": recs[1]["machine"]["cores"], "date": recs[1]["date"],
+            "command": f"{recs[1]['command']} (before: the same at commit {recs[0]['commit']})",
+            "commit": recs[1]["commit"],
+            "drawn_by": ".venv/bin/python tools/lesson07_figures.py --records docs/data/bench-hier"}
+    record = claims.Record("07-host-cost", names={"before": "the reducer before", "after": "the prepared reducer"},
+                           aliases={"after": ["the reducer now"]}, meta=meta,
+                           title="The host's own work, torch.distributed's calls stubbed out")
+    layouts = sorted({k[0] for k in after})
+    fig = plots._figure(9.5, 3.6)
+    axes = fig.subplots(1, len(HOST_ROWS), sharey=True, squeeze=False)[0]
+    table = []
+    for ax, (name, (short, what)) in zip(axes, HOST_ROWS.items()):
+        for j, layout in enumerate(layouts):
+            b, a = before[(layout, name)], after[(layout, name)]
+            values = {"before": b["issue_us"] * 1e-6, "after": a["issue_us"] * 1e-6}
+            ident = f"{short}-{layout[0]}x{layout[1]}"
+            record.times(ident, values, baseline="before", where=f"host CPU {what}, layout {layout}")
+            if name != "threads":
+                record.fact(f"calls-{ident}", f"Python calls {what}, layout {layout}: "
+                            f"{b['issue_calls']:.0f} before, {a['issue_calls']:.0f} now.",
+                            before=b["issue_calls"], after=a["issue_calls"])
+            ax.bar(j * 3, b["issue_us"], color="#8c8c8c", label="before" if j == 0 else None)
+            ax.bar(j * 3 + 1, a["issue_us"], color="#c44e52", label="prepared slices" if j == 0 else None)
+            table.append([what, f"({layout[0]}, {layout[1]})", _ms(values["before"]), _ms(values["after"]),
+                          f"{values['before'] / values['after']:.1f}×",
+                          "" if name == "threads" else f"{b['issue_calls']:.0f} → {a['issue_calls']:.0f}"])
+        ax.set_xticks([j * 3 + 0.5 for j in range(len(layouts))], [f"({d}, {m})" for d, m in layouts], fontsize=9)
+        ax.set_title(what.replace(", the GPU's path", "\nthe GPU's path").replace(", in flight", "\nin flight")
+                     .replace(", threads", "\nthreads"), fontsize=9)
+    axes[0].set_ylabel("host CPU µs (median of 9 rounds)", fontsize=9)
+    axes[0].legend(fontsize=9)
+    record.table = {"head": ["what", "layout", "before", "now", "speed-up", "Python calls"], "rows": table}
+    record.caption = ("The course's own host work per bucket and per slice with torch.distributed's calls stubbed "
+                      "out (what the host pays on a GPU besides NCCL's calls), before and after the slices were "
+                      "prepared once. " + record.text(*[c["id"] for c in record.comparisons if c["kind"] == "times"]))
+    print(plots.save(fig, out / "07-host-cost", record))
+
+
+DRAWN = {"train": train_record, "inflight": inflight_record, "crossover": crossover_record, "sizes": sizes_record,
+         "machines": machines_record, "host-cost": host_cost_record}
+
+
+def records(folder: Path, out: Path, only: list[str] | None = None) -> None:
     """Lesson 7's measured figures, each with its record, from the bench-hier records in ``folder``."""
-    if not (folder / "bench-hier-sizes.json").exists() and not list(folder.glob("bench-hier-*.json")):
+    if not (folder / "bench-hier-sizes.json").exists() and not list(folder.glob("bench-hier-*.json")) \
+            and not (folder / "host-cost").exists():
         raise SystemExit(f"no bench-hier-*.json records in {folder}")
-    for draw in (train_record, inflight_record, crossover_record, sizes_record, machines_record):
-        draw(folder, out)
+    for name, draw in DRAWN.items():
+        if not only or name in only:
+            draw(folder, out)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--records", default="", help="folder of bench-hier-<suite>.json records "
                         "(docs/data/bench-hier): draw the measured figures from them")
+    parser.add_argument("--only", default="", help=f"with --records: these figures only, e.g. host-cost "
+                        f"(of {', '.join(DRAWN)})")
     args = parser.parse_args()
     if args.records:
-        records(Path(args.records), ROOT / "docs" / "img")
-        results(Path(args.records))
+        only = [n.strip() for n in args.only.split(",") if n.strip()]
+        records(Path(args.records), ROOT / "docs" / "img", only)
+        if not only:
+            results(Path(args.records))
     else:
         timelines()
 

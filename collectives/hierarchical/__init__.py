@@ -18,7 +18,8 @@ across every machine boundary; the hierarchy sends each byte across once per rai
   what the hierarchy is measured against when there are rails;
 * :mod:`.inflight` -- the asynchronous call: a handle at once, buckets in flight in a
   bounded staging memory, a lane per stage (a stream on a GPU, a thread on a CPU:
-  :mod:`.lanes`, with the staging ring);
+  :mod:`.lanes`, with the staging ring), its slices prepared once per bucket tensor
+  (:mod:`.program`);
 * :mod:`.hooks` -- a DDP communication hook, and lesson 6's reducer, on the in-flight call;
 * :mod:`.cost` -- the tier-aware cost model (``Tiers``, ``tiered``, ``predict_tiered``,
   ``slice_plan``), on :mod:`collectives.core.cost`'s α–β primitives.

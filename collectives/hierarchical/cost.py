@@ -36,30 +36,45 @@ class Tiers:
     they send across at the same time adds up on it. (:class:`collectives.core.cost.TwoTier`
     describes the same two links with the cluster's shape; the functions below accept
     either.)
+
+    ``issue``: the host's time to issue one slice (the course's Python, the library's calls,
+    the events between stages) -- a third resource beside the two links. On a GPU the host
+    issues while the GPUs work, so slices cannot flow faster than one per ``issue``: each
+    slice pays it, and a pipeline of many slices pays it many times (:func:`predict_tiered`).
     """
 
     inside: AlphaBeta
     across: AlphaBeta
     rails: bool = False
+    issue: float = 0.0        # host seconds to issue one slice: its calls, events, stream switches
 
 
 # What the lesson assumes when it is not told, per backend. Assumptions, not measurements:
 # the benchmarks fit or state what they use.
 # gloo on a CPU: loopback inside a machine (≈ 50 µs a message, ≈ 1 GB/s: gloo's busbw on a
 # 2-core CPU), 1 Gbit/s Ethernet between machines, one link per machine.
-DEFAULT_TIERS = Tiers(AlphaBeta(50e-6, 1 / 1e9), AlphaBeta(100e-6, 8 / 1e9))
+# Issuing a slice: what ``bench-hier host-cost`` measured (hierarchical_all_reduce, per slice,
+# with torch.distributed's calls stubbed: docs/data/bench-hier/host-cost/after) -- about 0.1 ms.
+DEFAULT_TIERS = Tiers(AlphaBeta(50e-6, 1 / 1e9), AlphaBeta(100e-6, 8 / 1e9), issue=100e-6)
 # NCCL on GPUs: NVLink inside (≈ 10 µs a message, ≈ 150 GB/s a link), a 400 Gbit/s NIC per
-# GPU between machines (≈ 20 µs, 50 GB/s), as on DGX-class machines: rails.
-NCCL_TIERS = Tiers(AlphaBeta(10e-6, 1 / 150e9), AlphaBeta(20e-6, 1 / 50e9), rails=True)
+# GPU between machines (≈ 20 µs, 50 GB/s), as on DGX-class machines: rails. Issuing one slice
+# took the host about 1.3 ms on 2x H100 (NCCL's calls included: docs/data/gpu/host-profile-2x-h100.json,
+# host_one_slice_s); tools/gpu_hierarchical.py records it again beside each run.
+NCCL_TIERS = Tiers(AlphaBeta(10e-6, 1 / 150e9), AlphaBeta(20e-6, 1 / 50e9), rails=True, issue=1.3e-3)
+# NCCL on the GPUs of one host: NVLink on both tiers, ≈ 300 GB/s of bus bandwidth (NCCL's own
+# all-reduce of 256 MiB on 4x H100 NV18 took 1.37 ms: docs/data/gpu/hier-p4-4x-h100.json).
+NVLINK_TIERS = Tiers(AlphaBeta(10e-6, 1 / 300e9), AlphaBeta(10e-6, 1 / 300e9), rails=True, issue=1.3e-3)
 
 
-def tiers_for(backend: str | None, device_type: str = "cpu") -> Tiers:
-    """The tiers the hierarchy plans its slices with: NCCL on a GPU is not gloo on a CPU.
+def tiers_for(backend: str | None, device_type: str = "cpu", one_host: bool = False) -> Tiers:
+    """The tiers the hierarchy plans its slices with: NCCL on a GPU is not gloo on a CPU,
+    and GPUs of one host (``one_host``: the layout only pretends to be machines) talk over
+    NVLink on both tiers.
 
-    Same on every rank of a group (same backend, same device type), so every rank cuts a
-    tensor into the same slices."""
+    Same on every rank of a group (same backend, same device type, same launcher's
+    environment), so every rank cuts a tensor into the same slices."""
     if backend == "nccl" or device_type == "cuda":
-        return NCCL_TIERS
+        return NVLINK_TIERS if one_host else NCCL_TIERS
     return DEFAULT_TIERS
 
 
@@ -150,29 +165,33 @@ def predict_tiered(name: str, n: float, D: int, M: int, tiers, slices: int = 1) 
 
     With S slices each stage moves n/S. The inside link and the cross link work at the
     same time, each on its own stages, so the slowest of the two sets the pace: one slice
-    goes through every stage, and the other S − 1 follow at the pace of the busier tier::
+    goes through every stage, and the other S − 1 follow at the pace of the busier tier --
+    or of the host, when issuing a slice (``tiers.issue``, h) takes longer than either::
 
-        T(S) ≈ Σ_stages t(n/S) + (S − 1) · max(Σ_inside t(n/S), Σ_across t(n/S))
+        T(S) ≈ h + Σ_stages t(n/S) + (S − 1) · max(Σ_inside t(n/S), Σ_across t(n/S), h)
 
     ``slices = 1`` is the plain sum of the stages. ``tiers`` may also be a
     :class:`collectives.core.cost.TwoTier` (fitted on a cluster; no rails): only its
     ``inside`` and ``across`` links are read.
     """
     stages = tiered(name, n / slices, D, M, getattr(tiers, "rails", False))
-    total = sum(s.seconds(tiers) for s in stages)
+    issue = getattr(tiers, "issue", 0.0)
+    total = sum(s.seconds(tiers) for s in stages) + issue
     if slices == 1:
         return total
     by_tier = {"inside": 0.0, "across": 0.0}
     for s in stages:
         by_tier[s.tier] += s.seconds(tiers)
-    return total + (slices - 1) * max(by_tier.values())
+    return total + (slices - 1) * max(by_tier["inside"], by_tier["across"], issue)
 
 
 def best_slice_bytes(n: float, D: int, M: int, tiers, largest_slices: int = 64) -> int:
     """The slice size (bytes) for which :func:`predict_tiered` of ``hierarchical`` is least.
 
     More slices hide more of the cheaper tier under the busier one, and each pays every
-    stage's α again: the best count balances the two. Tried: 1 to ``largest_slices``.
+    stage's α and the host's issue time again: the best count balances the two. When the
+    host's time per slice outweighs what the overlap hides (NVLink-class links, where a
+    stage of 256 MiB takes about a millisecond), that is one slice. Tried: 1 to ``largest_slices``.
     With one tier (D = 1 or M = 1) there is nothing to hide: one slice.
 
     A few hundred microseconds of Python: call it through :func:`slice_plan`, which

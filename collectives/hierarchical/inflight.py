@@ -12,21 +12,27 @@ b + 1's reduce-scatter runs while bucket b is still crossing machines::
     for h in handles:
         h.wait()                     # or h.get_future(): a torch.futures.Future of the tensor
 
-    stage lanes      slices of bucket 0 | bucket 1 | bucket 2 ...
+    lanes            slices of bucket 0 | bucket 1 | bucket 2 ...
     reduce-scatter   0a 0b 0c 1a 1b 2a 2b 2c
-    collect             0a 0b 0c 1a 1b 2a 2b 2c             (one lane per stage; a lane
-    add                    0a 0b 0c 1a 1b 2a ...             runs its stage for one slice
-    diffuse                   0a 0b 0c 1a 1b ...             after another, in order)
-    all-gather                   0a 0b 0c 1a ...  -> bucket 0 done, then 1, then 2
+    collect             0a 0b 0c 1a 1b 2a 2b 2c             (a lane runs its stages for
+    add, diffuse           0a 0b 0c 1a 1b 2a ...             one slice after another, in
+    all-gather                0a 0b 0c 1a 1b ...  -> bucket 0 done, then 1, then 2    order)
 
-**Lanes.** Each stage has a *lane* that runs its work in order -- Fairring's stream per
-stage. On a GPU a lane is a CUDA stream: the host issues every stage of a bucket at once
+**Lanes.** Each communication stage has a *lane* that runs its work in order -- Fairring's
+stream per stage; the add sends nothing and the diffuse cannot start before it, so the two
+share one (four lanes). On a GPU a lane is a CUDA stream: the host issues every stage of a bucket at once
 (Fairring's order, slice by slice), and events make each stage's stream wait for the one
 before; NCCL progresses on its own. On a CPU (gloo) the host cannot issue a stage before
 the previous one's messages have arrived (its sum must be added first), so a lane is a
 *thread*, the CPU's stream: it takes its stage's work in order and blocks on the waits a
 GPU stream would make, while the caller's thread goes on (computing backward, handing over
 the next bucket). An event is a ``threading.Event`` set when the lane gets there.
+
+**The host's work, once.** A bucket tensor handed over again (DDP's buckets, step after
+step) reuses the slices prepared on its first call (:mod:`.program`: every view and
+message worked out once); the plan of a size is looked up, not recomputed; a hand-off
+between lanes is one event, and a stream lane reuses its own. On a GPU this is what the
+host pays per bucket besides NCCL's calls (``bench-hier host-cost`` measures it).
 
 **Why any interleaving is correct.** Each stage has its own process groups (a set made for
 each reducer alone: ``stage_groups(..., name="in flight <n>")``) and each lane issues its
@@ -54,19 +60,19 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
 
 import torch
 import torch.distributed as dist
 
 from ..core import ops, streams
 from ..core.ops import ReduceOp
-from .lanes import OwnSlot, StagingRing, StreamLane, ThreadLane, aligned
+from .issue import Issuing
+from .lanes import StagingRing, StreamLane, ThreadLane, aligned
 from .layout import check_layout, checked_layout, resolve, stage_groups
 from .pipeline import default_slice_numel, default_tiers, inside_mode
-from .slice import Slice
 
 STAGES = ("reduce-scatter", "collect", "add", "diffuse", "all-gather")
+LANES = ("reduce-scatter", "collect", "add and diffuse", "all-gather")   # the add runs just before the diffuse
 DEFAULT_MEMORY = 64 << 20       # bytes of staging, all slices in flight together
 
 
@@ -101,10 +107,11 @@ def _finished(tensor: torch.Tensor, bucket: int = -1) -> Handle:
     return Handle(tensor, future, bucket)
 
 
+_WHAT = "HierarchicalAllReducer.all_reduce"
 _serial = itertools.count()     # reducers made in this process: every rank makes them in the same order
 
 
-class HierarchicalAllReducer:
+class HierarchicalAllReducer(Issuing):
     """Asynchronous hierarchical all-reduce with buckets in flight in bounded staging memory.
 
     Construct it on every rank at the same point (it creates its process groups, a
@@ -117,7 +124,7 @@ class HierarchicalAllReducer:
         memory_bytes: Fairring's total staging budget: the slices in flight never hold more.
         slice_bytes: the largest slice (default ``memory_bytes // 4``, so at least four slices
             fit); each bucket is cut as the cost model's plan says, never into larger slices.
-        progress: ``"threads"`` (a lane per stage is a thread: the default on a CPU) or
+        progress: ``"threads"`` (a lane is a thread: the default on a CPU) or
             ``"streams"`` (a lane is a stream: the default on a GPU; on a CPU the work runs
             when issued, synchronously).
         inside: stages 1 and 5 as ``"collectives"`` or ``"messages"`` (default: NCCL's own
@@ -157,10 +164,14 @@ class HierarchicalAllReducer:
         if sum(aligned(b) for b in largest.values()) > memory_bytes:
             raise ValueError(f"memory_bytes={memory_bytes} cannot hold the staging of one slice of "
                              f"{self.slice_bytes} bytes; give more memory or smaller slices")
-        self.ring = StagingRing(memory_bytes, self.device)
         self.lanes = self._make_lanes() if self.groups is not None else []
+        self.ring = StagingRing(memory_bytes, self.device, recycle=self.lanes[-1].recycle if self.lanes else None)
+        # the stream of each of the five stages (the add's is the diffuse's; stand-ins for threads)
+        lane_streams = [getattr(lane, "stream", streams.NullStream()) for lane in self.lanes]
+        self._streams = lane_streams[:3] + lane_streams[2:]
+        self._plans: dict[tuple, tuple] = {}      # (elements, element size, D, M) -> slices and their staging
+        self._programs: dict[int, tuple] = {}     # id(tensor) -> (weak reference, what, its prepared slices)
         self._slices = 0                          # slices handed over so far
-        self._finished: dict[int, object] = {}    # slice -> event set when its last stage is done
         self._buckets = 0
         self._pending: dict[int, torch.futures.Future] = {}
         self._followers: dict[int, list] = {}     # bucket -> empty buckets to complete right after it
@@ -183,8 +194,8 @@ class HierarchicalAllReducer:
 
     def _make_lanes(self) -> list:
         if self.progress == "streams":
-            return [StreamLane(self.device, stage) for stage in STAGES]
-        return [ThreadLane(self, stage) for stage in STAGES]
+            return [StreamLane(self.device, lane) for lane in LANES]
+        return [ThreadLane(self, lane) for lane in LANES]
 
     @property
     def staging_bytes(self) -> int:
@@ -199,35 +210,62 @@ class HierarchicalAllReducer:
         Checked before anything is issued (a tensor, an op it supports, on this engine's
         device; in check mode the ranks compare it, layout included). The tensor must not be
         touched until the handle completes."""
-        what = "HierarchicalAllReducer.all_reduce"
-        shape = checked_layout(tensor, op, self.group, self.layout, what, engine="in flight",
-                               memory_bytes=self.memory_bytes, slice_bytes=self.slice_bytes)
+        what = _WHAT
+        if ops.check_mode():             # the ranks compare the call, layout included
+            shape = checked_layout(tensor, op, self.group, self.layout, what, engine="in flight",
+                                   memory_bytes=self.memory_bytes, slice_bytes=self.slice_bytes)
+        else:                            # the layout was resolved and checked when the reducer was made
+            shape = self.layout if ops.check_all_reduce_args(tensor, op, self.group, what=what, compare=False) else None
         if shape is None or tensor.numel() == 0 or self.p == 1:
             return self._nothing_to_send(tensor)
         if tensor.device != self.device:
             raise ValueError(f"{what}: the tensor is on {tensor.device}, this reducer on {self.device}")
         if self.error is not None:
             raise RuntimeError(f"{what}: an earlier bucket failed on this rank: {self.error!r}")
-        flat = ops.work_buffer(tensor.detach())
-        D, M = shape.D, shape.M
-        plan = default_slice_numel(flat.numel(), flat.element_size(), shape, default_tiers(self.device))
-        step = max(D * M, min(plan, self.slice_bytes // flat.element_size()) // (D * M) * (D * M))
-        bounds = [(lo, min(lo + step, flat.numel())) for lo in range(0, flat.numel(), step)]
+        flat = ops.work_buffer(tensor)
+        bounds, needs = self._plan(flat.numel(), flat.element_size(), shape)
         bucket = self._buckets
         self._buckets += 1
         future = torch.futures.Future(devices=[self.device]) if self.device.type == "cuda" else torch.futures.Future()
         with self._lock:
             self._pending[bucket] = future
             self.peak_in_flight = max(self.peak_in_flight, len(self._pending))
-        if self.progress == "streams":     # the bucket's writes, queued on the caller's stream, come first
-            self.lanes[0].stream.wait_stream(streams.current_stream(self.device))
-            for lane in self.lanes:          # the host lets go of it before the lanes are done with it
-                streams.record_stream(flat, lane.stream)
         done = None
+        if self.progress == "streams":
+            if self.device.type == "cuda":   # the bucket's writes, queued on the caller's stream, come first
+                self.lanes[0].stream.wait_stream(streams.current_stream(self.device))
+                for lane in self.lanes:      # the host lets go of it before the lanes are done with it
+                    streams.record_stream(flat, lane.stream)
+            elif self.lanes[0].use is streams.use:   # stand-ins that keep count (streams.checking): the same
+                self.lanes[0].stream.wait_stream(streams.current_stream(self.device))
+            issue = self._issue_streams
+        else:
+            issue = self._issue_threads
+        last = len(bounds) - 1
+        prepared = self._prepared(tensor, flat, bounds)
         for k, (lo, hi) in enumerate(bounds):
-            done = self._issue(flat[lo:hi], op, bucket, k, last=k == len(bounds) - 1,
-                               finish=(tensor, flat, future))
+            ready = prepared[k] if prepared is not None and prepared[k] is not None and not prepared[k].busy else None
+            done = issue(ready or flat[lo:hi], needs[k == last], op, bucket, k,
+                         (tensor, flat, future) if k == last else None)
         return Handle(tensor, future, bucket, done if self.progress == "streams" else None)
+
+    def _plan(self, numel: int, element_size: int, shape) -> tuple[list, dict]:
+        """The slices of a bucket of ``numel`` elements and each slice's staging, computed once
+        per (elements, element size, layout) and looked up after: ``(bounds, {last?: need})``."""
+        key = (numel, element_size, shape.D, shape.M)
+        plan = self._plans.get(key)
+        if plan is None:
+            D, M = shape.D, shape.M
+            best = default_slice_numel(numel, element_size, shape, default_tiers(self.device))
+            step = max(D * M, min(best, self.slice_bytes // element_size) // (D * M) * (D * M))
+            bounds = [(lo, min(lo + step, numel)) for lo in range(0, numel, step)]
+            needs = {}
+            for last in (False, True):
+                lo, hi = bounds[-1] if last else bounds[0]
+                kinds = self._staging_need(hi - lo, element_size, D, M)
+                needs[last] = (kinds, sum(aligned(b) for b in kinds.values()))
+            plan = self._plans[key] = (bounds, needs)
+        return plan
 
     def _nothing_to_send(self, tensor: torch.Tensor) -> Handle:
         """An empty tensor, or a group of one: done as soon as the buckets before it are
@@ -238,73 +276,6 @@ class HierarchicalAllReducer:
                 self._followers.setdefault(max(self._pending), []).append((future, tensor))
                 return Handle(tensor, future, -1)
         return _finished(tensor)
-
-    def _issue(self, piece: torch.Tensor, op, bucket: int, k: int, last: bool, finish) -> object:
-        """Hand the five stages of one slice to the lanes; return its "finished" event."""
-        i = self._slices
-        self._slices += 1
-        D, M = self.layout.D, self.layout.M
-        need = self._staging_need(piece.numel(), piece.element_size(), D, M)
-        region, reused = self.ring.reserve(i, sum(aligned(b) for b in need.values()))
-        pools, at = {}, 0
-        for kind, nbytes in need.items():      # this slice's own staging, carved from its region
-            pools[kind] = OwnSlot(region[at:at + nbytes])
-            at += aligned(nbytes)
-        previous = None                        # the last slice whose bytes this one reuses: done?
-        for j in [j for j in self._finished if reused is not None and j <= reused]:
-            event = self._finished.pop(j)
-            previous = event if j == reused else previous
-        lanes, state = self.lanes, {}
-        lane_streams = [getattr(lane, "stream", streams.NullStream()) for lane in lanes]
-
-        def note(stage: str, t0: float) -> None:
-            if self.record:
-                self.timeline.append(dict(bucket=bucket, slice=k, index=i, stage=stage, issued=t0,
-                                          done=time.perf_counter()))
-
-        def wait_all(works) -> None:
-            for work in works:
-                work.wait()
-
-        def reduce_scatter():
-            state["t"] = time.perf_counter()
-            one = state["slice"] = Slice(piece, self.groups, op, self.p, pools, lane_streams,
-                                         index=i, inside=self.inside, labels=self.progress == "streams")
-            state["works"] = one.reduce_scatter()
-
-        def collect():
-            wait_all(state.pop("works"))
-            note("reduce-scatter", state["t"])
-            state["t"] = time.perf_counter()
-            state["works"] = state["slice"].collect()
-
-        def add():
-            wait_all(state.pop("works"))
-            note("collect", state["t"])
-            state["t"] = time.perf_counter()
-            state["slice"].add()
-            note("add", state["t"])
-
-        def diffuse():
-            state["t"] = time.perf_counter()
-            state["works"] = state["slice"].diffuse()
-
-        def all_gather():
-            wait_all(state.pop("works"))
-            note("diffuse", state["t"])
-            t0 = time.perf_counter()
-            wait_all(state["slice"].all_gather())
-            state.pop("slice").finish()
-            note("all-gather", t0)
-            if last:
-                self._complete(bucket, *finish)
-
-        for lane, work in zip(lanes, (reduce_scatter, collect, add, diffuse, all_gather)):
-            lane.wait_for(previous)          # the staging's last user (first lane), else the stage before
-            lane.submit(work)
-            previous = lane.mark()
-        self._finished[i] = previous
-        return previous
 
     def _complete(self, bucket: int, tensor: torch.Tensor, flat: torch.Tensor, future) -> None:
         ops.write_back(tensor.detach(), flat)

@@ -42,6 +42,7 @@ each group must agree (:mod:`.inflight` relies on that).
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -66,15 +67,20 @@ def slice_resources(groups, device) -> dict:
                         for stage in ("reduce-scatter", "collect", "add", "diffuse", "all-gather")],
             "pools": {"staging": SlotPool(NUM_SLOTS), "padding": SlotPool(NUM_SLOTS),
                       "partials": SlotPool(NUM_SLOTS)},
+            # one mark per stage, recorded again for every slice (see hierarchical_all_reduce)
+            "marks": [streams.new_event(device) for _ in range(6)],
         }
     return _state[key]
 
 
 def default_tiers(device) -> cost.Tiers:
     """The tiers to plan with for tensors on ``device`` in this world: NCCL over NVLink is
-    not gloo over loopback (:func:`cost.tiers_for`)."""
+    not gloo over loopback, and NCCL's GPUs on one host (no ``LOCAL_WORLD_SIZE`` below the
+    world's size) are NVLink on both tiers (:func:`cost.tiers_for`)."""
     backend = dist.get_backend() if dist.is_initialized() else None
-    return cost.tiers_for(backend, torch.device(device).type)
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    one_host = not local.isdigit() or (dist.is_initialized() and int(local) >= dist.get_world_size())
+    return cost.tiers_for(backend, torch.device(device).type, one_host)
 
 
 def default_slice_numel(numel: int, element_size: int, layout: Layout,
@@ -131,7 +137,7 @@ def hierarchical_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, l
     flat = ops.work_buffer(tensor.detach())
     device = flat.device
     state = slice_resources(groups, device)
-    stage_streams, pools = state["streams"], state["pools"]
+    stage_streams, pools, marks = state["streams"], state["pools"], state["marks"]
     mode = inside_mode(device, inside)
     DM = shape.D * shape.M
     if slice_numel is None:
@@ -172,7 +178,10 @@ def hierarchical_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, l
                 return
             # This stream's own work (copies, the add) and everything it waited for: the next
             # stage waits for this mark too, so a skipped stage (D or M = 1) still orders them.
-            mark = streams.new_event(device)
+            # One event per stage serves every slice: stage k + 1 waits for slice i's mark at the
+            # next tick, before stage k records it again for slice i + 1 (the last stage goes
+            # first), and a stream's wait takes the event as it stands when the wait is issued.
+            mark = marks[k]
             mark.record(stream)
             pending[i] = works + [mark]
 

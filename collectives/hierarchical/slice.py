@@ -31,17 +31,18 @@ Three buffers beside the slice, the first two Fairring's:
   land in a slot: not in the slice, whose other blocks are leaving at the same time.
   Fairring's ``ncclReduceScatter`` keeps that buffer inside NCCL.
 
-The collect and the diffuse are a few messages on the stage's own group, every receive
-posted before any send (:func:`collectives.core.ops.post_exchange`; on NCCL, one grouped
-batch, as Fairring's ``ncclGroupStart``/``ncclSend``/``ncclRecv``). Stages 1 and 5 go one
-of two ways (``inside=``), each where it is the faster:
+On gloo the collect and the diffuse are a few messages on the stage's own group, every
+receive posted before any send (:func:`collectives.core.ops.post_exchange`). Every stage
+goes one of two ways (``inside=``), each where it is the faster:
 
 * ``"collectives"`` (on NCCL, the default there): NCCL's own reduce-scatter and
   all-gather, *in place* -- block [d] is where NCCL's in-place reduce-scatter puts rank
   d's part of [D, M, −1], so the slice is both input and output and no partials slot is
   needed. This is what Fairring calls (``ncclReduceScatter``/``ncclAllGather``): NCCL's
   kernels reduce as the data streams in, which a batch of point-to-point messages and a
-  separate add cannot match on a GPU.
+  separate add cannot match on a GPU. The collect is then one ``all_to_all_single`` on the
+  rail and the diffuse one in-place ``all_gather_into_tensor`` there: one call each, where a
+  batch of 2(M − 1) messages costs the host far more (the same bytes).
 * ``"messages"`` (on gloo, the default there): D − 1 messages each way, receives first.
   gloo's ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` moved the same bytes
   4× slower over loopback (171 and 140 ms against 40 and 33 ms for 64 MiB; the engineering
@@ -85,7 +86,7 @@ class SlotPool:
         self.next += 1
         if self.events[slot] is not None:
             stream.wait_event(self.events[slot])
-        need = numel * torch.empty((), dtype=dtype).element_size()
+        need = numel * dtype.itemsize
         buf = self.buffers[slot]
         if buf is None or buf.numel() < need or buf.device != torch.device(device):
             if self.events[slot] is not None:
@@ -194,6 +195,10 @@ class Slice:
         rail, d, m = self.groups.rail_ranks(), self.d, self.m
         others = [j for j in range(self.M) if j != m]
         works = []
+        if self.collectives_inside:      # one all-to-all on the rail: row j of [d, :, :] to machine j
+            with self._label("collect"):
+                return [dist.all_to_all_single(staging.view(-1), blocks[d].view(-1), group=self.groups.collect,
+                                               async_op=True) for blocks, staging in self.parts()]
         with self._label("collect"):
             for blocks, staging in self.parts():   # row j of [d, :, :] goes to machine j
                 works += ops.post_exchange(recvs=[(staging[j], rail[j]) for j in others],
@@ -219,6 +224,11 @@ class Slice:
         rail, d, m = self.groups.rail_ranks(), self.d, self.m
         others = [j for j in range(self.M) if j != m]
         works = []
+        if self.collectives_inside:      # one in-place all-gather on the rail: [d, m, :] -> [d, :, :]
+            with self._label("diffuse"):
+                return [dist.all_gather_into_tensor(blocks[d].view(-1), blocks[d, m].view(-1),
+                                                    group=self.groups.diffuse, async_op=True)
+                        for blocks, _ in self.parts()]
         with self._label("diffuse"):
             for blocks, _ in self.parts():   # [d, m, :] to every machine; [d, j, :] from each
                 works += ops.post_exchange(recvs=[(blocks[d, j], rail[j]) for j in others],

@@ -5,6 +5,7 @@
     .venv/bin/python -m collectives bench-hier                       # sizes: 2 machines x 2 ranks, 1 Gbit/s, 64 MiB
     .venv/bin/python -m collectives bench-hier sizes --rails         # one link per local rank
     .venv/bin/python -m collectives bench-hier inflight              # Fairring's benchmark: 16 buckets, 1-8 in flight
+    .venv/bin/python -m collectives bench-hier host-cost             # the host's Python per bucket and per slice
     .venv/bin/python -m collectives bench-hier train                 # a DDP step: hierarchical hook against DDP's own
     .venv/bin/python -m collectives bench-hier crossover             # where the flat ring wins: small messages
     .venv/bin/python -m collectives bench-hier machines              # M = 2, 4 with D = 1, 2 against the model
@@ -320,7 +321,8 @@ def _plot_machines(rows: list[dict], sizes: list[int]):
 
 SUITES = {"sizes": suite_sizes, "crossover": suite_crossover, "machines": suite_machines,
           "inflight": "collectives.course.benchmarks.hierarchical_inflight:suite",
-          "train": "collectives.course.benchmarks.hierarchical_train:suite"}
+          "train": "collectives.course.benchmarks.hierarchical_train:suite",
+          "host-cost": "collectives.course.benchmarks.hierarchical_hostcost:suite"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,7 @@
   bench        all-reduce algorithms against dist.all_reduce, nccl-tests style (make bench)
   bench-fused  the fused all-reducer against one flat all-reduce and per-tensor calls
   bench-ddp    the bucketed reducer against torch DDP
-  bench-hier   lesson 7 on the simulated cluster: sizes, inflight, train, crossover, machines (--quick)
+  bench-hier   lesson 7 on the simulated cluster: sizes, inflight, train, crossover, machines, host-cost (--quick)
   bench-sparse lesson 8: selection, sparse variants against dist.all_reduce, density sweep (--cluster)
   bench-sparse-train  lesson 8 in training: time to accuracy on the simulated cluster, against bf16 and PowerSGD
   bench-cluster  the two tiers of a simulated cluster fitted, the flat ring predicted and measured
