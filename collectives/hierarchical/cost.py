@@ -62,7 +62,7 @@ DEFAULT_TIERS = Tiers(AlphaBeta(50e-6, 1 / 1e9), AlphaBeta(100e-6, 8 / 1e9), iss
 # host_one_slice_s); tools/gpu_hierarchical.py records it again beside each run.
 NCCL_TIERS = Tiers(AlphaBeta(10e-6, 1 / 150e9), AlphaBeta(20e-6, 1 / 50e9), rails=True, issue=1.3e-3)
 # NCCL on the GPUs of one host: NVLink on both tiers, ≈ 300 GB/s of bus bandwidth (NCCL's own
-# all-reduce of 256 MiB on 4x H100 NV18 took 1.37 ms: docs/data/gpu/hier-p4-4x-h100.json).
+# all-reduce of 256 MiB on 4x H100 NV18 took 1.37 ms: docs/data/gpu/lane-4x-h100.json, step hier-p4).
 NVLINK_TIERS = Tiers(AlphaBeta(10e-6, 1 / 300e9), AlphaBeta(10e-6, 1 / 300e9), rails=True, issue=1.3e-3)
 
 
