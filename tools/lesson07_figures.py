@@ -117,9 +117,11 @@ def _load(folder: Path, suite: str, rails_folder: bool = False) -> dict | None:
 
 def _meta(recs: list[dict], machines: str) -> dict:
     first = recs[0]
-    return {"device": f"16-core host ({first['machine']['cpu']}), simulated cluster of {machines}, 1 Gbit/s links, "
+    return {"device": f"{first['machine']['cores']}-core host ({first['machine']['cpu']}), simulated cluster of "
+                      f"{machines}, 1 Gbit/s links, "
                       f"queue {first.get('config', {}).get('queue', '50ms')}",
             "torch": first["versions"]["torch"], "python": first["versions"].get("python", ""),
+            "commit": first["versions"].get("commit"),
             "backend": "gloo", "cpus": first["machine"]["cores"], "date": max(r["date"] for r in recs),
             "command": "; ".join(r["command"] for r in recs),
             "drawn_by": ".venv/bin/python tools/lesson07_figures.py --records docs/data/bench-hier"}

@@ -39,7 +39,8 @@ def machine() -> dict:
 
 
 def versions() -> dict:
-    return {"torch": torch.__version__, "python": platform.python_version()}
+    from ..site.claims import commit
+    return {"torch": torch.__version__, "python": platform.python_version(), "commit": commit()}
 
 
 def command(suite: str, argv: list[str]) -> str:
