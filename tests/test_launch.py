@@ -1,6 +1,7 @@
 """The launcher: results back in rank order, errors that name the rank, a watchdog, no leftovers."""
 
 import os
+import re
 import time
 
 import pytest
@@ -164,7 +165,9 @@ def test_a_rank_aborted_by_gloo_is_reported_with_its_stderr_and_its_collective(c
         launch.run(workers.ring_with_sizes_by_rank, world_size=4, timeout=30, check=False)
     err = info.value
     assert "killed by signal 6, SIGABRT" in err.summary
-    assert "in ring_all_reduce, waiting on irecv from rank" in err.summary
+    # the collective always; where it waited, when gloo aborted it in a wait (under load the abort
+    # can come while the rank still posts its messages: then there is no wait to name)
+    assert re.search(r"in ring_all_reduce(, waiting on (irecv from|isend to) rank \d)?[;,]", err.summary), err.summary
     assert "doesn't match expected size" in err.stderr_tail
     assert "check=True" in err.summary
     assert "doesn't match expected size" in str(err)
