@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -159,18 +160,22 @@ def test_a_slot_reused_at_once_is_overwritten_before_a_slow_peer_reads_it_and_tw
     assert unguarded[0][0] == [3] * 64              # rank 0 read before anything was overwritten
 
 
-def _flag_reset_too_soon(epochs: bool):
+def _flag_reset_too_soon(epochs: bool, marker: str):
     """Rank 1 raises its flag, then is held until rank 0 has passed the barrier (naive
-    flags: until rank 0 has reset its flag to 0); only then does it look at the flags."""
+    flags: rank 0 has then reset its flag to 0); only then does it look at the flags. Rank 0
+    says it has passed by creating ``marker`` (a flag's 0 alone cannot tell "not raised yet"
+    from "raised and reset")."""
     ws = SharedWorkspace(None, 4096, epochs=epochs, timeout=1.0)
     rank = dist.get_rank()
 
     def hold_rank_1(point, w):
+        if point == "read" and rank == 0:
+            Path(marker).touch()                    # past the barrier: its flag is reset (naive)
         if point == "posted" and rank == 1:
             if epochs:
                 time.sleep(0.2)                     # whatever rank 0 does meanwhile, its flag stays up
             else:
-                _wait_for(lambda: int(w.flags[0]) == 0)
+                _wait_for(lambda: Path(marker).exists() and int(w.flags[0]) == 0)
     ws.pause = hold_rank_1
     x = torch.full((8,), 1 + rank, dtype=torch.int64)
     try:
@@ -180,9 +185,11 @@ def _flag_reset_too_soon(epochs: bool):
     return x.tolist()
 
 
-def test_a_flag_reset_before_a_slow_peer_looked_hangs_it_and_epoch_flags_do_not():
-    assert launch.run(_flag_reset_too_soon, 2, args=(True,), timeout=WORLD_TIMEOUT) == [[3] * 8, [3] * 8]
-    rank_0, rank_1 = launch.run(_flag_reset_too_soon, 2, args=(False,), timeout=WORLD_TIMEOUT)
+def test_a_flag_reset_before_a_slow_peer_looked_hangs_it_and_epoch_flags_do_not(tmp_path):
+    marker = str(tmp_path / "rank-0-passed")
+    assert launch.run(_flag_reset_too_soon, 2, args=(True, marker), timeout=WORLD_TIMEOUT) == [[3] * 8, [3] * 8]
+    Path(marker).unlink()
+    rank_0, rank_1 = launch.run(_flag_reset_too_soon, 2, args=(False, marker), timeout=WORLD_TIMEOUT)
     assert rank_0 == [3] * 8                        # it passed, and reset its flag on the way out
     assert isinstance(rank_1, str) and "rank 1 waited" in rank_1 and "group rank(s) [0] never arrived" in rank_1, rank_1
 
