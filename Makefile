@@ -46,7 +46,7 @@ bench: $(STAMP)
 	$(PY) -m collectives bench-fused $(FUSED_ARGS)
 	$(PY) -m collectives bench-ddp $(DDP_ARGS)
 
-## make gpu [GPU_OUT=build/gpu] [GPU_PARTS="tests tour ..."]: the GPU lane on a machine with 2 or more
+## make gpu [GPU_OUT=build/gpu] [GPU_PARTS="tests tour ..."] [GPU_COUNTS="4"]: the GPU lane on a machine with 2+
 ## GPUs, with its own CUDA torch (python3, or PYTHON=...): gpu tests, the tour at every GPU count, every
 ## benchmark and runner on NCCL, gathered into GPU_OUT/lane.json (tools/gpu_suite.sh)
 GPU_OUT ?= build/gpu
