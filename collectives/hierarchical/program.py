@@ -100,16 +100,20 @@ class PreparedSlice:
             self.rows = [self.staging[j] for j in self.far]
         return self
 
-    def _labelled(self, stage: str, post_stage) -> list:
+    def _stage(self, stage: str, post_stage, skip: bool) -> list:
+        """Post one stage's works (none when ``skip``: a tier of one), labelled only while a
+        trace records."""
+        if skip:
+            return []
+        if not self.labelled:
+            return post_stage()
         with trace.label(f"slice {self.index}: {stage}"):
             return post_stage()
 
     # ---- the stages (labelled in a trace only while a recording is open) ----------------
 
     def reduce_scatter(self) -> list:
-        if self.D == 1:
-            return []
-        return self._labelled("reduce-scatter", self._reduce_scatter) if self.labelled else self._reduce_scatter()
+        return self._stage("reduce-scatter", self._reduce_scatter, self.D == 1)
 
     def _reduce_scatter(self) -> list:
         g = self.groups.reduce_scatter
@@ -122,9 +126,7 @@ class PreparedSlice:
         for row in self.partials:              # the end of stage 1: the partial sums are in
             ops.combine_(self.own, row, self.op)
         self.partials = []
-        if self.M == 1:
-            return []
-        return self._labelled("collect", self._collect) if self.labelled else self._collect()
+        return self._stage("collect", self._collect, self.M == 1)
 
     def _collect(self) -> list:
         g = self.groups.collect
@@ -138,9 +140,7 @@ class PreparedSlice:
         ops.finish_(self.mine, self.op, self.p)
 
     def diffuse(self) -> list:
-        if self.M == 1:
-            return []
-        return self._labelled("diffuse", self._diffuse) if self.labelled else self._diffuse()
+        return self._stage("diffuse", self._diffuse, self.M == 1)
 
     def _diffuse(self) -> list:
         g = self.groups.diffuse
@@ -149,9 +149,7 @@ class PreparedSlice:
         return post(*self.diffuse_messages, g, self.cuda)
 
     def all_gather(self) -> list:
-        if self.D == 1:
-            return []
-        return self._labelled("all-gather", self._all_gather) if self.labelled else self._all_gather()
+        return self._stage("all-gather", self._all_gather, self.D == 1)
 
     def _all_gather(self) -> list:
         g = self.groups.all_gather
