@@ -30,16 +30,19 @@ this module only where Triton and CUDA are: :func:`collectives.symmetric.gpu.tri
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from .triton_barrier import blockwise_barrier
 
-__all__ = ["one_shot", "two_shot", "BLOCK", "MAX_BLOCKS"]
+__all__ = ["one_shot", "two_shot", "BLOCK", "MAX_BLOCKS", "WARPS"]
 
 BLOCK = 4096          # elements per load of one program
 MAX_BLOCKS = 64       # programs at most: 64 · p words of the signal pad (p ≤ 8: 2 KiB of 9 KiB)
+WARPS = 8             # warps per program: 256 threads, 16 elements (32 bytes of bf16) each per load
 
 
 @triton.jit
@@ -107,23 +110,40 @@ def _types(dtype: torch.dtype) -> dict:
     return {"ELEMENT": element, "ACC": tl.float32 if dtype in (torch.bfloat16, torch.float16) else element}
 
 
-def _grid(work: int) -> tuple[int]:
-    return (max(1, min(MAX_BLOCKS, triton.cdiv(work, BLOCK))),)
+def _grid(work: int, block: int, programs: int, world: int) -> tuple[int]:
+    if not (block > 0 and block & (block - 1) == 0):
+        raise ValueError(f"block must be a power of two, got {block}")
+    words = _pad_words()
+    if programs < 1 or programs * world > words:
+        raise ValueError(f"programs must be 1 .. {words // world} at world size {world} "
+                         f"(the signal pad has {words} words, one per program and rank), got {programs}")
+    return (max(1, min(programs, triton.cdiv(work, block))),)
 
 
-def one_shot(handle, numel: int, dtype: torch.dtype, out: torch.Tensor) -> torch.Tensor:
+@functools.lru_cache(maxsize=None)
+def _pad_words() -> int:
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    return symm_mem.get_signal_pad_size() // 4 if hasattr(symm_mem, "get_signal_pad_size") else 2048
+
+
+def one_shot(handle, numel: int, dtype: torch.dtype, out: torch.Tensor, *, block: int = BLOCK,
+             programs: int = MAX_BLOCKS, warps: int = WARPS) -> torch.Tensor:
     """``out[:numel]`` <- the sum over ranks of their symmetric buffers' first ``numel``
-    elements (``handle``: ``symm_mem.rendezvous`` of a buffer of ``dtype``). One launch."""
-    _one_shot_kernel[_grid(numel)](handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev, out, numel,
-                                   RANK=handle.rank, WORLD=handle.world_size, BLOCK=BLOCK,
-                                   num_warps=8, **_types(dtype))
+    elements (``handle``: ``symm_mem.rendezvous`` of a buffer of ``dtype``). One launch of at
+    most ``programs`` programs of ``warps`` warps, each taking ``block`` elements at a time."""
+    _one_shot_kernel[_grid(numel, block, programs, handle.world_size)](
+        handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev, out, numel,
+        RANK=handle.rank, WORLD=handle.world_size, BLOCK=block, num_warps=warps, **_types(dtype))
     return out
 
 
-def two_shot(handle, numel: int, dtype: torch.dtype) -> None:
+def two_shot(handle, numel: int, dtype: torch.dtype, *, block: int = BLOCK, programs: int = MAX_BLOCKS,
+             warps: int = WARPS) -> None:
     """The first ``numel`` elements of this rank's symmetric buffer <- their sum over ranks,
-    in place: reduce-scatter then all-gather by loads. One launch."""
+    in place: reduce-scatter then all-gather by loads. One launch (``block``, ``programs``,
+    ``warps``: as :func:`one_shot`)."""
     chunk = triton.cdiv(numel, handle.world_size)
-    _two_shot_kernel[_grid(chunk)](handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev, numel, chunk,
-                                   RANK=handle.rank, WORLD=handle.world_size, BLOCK=BLOCK,
-                                   num_warps=8, **_types(dtype))
+    _two_shot_kernel[_grid(chunk, block, programs, handle.world_size)](
+        handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev, numel, chunk,
+        RANK=handle.rank, WORLD=handle.world_size, BLOCK=block, num_warps=warps, **_types(dtype))

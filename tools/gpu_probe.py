@@ -1,0 +1,258 @@
+"""Why the course's GPU collectives miss NCCL's pace: three measurements, one record each.
+
+    python3 tools/gpu_probe.py host   --world 2 --json host.json     # host time of one call
+    python3 tools/gpu_probe.py graph  --world 2 --json graph.json    # the ring from a CUDA graph
+    python3 tools/gpu_probe.py triton --world 2 --json triton.json   # lesson 12's kernels' shape
+
+``host``: the host time to issue one call (synchronise, then perf_counter around the call:
+the launches alone) of a CUDA kernel, ``dist.all_reduce``, one ``batch_isend_irecv`` pair,
+the course's ring and lesson 11's linear all-to-all, and their GPU times (CUDA events)
+beside NCCL's. Run it under different torch settings (``TORCH_FR_BUFFER_SIZE=0``, ...) to
+see which layer costs what: the record keeps the environment it ran in.
+
+``graph``: the course's ring all-reduce captured once in a CUDA graph and replayed: exact
+against ``dist.all_reduce`` on integer data, its GPU time against NCCL's (eager and from a
+graph) and the host time of one replay. If the ring's gap to NCCL is the host's, the
+replayed ring closes it.
+
+``triton``: lesson 12's Triton one-shot and two-shot at several shapes (elements per load,
+programs, warps), timed back to back (as ``bench-symmetric``), from a CUDA graph (the
+GPU's time alone) and by the host's launch time, beside torch's ``symm_mem`` ops and NCCL.
+
+No torchrun: one process per GPU (:func:`collectives.core.launch.run`). Multicast stays off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.update({"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"})
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from collectives import launch, ops, timing, trace  # noqa: E402
+from collectives.course.site import claims  # noqa: E402
+
+KNOBS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+         "TORCH_NCCL_ENABLE_MONITORING", "TORCH_NCCL_AVOID_RECORD_STREAMS", "TORCH_NCCL_DESYNC_DEBUG",
+         "TORCH_NCCL_ENABLE_TIMING", "TORCH_NCCL_BLOCKING_WAIT", "CUDA_LAUNCH_BLOCKING", "NCCL_DEBUG")
+
+
+def _host(fn, device, reps=40) -> float:
+    fn()
+    xs = []
+    for _ in range(reps):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        xs.append(time.perf_counter() - t0)
+    torch.cuda.synchronize(device)
+    return statistics.median(xs)
+
+
+def _gpu(fn, device, iters=10) -> float:
+    return timing.median(timing.measure(fn, warmup=2, iters=iters, device=device))
+
+
+def _graph(fn, device, warm=3):
+    """fn captured once in a CUDA graph (after warm runs on a side stream); the graph."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(warm):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    g = torch.cuda.CUDAGraph()
+    with trace.paused(), torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize(device)
+    return g
+
+
+def host_rank(a2a_bytes: int, ring_bytes: int) -> dict:
+    from collectives.alltoall import linear_all_to_all
+    from collectives.ring import ring_all_reduce
+
+    device = ops.rank_device()
+    rank, p = dist.get_rank(), dist.get_world_size()
+    peer = (rank + 1) % p
+    tiny = torch.ones(1, device=device)
+    land = torch.empty(1, device=device)
+
+    def pair():
+        for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv, land, (rank - 1) % p),
+                                         dist.P2POp(dist.isend, tiny, peer)]):
+            w.wait()
+
+    def unbatched():
+        works = [dist.irecv(land, (rank - 1) % p), dist.isend(tiny, peer)]
+        for w in works:
+            w.wait()
+
+    out = {"env": {k: os.environ[k] for k in KNOBS if k in os.environ}}
+    ev = torch.cuda.Event()
+    out["host_kernel_s"] = _host(lambda: tiny.add_(0), device)
+    out["host_event_record_s"] = _host(lambda: ev.record(), device)
+    out["host_all_reduce_4B_s"] = _host(lambda: dist.all_reduce(tiny), device)
+    out["host_p2p_pair_4B_s"] = _host(pair, device)
+    out["host_p2p_unbatched_4B_s"] = _host(unbatched, device)
+    with trace.paused():
+        out["host_p2p_pair_4B_untraced_s"] = _host(pair, device)
+        out["host_all_reduce_4B_untraced_s"] = _host(lambda: dist.all_reduce(tiny), device)
+    small = torch.ones(256, device=device)
+    out["host_ring_1KiB_s"] = _host(lambda: ring_all_reduce(small), device)
+    x = torch.randn(ring_bytes // 4, device=device)
+    out["gpu_ring_s"] = _gpu(lambda: ring_all_reduce(x), device)
+    out["gpu_nccl_s"] = _gpu(lambda: dist.all_reduce(x), device)
+    del x
+    n = a2a_bytes // 4 // p * p
+    src, dst = torch.randn(n, device=device), torch.empty(n, device=device)
+    out["host_linear_a2a_s"] = _host(lambda: linear_all_to_all(dst, src), device)
+    out["gpu_linear_a2a_s"] = _gpu(lambda: linear_all_to_all(dst, src), device)
+    out["gpu_nccl_a2a_s"] = _gpu(lambda: dist.all_to_all_single(dst, src), device)
+    out["host_nccl_a2a_s"] = _host(lambda: dist.all_to_all_single(dst, src), device)
+    return out
+
+
+def graph_rank(sizes: list[int], a2a_bytes: int) -> dict:
+    from collectives.alltoall import linear_all_to_all
+    from collectives.ring import ring_all_reduce
+
+    device = ops.rank_device()
+    rank, p = dist.get_rank(), dist.get_world_size()
+    rows = []
+    for nbytes in sizes:
+        n = nbytes // 4
+        x = torch.empty(n, device=device)
+        row = {"bytes": nbytes}
+        try:
+            g_ring = _graph(lambda: ring_all_reduce(x), device)
+            values = torch.randint(-8, 9, (n,), device=device).float() * (rank + 1)
+            expected = values.clone()
+            dist.all_reduce(expected)
+            x.copy_(values)
+            g_ring.replay()
+            torch.cuda.synchronize(device)
+            row["exact"] = bool(torch.equal(x, expected))
+            row["gpu_ring_graph_s"] = _gpu(g_ring.replay, device)
+            row["host_ring_graph_s"] = _host(g_ring.replay, device)
+        except Exception as exc:  # noqa: BLE001 - a probe reports what failed
+            row["ring_graph_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        row["gpu_ring_eager_s"] = _gpu(lambda: ring_all_reduce(x), device)
+        row["gpu_nccl_eager_s"] = _gpu(lambda: dist.all_reduce(x), device)
+        try:
+            g_nccl = _graph(lambda: dist.all_reduce(x), device)
+            row["gpu_nccl_graph_s"] = _gpu(g_nccl.replay, device)
+        except Exception as exc:  # noqa: BLE001
+            row["nccl_graph_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        rows.append(row)
+        del x
+        torch.cuda.empty_cache()
+    out = {"rows": rows}
+    n = a2a_bytes // 4 // p * p
+    src, dst = torch.randn(n, device=device), torch.empty(n, device=device)
+    try:
+        g = _graph(lambda: linear_all_to_all(dst, src), device)
+        out["a2a"] = {"bytes": a2a_bytes, "gpu_linear_graph_s": _gpu(g.replay, device),
+                      "gpu_linear_eager_s": _gpu(lambda: linear_all_to_all(dst, src), device),
+                      "gpu_nccl_eager_s": _gpu(lambda: dist.all_to_all_single(dst, src), device)}
+    except Exception as exc:  # noqa: BLE001
+        out["a2a_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return out
+
+
+SHAPES = [(4096, 64, 8), (4096, 128, 8), (8192, 128, 16), (2048, 128, 4), (4096, 256, 8), (1024, 32, 4)]
+
+
+def triton_rank(sizes: list[int]) -> dict:
+    from collectives.symmetric import gpu, triton_allreduce
+
+    device = ops.rank_device()
+    p = dist.get_world_size()
+    dtype = torch.bfloat16
+    cap = max(sizes) // 2
+    buf = gpu.SymmetricBuffer(cap, dtype)
+    out = torch.empty(cap, dtype=dtype, device=device)
+    theirs = gpu.symm_mem_ops()
+    words = triton_allreduce._pad_words()
+    rows = []
+    for nbytes in sizes:
+        n = nbytes // 2
+        buf.buffer[:n].fill_(1)
+        base = {"bytes": nbytes}
+        flat = buf.buffer[:n]
+        base["nccl_b2b_s"] = timing.measure_back_to_back(lambda: dist.all_reduce(flat), iters=20, device=device)
+        for name, op in theirs.items():
+            if name == "one_shot_all_reduce" and nbytes > (16 << 20):
+                continue
+            if name == "one_shot_all_reduce":
+                fn = (lambda op=op: op(buf.buffer[:n], "sum", buf.group_name))
+            else:
+                fn = (lambda op=op: op(buf.buffer[:n], "sum", buf.group_name))
+            try:
+                base[f"{name}_b2b_s"] = timing.measure_back_to_back(fn, iters=20, device=device)
+                base[f"{name}_host_s"] = _host(fn, device, reps=20)
+            except Exception as exc:  # noqa: BLE001
+                base[f"{name}_error"] = str(exc).splitlines()[0][:200]
+        for block, programs, warps in SHAPES:
+            if programs * p > words:
+                continue
+            for algo in ("one_shot", "two_shot"):
+                if algo == "one_shot" and nbytes > (16 << 20):
+                    continue
+                kw = dict(block=block, programs=programs, warps=warps)
+                if algo == "one_shot":
+                    fn = (lambda kw=kw: triton_allreduce.one_shot(buf.handle, n, dtype, out, **kw))
+                else:
+                    fn = (lambda kw=kw: triton_allreduce.two_shot(buf.handle, n, dtype, **kw))
+                key = f"{algo} b{block} g{programs} w{warps}"
+                try:
+                    row = {"b2b_s": timing.measure_back_to_back(fn, iters=20, device=device),
+                           "host_s": _host(fn, device, reps=20)}
+                    g = _graph(fn, device)
+                    row["graph_s"] = _gpu(lambda: [g.replay() for _ in range(10)], device) / 10
+                    base[key] = row
+                except Exception as exc:  # noqa: BLE001
+                    base[key] = {"error": str(exc).splitlines()[0][:200]}
+        rows.append(base)
+    return {"rows": rows, "pad_words": words, "world": p}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("what", choices=["host", "graph", "triton"])
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--json", default="")
+    ap.add_argument("--label", default="", help="a name for this run's settings")
+    args = ap.parse_args()
+    if args.what == "host":
+        res = launch.run(host_rank, args.world, args=(64 << 20, 256 << 20), backend="nccl", timeout=300)
+    elif args.what == "graph":
+        res = launch.run(graph_rank, args.world, args=([1 << 20, 16 << 20, 256 << 20], 64 << 20),
+                         backend="nccl", timeout=300)
+    else:
+        res = launch.run(triton_rank, args.world, args=([64 << 10, 1 << 20, 16 << 20, 256 << 20],),
+                         backend="nccl", timeout=400)
+    record = dict(claims.environment(backend="nccl", commit=claims.commit(), gpus=args.world),
+                  what=args.what, label=args.label, device=torch.cuda.get_device_name(0),
+                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  command="python3 tools/gpu_probe.py " + " ".join(sys.argv[1:]), rank0=res[0],
+                  ranks=res if args.what == "host" else None)
+    print(json.dumps(record["rank0"], indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(record, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
