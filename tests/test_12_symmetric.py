@@ -262,6 +262,57 @@ def test_the_gpu_half_imports_without_cuda_or_triton_and_never_names_multicast()
         assert not any(word in text for word in forbidden), path
 
 
+class _FakeKernel:
+    """A Triton kernel as the launcher sees it: ``kernel[grid](...)`` compiles (here: counts)
+    and launches, returning a compiled kernel whose ``run`` launches directly."""
+
+    def __init__(self, run_raises=False):
+        self.jit_calls, self.direct_calls, self.run_raises = [], [], run_raises
+        kernel = self
+
+        class Compiled:
+            function, packed_metadata = "function", "metadata"
+
+            def run(self, *args):
+                if kernel.run_raises:
+                    raise TypeError("function takes exactly 14 arguments (12 given)")
+                kernel.direct_calls.append(args)
+        self.compiled = Compiled()
+
+    def __getitem__(self, grid):
+        def launch(*args, num_warps, **constexprs):
+            self.jit_calls.append((grid, args, constexprs, num_warps))
+            return self.compiled
+        return launch
+
+
+def test_the_triton_launcher_dispatches_once_per_shape_then_launches_the_compiled_kernel(monkeypatch):
+    from collectives.symmetric.triton_launch import Launcher, int_shape
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: type("S", (), {"cuda_stream": 7})())
+    kernel = _FakeKernel()
+    launcher = Launcher(kernel)
+    constexprs = {"RANK": 0, "WORLD": 2, "BLOCK": 8192}
+    for numel in (4096, 4096, 8192):
+        launcher.launch((3,), ("bf16", int_shape(numel)), ("ptrs", numel), constexprs, 16)
+    launcher.launch((3,), ("bf16", int_shape(17)), ("ptrs", 17), constexprs, 16)     # another shape: the JIT
+    assert len(kernel.jit_calls) == 2
+    assert kernel.jit_calls[0] == ((3,), ("ptrs", 4096), constexprs, 16)
+    # the grid, the stream, then every argument in the signature's order, constexprs last
+    assert kernel.direct_calls == [(3, 1, 1, 7, "function", "metadata", None, None, None, "ptrs", n, 0, 2, 8192)
+                                   for n in (4096, 8192)]
+    assert int_shape(1) == (True, False, True) and int_shape(1 << 31) == (False, True, False)
+
+
+def test_the_triton_launcher_goes_back_to_the_jit_when_the_compiled_kernel_refuses_its_arguments(monkeypatch):
+    from collectives.symmetric.triton_launch import Launcher
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: type("S", (), {"cuda_stream": 7})())
+    kernel = _FakeKernel(run_raises=True)
+    launcher = Launcher(kernel)
+    for _ in range(3):
+        launcher.launch((1,), ("k",), ("ptrs", 16), {"RANK": 0}, 8)
+    assert len(kernel.jit_calls) == 3 and not launcher.direct and not launcher.compiled
+
+
 class _StandIn:
     """torch's symmetric memory as the GPU code sees it (a buffer per rank, every peer's as a
     tensor, a barrier), played by the CPU workspace: the GPU algorithms' index arithmetic

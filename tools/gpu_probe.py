@@ -73,7 +73,7 @@ def _graph(fn, device, warm=3):
     torch.cuda.current_stream(device).wait_stream(side)
     torch.cuda.synchronize(device)
     g = torch.cuda.CUDAGraph()
-    with trace.paused(), torch.cuda.graph(g):
+    with trace.paused(), torch.cuda.graph(g, capture_error_mode="thread_local"):
         fn()
     torch.cuda.synchronize(device)
     return g
@@ -94,8 +94,9 @@ def host_rank(a2a_bytes: int, ring_bytes: int) -> dict:
                                          dist.P2POp(dist.isend, tiny, peer)]):
             w.wait()
 
-    def unbatched():
-        works = [dist.irecv(land, (rank - 1) % p), dist.isend(tiny, peer)]
+    def unbatched():      # one NCCL call each, ranks 0 and 1: one sends first, the other receives first
+        works = ([dist.isend(tiny, 1), dist.irecv(land, 1)] if rank == 0 else
+                 [dist.irecv(land, 0), dist.isend(tiny, 0)] if rank == 1 else [])
         for w in works:
             w.wait()
 
@@ -236,15 +237,16 @@ def main() -> int:
     ap.add_argument("--label", default="", help="a name for this run's settings")
     args = ap.parse_args()
     if args.what == "host":
-        res = launch.run(host_rank, args.world, args=(64 << 20, 256 << 20), backend="nccl", timeout=300)
+        res = launch.run(host_rank, args.world, args=(64 << 20, 256 << 20), backend="nccl", timeout=80)
     elif args.what == "graph":
         res = launch.run(graph_rank, args.world, args=([1 << 20, 16 << 20, 256 << 20], 64 << 20),
-                         backend="nccl", timeout=300)
+                         backend="nccl", timeout=100)
     else:
         res = launch.run(triton_rank, args.world, args=([64 << 10, 1 << 20, 16 << 20, 256 << 20],),
                          backend="nccl", timeout=400)
     record = dict(claims.environment(backend="nccl", commit=claims.commit(), gpus=args.world),
-                  what=args.what, label=args.label, device=torch.cuda.get_device_name(0),
+                  what=args.what, label=args.label,
+                  device=f"{args.world}× {torch.cuda.get_device_name(0)}, NVLink",
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   command="python3 tools/gpu_probe.py " + " ".join(sys.argv[1:]), rank0=res[0],
                   ranks=res if args.what == "host" else None)

@@ -37,12 +37,15 @@ import triton
 import triton.language as tl
 
 from .triton_barrier import blockwise_barrier
+from .triton_launch import Launcher, int_shape
 
 __all__ = ["one_shot", "two_shot", "BLOCK", "MAX_BLOCKS", "WARPS"]
 
-BLOCK = 4096          # elements per load of one program
-MAX_BLOCKS = 64       # programs at most: 64 · p words of the signal pad (p ≤ 8: 2 KiB of 9 KiB)
-WARPS = 8             # warps per program: 256 threads, 16 elements (32 bytes of bf16) each per load
+# The shape measured best of six on 2× NVIDIA H200 at 256 MiB of bf16 (tools/gpu_probe.py triton;
+# docs/data/gpu/lesson12-shapes-2x-h200.json): more programs, each with more loads in flight.
+BLOCK = 8192          # elements per load of one program
+MAX_BLOCKS = 128      # programs at most: 128 · p words of the signal pad (p ≤ 8: 4 KiB of 9 KiB)
+WARPS = 16            # warps per program: 512 threads, 16 elements (32 bytes of bf16) each per load
 
 
 @triton.jit
@@ -110,6 +113,9 @@ def _types(dtype: torch.dtype) -> dict:
     return {"ELEMENT": element, "ACC": tl.float32 if dtype in (torch.bfloat16, torch.float16) else element}
 
 
+_ONE_SHOT, _TWO_SHOT = Launcher(_one_shot_kernel), Launcher(_two_shot_kernel)
+
+
 def _grid(work: int, block: int, programs: int, world: int) -> tuple[int]:
     if not (block > 0 and block & (block - 1) == 0):
         raise ValueError(f"block must be a power of two, got {block}")
@@ -132,9 +138,11 @@ def one_shot(handle, numel: int, dtype: torch.dtype, out: torch.Tensor, *, block
     """``out[:numel]`` <- the sum over ranks of their symmetric buffers' first ``numel``
     elements (``handle``: ``symm_mem.rendezvous`` of a buffer of ``dtype``). One launch of at
     most ``programs`` programs of ``warps`` warps, each taking ``block`` elements at a time."""
-    _one_shot_kernel[_grid(numel, block, programs, handle.world_size)](
-        handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev, out, numel,
-        RANK=handle.rank, WORLD=handle.world_size, BLOCK=block, num_warps=warps, **_types(dtype))
+    constexprs = dict(RANK=handle.rank, WORLD=handle.world_size, BLOCK=block, **_types(dtype))
+    key = (dtype, tuple(constexprs.values()), int_shape(numel), out.data_ptr() % 16 == 0, out.device.index,
+           handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev)
+    _ONE_SHOT.launch(_grid(numel, block, programs, handle.world_size), key,
+                     (handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev, out, numel), constexprs, warps)
     return out
 
 
@@ -144,6 +152,8 @@ def two_shot(handle, numel: int, dtype: torch.dtype, *, block: int = BLOCK, prog
     in place: reduce-scatter then all-gather by loads. One launch (``block``, ``programs``,
     ``warps``: as :func:`one_shot`)."""
     chunk = triton.cdiv(numel, handle.world_size)
-    _two_shot_kernel[_grid(chunk, block, programs, handle.world_size)](
-        handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev, numel, chunk,
-        RANK=handle.rank, WORLD=handle.world_size, BLOCK=block, num_warps=warps, **_types(dtype))
+    constexprs = dict(RANK=handle.rank, WORLD=handle.world_size, BLOCK=block, **_types(dtype))
+    key = (dtype, tuple(constexprs.values()), int_shape(numel), int_shape(chunk), torch.cuda.current_device(),
+           handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev)
+    _TWO_SHOT.launch(_grid(chunk, block, programs, handle.world_size), key,
+                     (handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev, numel, chunk), constexprs, warps)

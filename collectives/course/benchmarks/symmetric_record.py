@@ -31,7 +31,9 @@ NAMES = {"gloo": "gloo's all_reduce", "nccl": "NCCL's all_reduce", "ring": "the 
          "one_shot": "the shared-memory one-shot", "two_shot": "the shared-memory two-shot",
          "triton_one_shot": "the lesson's Triton one-shot", "triton_two_shot": "the lesson's Triton two-shot",
          "torch_one_shot": "the plain-torch one-shot", "torch_two_shot": "the plain-torch two-shot",
-         "symm_one_shot": "torch's symm_mem one-shot", "symm_two_shot": "torch's symm_mem two-shot"}
+         "symm_one_shot": "torch's symm_mem one-shot", "symm_two_shot": "torch's symm_mem two-shot",
+         "graph_triton_one_shot": "the lesson's Triton one-shot, replayed from a CUDA graph",
+         "graph_triton_two_shot": "the lesson's Triton two-shot, replayed from a CUDA graph"}
 BASELINES = ("gloo", "nccl")
 
 
@@ -152,13 +154,28 @@ def _gpu_record(result: dict, name: str):
             for algo in ("triton_two_shot", "symm_two_shot"):
                 _speedup_fact(record, result, dtype, algo, n)
         _targets(record, sizes, dtype, times)
+        _launch_fact(record, sizes, dtype, times)
     head = ["size"] + [f"{NAMES[k]} ({d})" for d in runs for k in runs[d]]
     record.table = {"head": head, "rows": [[timing.human_bytes(n)] + [claims.human(runs[d][k][i])
                                                                       for d in runs for k in runs[d]]
                                            for i, n in enumerate(sizes)]}
-    fig = plots.plot_winners(sizes, {d: runs[d] for d in runs},
-                             title=f"{result['world']} GPUs: the fastest all-reduce at each size")
+    eager = {d: {k: v for k, v in runs[d].items() if not k.startswith("graph_")} for d in runs}
+    fig = plots.plot_winners(sizes, eager, title=f"{result['world']} GPUs: the fastest all-reduce at each size "
+                             "(each launched from Python)")
     return fig, record
+
+
+def _launch_fact(record, sizes: list[int], dtype: str, times: dict) -> None:
+    """What launching from Python costs the Triton kernels at the smallest size: their time
+    launched one by one against the same kernel replayed from a CUDA graph."""
+    from ..site import claims
+
+    for algo in ("triton_one_shot", "triton_two_shot"):
+        if algo in times and f"graph_{algo}" in times:
+            launched, replayed = times[algo][0], times[f"graph_{algo}"][0]
+            record.fact(f"launch-{algo}-{dtype}", f"{dtype}, {timing.human_bytes(sizes[0])}: {NAMES[algo]} took "
+                        f"{claims.human(launched)} launched from Python and {claims.human(replayed)} replayed "
+                        f"from a CUDA graph ({launched / replayed:.1f}×).", launched=launched, replayed=replayed)
 
 
 def _targets(record, sizes: list[int], dtype: str, times: dict) -> None:

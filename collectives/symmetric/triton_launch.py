@@ -1,0 +1,73 @@
+"""Launching lesson 12's Triton kernels without paying Triton's dispatch on every call.
+
+``kernel[grid](*args)`` goes through Triton's JIT dispatch on every call: it binds the
+arguments, works out how each one specialises the kernel (an integer equal to 1 or a
+multiple of 16, a pointer aligned to 16 bytes), looks the compiled kernel up, then launches
+it. Measured on 2× NVIDIA H200 (``tools/gpu_probe.py triton``, the record
+``docs/data/gpu/lesson12-shapes-2x-h200.json``), that Python took about three times as long
+as the one-shot kernel itself ran at 64 KiB, and twice as long as torch's ``symm_mem`` op
+(C++) took to issue: at small sizes the launch, not NVLink, set the pace.
+
+:class:`Launcher` pays for the dispatch once per *shape* -- the grid and every property the
+specialisation depends on -- and keeps the compiled kernel it returns; later calls of the
+same shape hand the arguments straight to the compiled kernel's launcher. If this Triton's
+compiled kernels take their arguments differently (the call raises before anything is
+launched) or a launch hook is installed (a profiler), it goes back to the JIT for good.
+
+vLLM's and TensorRT-LLM's custom all-reduces meet the same cost the other way: they run
+inside CUDA graphs, where a replay issues every kernel at once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["Launcher", "int_shape"]
+
+
+def int_shape(value: int) -> tuple[bool, bool, bool]:
+    """How an integer argument specialises a Triton kernel: equal to 1, a multiple of 16,
+    and whether it fits in 32 bits (else the kernel takes a 64-bit integer)."""
+    return value == 1, value % 16 == 0, -(1 << 31) <= value < (1 << 31)
+
+
+def _hooks_installed() -> bool:
+    try:
+        import triton
+    except ImportError:
+        return False
+
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    return runtime is not None and (getattr(runtime, "launch_enter_hook", None) is not None
+                                    or getattr(runtime, "launch_exit_hook", None) is not None)
+
+
+class Launcher:
+    """One ``@triton.jit`` kernel, launched through the JIT once per shape and directly after.
+
+    ``launch(grid, key, args, constexprs, warps)``: ``args`` the kernel's runtime arguments
+    and ``constexprs`` its compile-time ones, both in the order of its signature (runtime
+    first, as the lesson's kernels are written); ``key`` everything the compiled kernel
+    depends on besides the grid (dtype, constexprs, :func:`int_shape` of each integer,
+    pointers' alignment). Two calls with the same grid and key run the same machine code.
+    """
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.compiled: dict = {}
+        self.direct = True               # False once the direct path has failed: JIT only
+
+    def launch(self, grid: tuple[int], key: tuple, args: tuple, constexprs: dict, warps: int) -> None:
+        shape = (grid, key, warps)
+        compiled = self.compiled.get(shape) if self.direct else None
+        if compiled is not None and not _hooks_installed():
+            try:
+                compiled.run(grid[0], 1, 1, torch.cuda.current_stream().cuda_stream, compiled.function,
+                             compiled.packed_metadata, None, None, None, *args, *constexprs.values())
+                return
+            except (TypeError, AttributeError, ValueError):
+                self.direct = False      # raised while parsing the arguments: nothing was launched
+                self.compiled.clear()
+        compiled = self.kernel[grid](*args, **constexprs, num_warps=warps)
+        if self.direct and compiled is not None and hasattr(compiled, "run"):
+            self.compiled[shape] = compiled
