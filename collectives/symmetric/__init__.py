@@ -11,7 +11,8 @@ when, and every rank reads what it needs.
 * :mod:`.cost` -- the α–β model with a barrier term and the bytes read from p − 1 peers;
 * :mod:`.gpu` -- the same two algorithms on torch's symmetric memory, in plain torch;
 * :mod:`.triton_barrier` and :mod:`.triton_allreduce` -- the barrier on signal pads and
-  the one-shot and two-shot kernels in Triton (imported only on a machine with GPUs).
+  the one-shot and two-shot kernels in Triton (imported only on a machine with GPUs);
+* :mod:`.triton_launch` -- their launches, past Triton's per-call dispatch once a shape is known.
 """
 
 from .cost import SharedLink, crossover, fit_shared, one_shot_seconds, ring_seconds, two_shot_seconds
