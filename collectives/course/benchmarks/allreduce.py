@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from ...core import launch, nccl_memory, timing
 from .. import verify
+from ..site.claims import commit
 
 ALGORITHMS = {
     "naive_ring": "collectives.naive_ring:naive_ring_all_reduce",
@@ -354,7 +355,9 @@ def main(argv: list[str] | None = None) -> int:
                 warmup=args.warmup, host=platform.node(), cpus=os.cpu_count(),
                 nccl=".".join(map(str, torch.cuda.nccl.version())) if backend == "nccl" else None,
                 registered_memory=backend == "nccl" and args.registered_memory,
-                device=torch.cuda.get_device_name(0) if backend == "nccl" else platform.processor() or "cpu")
+                device=(f"{args.world}× {torch.cuda.get_device_name(0)}" if backend == "nccl"
+                        else platform.processor() or "cpu"),
+                commit=commit())
     document = json.dumps({"meta": meta, "rows": rows}, indent=1)
     (out / "allreduce.json").write_text(document)
     from ..site.plots import plot_busbw
