@@ -630,6 +630,12 @@ def _gpu_checks(layout, big_numel):
     wants = [verify.reference_all_reduce(b) for b in buckets]
     handles = [reducer.all_reduce(b) for b in buckets]
     out["in flight"] = [verify.compare(w, h.wait()) for w, h in zip(wants, handles)]
+    # what tools/gpu_hierarchical.py times: 16 buckets of 4 MiB, all in flight, the default budget
+    reducer = HierarchicalAllReducer(layout=layout)
+    buckets = [torch.randint(-8, 9, (1 << 20,), device=device).float() for _ in range(16)]
+    wants = [verify.reference_all_reduce(b) for b in buckets]
+    handles = [reducer.all_reduce(b) for b in buckets]
+    out["16 in flight"] = [verify.compare(w, h.wait()) for w, h in zip(wants, handles)]
     return out
 
 
@@ -642,6 +648,8 @@ def test_on_two_gpus_with_nccl(layout):
             assert r[name].ok, f"{name}, layout {layout}, rank {rank}: {r[name].summary()}"
         assert r["256 MiB"] is None, f"256 MiB, layout {layout}, rank {rank}: {r['256 MiB']}"
         assert r["in flight"] == [None] * 4, f"buckets in flight, layout {layout}, rank {rank}: {r['in flight']}"
+        assert r["16 in flight"] == [None] * 16, \
+            f"16 buckets of 4 MiB in flight, layout {layout}, rank {rank}: {r['16 in flight']}"
 
 
 # ---- the benchmarks' records (no world: what a record holds and how it compares) -----------
