@@ -112,10 +112,10 @@ def host_rank(a2a_bytes: int, ring_bytes: int) -> dict:
         out["host_all_reduce_4B_untraced_s"] = _host(lambda: dist.all_reduce(tiny), device)
     small = torch.ones(256, device=device)
     out["host_ring_1KiB_s"] = _host(lambda: ring_all_reduce(small), device)
-    x = torch.randn(ring_bytes // 4, device=device)
-    out["gpu_ring_s"] = _gpu(lambda: ring_all_reduce(x), device)
-    out["gpu_nccl_s"] = _gpu(lambda: dist.all_reduce(x), device)
-    del x
+    big = torch.randn(ring_bytes // 4, device=device)
+    out["gpu_ring_s"] = _gpu(lambda: ring_all_reduce(big), device)
+    out["gpu_nccl_s"] = _gpu(lambda: dist.all_reduce(big), device)
+    big.resize_(0)
     n = a2a_bytes // 4 // p * p
     src, dst = torch.randn(n, device=device), torch.empty(n, device=device)
     out["host_linear_a2a_s"] = _host(lambda: linear_all_to_all(dst, src), device)
@@ -157,7 +157,7 @@ def graph_rank(sizes: list[int], a2a_bytes: int) -> dict:
         except Exception as exc:  # noqa: BLE001
             row["nccl_graph_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         rows.append(row)
-        del x
+        x.resize_(0)
         torch.cuda.empty_cache()
     out = {"rows": rows}
     n = a2a_bytes // 4 // p * p
@@ -196,10 +196,8 @@ def triton_rank(sizes: list[int]) -> dict:
         for name, op in theirs.items():
             if name == "one_shot_all_reduce" and nbytes > (16 << 20):
                 continue
-            if name == "one_shot_all_reduce":
-                fn = (lambda op=op: op(buf.buffer[:n], "sum", buf.group_name))
-            else:
-                fn = (lambda op=op: op(buf.buffer[:n], "sum", buf.group_name))
+            def fn(op=op, n=n):
+                return op(buf.buffer[:n], "sum", buf.group_name)
             try:
                 base[f"{name}_b2b_s"] = timing.measure_back_to_back(fn, iters=20, device=device)
                 base[f"{name}_host_s"] = _host(fn, device, reps=20)
@@ -212,10 +210,10 @@ def triton_rank(sizes: list[int]) -> dict:
                 if algo == "one_shot" and nbytes > (16 << 20):
                     continue
                 kw = dict(block=block, programs=programs, warps=warps)
-                if algo == "one_shot":
-                    fn = (lambda kw=kw: triton_allreduce.one_shot(buf.handle, n, dtype, out, **kw))
-                else:
-                    fn = (lambda kw=kw: triton_allreduce.two_shot(buf.handle, n, dtype, **kw))
+                def fn(kw=kw, algo=algo, n=n):
+                    if algo == "one_shot":
+                        return triton_allreduce.one_shot(buf.handle, n, dtype, out, **kw)
+                    return triton_allreduce.two_shot(buf.handle, n, dtype, **kw)
                 key = f"{algo} b{block} g{programs} w{warps}"
                 try:
                     row = {"b2b_s": timing.measure_back_to_back(fn, iters=20, device=device),

@@ -4,18 +4,24 @@
 arguments, works out how each one specialises the kernel (an integer equal to 1 or a
 multiple of 16, a pointer aligned to 16 bytes), looks the compiled kernel up, then launches
 it. Measured on 2× NVIDIA H200 (``tools/gpu_probe.py triton``, the record
-``docs/data/gpu/lesson12-shapes-2x-h200.json``), that Python took about three times as long
-as the one-shot kernel itself ran at 64 KiB, and twice as long as torch's ``symm_mem`` op
-(C++) took to issue: at small sizes the launch, not NVLink, set the pace.
+``docs/data/gpu/lesson12-shapes-2x-h200.json``), that Python took several times as long as
+the one-shot kernel itself ran at 64 KiB, and longer than torch's ``symm_mem`` op (C++) took
+to issue: at small sizes the launch, not NVLink, set the pace.
 
 :class:`Launcher` pays for the dispatch once per *shape* -- the grid and every property the
 specialisation depends on -- and keeps the compiled kernel it returns; later calls of the
 same shape hand the arguments straight to the compiled kernel's launcher. If this Triton's
 compiled kernels take their arguments differently (the call raises before anything is
 launched) or a launch hook is installed (a profiler), it goes back to the JIT for good.
+``counts`` says how many launches went each way; ``bench-symmetric --backend nccl`` records
+it with the host's time per call.
 
-vLLM's and TensorRT-LLM's custom all-reduces meet the same cost the other way: they run
-inside CUDA graphs, where a replay issues every kernel at once.
+Measured in the GPU lane (``docs/data/gpu/lane-2x-h200.json``), launching this way did not yet
+close the gap: one call still took the host about as long as before, while the same kernels
+replayed from a CUDA graph ran several times faster at the smallest size (the launch facts
+of ``docs/img/12-bench-gpu.json``). Where the rest of the
+host's time goes is the next measurement. vLLM's and TensorRT-LLM's custom all-reduces avoid
+the question: they run inside CUDA graphs, where a replay issues every kernel at once.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ class Launcher:
         self.kernel = kernel
         self.compiled: dict = {}
         self.direct = True               # False once the direct path has failed: JIT only
+        self.counts = {"direct": 0, "jit": 0}   # launches each way: a run's record says which ran
 
     def launch(self, grid: tuple[int], key: tuple, args: tuple, constexprs: dict, warps: int) -> None:
         shape = (grid, key, warps)
@@ -64,10 +71,12 @@ class Launcher:
             try:
                 compiled.run(grid[0], 1, 1, torch.cuda.current_stream().cuda_stream, compiled.function,
                              compiled.packed_metadata, None, None, None, *args, *constexprs.values())
+                self.counts["direct"] += 1
                 return
             except (TypeError, AttributeError, ValueError):
                 self.direct = False      # raised while parsing the arguments: nothing was launched
                 self.compiled.clear()
         compiled = self.kernel[grid](*args, **constexprs, num_warps=warps)
+        self.counts["jit"] += 1
         if self.direct and compiled is not None and hasattr(compiled, "run"):
             self.compiled[shape] = compiled

@@ -24,6 +24,7 @@ three batches.
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -161,7 +162,7 @@ def check_rank(dtypes: list[str], capacity: int = 1 << 22, exercise: bool = Fals
 
 def gpu_rank(sizes: list[int], dtypes: list[str], iters: int) -> dict:
     torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
-    runs, checked, skipped = {}, {}, []
+    runs, checked, skipped, host = {}, {}, [], {}
     for dtype_name in dtypes:
         dtype = DTYPES[dtype_name]
         size = torch.empty(0, dtype=dtype).element_size()
@@ -181,9 +182,34 @@ def gpu_rank(sizes: list[int], dtypes: list[str], iters: int) -> dict:
                     continue
                 times[name].append(statistics.median(samples))
         runs[dtype_name] = times
+        host[dtype_name] = {name: _host_seconds(run, sizes[0] // size) for name, run in algos.items()
+                            if not name.startswith("graph_")}
         del algos, buffers, out
         torch.cuda.empty_cache()
-    return {"runs": runs, "checked": checked, "skipped": skipped}
+    return {"runs": runs, "checked": checked, "skipped": skipped, "host": host, "launcher": _launcher_counts()}
+
+
+def _host_seconds(run, n: int, reps: int = 20) -> float:
+    """The host's time to issue one call at ``n`` elements (synchronised before, not after):
+    at small sizes this, not the GPU, sets the pace of calls issued back to back."""
+    seconds = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        run(n)
+        seconds.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(seconds)
+
+
+def _launcher_counts() -> dict:
+    """How the lesson's Triton kernels were launched (:mod:`collectives.symmetric.triton_launch`):
+    straight to the compiled kernel, or through Triton's JIT dispatch."""
+    if not gpu.triton_available():
+        return {}
+    from ...symmetric import triton_allreduce
+    return {"one_shot": dict(triton_allreduce._ONE_SHOT.counts), "two_shot": dict(triton_allreduce._TWO_SHOT.counts)}
 
 
 def run_gpu(args) -> dict:
@@ -196,4 +222,4 @@ def run_gpu(args) -> dict:
                          env=dict(gpu.NO_MULTICAST))
     first = results[0]
     return {"backend": "nccl", "world": world, "sizes": sizes, "runs": first["runs"], "checked": first["checked"],
-            "skipped": first["skipped"], "iters": args.iters}
+            "skipped": first["skipped"], "iters": args.iters, "host": first["host"], "launcher": first["launcher"]}

@@ -147,7 +147,8 @@ def _gpu_record(result: dict, name: str):
                                     "triton_one_shot": ["the Triton one-shot"]},
                            title=f"All-reduce on {result['world']} GPUs without multicast: who wins where",
                            meta=dict(result["meta"], ranks=result["world"], iters=result["iters"],
-                                     checked=result["checked"]))
+                                     checked=result["checked"], host_seconds=result.get("host", {}),
+                                     launcher=result.get("launcher", {})))
     for dtype, times in runs.items():
         record.sweep(f"measured-{dtype}", sizes, times, label=f"measured, {dtype}")
         for n in (64 << 10, 1 << 20, 16 << 20, 256 << 20):
