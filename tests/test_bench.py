@@ -46,6 +46,7 @@ def test_a_tiny_run_prints_nccl_tests_columns_and_writes_the_json_and_the_plot(t
         assert abs(r["busbw"] - r["algbw"]) < 1e-6 * r["algbw"]       # p = 2: 2(p-1)/p = 1
         assert abs(r["ratio"] - r["baseline_seconds"] / r["seconds"]) < 1e-9
     assert saved["meta"]["torch"] and saved["meta"]["backend"] == "gloo"
+    assert "-core " in saved["meta"]["device"] and len(saved["meta"]["load_average_before"]) == 3
 
     printed = _table_rows(text)                 # the same rows, as nccl-tests prints them
     assert list(printed) == ["gloo", "ring", "halving_doubling"]

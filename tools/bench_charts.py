@@ -1,114 +1,108 @@
-"""The charts that open the benchmarks page, drawn from the tables recorded on it.
+"""The charts that open the benchmarks notes, drawn from the records the benchmark wrote.
 
     .venv/bin/python tools/bench_charts.py      # writes docs/img/bench-ratio-*.svg and their records
 
-Reads the markdown tables the benchmark runs were recorded in (docs/snippets/bench-ring.md
-for CPU, docs/snippets/bench-gpu-sweep.md for GPUs) and draws each algorithm's ratio to the
-library's ``dist.all_reduce`` against the tensor size: the figures are the recorded ones,
-nothing is measured here. Each chart's record (:mod:`collectives.course.site.claims`) carries the
-recorded run's device, versions, date and command (:data:`RUNS`) and the fastest algorithm at
-each size, which the page's caption states. Rerun after recording a new run, and update
-:data:`RUNS` with it.
+Reads two JSON records of ``.venv/bin/python -m collectives bench --json FILE`` (:data:`RECORDS`:
+the CPU run on this course's host, the GPU run on NVIDIA GPUs) and draws each algorithm's speed
+ratio to the library's ``dist.all_reduce`` -- the record's ``baseline_seconds / seconds``, above 1
+is faster -- against the tensor size. Nothing is measured here and nothing is typed in: the
+chart's record (:mod:`collectives.course.site.claims`) takes the run's device, versions, date,
+command and commit from the benchmark record's meta, and says the fastest at each size, which
+the page's caption states. Rerun after rerunning either benchmark.
 """
 
 from __future__ import annotations
 
-import re
+import json
+import math
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from collectives import timing  # noqa: E402
 from collectives.course.site import claims, plots  # noqa: E402
 
 IMG = ROOT / "docs" / "img"
-# Where each recorded table came from, as its snippet says.
-RUNS = {
-    "cpu": {"command": ".venv/bin/python -m collectives bench", "date": "2026-11-22T07:37+00:00",
-            "device": "2-core x86_64 host (AMD EPYC), 4 gloo ranks sharing it", "torch": "2.13.0+cpu",
-            "backend": "gloo", "source": "docs/snippets/bench-ring.md"},
-    "gpu": {"command": ".venv/bin/python -m collectives bench --backend nccl --world 4 --registered-memory "
-                       "--sizes 64M,256M --algo naive_ring,ring,pipelined_ring,multi_ring,recursive_doubling,"
-                       "halving_doubling,tree --iters 10 --warmup 3",
-            "date": "2026-11-22", "device": "4x NVIDIA H200, NVLink (NV18 between every pair)",
-            "torch": "2.11.0+cu130", "nccl": "2.28.9", "backend": "nccl",
-            "source": "docs/snippets/bench-gpu-sweep.md"},
+# chart name -> the benchmark record it is drawn from
+RECORDS = {
+    "bench-ratio-cpu": ROOT / "docs" / "data" / "bench-cpu.json",
+    "bench-ratio-gpu": ROOT / "docs" / "data" / "gpu" / "bench-2x-h200.json",
 }
+LIBRARY = {"gloo": "gloo's all_reduce", "nccl": "NCCL's all_reduce"}
+META = ("command", "date", "device", "torch", "nccl", "commit", "backend", "world_size", "dtype",
+        "iters", "warmup", "registered_memory", "cpus", "load_average_before", "commit_note")
 
 
-def tables(text: str) -> list[list[list[str]]]:
-    """Every pipe table in ``text``: a list of rows, each a list of cell texts."""
-    found, current = [], []
-    for line in text.splitlines() + [""]:
-        if line.startswith("|"):
-            cells = [c.strip() for c in line.strip().strip("|").split("|")]
-            if not all(re.fullmatch(r":?-+:?", c) for c in cells):
-                current.append(cells)
-        elif current:
-            found.append(current)
-            current = []
-    return found
+def load(path: Path) -> tuple[dict, list[int], dict[str, list[float | None]]]:
+    """A bench record's meta, its sizes, and each algorithm's speed ratio at each size
+    (``None`` where it has no time or failed its check); the library's own rows are left out."""
+    record = json.loads(path.read_text(encoding="utf-8"))
+    meta, rows = record["meta"], record["rows"]
+    library = meta["backend"]
+    sizes = sorted({r["nbytes"] for r in rows})
+    ratios: dict[str, list[float | None]] = {}
+    for r in rows:
+        if r["algo"] == library:
+            continue
+        values = ratios.setdefault(r["algo"], [None] * len(sizes))
+        if r["seconds"] and r["baseline_seconds"] and r["ok"] is not False:
+            values[sizes.index(r["nbytes"])] = r["baseline_seconds"] / r["seconds"]
+    return meta, sizes, ratios
 
 
-def ratio(cell: str) -> float | None:
-    cell = cell.replace("**", "")          # bold: the best of a column
-    if cell.endswith("*"):                  # a footnote marks a run another job disturbed
-        return None
-    m = re.search(r"([\d.]+)×", cell)
-    return float(m.group(1)) if m else None
+def title(meta: dict) -> str:
+    library = LIBRARY.get(meta["backend"], meta["backend"])
+    if meta["backend"] == "nccl":
+        memory = "registered memory" if meta.get("registered_memory") else "plain memory"
+        return f"GPU: {meta['device']}, {memory}, against {library}"
+    return f"CPU: {meta['world_size']} gloo ranks on {meta['cpus']} cores, against {library}"
 
 
-def cpu_ratios() -> tuple[list[int], dict[str, list[float | None]]]:
-    text = (ROOT / "docs" / "snippets" / "bench-ring.md").read_text(encoding="utf-8")
-    table = next(t for t in tables(text) if t[0][0] == "size" and len(t[0]) >= 8)
-    head, rows = table[0], table[1:]
-    sizes = [timing.parse_size(r[0].replace(" ", "")) for r in rows]
-    return sizes, {name: [ratio(r[i]) for r in rows] for i, name in enumerate(head) if i >= 2}
+def _ticks(ratios: dict[str, list[float | None]]) -> list[float]:
+    values = [v for vs in ratios.values() for v in vs if v] + [1.0]
+    lo, hi = math.floor(math.log2(min(values))), math.ceil(math.log2(max(values)))
+    return [2.0 ** k for k in range(lo, hi + 1)]
 
 
-def gpu_ratios() -> tuple[list[int], dict[str, list[float | None]]]:
-    text = (ROOT / "docs" / "snippets" / "bench-gpu-sweep.md").read_text(encoding="utf-8")
-    table = next(t for t in tables(text) if t[0][0] == "algorithm" and "64 MiB" in t[0])
-    sizes = [timing.parse_size(h.replace(" ", "")) for h in table[0][1:]]
-    return sizes, {r[0]: [ratio(c) for c in r[1:]] for r in table[1:] if "NCCL" not in r[0]}
-
-
-def draw(sizes, ratios, title, path: Path, run: dict, library: str) -> None:
+def draw(name: str, source: Path) -> Path:
+    meta, sizes, ratios = load(source)
+    library = LIBRARY.get(meta["backend"], meta["backend"])
     fig = plots._figure(8.5, 4.2)
     ax = fig.subplots()
-    for i, (name, values) in enumerate(ratios.items()):
+    for i, (algo, values) in enumerate(ratios.items()):
         points = [(s, v) for s, v in zip(sizes, values) if v is not None]
         ax.plot([s for s, _ in points], [v for _, v in points], "o-", color=f"C{i % 10}",
-                ms=4, lw=1.5, label=name)
+                ms=4, lw=1.5, label=algo.replace("_", " "))
     ax.axhline(1.0, color="black", lw=1.2, ls="--", label="the library (= 1)")
     plots._size_axis(ax, sizes)
     ax.set_yscale("log", base=2)
-    ax.set_yticks([0.125, 0.25, 0.5, 1, 2, 4], ["0.125×", "0.25×", "0.5×", "1×", "2×", "4×"])
+    ticks = _ticks(ratios)
+    ax.set_yticks(ticks, [f"{t:g}×" for t in ticks])
+    ax.minorticks_off()
     ax.set_xlabel("tensor size")
     ax.set_ylabel("library time / algorithm time")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    ax.set_title(title, fontsize=11)
-    names = {name: name for name in ratios} | {"library": library}
-    aliases = {"library": ["the library", "dist.all_reduce", library.split("'")[0].lower()]}
-    record = claims.Record(path.stem, names=names, aliases=aliases, meta=dict(run),
-                           title=title)
+    ax.set_title(title(meta), fontsize=11)
+    names = {algo: algo.replace("_", " ") for algo in ratios} | {"library": library}
+    aliases = {"library": ["the library", "dist.all_reduce", meta["backend"]]}
+    run = {k: meta[k] for k in META if meta.get(k) is not None}
+    run["source"] = str(source.relative_to(ROOT))
+    record = claims.Record(name, names=names, aliases=aliases, meta=run, title=title(meta))
     # times relative to the library's: 1 / ratio (lower is faster), the library itself 1
-    relative = {name: [1 / v if v else float("inf") for v in values] for name, values in ratios.items()}
+    relative = {algo: [1 / v if v else float("inf") for v in values] for algo, values in ratios.items()}
     relative["library"] = [1.0] * len(sizes)
-    record.sweep("relative time", sizes, relative, label="recorded")
+    record.sweep("relative time", sizes, relative, label="measured")
     record.caption = (f"Each algorithm's speed as a fraction of the library's ({library}) on the same "
-                      "tensor in the same world: above 1 is faster. " + record.text())
-    print(plots.save(fig, path, record).relative_to(ROOT))
+                      f"tensor in the same world, from `{run['source']}`: above 1 is faster. "
+                      + record.text())
+    return plots.save(fig, IMG / name, record)
 
 
 def main() -> None:
-    draw(*cpu_ratios(), "CPU: 4 gloo ranks on 2 cores, against gloo's all_reduce",
-         IMG / "bench-ratio-cpu", RUNS["cpu"], "gloo's all_reduce")
-    draw(*gpu_ratios(), "GPU: 4 H200s, registered memory, against NCCL's all_reduce",
-         IMG / "bench-ratio-gpu", RUNS["gpu"], "NCCL's all_reduce")
+    for name, source in RECORDS.items():
+        print(draw(name, source).relative_to(ROOT))
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from ...core import launch, nccl_memory, timing
 from .. import verify
-from ..site.claims import commit
+from ..site.claims import commit, environment
 
 ALGORITHMS = {
     "naive_ring": "collectives.naive_ring:naive_ring_all_reduce",
@@ -337,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     options = {n: _options(n, args.pieces, args.channels) for n in names}
     sizes = timing.parse_sizes(args.sizes)
     started = datetime.datetime.now().astimezone()
+    load = [round(x, 1) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None   # before: others' work
     rows = run_bench(names, args.world, sizes, backend=backend, iters=args.iters, warmup=args.warmup,
                      dtype=args.dtype, options=options, check=not args.no_check,
                      registered=args.registered_memory, timeout=args.timeout, progress=args.json != "-")
@@ -356,8 +357,8 @@ def main(argv: list[str] | None = None) -> int:
                 nccl=".".join(map(str, torch.cuda.nccl.version())) if backend == "nccl" else None,
                 registered_memory=backend == "nccl" and args.registered_memory,
                 device=(f"{args.world}× {torch.cuda.get_device_name(0)}" if backend == "nccl"
-                        else platform.processor() or "cpu"),
-                commit=commit())
+                        else environment("gloo")["device"]),
+                load_average_before=load, commit=commit())
     document = json.dumps({"meta": meta, "rows": rows}, indent=1)
     (out / "allreduce.json").write_text(document)
     from ..site.plots import plot_busbw
