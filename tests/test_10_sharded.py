@@ -412,7 +412,7 @@ def _bad_input():
     for make in (lambda: ZeRO(make_model(), stage=3), lambda: FSDP(make_model(), max_alive=0),
                  lambda: FSDP(make_model(), units=[make_model()[0]]),
                  lambda: ZeRO(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double()), stage=1),
-                 lambda: FSDP(make_model().double())):
+                 lambda: FSDP(make_model().double()), lambda: FSDP(make_model(), release="later")):
         try:
             make()
             errors.append("")
@@ -427,5 +427,6 @@ def _check_bad_input(errors) -> None:
     assert "belong to no unit" in errors[2]
     assert "share one floating dtype" in errors[3]
     assert "must be float32" in errors[4]
+    assert "release must be 'record_stream' or 'stream_order', got 'later'" in errors[5]
     with pytest.raises(ValueError, match="rank must be"):
         resolve("collectives.sharded:shard_rows")(torch.ones(3), 3, 3)

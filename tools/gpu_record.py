@@ -100,7 +100,7 @@ def headline(step: str, data, tail: list[str]) -> tuple[str, str]:
         judged = _lesson10_judged(checks)
         bits = sum(1 for _, limit, _ in judged if limit == 0.0)
         failed = [name for name, _, ok in judged if not ok]
-        t = rows.get("zero3_torch")
+        t, so = rows.get("zero3_torch"), rows.get("zero3_torch_so")
         if z and f:
             return (f"checks holding their standard: {len(judged) - len(failed)} of {len(judged)} ({bits} bit for bit, "
                     f"the rest within 1e-6 (fp32) / 1e-4 (bf16) where the reduction orders differ)"
@@ -108,7 +108,9 @@ def headline(step: str, data, tail: list[str]) -> tuple[str, str]:
                     + f"; ZeRO-3 (ring) ÷ FSDP2: step {z['seconds'] / f['seconds']:.2f}×, "
                     f"peak memory {max(z['max_memory_allocated']) / max(f['max_memory_allocated']):.2f}×"
                     + (f"; ZeRO-3 (torch collectives) ÷ FSDP2: step {t['seconds'] / f['seconds']:.2f}×, peak memory "
-                       f"{max(t['max_memory_allocated']) / max(f['max_memory_allocated']):.2f}×" if t else ""),
+                       f"{max(t['max_memory_allocated']) / max(f['max_memory_allocated']):.2f}×" if t else "")
+                    + (f"; freed in stream order: step {so['seconds'] / f['seconds']:.2f}×, peak memory "
+                       f"{max(so['max_memory_allocated']) / max(f['max_memory_allocated']):.2f}×" if so else ""),
                     "step and peak memory ≤ 1.05× FSDP2's")
     if step == "lesson11" and isinstance(data, dict):
         local = next((v for k, v in data.items() if k.startswith("bench-alltoall-local")), {})
@@ -188,7 +190,7 @@ def figures(steps: list[dict]) -> dict:
     if isinstance(lesson10, dict) and "10-sharded-nccl.json" in lesson10:
         rows = {r["name"]: r for r in lesson10["10-sharded-nccl.json"]["rows"]}
         f = rows.get("fsdp2")
-        for name in ("zero3", "zero3_torch"):
+        for name in ("zero3", "zero3_torch", "zero3_torch_so"):
             if f and name in rows:
                 out[f"{name}_step_over_fsdp2"] = rows[name]["seconds"] / f["seconds"]
                 peak = max(rows[name]["max_memory_allocated"])

@@ -75,10 +75,25 @@ def hybrid_groups(ranks_per_machine: int):
 
 class SideStream:
     """Where the communication runs: a thread of its own on CPU (``overlap``), a CUDA
-    stream on GPUs, or inline. ``submit(fn)`` returns something with ``.result()``."""
+    stream on GPUs, or inline. ``submit(fn)`` returns something with ``.result()``.
 
-    def __init__(self, device, overlap: bool):
-        self.device, self.overlap = device, overlap
+    On a GPU the tensors ``fn`` makes (a gathered layer, a reduced shard) belong to the side
+    stream's memory, and the issuing stream reads them. ``release`` says how the allocator
+    learns when their memory may be reused:
+
+    * ``"record_stream"``: ``result()`` marks them as used by the issuing stream; a tensor the
+      host frees stays allocated until the GPU has passed that use -- when the host runs
+      ahead, several gathered layers at once;
+    * ``"stream_order"`` (as FSDP2): nothing is marked. Every ``submit`` first makes the side
+      stream wait for the issuing stream, and only the side stream allocates from that memory,
+      so whatever the side stream makes after a free runs after every read issued before it:
+      the memory is reusable as soon as the host frees it.
+    """
+
+    def __init__(self, device, overlap: bool, release: str = "record_stream"):
+        if release not in ("record_stream", "stream_order"):
+            raise ValueError(f"release must be 'record_stream' or 'stream_order', got {release!r}")
+        self.device, self.overlap, self.release = device, overlap, release
         self.cuda = streams.is_cuda(device)
         self.pool = concurrent.futures.ThreadPoolExecutor(1, "fsdp-comm") if overlap and not self.cuda else None
         self.stream = streams.new_stream(device, name="fsdp-comm") if overlap and self.cuda else None
@@ -111,8 +126,9 @@ class _Done:
     def result(self):
         if self.event is not None:
             streams.current_stream(self.side.device).wait_event(self.event)
-            for t in self.value if isinstance(self.value, list) else []:
-                streams.record_stream(t, streams.current_stream(self.side.device))
+            if self.side.release == "record_stream":
+                for t in self.value if isinstance(self.value, list) else []:
+                    streams.record_stream(t, streams.current_stream(self.side.device))
         return self.value
 
 
@@ -154,7 +170,9 @@ class FSDP:
     (≥ 1) bounds gathered units. ``use_torch`` swaps lesson 4's ring for torch's
     collectives. Hybrid sharding: ``group`` the ranks of one machine (shard inside it) and
     ``replicate_group`` the ranks holding the same rows on the other machines (each
-    gradient shard averaged across them by an all-reduce, see :func:`hybrid_groups`). Use like ``fully_shard``::
+    gradient shard averaged across them by an all-reduce, see :func:`hybrid_groups`).
+    ``release``: on GPUs, how gathered layers' memory is handed back (:class:`SideStream`).
+    Use like ``fully_shard``::
 
         fsdp = FSDP(model)
         opt = torch.optim.Adam(fsdp.parameters(), lr=1e-3)     # this rank's rows
@@ -162,9 +180,12 @@ class FSDP:
     """
 
     def __init__(self, model: nn.Module, units=None, *, use_torch: bool = False, prefetch: bool = True,
-                 max_alive: int = 2, mixed: MixedPrecision | None = None, group=None, replicate_group=None):
+                 max_alive: int = 2, mixed: MixedPrecision | None = None, group=None, replicate_group=None,
+                 release: str = "record_stream"):
         if max_alive < 1:
             raise ValueError(f"FSDP: max_alive must be at least 1, got {max_alive}")
+        if release not in ("record_stream", "stream_order"):
+            raise ValueError(f"FSDP: release must be 'record_stream' or 'stream_order', got {release!r}")
         self.rank, self.p = _rank_and_size(group)
         self.model, self.use_torch, self.group = model, use_torch, group
         self.replicate_group = replicate_group
@@ -190,7 +211,7 @@ class FSDP:
         if missing:
             raise ValueError(f"FSDP: parameters {missing} of the model belong to no unit; "
                              "every parameter must sit in one of the units")
-        self.side = SideStream(self.device, overlap=prefetch)
+        self.side = SideStream(self.device, overlap=prefetch, release=release)
         self.timeline: list[dict] = []
         self.peak_alive = 0
         self.peak_gathered_bytes = 0
