@@ -28,9 +28,7 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ.update({"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"})
@@ -38,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from gpu_host_profile import _host  # noqa: E402  (tools/, beside this script)
 
 from collectives import launch, ops, timing, trace  # noqa: E402
 from collectives.course.site import claims  # noqa: E402
@@ -45,18 +44,6 @@ from collectives.course.site import claims  # noqa: E402
 KNOBS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
          "TORCH_NCCL_ENABLE_MONITORING", "TORCH_NCCL_AVOID_RECORD_STREAMS", "TORCH_NCCL_DESYNC_DEBUG",
          "TORCH_NCCL_ENABLE_TIMING", "TORCH_NCCL_BLOCKING_WAIT", "CUDA_LAUNCH_BLOCKING", "NCCL_DEBUG")
-
-
-def _host(fn, device, reps=40) -> float:
-    fn()
-    xs = []
-    for _ in range(reps):
-        torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        xs.append(time.perf_counter() - t0)
-    torch.cuda.synchronize(device)
-    return statistics.median(xs)
 
 
 def _gpu(fn, device, iters=10) -> float:
