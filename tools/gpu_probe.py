@@ -20,6 +20,8 @@ programs, warps), timed back to back (as ``bench-symmetric``), from a CUDA graph
 GPU's time alone) and by the host's launch time, beside torch's ``symm_mem`` ops and NCCL.
 
 No torchrun: one process per GPU (:func:`collectives.core.launch.run`). Multicast stays off.
+A world that overruns (80 s for ``host`` and ``graph``, 400 s for ``triton``) ends with the
+place each rank waited: give an outer ``timeout`` more than that, or the report is lost.
 """
 
 from __future__ import annotations
@@ -225,7 +227,7 @@ def main() -> int:
         res = launch.run(host_rank, args.world, args=(64 << 20, 256 << 20), backend="nccl", timeout=80)
     elif args.what == "graph":
         res = launch.run(graph_rank, args.world, args=([1 << 20, 16 << 20, 256 << 20], 64 << 20),
-                         backend="nccl", timeout=100)
+                         backend="nccl", timeout=80)
     else:
         res = launch.run(triton_rank, args.world, args=([64 << 10, 1 << 20, 16 << 20, 256 << 20],),
                          backend="nccl", timeout=400)
