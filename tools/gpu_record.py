@@ -125,6 +125,13 @@ def headline(step: str, data, tail: list[str]) -> tuple[str, str]:
         own = {f"{d}: {k}": v for d, per in checks.items() for k, v in per.items() if not k.startswith("symm_")}
         return ("the lesson's kernels exact against NCCL: " + ", ".join(k for k, v in own.items() if v is True),
                 "≥ 2× NCCL ≤ 1 MiB, ≥ 0.9× at 256 MiB, within 1.2× of symm_mem")
+    if step == "probe-host" and isinstance(data, dict) and isinstance(data.get("rank0"), dict):
+        r = data["rank0"]
+        us = lambda k: f"{r[k] * 1e6:.1f} µs"   # noqa: E731
+        return (f"host time per call: a CUDA kernel {us('host_kernel_s')}, an event record "
+                f"{us('host_event_record_s')}, all_reduce of 4 B {us('host_all_reduce_4B_s')}, an isend+irecv "
+                f"pair {us('host_p2p_pair_4B_s')}, the course's ring of 1 KiB {us('host_ring_1KiB_s')}",
+                "what bounds every host-bound target")
     return ("; ".join(tail[-1:]) if tail else ""), ""
 
 

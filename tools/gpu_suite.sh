@@ -14,6 +14,8 @@
 #             ring on registered memory with its host time (tools/gpu_ring_check.py)
 #   fused     lesson 5      ddp    lesson 6      hier   lesson 7 (tools/gpu_hierarchical.py)
 #   sparse    lesson 8      recorder  lesson 9   lessons   lessons 9-12's GPU scripts, where they exist
+#   probe     the host's time per CUDA and NCCL call, which bounds every host-bound target
+#             (tools/gpu_probe.py host)
 # Parts that measure run at 2 GPUs and at every larger even count the machine has
 # (GPU_COUNTS="4": only at 4); the lessons' scripts take every GPU of the machine.
 # Every step has its own time limit and writes its output under DIR/steps/; a hang costs that
@@ -21,7 +23,7 @@
 # tools/gpu_record.py gathers every step into DIR/lane.json: the record the benchmarks page reads.
 set -uo pipefail
 OUT=${1:-build/gpu}; shift || true
-PARTS=${*:-env tests tour runners bench fused ddp hier sparse recorder lessons}
+PARTS=${*:-env tests tour runners bench fused ddp hier sparse recorder lessons probe}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT/steps"
 LOG="$OUT/log.txt"
@@ -111,6 +113,8 @@ for part in $PARTS; do case $part in
       extra=GPU_LESSON${nn}_ARGS      # e.g. GPU_LESSON12_ARGS="--quick": a shorter run of that lesson
       step "lesson$nn" 420 $PY "tools/gpu_lesson$nn.py" --out "$OUT/steps/lesson$nn" ${!extra:-}
     done ;;
+  probe)
+    on2 step probe-host 120 $PY tools/gpu_probe.py host --world 2 --json "$OUT/steps/probe-host.json" ;;
   *) echo "unknown part: $part"; exit 2 ;;
 esac; done
 $PY tools/gpu_record.py "$OUT" | tee -a "$LOG"
