@@ -1,6 +1,7 @@
 """``python -m collectives bench``: the registry, and a tiny run end to end (table, JSON, plot)."""
 
 import json
+import time
 
 import torch._dynamo  # noqa: F401 - torch DDP imports it on first use (seconds): once, before the worlds fork
 
@@ -153,3 +154,10 @@ def test_the_sparse_benchmark_model_adds_the_measured_processor_time_to_the_wire
     assert with_cpu is not None and 0.01 < with_cpu < wire_only
     dense = cost.sparse_cost("dense", n, n, p).seconds(link)
     assert sb.model_seconds(result, link, with_cpu) == pytest.approx(dense, rel=1e-6)
+
+
+def test_measure_issue_is_the_median_host_time_of_one_call():
+    from collectives.core import timing
+    pauses = iter([0.0, 0.02, 0.002, 0.002, 0.002])       # one slow run: the median ignores it
+    took = timing.measure_issue(lambda: time.sleep(next(pauses)), iters=5, device=torch.device("cpu"))
+    assert 0.002 <= took < 0.015

@@ -28,7 +28,6 @@ import functools
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
@@ -64,17 +63,8 @@ def _in_flight(reducer, buckets, k):
 
 
 def _host(call, device, iters):
-    """Median seconds the host takes to issue ``call()`` (synchronised before each, not after)."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda device: None)
-    out = []
-    for _ in range(iters):
-        sync(device)
-        dist.barrier()
-        t0 = time.perf_counter()
-        call()
-        out.append(time.perf_counter() - t0)
-    sync(device)
-    return timing.median(out)
+    """Median seconds the host takes to issue ``call()``, the ranks starting together."""
+    return timing.measure_issue(call, iters=iters, device=device, barrier=True)
 
 
 def _rank(layouts, numel, bucket_numel, iters):

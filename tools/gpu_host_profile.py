@@ -17,9 +17,7 @@ import cProfile
 import io
 import json
 import pstats
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -32,14 +30,7 @@ from collectives import launch, ops, timing  # noqa: E402
 
 
 def _host(fn, device, reps=30) -> float:
-    xs = []
-    for _ in range(reps):
-        torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        xs.append(time.perf_counter() - t0)
-    torch.cuda.synchronize(device)
-    return statistics.median(xs)
+    return timing.measure_issue(fn, iters=reps, device=device)
 
 
 def _profile(fn, device, reps=30, top=22) -> str:

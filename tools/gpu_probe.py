@@ -38,7 +38,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from gpu_host_profile import _host  # noqa: E402  (tools/, beside this script)
 
 from collectives import launch, ops, timing, trace  # noqa: E402
 from collectives.course.site import claims  # noqa: E402
@@ -46,6 +45,10 @@ from collectives.course.site import claims  # noqa: E402
 KNOBS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
          "TORCH_NCCL_ENABLE_MONITORING", "TORCH_NCCL_AVOID_RECORD_STREAMS", "TORCH_NCCL_DESYNC_DEBUG",
          "TORCH_NCCL_ENABLE_TIMING", "TORCH_NCCL_BLOCKING_WAIT", "CUDA_LAUNCH_BLOCKING", "NCCL_DEBUG")
+
+
+def _host(fn, device, reps=30) -> float:
+    return timing.measure_issue(fn, iters=reps, device=device)
 
 
 def _gpu(fn, device, iters=10) -> float:

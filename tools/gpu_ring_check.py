@@ -17,7 +17,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -68,17 +67,8 @@ def main():
             times[name] += timing.measure(fn, warmup=2, iters=args.iters, device=device)
     t = {name: statistics.median(v) for name, v in times.items()}
 
-    def host_time(fn):                         # how long the host takes to issue one call
-        xs = []
-        for _ in range(20):
-            torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            fn()
-            xs.append(time.perf_counter() - t0)
-        torch.cuda.synchronize(device)
-        return statistics.median(xs)
 
-    host = host_time(cases["ring"])
+    host = timing.measure_issue(cases["ring"], device=device)   # the host's time to issue one ring
     t_nccl, t_ring = t["nccl"], t["ring"]
     if rank == 0:
         result = dict(p=p, bytes=nbytes, memory="plain" if args.plain else "registered",

@@ -88,6 +88,30 @@ def measure_back_to_back(fn: Callable[[], object], *, iters: int = 100, group=No
     return slowest.item()
 
 
+def measure_issue(fn: Callable[[], object], *, iters: int = 20, device: torch.device | None = None,
+                  barrier: bool = False, group=None) -> float:
+    """Median seconds this host takes to *issue* ``fn()``: the device is synchronised before
+    each run, not after, so on a GPU this is the launching, checking and planning alone --
+    what sets the pace wherever it exceeds the GPU's own time. ``barrier``: each run starts
+    together with the other ranks' (for work that waits for its peers on the host). This
+    rank's own median: not reduced over ranks."""
+    device = device if device is not None else rank_device()
+    cuda = device.type == "cuda"
+    seconds = []
+    for _ in range(iters):
+        if cuda:
+            torch.cuda.synchronize(device)
+        if barrier:
+            with trace.paused():
+                dist.barrier(group=group)
+        t0 = time.perf_counter()
+        fn()
+        seconds.append(time.perf_counter() - t0)
+    if cuda:
+        torch.cuda.synchronize(device)
+    return statistics.median(seconds)
+
+
 def max_over_ranks(value: float, group=None) -> float:
     """The largest ``value`` of any rank (a host number, reduced on the rank's own device)."""
     box = torch.tensor([float(value)], dtype=torch.float64, device=rank_device())

@@ -143,19 +143,20 @@ class PreparedSlice:
         return self._stage("diffuse", self._diffuse, self.M == 1)
 
     def _diffuse(self) -> list:
-        g = self.groups.diffuse
-        if self.collectives_inside:
-            return [dist.all_gather_into_tensor(self.flat_own, self.flat_mine, group=g, async_op=True)]
-        return post(*self.diffuse_messages, g, self.cuda)
+        return self._gather(self.groups.diffuse, self.flat_own, self.flat_mine, self.diffuse_messages)
 
     def all_gather(self) -> list:
         return self._stage("all-gather", self._all_gather, self.D == 1)
 
     def _all_gather(self) -> list:
-        g = self.groups.all_gather
+        return self._gather(self.groups.all_gather, self.flat_blocks, self.flat_own, self.ag)
+
+    def _gather(self, group, whole, part, messages) -> list:
+        """Stages 4 and 5 alike: ``part`` (this rank's) to every member of ``group``, landing in
+        ``whole`` in place -- one all-gather on NCCL, else the prepared (receives, sends)."""
         if self.collectives_inside:
-            return [dist.all_gather_into_tensor(self.flat_blocks, self.flat_own, group=g, async_op=True)]
-        return post(*self.ag, g, self.cuda)
+            return [dist.all_gather_into_tensor(whole, part, group=group, async_op=True)]
+        return post(*messages, group, self.cuda)
 
     def finish(self) -> None:
         self.rows = []

@@ -24,7 +24,6 @@ three batches.
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -182,25 +181,11 @@ def gpu_rank(sizes: list[int], dtypes: list[str], iters: int) -> dict:
                     continue
                 times[name].append(statistics.median(samples))
         runs[dtype_name] = times
-        host[dtype_name] = {name: _host_seconds(run, sizes[0] // size) for name, run in algos.items()
-                            if not name.startswith("graph_")}
+        host[dtype_name] = {name: timing.measure_issue(lambda run=run: run(sizes[0] // size), barrier=True)
+                            for name, run in algos.items() if not name.startswith("graph_")}
         del algos, buffers, out
         torch.cuda.empty_cache()
     return {"runs": runs, "checked": checked, "skipped": skipped, "host": host, "launcher": _launcher_counts()}
-
-
-def _host_seconds(run, n: int, reps: int = 20) -> float:
-    """The host's time to issue one call at ``n`` elements (synchronised before, not after):
-    at small sizes this, not the GPU, sets the pace of calls issued back to back."""
-    seconds = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        dist.barrier()
-        t0 = time.perf_counter()
-        run(n)
-        seconds.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    return statistics.median(seconds)
 
 
 def _launcher_counts() -> dict:
