@@ -105,15 +105,23 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.S
     """
     if not ops.check_all_reduce_args(input, op, group, what="ring_reduce_scatter"):
         return                         # not in the group: nothing to do, as dist.*
+    # the running sums are built in a copy (registered memory once nccl_memory.register() has run)
+    reduce_scatter_in(output, nccl_memory.contiguous_copy(input), op, group)
+
+
+def reduce_scatter_in(output: torch.Tensor, flat: torch.Tensor, op=ReduceOp.SUM, group=None,
+                      what: str = "ring_reduce_scatter") -> None:
+    """:func:`ring_reduce_scatter` building its running sums in ``flat`` itself (flat,
+    contiguous, overwritten): for a caller whose input is a buffer nobody reads again, one
+    buffer the size of the input fewer. The same steps and bits. The caller has checked the
+    call (``ops.check_all_reduce_args``); the output's size is checked here, before any message."""
     rank, p, right, left = _neighbours(group)
-    bounds = ops.chunk_bounds(input.numel(), p)
+    bounds = ops.chunk_bounds(flat.numel(), p)
     lo, hi = bounds[rank]
-    if output.numel() != hi - lo or output.dtype != input.dtype:
-        raise ValueError(f"ring_reduce_scatter: rank {rank}'s output must hold {hi - lo} elements "
-                         f"of {input.dtype} (chunk {rank} of {input.numel()} split {p} ways), "
+    if output.numel() != hi - lo or output.dtype != flat.dtype:
+        raise ValueError(f"{what}: rank {rank}'s output must hold {hi - lo} elements "
+                         f"of {flat.dtype} (chunk {rank} of {flat.numel()} split {p} ways), "
                          f"got {output.numel()} of {output.dtype}")
-    flat = nccl_memory.contiguous_copy(input)   # where the running sums are built (registered
-                                                # memory once nccl_memory.register() has run)
     if p > 1 and flat.numel() > 0:
         _reduce_scatter_in_place(flat, bounds, op, rank, p, right, left, group)
     ops.finish_(flat[lo:hi], op, p)

@@ -91,8 +91,6 @@ class SideStream:
     """
 
     def __init__(self, device, overlap: bool, release: str = "record_stream"):
-        if release not in ("record_stream", "stream_order"):
-            raise ValueError(f"release must be 'record_stream' or 'stream_order', got {release!r}")
         self.device, self.overlap, self.release = device, overlap, release
         self.cuda = streams.is_cuda(device)
         self.pool = concurrent.futures.ThreadPoolExecutor(1, "fsdp-comm") if overlap and not self.cuda else None

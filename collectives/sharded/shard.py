@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from collectives.core import ops
 from collectives.core.ops import ReduceOp
-from collectives.ring import _neighbours, _reduce_scatter_in_place, ring_all_gather, ring_reduce_scatter
+from collectives.ring import reduce_scatter_in, ring_all_gather, ring_reduce_scatter
 
 
 @dataclass(frozen=True)
@@ -169,17 +169,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, use_torch: bool
         dist.reduce_scatter_tensor(output, input, op=op, group=group)
     elif scratch and input.is_contiguous() and ops.check_all_reduce_args(input, op, group,
                                                                          what="reduce_scatter"):
-        rank, p, right, left = _neighbours(group)
-        bounds = ops.chunk_bounds(input.numel(), p)
-        lo, hi = bounds[rank]
-        if output.numel() != hi - lo or output.dtype != input.dtype:
-            raise ValueError(f"reduce_scatter: rank {rank}'s output must hold {hi - lo} elements "
-                             f"of {input.dtype}, got {output.numel()} of {output.dtype}")
-        flat = input.detach().view(-1)
-        if p > 1 and flat.numel() > 0:
-            _reduce_scatter_in_place(flat, bounds, op, rank, p, right, left, group)
-        ops.finish_(flat[lo:hi], op, p)
-        output.copy_(flat[lo:hi].view(output.shape))
+        reduce_scatter_in(output, input.detach().view(-1), op, group, what="reduce_scatter")
     else:
         ring_reduce_scatter(output, input, op=op, group=group)
 
