@@ -14,6 +14,7 @@
 #             ring on registered memory with its host time (tools/gpu_ring_check.py)
 #   fused     lesson 5      ddp    lesson 6      hier   lesson 7 (tools/gpu_hierarchical.py)
 #   sparse    lesson 8      recorder  lesson 9   lessons   lessons 9-12's GPU scripts, where they exist
+#             (GPU_LESSONS="10 12": only those)
 #   probe     the host's time per CUDA and NCCL call, which bounds every host-bound target
 #             (tools/gpu_probe.py host)
 # Parts that measure run at 2 GPUs and at every larger even count the machine has
@@ -108,7 +109,7 @@ for part in $PARTS; do case $part in
           --out "$OUT/steps/recorder-p$p"
     done ;;
   lessons)
-    for nn in 09 10 11 12; do
+    for nn in ${GPU_LESSONS:-09 10 11 12}; do      # GPU_LESSONS="10 12": only those lessons' scripts
       [ -f "tools/gpu_lesson$nn.py" ] || continue
       extra=GPU_LESSON${nn}_ARGS      # e.g. GPU_LESSON12_ARGS="--quick": a shorter run of that lesson
       step "lesson$nn" 420 $PY "tools/gpu_lesson$nn.py" --out "$OUT/steps/lesson$nn" ${!extra:-}
