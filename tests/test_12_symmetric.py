@@ -311,6 +311,33 @@ def test_the_triton_launcher_goes_back_to_the_jit_when_the_compiled_kernel_refus
     for _ in range(3):
         launcher.launch((1,), ("k",), ("ptrs", 16), {"RANK": 0}, 8)
     assert len(kernel.jit_calls) == 3 and not launcher.direct and not launcher.compiled
+    assert launcher.why.startswith("the compiled kernel refused its arguments: TypeError"), launcher.why
+
+
+def test_an_empty_hook_chain_is_no_hook_and_a_set_hook_sends_every_launch_to_the_jit(monkeypatch):
+    import sys
+    import types
+
+    from collectives.symmetric import triton_launch
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: type("S", (), {"cuda_stream": 7})())
+
+    class Chain:         # Triton 3.4 and later: an empty chain of hooks where there used to be None
+        def __init__(self):
+            self.calls = []
+    runtime = types.SimpleNamespace(launch_enter_hook=Chain(), launch_exit_hook=Chain())
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(knobs=types.SimpleNamespace(runtime=runtime)))
+    kernel = _FakeKernel()
+    launcher = triton_launch.Launcher(kernel)
+    for _ in range(3):
+        launcher.launch((1,), ("k",), ("ptrs", 16), {"RANK": 0}, 8)
+    assert launcher.counts == {"direct": 2, "jit": 1} and launcher.why is None
+    runtime.launch_enter_hook.calls.append(print)          # a profiler's hook: the JIT must call it
+    launcher.launch((1,), ("k",), ("ptrs", 16), {"RANK": 0}, 8)
+    assert launcher.counts == {"direct": 2, "jit": 2} and "hook" in launcher.why
+    runtime.launch_enter_hook = None                        # Triton before 3.4: None, or a function
+    runtime.launch_exit_hook = print
+    launcher.launch((1,), ("k",), ("ptrs", 16), {"RANK": 0}, 8)
+    assert launcher.counts["jit"] == 3
 
 
 class _StandIn:

@@ -37,6 +37,15 @@ def int_shape(value: int) -> tuple[bool, bool, bool]:
     return value == 1, value % 16 == 0, -(1 << 31) <= value < (1 << 31)
 
 
+def _hook_set(hook) -> bool:
+    """Whether a launch hook would run: Triton 3.4 and later keep an empty ``HookChain``
+    where earlier versions kept None, so an empty chain is no hook."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return bool(calls) if calls is not None else True
+
+
 def _hooks_installed() -> bool:
     try:
         import triton
@@ -44,8 +53,8 @@ def _hooks_installed() -> bool:
         return False
 
     runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
-    return runtime is not None and (getattr(runtime, "launch_enter_hook", None) is not None
-                                    or getattr(runtime, "launch_exit_hook", None) is not None)
+    return runtime is not None and (_hook_set(getattr(runtime, "launch_enter_hook", None))
+                                    or _hook_set(getattr(runtime, "launch_exit_hook", None)))
 
 
 class Launcher:
@@ -63,17 +72,21 @@ class Launcher:
         self.compiled: dict = {}
         self.direct = True               # False once the direct path has failed: JIT only
         self.counts = {"direct": 0, "jit": 0}   # launches each way: a run's record says which ran
+        self.why: str | None = None      # why a launch went through the JIT after all (the last reason)
 
     def launch(self, grid: tuple[int], key: tuple, args: tuple, constexprs: dict, warps: int) -> None:
         shape = (grid, key, warps)
         compiled = self.compiled.get(shape) if self.direct else None
-        if compiled is not None and not _hooks_installed():
+        if compiled is not None and _hooks_installed():
+            self.why, compiled = "a launch hook is installed (a profiler): the JIT calls it", None
+        if compiled is not None:
             try:
                 compiled.run(grid[0], 1, 1, torch.cuda.current_stream().cuda_stream, compiled.function,
                              compiled.packed_metadata, None, None, None, *args, *constexprs.values())
                 self.counts["direct"] += 1
                 return
-            except (TypeError, AttributeError, ValueError):
+            except (TypeError, AttributeError, ValueError) as exc:
+                self.why = f"the compiled kernel refused its arguments: {type(exc).__name__}: {exc}"
                 self.direct = False      # raised while parsing the arguments: nothing was launched
                 self.compiled.clear()
         compiled = self.kernel[grid](*args, **constexprs, num_warps=warps)

@@ -14,7 +14,9 @@ ring; ZeRO-3 also on torch's collectives). Each row: the median step time over
 parameters, gradients and optimizer state, counted tensor by tensor after a backward, and
 the peak of live tensor bytes above the start of one more step
 (:class:`~collectives.core.live_bytes.LiveBytes`, on CPU and GPU alike; on GPUs also
-``torch.cuda.max_memory_allocated``).
+``torch.cuda.max_memory_allocated`` over the training steps after the first, above what was
+allocated before the contender was built: not the full model made before it is sharded, nor
+the first step, which builds the optimizer state).
 
 ``--cluster`` runs on a simulated cluster (:class:`~collectives.core.cluster.Cluster`,
 needs root) and sets hybrid sharding (ZeRO-3 inside a machine, the gradient shards
@@ -121,13 +123,17 @@ def _bench_in_rank(names, layers, width, batch, iters, backend, hybrid_rpm=2) ->
         before = 0
         if device.type == "cuda":
             import gc
-            gc.collect()                        # what an earlier contender left is not this one's
+            gc.collect()                        # the earlier contender is gone (deleted below)
             torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
             before = torch.cuda.memory_allocated(device)
         fwd, step, mem = _contender(name, layers, width, device, hybrid_rpm)
         times, memory = [], None
         for i in range(iters + 1):
+            if i == 1 and device.type == "cuda":
+                # the allocator's peak over training steps alone: not the full model built
+                # before it was sharded, nor the first step that builds the optimizer state
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
             _sync(device)
             t0 = time.perf_counter()
             fwd(xs[i % 2]).square().mean().backward()
@@ -139,7 +145,7 @@ def _bench_in_rank(names, layers, width, batch, iters, backend, hybrid_rpm=2) ->
                 times.append(time.perf_counter() - t0)
         row = dict(name=name, seconds=statistics.median(times), times=times, memory=memory,
                    peak_bytes=_metered_step(fwd, step, xs[0], device))
-        if device.type == "cuda":                 # the peak above what was allocated before it began
+        if device.type == "cuda":      # the steps' peak above what was allocated before the contender was built
             row["max_memory_allocated"] = torch.cuda.max_memory_allocated(device) - before
             row["allocated_before"] = before
         if hasattr(fwd, "close"):

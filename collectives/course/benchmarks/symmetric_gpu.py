@@ -194,7 +194,8 @@ def _launcher_counts() -> dict:
     if not gpu.triton_available():
         return {}
     from ...symmetric import triton_allreduce
-    return {"one_shot": dict(triton_allreduce._ONE_SHOT.counts), "two_shot": dict(triton_allreduce._TWO_SHOT.counts)}
+    return {name: dict(launcher.counts, why_jit=launcher.why)
+            for name, launcher in (("one_shot", triton_allreduce._ONE_SHOT), ("two_shot", triton_allreduce._TWO_SHOT))}
 
 
 def run_gpu(args) -> dict:
