@@ -127,13 +127,14 @@ def _bench_in_rank(names, layers, width, batch, iters, backend, hybrid_rpm=2) ->
             torch.cuda.empty_cache()
             before = torch.cuda.memory_allocated(device)
         fwd, step, mem = _contender(name, layers, width, device, hybrid_rpm)
-        times, memory = [], None
+        times, memory, steady = [], None, before
         for i in range(iters + 1):
             if i == 1 and device.type == "cuda":
                 # the allocator's peak over training steps alone: not the full model built
                 # before it was sharded, nor the first step that builds the optimizer state
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
+                steady = torch.cuda.memory_allocated(device)
             _sync(device)
             t0 = time.perf_counter()
             fwd(xs[i % 2]).square().mean().backward()
@@ -147,7 +148,8 @@ def _bench_in_rank(names, layers, width, batch, iters, backend, hybrid_rpm=2) ->
                    peak_bytes=_metered_step(fwd, step, xs[0], device))
         if device.type == "cuda":      # the steps' peak above what was allocated before the contender was built
             row["max_memory_allocated"] = torch.cuda.max_memory_allocated(device) - before
-            row["allocated_before"] = before
+            row["allocated_before"], row["allocated_steady"] = before, steady - before
+            row["allocated_after"] = torch.cuda.memory_allocated(device) - before
         if hasattr(fwd, "close"):
             fwd.close()
         rows.append(row)
@@ -204,7 +206,9 @@ def run(args, argv) -> dict:
         out.append(dict(name=name, label=NAMES[name], seconds=max(r["seconds"] for r in per_rank),
                         memory_per_rank=[r["memory"] for r in per_rank],
                         peak_bytes=[r["peak_bytes"] for r in per_rank],
-                        max_memory_allocated=[r.get("max_memory_allocated") for r in per_rank]))
+                        max_memory_allocated=[r.get("max_memory_allocated") for r in per_rank],
+                        allocated=[{k: r.get(f"allocated_{k}") for k in ("before", "steady", "after")}
+                                   for r in per_rank]))
     psi = sum(q.numel() for q in make_model(args.layers, args.width, "cpu").parameters())
     result = dict(world_size=p, layers=args.layers, width=args.width, batch=args.batch, iters=args.iters,
                   psi=psi, backend=args.backend, rows=out,
@@ -330,6 +334,10 @@ def main(argv: list[str] | None = None) -> int:
         m = r["memory_per_rank"][0]
         peak = r["max_memory_allocated"][0]
         extra = f", max allocated {peak / 2**20:.1f} MiB" if peak else ""
+        held = r.get("allocated", [{}])[0]
+        if peak and held.get("steady") is not None:
+            extra += (f" (allocated when the steps began {held['steady'] / 2**20:.1f}, after them "
+                      f"{held['after'] / 2**20:.1f}, before the contender {held['before'] / 2**20:.1f} MiB)")
         extra = f", peak live {max(r['peak_bytes']) / 2**20:.2f} MiB" + extra
         print(f"{r['label']:28s} step {claims.human(r['seconds']):>9s}  rank 0 holds "
               f"{sum(m.values()) / 2**20:.2f} MiB{extra}")
