@@ -20,13 +20,16 @@ b + 1's reduce-scatter runs while bucket b is still crossing machines::
 
 **Lanes.** Each communication stage has a *lane* that runs its work in order -- Fairring's
 stream per stage; the add sends nothing and the diffuse cannot start before it, so the two
-share one (four lanes). On a GPU a lane is a CUDA stream: the host issues every stage of a bucket at once
-(Fairring's order, slice by slice), and events make each stage's stream wait for the one
-before; NCCL progresses on its own. On a CPU (gloo) the host cannot issue a stage before
-the previous one's messages have arrived (its sum must be added first), so a lane is a
-*thread*, the CPU's stream: it takes its stage's work in order and blocks on the waits a
-GPU stream would make, while the caller's thread goes on (computing backward, handing over
-the next bucket). An event is a ``threading.Event`` set when the lane gets there.
+share one (four lanes). On a GPU a lane is a CUDA stream: the host issues every stage of a
+bucket at once (Fairring's order, slice by slice), and events make each stage's stream wait
+for the one before; NCCL progresses on its own. A tier of one rank has no stage to run on
+its lanes, and they are left out: on one machine (M = 1) the reduce-scatter's lane hands
+straight to the all-gather's, with one rank per machine (D = 1) the collect's lane starts
+the slice. On a CPU (gloo) the host cannot issue a stage before the previous one's messages
+have arrived (its sum must be added first), so a lane is a *thread*, the CPU's stream: it
+takes its stage's work in order and blocks on the waits a GPU stream would make, while the
+caller's thread goes on (computing backward, handing over the next bucket).
+An event is a ``threading.Event`` set when the lane gets there.
 
 **The host's work, once.** A bucket tensor handed over again (DDP's buckets, step after
 step) reuses the slices prepared on its first call (:mod:`.program`: every view and
@@ -165,6 +168,10 @@ class HierarchicalAllReducer(Issuing):
             raise ValueError(f"memory_bytes={memory_bytes} cannot hold the staging of one slice of "
                              f"{self.slice_bytes} bytes; give more memory or smaller slices")
         self.lanes = self._make_lanes() if self.groups is not None else []
+        # the lanes a slice passes through: a tier of one rank leaves its stages' lanes out
+        self._used = (self.lanes if D > 1 and M > 1 else [self.lanes[0], self.lanes[3]] if M == 1
+                      else self.lanes[1:]) if self.lanes else []
+        self._entry = streams.new_event(self.device) if self.progress == "streams" else None
         self.ring = StagingRing(memory_bytes, self.device, recycle=self.lanes[-1].recycle if self.lanes else None)
         # the stream of each of the five stages (the add's is the diffuse's; stand-ins for threads)
         lane_streams = [getattr(lane, "stream", streams.NullStream()) for lane in self.lanes]
@@ -232,12 +239,14 @@ class HierarchicalAllReducer(Issuing):
             self.peak_in_flight = max(self.peak_in_flight, len(self._pending))
         done = None
         if self.progress == "streams":
+            first = self._used[0]            # the lane that starts every slice
             if self.device.type == "cuda":   # the bucket's writes, queued on the caller's stream, come first
-                self.lanes[0].stream.wait_stream(streams.current_stream(self.device))
-                for lane in self.lanes:      # the host lets go of it before the lanes are done with it
+                self._entry.record(streams.current_stream(self.device))
+                first.stream.wait_event(self._entry)
+                for lane in self._used:      # the host lets go of it before the lanes are done with it
                     streams.record_stream(flat, lane.stream)
-            elif self.lanes[0].use is streams.use:   # stand-ins that keep count (streams.checking): the same
-                self.lanes[0].stream.wait_stream(streams.current_stream(self.device))
+            elif first.use is streams.use:   # stand-ins that keep count (streams.checking): the same
+                first.stream.wait_stream(streams.current_stream(self.device))
             issue = self._issue_streams
         else:
             issue = self._issue_threads

@@ -70,10 +70,14 @@ class Issuing:
         self.timeline.append(dict(bucket=bucket, slice=k, index=i, stage=stage, issued=t0, done=time.perf_counter()))
 
     def _issue_streams(self, piece, need, op, bucket: int, k: int, finish) -> object:
-        """The five stages of one slice, issued at once on the four lanes' streams (the add
-        runs on the diffuse's lane, just before it); each lane's stream waits for the previous
-        lane's event and for the previous stage's handles -- the host waits for nothing.
-        Returns the event recorded after the last stage of a bucket's last slice."""
+        """The five stages of one slice, issued at once on the lanes' streams (the add runs on
+        the diffuse's lane, just before it); each lane's stream waits for the previous lane's
+        event and for the previous stage's handles -- the host waits for nothing. A tier of
+        one rank leaves its lanes out: with M = 1 the reduce-scatter's lane hands straight to
+        the all-gather's, with D = 1 the collect's lane starts the slice (each hand-off is an
+        event recorded and waited for, host time on every slice).
+        Returns the event a bucket's handle waits for: on a GPU None (the bucket's future
+        carries it), on stand-in streams one recorded after the bucket's last slice."""
         i = self._slices
         self._slices += 1
         if isinstance(piece, PreparedSlice):
@@ -83,23 +87,8 @@ class Issuing:
             pools, after = self._pools(need)
             one = Slice(piece, self.groups, op, self.p, pools, self._streams, index=i, inside=self.inside)
         rs, collect, diffuse, gather = self.lanes
-        record = self.record
+        record, D, M = self.record, self.layout.D, self.layout.M
         t0 = time.perf_counter()
-        works = _on(rs, after, (), one.reduce_scatter)
-        self.ring.waited(after)
-        if record:
-            self._note(bucket, k, i, "reduce-scatter", t0)
-            t0 = time.perf_counter()
-        works = _on(collect, rs.event, works, one.collect)
-        if record:
-            self._note(bucket, k, i, "collect", t0)
-            t0 = time.perf_counter()
-        works = _on(diffuse, collect.event, works, one.add, one.diffuse)
-        if record:
-            self._note(bucket, k, i, "add", t0)
-            self._note(bucket, k, i, "diffuse", t0)
-            t0 = time.perf_counter()
-        stream = gather.stream
 
         def all_gather():
             for w in one.all_gather():
@@ -107,15 +96,40 @@ class Issuing:
             one.finish()
             if finish is not None:
                 self._complete(bucket, *finish)
-        _on(gather, diffuse.event, works, all_gather)
-        if record:
-            self._note(bucket, k, i, "all-gather", t0)
+
+        def note(*stages) -> None:          # the timeline: when each stage's issuing began and ended
+            nonlocal t0
+            if record:
+                for stage in stages:
+                    self._note(bucket, k, i, stage, t0)
+                t0 = time.perf_counter()
+
+        if M == 1:      # one machine: no collect or diffuse to wait for
+            works = _on(rs, after, (), one.reduce_scatter)
+            self.ring.waited(after)
+            note("reduce-scatter")
+            _on(gather, rs.event, works, one.collect, one.add, one.diffuse, all_gather)
+            note("collect", "add", "diffuse", "all-gather")
+        else:
+            if D == 1:  # one rank per machine: no reduce-scatter to wait for
+                works = _on(collect, after, (), one.reduce_scatter, one.collect)
+                note("reduce-scatter", "collect")
+            else:
+                works = _on(rs, after, (), one.reduce_scatter)
+                note("reduce-scatter")
+                works = _on(collect, rs.event, works, one.collect)
+                note("collect")
+            self.ring.waited(after)
+            works = _on(diffuse, collect.event, works, one.add, one.diffuse)
+            note("add", "diffuse")
+            _on(gather, diffuse.event, works, all_gather)
+            note("all-gather")
         if need[1]:                          # a later slice will reuse these bytes: it waits for this
             self.ring.finished(gather.finish_event())
-        if finish is None or not (gather.cuda or gather.use is streams.use):
-            return None                             # not the last slice, or plain stand-ins: nothing to wait for
-        done = streams.new_event(self.device)       # the bucket's own: its handle waits for it
-        done.record(stream)
+        if finish is None or gather.cuda or gather.use is not streams.use:
+            return None      # not the last slice; a GPU's future waits on its own events; plain stand-ins
+        done = streams.new_event(self.device)       # stand-ins that keep count: the handle waits for it
+        done.record(gather.stream)
         return done
 
     def _issue_threads(self, piece: torch.Tensor, need, op, bucket: int, k: int, finish) -> object:
