@@ -3,6 +3,7 @@
     python3 tools/gpu_probe.py host   --world 2 --json host.json     # host time of one call
     python3 tools/gpu_probe.py graph  --world 2 --json graph.json    # the ring from a CUDA graph
     python3 tools/gpu_probe.py triton --world 2 --json triton.json   # lesson 12's kernels' shape
+    python3 tools/gpu_probe.py launch --world 2 --json launch.json   # where a kernel's launch goes
 
 ``host``: the host time to issue one call (synchronise, then perf_counter around the call:
 the launches alone) of a CUDA kernel, ``dist.all_reduce``, one ``batch_isend_irecv`` pair,
@@ -18,6 +19,10 @@ replayed ring closes it.
 ``triton``: lesson 12's Triton one-shot and two-shot at several shapes (elements per load,
 programs, warps), timed back to back (as ``bench-symmetric``), from a CUDA graph (the
 GPU's time alone) and by the host's launch time, beside torch's ``symm_mem`` ops and NCCL.
+
+``launch``: the host's time for one call of lesson 12's two-shot taken apart -- the whole
+call, the launcher given ready arguments, Triton's compiled launcher alone, the handle's
+pointer properties, the current stream -- and a cProfile of 300 calls, the costliest first.
 
 No torchrun: one process per GPU (:func:`collectives.core.launch.run`). Multicast stays off.
 A world that overruns (80 s for ``host`` and ``graph``, 400 s for ``triton``) ends with the
@@ -219,9 +224,61 @@ def triton_rank(sizes: list[int]) -> dict:
     return {"rows": rows, "pad_words": words, "world": p}
 
 
+def launch_rank(numel: int) -> dict:
+    import cProfile
+    import io
+    import pstats
+
+    from collectives.symmetric import gpu, triton_allreduce
+
+    device = ops.rank_device()
+    dtype = torch.bfloat16
+    buf = gpu.SymmetricBuffer(numel, dtype)
+    buf.buffer.zero_()
+    h = buf.handle
+    two = triton_allreduce._TWO_SHOT
+    for _ in range(5):
+        triton_allreduce.two_shot(h, numel, dtype)
+    torch.cuda.synchronize(device)
+    (shape, compiled), = list(two.compiled.items())[:1] or [(None, None)]
+    out = {"numel": numel, "dtype": str(dtype), "counts": dict(two.counts), "why_jit": two.why}
+    out["host_two_shot_s"] = _host(lambda: triton_allreduce.two_shot(h, numel, dtype), device, reps=50)
+    out["host_current_stream_s"] = _host(lambda: torch.cuda.current_stream().cuda_stream, device, reps=50)
+    out["host_buffer_ptrs_dev_s"] = _host(lambda: (h.buffer_ptrs_dev, h.signal_pad_ptrs_dev), device, reps=50)
+    out["host_hooks_check_s"] = _host(triton_launch_hooks, device, reps=50)
+    if compiled is not None:
+        grid, key, warps = shape
+        chunk = -(-numel // h.world_size)
+        args = (h.buffer_ptrs_dev, h.signal_pad_ptrs_dev, numel, chunk)
+        consts = dict(RANK=h.rank, WORLD=h.world_size, BLOCK=triton_allreduce.BLOCK,
+                      **triton_allreduce._types(dtype))
+        stream = torch.cuda.current_stream().cuda_stream
+        out["host_launcher_s"] = _host(lambda: two.launch(grid, key, args, consts, warps), device, reps=50)
+        out["host_compiled_run_s"] = _host(
+            lambda: compiled.run(grid[0], 1, 1, stream, compiled.function, compiled.packed_metadata,
+                                 None, None, None, *args, *consts.values()), device, reps=50)
+        out["compiled_type"] = f"{type(compiled.run).__module__}.{type(compiled.run).__qualname__}"
+    prof = cProfile.Profile()
+    torch.cuda.synchronize(device)
+    prof.enable()
+    for _ in range(300):
+        triton_allreduce.two_shot(h, numel, dtype)
+    prof.disable()
+    torch.cuda.synchronize(device)
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
+    out["profile"] = text.getvalue().splitlines()[-30:]
+    return out
+
+
+def triton_launch_hooks():
+    from collectives.symmetric import triton_launch
+    return triton_launch._hooks_installed()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["host", "graph", "triton"])
+    ap.add_argument("what", choices=["host", "graph", "triton", "launch"])
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--json", default="")
     ap.add_argument("--label", default="", help="a name for this run's settings")
@@ -231,6 +288,8 @@ def main() -> int:
     elif args.what == "graph":
         res = launch.run(graph_rank, args.world, args=([1 << 20, 16 << 20, 256 << 20], 64 << 20),
                          backend="nccl", timeout=80)
+    elif args.what == "launch":
+        res = launch.run(launch_rank, args.world, args=(8192,), backend="nccl", timeout=80)
     else:
         res = launch.run(triton_rank, args.world, args=([64 << 10, 1 << 20, 16 << 20, 256 << 20],),
                          backend="nccl", timeout=400)

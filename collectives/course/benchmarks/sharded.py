@@ -103,6 +103,7 @@ def _contender(name: str, layers: int, width: int, device, hybrid_rpm: int):
         return model, lambda: (opt.step(), opt.zero_grad()), mem
     if name in ("zero1", "zero2"):
         z = ZeRO(model, stage=int(name[-1]), optimizer=adam)
+        model.close = z.remove      # its gradient hooks keep it, and the model, alive until removed
         return model, lambda: (z.step(), z.zero_grad()), z.memory
     groups = {}
     if name == "hybrid":
