@@ -315,7 +315,6 @@ def test_the_triton_launcher_goes_back_to_the_jit_when_the_compiled_kernel_refus
 
 
 def test_an_empty_hook_chain_is_no_hook_and_a_set_hook_sends_every_launch_to_the_jit(monkeypatch):
-    import sys
     import types
 
     from collectives.symmetric import triton_launch
@@ -325,7 +324,7 @@ def test_an_empty_hook_chain_is_no_hook_and_a_set_hook_sends_every_launch_to_the
         def __init__(self):
             self.calls = []
     runtime = types.SimpleNamespace(launch_enter_hook=Chain(), launch_exit_hook=Chain())
-    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(knobs=types.SimpleNamespace(runtime=runtime)))
+    monkeypatch.setattr(triton_launch, "_runtime", lambda: runtime)       # triton.knobs.runtime
     kernel = _FakeKernel()
     launcher = triton_launch.Launcher(kernel)
     for _ in range(3):

@@ -240,20 +240,18 @@ def launch_rank(numel: int) -> dict:
     for _ in range(5):
         triton_allreduce.two_shot(h, numel, dtype)
     torch.cuda.synchronize(device)
-    (shape, compiled), = list(two.compiled.items())[:1] or [(None, None)]
+    plan_key = next((k for k in triton_allreduce._PLANS if k[0] == "two"), None)
+    compiled = two.compiled.get(plan_key)
     out = {"numel": numel, "dtype": str(dtype), "counts": dict(two.counts), "why_jit": two.why}
     out["host_two_shot_s"] = _host(lambda: triton_allreduce.two_shot(h, numel, dtype), device, reps=50)
     out["host_current_stream_s"] = _host(lambda: torch.cuda.current_stream().cuda_stream, device, reps=50)
     out["host_buffer_ptrs_dev_s"] = _host(lambda: (h.buffer_ptrs_dev, h.signal_pad_ptrs_dev), device, reps=50)
     out["host_hooks_check_s"] = _host(triton_launch_hooks, device, reps=50)
     if compiled is not None:
-        grid, key, warps = shape
-        chunk = -(-numel // h.world_size)
-        args = (h.buffer_ptrs_dev, h.signal_pad_ptrs_dev, numel, chunk)
-        consts = dict(RANK=h.rank, WORLD=h.world_size, BLOCK=triton_allreduce.BLOCK,
-                      **triton_allreduce._types(dtype))
+        grid, key, args, consts, warps = triton_allreduce._PLANS[plan_key]
         stream = torch.cuda.current_stream().cuda_stream
-        out["host_launcher_s"] = _host(lambda: two.launch(grid, key, args, consts, warps), device, reps=50)
+        out["host_launcher_s"] = _host(lambda: two.launch(grid, key, args, consts, warps, shape=plan_key),
+                                       device, reps=50)
         out["host_compiled_run_s"] = _host(
             lambda: compiled.run(grid[0], 1, 1, stream, compiled.function, compiled.packed_metadata,
                                  None, None, None, *args, *consts.values()), device, reps=50)

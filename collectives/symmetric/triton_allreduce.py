@@ -133,16 +133,35 @@ def _pad_words() -> int:
     return symm_mem.get_signal_pad_size() // 4 if hasattr(symm_mem, "get_signal_pad_size") else 2048
 
 
+_PLANS: dict = {}       # (pointers, rank, world, device, call) -> the launch's arguments, worked out once
+MAX_PLANS = 4096
+
+
+def _plan(key: tuple, make) -> tuple:
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= MAX_PLANS:
+            _PLANS.clear()
+        plan = _PLANS[key] = make()
+    return plan
+
+
 def one_shot(handle, numel: int, dtype: torch.dtype, out: torch.Tensor, *, block: int = BLOCK,
              programs: int = MAX_BLOCKS, warps: int = WARPS) -> torch.Tensor:
     """``out[:numel]`` <- the sum over ranks of their symmetric buffers' first ``numel``
     elements (``handle``: ``symm_mem.rendezvous`` of a buffer of ``dtype``). One launch of at
-    most ``programs`` programs of ``warps`` warps, each taking ``block`` elements at a time."""
-    constexprs = dict(RANK=handle.rank, WORLD=handle.world_size, BLOCK=block, **_types(dtype))
-    key = (dtype, tuple(constexprs.values()), int_shape(numel), out.data_ptr() % 16 == 0, out.device.index,
-           handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev)
-    _ONE_SHOT.launch(_grid(numel, block, programs, handle.world_size), key,
-                     (handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev, out, numel), constexprs, warps)
+    most ``programs`` programs of ``warps`` warps, each taking ``block`` elements at a time.
+    A call's launch arguments are worked out once and looked up after (keyed by the handle's
+    pointers and every argument, so nothing stale can match)."""
+    ptrs = handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev
+    key = ("one", ptrs, torch._C._cuda_getDevice(), numel, dtype, out.data_ptr(), block, programs, warps)
+
+    def make():
+        constexprs = dict(RANK=handle.rank, WORLD=handle.world_size, BLOCK=block, **_types(dtype))
+        shape = (dtype, tuple(constexprs.values()), int_shape(numel), out.data_ptr() % 16 == 0, out.device.index,
+                 *ptrs)
+        return (_grid(numel, block, programs, handle.world_size), shape, (*ptrs, out, numel), constexprs, warps)
+    _ONE_SHOT.launch(*_plan(key, make), shape=key)
     return out
 
 
@@ -151,9 +170,12 @@ def two_shot(handle, numel: int, dtype: torch.dtype, *, block: int = BLOCK, prog
     """The first ``numel`` elements of this rank's symmetric buffer <- their sum over ranks,
     in place: reduce-scatter then all-gather by loads. One launch (``block``, ``programs``,
     ``warps``: as :func:`one_shot`)."""
-    chunk = triton.cdiv(numel, handle.world_size)
-    constexprs = dict(RANK=handle.rank, WORLD=handle.world_size, BLOCK=block, **_types(dtype))
-    key = (dtype, tuple(constexprs.values()), int_shape(numel), int_shape(chunk), torch.cuda.current_device(),
-           handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev)
-    _TWO_SHOT.launch(_grid(chunk, block, programs, handle.world_size), key,
-                     (handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev, numel, chunk), constexprs, warps)
+    ptrs = handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev
+    key = ("two", ptrs, torch._C._cuda_getDevice(), numel, dtype, block, programs, warps)
+
+    def make():
+        chunk = triton.cdiv(numel, handle.world_size)
+        constexprs = dict(RANK=handle.rank, WORLD=handle.world_size, BLOCK=block, **_types(dtype))
+        shape = (dtype, tuple(constexprs.values()), int_shape(numel), int_shape(chunk), *ptrs)
+        return (_grid(chunk, block, programs, handle.world_size), shape, (*ptrs, numel, chunk), constexprs, warps)
+    _TWO_SHOT.launch(*_plan(key, make), shape=key)
