@@ -2,11 +2,16 @@
 
     python3 tools/gpu_record.py DIR
     python3 tools/gpu_record.py --again docs/data/gpu/lane-4x-h100.json   # judge a record anew
+    python3 tools/gpu_record.py --merge OUT.json LANE.json LATER.json ...   # later runs' steps over it
 
 The record names the machine as hardware (GPU model and count, how they are linked, from
 ``nvidia-smi topo -m``), the versions (torch, NCCL, driver), the date, the commit, and for
 every step its command, exit status and seconds, with the JSON that step wrote (a benchmark's
 rows, the tour's rows). ``docs/data/gpu/`` keeps these records; the benchmarks page reads them.
+
+``--merge`` lays the steps of later runs on one kind of machine over a record (a step run
+again counts its latest run); every step then names the commit and date of its own run, and
+the record lists every commit it holds.
 """
 
 from __future__ import annotations
@@ -297,9 +302,34 @@ def again(record: dict) -> dict:
     return record
 
 
+def merge(records: list[dict]) -> dict:
+    """``records`` (oldest first, one kind of machine) as one: each step its latest run's, with
+    that run's commit and date; the headlines, rows and figures judged anew."""
+    hardware = {r["hardware"] for r in records}
+    if len(hardware) != 1:
+        raise ValueError(f"records of different machines cannot be merged: {sorted(hardware)}")
+    steps: dict[str, dict] = {}
+    for r in records:
+        for s in r["steps"]:
+            steps.pop(s["step"], None)           # its latest run, in the order the runs came
+            steps[s["step"]] = dict(s, commit=s.get("commit", r["commit"]), date=s.get("date", r["date"]))
+    out = dict(records[-1], steps=list(steps.values()))
+    out["commits"] = sorted({s["commit"] for s in out["steps"]}, key=[r["commit"] for r in records].index)
+    out["commit"] = out["commits"][-1]
+    out["date"] = max(s["date"] for s in out["steps"])
+    out["command"] = "; ".join(dict.fromkeys(r["command"] for r in records))
+    out = again(out)
+    for row, s in zip(out["rows"], out["steps"]):
+        row.update(commit=s["commit"], date=s["date"][:10])
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--again"]:            # tools/gpu_record.py --again lane.json: judge a record anew
+    if argv[:1] == ["--merge"]:            # tools/gpu_record.py --merge OUT LANE LATER...: later steps over it
+        record = merge([json.loads(Path(p).read_text()) for p in argv[2:]])
+        Path(argv[1]).write_text(json.dumps(record, indent=1, default=str))
+    elif argv[:1] == ["--again"]:            # tools/gpu_record.py --again lane.json: judge a record anew
         path = Path(argv[1])
         record = again(json.loads(path.read_text()))
         path.write_text(json.dumps(record, indent=1, default=str))

@@ -12,16 +12,20 @@ to issue: at small sizes the launch, not NVLink, set the pace.
 specialisation depends on -- and keeps the compiled kernel it returns; later calls of the
 same shape hand the arguments straight to the compiled kernel's launcher. If this Triton's
 compiled kernels take their arguments differently (the call raises before anything is
-launched) or a launch hook is installed (a profiler), it goes back to the JIT for good.
-``counts`` says how many launches went each way; ``bench-symmetric --backend nccl`` records
-it with the host's time per call.
+launched) it goes back to the JIT for good; while a launch hook is installed (a profiler),
+each launch goes through the JIT, which calls it. ``counts`` says how many launches went
+each way and ``why`` the last reason for the JIT; ``bench-symmetric --backend nccl``
+records both with the host's time per call.
 
-Measured in the GPU lane (``docs/data/gpu/lane-2x-h200.json``), launching this way did not yet
-close the gap: one call still took the host about as long as before, while the same kernels
-replayed from a CUDA graph ran several times faster at the smallest size (the launch facts
-of ``docs/img/12-bench-gpu.json``). Where the rest of the
-host's time goes is the next measurement. vLLM's and TensorRT-LLM's custom all-reduces avoid
-the question: they run inside CUDA graphs, where a replay issues every kernel at once.
+Two things made the direct path pay off, both found by measuring one launch piece by piece
+(``tools/gpu_probe.py launch``, its record ``docs/data/gpu/launch-probe-2x-h200.json``):
+Triton 3.4 and later keep an empty chain of launch hooks where earlier versions kept None,
+which read as "a profiler is listening" and sent every launch back through the JIT; and
+``torch.cuda.current_stream()`` costs as much as the launch, so the stream is read from
+torch's C++ as Triton's own dispatch does. The callers (:mod:`.triton_allreduce`) also work
+out each call's launch arguments once. vLLM's and TensorRT-LLM's custom all-reduces avoid
+the question another way: they run inside CUDA graphs, where a replay issues every kernel
+at once.
 """
 
 from __future__ import annotations
@@ -67,7 +71,7 @@ def _hooks_installed() -> bool:
 def _current_stream() -> int:
     """The current CUDA stream's handle, as Triton's own dispatch reads it: straight from
     torch's C++ (``torch.cuda.current_stream()`` builds a Python stream object first, which
-    took the host 8 µs a call on 2× NVIDIA H200, as long as the launch itself)."""
+    costs the host about as much as the launch itself: ``tools/gpu_probe.py launch``)."""
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     if raw is None:
         return torch.cuda.current_stream().cuda_stream

@@ -286,6 +286,13 @@ def figure(suite: str, result: dict, meta: dict):
         head.append("max allocated MiB")
         for row, r in zip(table_rows, rows):
             row.append(f"{r['max_memory_allocated'][0] / 2**20:.1f}")
+        top = {r["name"]: max(r["max_memory_allocated"]) for r in rows}
+        vs = "fsdp2" if "fsdp2" in top else None
+        said = [f"{names[k]} {v / 2**20:.1f} MiB" + (f" ({v / top[vs]:.2f}× {names[vs]}'s)" if vs and k != vs else "")
+                for k, v in top.items()]
+        record.fact("allocated", "The caching allocator's peak (max_memory_allocated) over the training steps "
+                    "after the first, above what was allocated before the contender was built, the largest of "
+                    "any rank's: " + ", ".join(said) + ".", bytes=top)
     record.table = {"head": head, "rows": table_rows}
     record.caption = record.text()
     fig = plots._figure(7.0, 3.0)
