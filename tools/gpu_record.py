@@ -314,7 +314,8 @@ def merge(records: list[dict]) -> dict:
             steps.pop(s["step"], None)           # its latest run, in the order the runs came
             steps[s["step"]] = dict(s, commit=s.get("commit", r["commit"]), date=s.get("date", r["date"]))
     out = dict(records[-1], steps=list(steps.values()))
-    out["commits"] = sorted({s["commit"] for s in out["steps"]}, key=[r["commit"] for r in records].index)
+    order = list(dict.fromkeys(c for r in records for c in r.get("commits", [r["commit"]])))   # a merged one too
+    out["commits"] = sorted({s["commit"] for s in out["steps"]}, key=order.index)
     out["commit"] = out["commits"][-1]
     out["date"] = max(s["date"] for s in out["steps"])
     out["command"] = "; ".join(dict.fromkeys(r["command"] for r in records))
