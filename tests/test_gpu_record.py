@@ -1,0 +1,63 @@
+"""tools/gpu_record.py: the GPU lane's record, gathered from several runs (no GPU needed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _gpu_record():
+    spec = importlib.util.spec_from_file_location("gpu_record", ROOT / "tools" / "gpu_record.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _lane(commit: str, date: str, runners: dict, hardware="2× NVIDIA H200, NVLink (NV18)") -> dict:
+    steps = [dict(step=f"runner-{nn}", exit=0 if ok else 1, seconds=30, command=f"runner {nn}", passed=ok,
+                  headline="", target="", data=None,
+                  tail=[f"lesson {int(nn)}: {4 if ok else 3} of 4 tasks pass"]) for nn, ok in runners.items()]
+    return dict(hardware=hardware, device=hardware, torch="2.11.0+cu130", nccl="2.28.9", commit=commit, date=date,
+                command=f"tools/gpu_suite.sh {commit}",
+                steps=steps, rows=[], figures={})
+
+
+def test_a_merged_lane_keeps_each_steps_latest_run_and_names_its_commit(tmp_path):
+    tool = _gpu_record()
+    old = _lane("aaa1111", "2026-11-28T04:00:00+00:00", {"01": True, "02": False})
+    new = _lane("bbb2222", "2026-11-28T06:00:00+00:00", {"02": True, "03": True})
+    paths = []
+    for name, record in (("old", old), ("new", new)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(record))
+    out = tmp_path / "lane.json"
+    assert tool.main(["--merge", str(out), *map(str, paths)]) == 0      # every step's latest run passes
+    merged = json.loads(out.read_text())
+    by_step = {s["step"]: s for s in merged["steps"]}
+    assert sorted(by_step) == ["runner-01", "runner-02", "runner-03"]
+    assert by_step["runner-02"]["passed"] and by_step["runner-02"]["commit"] == "bbb2222"    # rerun: the later counts
+    assert by_step["runner-01"]["commit"] == "aaa1111" and by_step["runner-01"]["date"].startswith("2026-11-28T04")
+    assert merged["commits"] == ["aaa1111", "bbb2222"] and merged["commit"] == "bbb2222"
+    rows = {r["part"]: r for r in merged["rows"]}
+    assert rows["runner-02"]["result"] == "PASS" and rows["runner-01"]["commit"] == "aaa1111"
+    assert rows["runner-02"]["measured"] == "lesson 2: 4 of 4 tasks pass"       # judged anew from its tail
+    # a merged record merges again; a later failure is kept as a failure
+    worse = _lane("ccc3333", "2026-11-28T07:00:00+00:00", {"03": False})
+    paths.append(tmp_path / "worse.json")
+    paths[-1].write_text(json.dumps(worse))
+    assert tool.main(["--merge", str(out), str(out), str(paths[-1])]) == 1
+    again = json.loads(out.read_text())
+    assert again["commits"] == ["aaa1111", "bbb2222", "ccc3333"]
+    assert [s["passed"] for s in again["steps"] if s["step"] == "runner-03"] == [False]
+
+
+def test_records_of_different_machines_are_not_merged():
+    tool = _gpu_record()
+    with pytest.raises(ValueError, match="different machines"):
+        tool.merge([_lane("a", "2026-11-28", {"01": True}),
+                    _lane("b", "2026-11-28", {"01": True}, hardware="4× NVIDIA H100, NVLink (NV18)")])
