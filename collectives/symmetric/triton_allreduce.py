@@ -156,12 +156,13 @@ def one_shot(handle, numel: int, dtype: torch.dtype, out: torch.Tensor, *, block
     ptrs = handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev
     key = ("one", ptrs, torch._C._cuda_getDevice(), numel, dtype, out.data_ptr(), block, programs, warps)
 
-    def make():
+    def make():     # no tensor kept here: a cached plan must not keep ``out`` alive
         constexprs = dict(RANK=handle.rank, WORLD=handle.world_size, BLOCK=block, **_types(dtype))
         shape = (dtype, tuple(constexprs.values()), int_shape(numel), out.data_ptr() % 16 == 0, out.device.index,
                  *ptrs)
-        return (_grid(numel, block, programs, handle.world_size), shape, (*ptrs, out, numel), constexprs, warps)
-    _ONE_SHOT.launch(*_plan(key, make), shape=key)
+        return _grid(numel, block, programs, handle.world_size), shape, constexprs
+    grid, shape, constexprs = _plan(key, make)
+    _ONE_SHOT.launch(grid, shape, (*ptrs, out, numel), constexprs, warps, shape=key)
     return out
 
 
