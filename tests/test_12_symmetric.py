@@ -389,3 +389,67 @@ def test_on_gpus_every_algorithm_matches_nccl_bit_for_bit():
             mine = {k: v for k, v in per.items() if not k.startswith("symm_")}   # torch's may refuse a size
             assert mine and all(v is True for v in mine.values()), f"rank {rank}, {dtype}: {per}"
             assert all(v is not False for v in per.values()), f"rank {rank}, {dtype}: a wrong value: {per}"
+
+
+def _fake_triton():
+    """``triton`` and ``triton.language`` as the lesson's kernel modules use them at import:
+    ``@triton.jit`` (here: a :class:`_FakeKernel` per kernel), ``cdiv`` and the element types."""
+    import types
+
+    triton = types.ModuleType("triton")
+    triton.jit = lambda fn: _FakeKernel()
+    triton.cdiv = lambda a, b: -(-a // b)
+    tl = types.ModuleType("triton.language")
+    for name in ("float32", "bfloat16", "float16", "int32", "int64", "uint64", "constexpr"):
+        setattr(tl, name, name)
+    triton.language = tl
+    return triton, tl
+
+
+def test_the_triton_kernels_build_each_launch_once_and_keep_no_tensor_of_the_caller(monkeypatch):
+    import gc
+    import sys
+    import types
+    import weakref
+
+    triton, tl = _fake_triton()
+    monkeypatch.setitem(sys.modules, "triton", triton)
+    monkeypatch.setitem(sys.modules, "triton.language", tl)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
+    names = ["collectives.symmetric.triton_barrier", "collectives.symmetric.triton_allreduce"]
+    try:
+        from collectives.symmetric import triton_allreduce as ta
+        from collectives.symmetric import triton_launch
+        monkeypatch.setattr(triton_launch, "_runtime", lambda: None)       # no launch hooks
+        monkeypatch.setattr(ta, "_pad_words", lambda: 2048)
+        ta._PLANS.clear()
+        handle = types.SimpleNamespace(buffer_ptrs_dev=1000, signal_pad_ptrs_dev=2000, rank=1, world_size=2)
+        one, two = ta._ONE_SHOT.kernel, ta._TWO_SHOT.kernel
+        out = torch.zeros(64)
+        for _ in range(3):
+            ta.one_shot(handle, 64, torch.float32, out)
+            ta.two_shot(handle, 64, torch.float32)
+        assert len(one.jit_calls) == len(two.jit_calls) == 1          # the dispatch once, then direct
+        assert len(one.direct_calls) == len(two.direct_calls) == 2
+        grid, args, constexprs, warps = one.jit_calls[0]
+        assert args == (1000, 2000, out, 64) and constexprs["RANK"] == 1 and warps == ta.WARPS
+        # the grid, the stream, the kernel, then its arguments in order and the constexprs
+        assert one.direct_calls[0][3] == 7 and one.direct_calls[0][9:13] == (1000, 2000, out, 64)
+        assert two.direct_calls[0][9:13] == (1000, 2000, 64, 32)          # numel, then each rank's chunk
+        # the caller's output is passed on every call, never kept by the cached plan
+        kept = weakref.ref(out)
+        del out, grid, args
+        one.direct_calls.clear()
+        one.jit_calls.clear()
+        gc.collect()
+        assert kept() is None, "a cached launch plan keeps the caller's output tensor alive"
+        with pytest.raises(ValueError, match="power of two"):
+            ta.one_shot(handle, 64, torch.float32, torch.zeros(64), block=100)
+    finally:
+        for name in names:
+            sys.modules.pop(name, None)
+        import collectives.symmetric as package
+        for name in names:
+            if hasattr(package, name.rsplit(".", 1)[1]):
+                delattr(package, name.rsplit(".", 1)[1])
