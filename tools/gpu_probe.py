@@ -25,7 +25,7 @@ call, the launcher given ready arguments, Triton's compiled launcher alone, the 
 pointer properties, the current stream -- and a cProfile of 300 calls, the costliest first.
 
 No torchrun: one process per GPU (:func:`collectives.core.launch.run`). Multicast stays off.
-A world that overruns (80 s for ``host`` and ``graph``, 400 s for ``triton``) ends with the
+A world that overruns (80 s for ``host``, ``graph`` and ``launch``, 400 s for ``triton``) ends with the
 place each rank waited: give an outer ``timeout`` more than that, or the report is lost.
 """
 
