@@ -161,3 +161,37 @@ def test_measure_issue_is_the_median_host_time_of_one_call():
     pauses = iter([0.0, 0.02, 0.002, 0.002, 0.002])       # one slow run: the median ignores it
     took = timing.measure_issue(lambda: time.sleep(next(pauses)), iters=5, device=torch.device("cpu"))
     assert 0.002 <= took < 0.015
+
+
+def test_capture_graph_warms_on_a_side_stream_then_records_once_with_the_trace_paused(monkeypatch):
+    # torch's CUDA streams and graphs stood in for: what runs where, and in which order
+    import contextlib
+
+    from collectives.core import timing, trace
+    log = []
+
+    class Stream:
+        def __init__(self, name="side"):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append(f"{self.name} waits {other.name}")
+
+    current = Stream("current")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext(log.append(f"on {s.name}")))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log.append("sync"))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: "graph")
+
+    @contextlib.contextmanager
+    def graph(g, capture_error_mode):
+        log.append(f"capture {g} ({capture_error_mode})")
+        yield
+        log.append("end capture")
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    got = timing.capture_graph(lambda: log.append(f"run, trace {'paused' if trace._paused else 'on'}"),
+                               warm=2, device=torch.device("cpu"))
+    assert got == "graph"
+    assert log == ["side waits current", "on side", "run, trace on", "run, trace on", "current waits side", "sync",
+                   "capture graph (thread_local)", "run, trace paused", "end capture", "sync"]

@@ -61,19 +61,8 @@ def _gpu(fn, device, iters=10) -> float:
 
 
 def _graph(fn, device, warm=3):
-    """fn captured once in a CUDA graph (after warm runs on a side stream); the graph."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(warm):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    torch.cuda.synchronize(device)
-    g = torch.cuda.CUDAGraph()
-    with trace.paused(), torch.cuda.graph(g, capture_error_mode="thread_local"):
-        fn()
-    torch.cuda.synchronize(device)
-    return g
+    """fn captured once in a CUDA graph after ``warm`` runs; the graph."""
+    return timing.capture_graph(fn, warm=warm, device=device)
 
 
 def host_rank(a2a_bytes: int, ring_bytes: int) -> dict:

@@ -88,6 +88,26 @@ def measure_back_to_back(fn: Callable[[], object], *, iters: int = 100, group=No
     return slowest.item()
 
 
+def capture_graph(fn: Callable[[], object], *, warm: int = 1, device: torch.device | None = None):
+    """``fn`` recorded once in a CUDA graph and returned (``graph.replay()`` issues all its
+    kernels at once: the GPU's own time, with no launch from Python). ``warm`` runs come
+    first on a side stream, where libraries compile, allocate and bind outside the capture;
+    the course's trace is paused while it records."""
+    device = device if device is not None else rank_device()
+    here, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
+    side.wait_stream(here)
+    with torch.cuda.stream(side):
+        for _ in range(warm):
+            fn()
+    here.wait_stream(side)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with trace.paused(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        fn()
+    torch.cuda.synchronize(device)
+    return graph
+
+
 def measure_issue(fn: Callable[[], object], *, iters: int = 20, device: torch.device | None = None,
                   barrier: bool = False, group=None) -> float:
     """Median seconds this host takes to *issue* ``fn()``: the device is synchronised before

@@ -37,10 +37,10 @@ CHECK_SIZES = (1, 1001, 4099, (1 << 20) + 3)
 
 
 class Replayed:
-    """``run(n)`` captured in a CUDA graph once per ``n`` and replayed: the kernel's own time,
-    with no launch from Python (as vLLM runs its custom all-reduce). The capture is preceded
-    by one run on a side stream (Triton compiles and binds outside the capture), after which
-    ``buffer``'s first ``n`` elements are put back as they were."""
+    """``run(n)`` captured in a CUDA graph once per ``n`` (:func:`~collectives.core.timing.capture_graph`)
+    and replayed: the kernel's own time, with no launch from Python (as vLLM runs its custom
+    all-reduce). The warm run before the capture changes ``buffer``'s first ``n`` elements;
+    they are put back as they were."""
 
     def __init__(self, run, buffer: torch.Tensor):
         self.run, self.buffer, self.graphs = run, buffer, {}
@@ -49,15 +49,8 @@ class Replayed:
         graph = self.graphs.get(n)
         if graph is None:
             saved = self.buffer[:n].clone()
-            here, side = torch.cuda.current_stream(), torch.cuda.Stream()
-            side.wait_stream(here)
-            with torch.cuda.stream(side):
-                self.run(n)
-            here.wait_stream(side)
-            self.buffer[:n].copy_(saved)
-            graph = self.graphs[n] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                self.run(n)
+            graph = self.graphs[n] = timing.capture_graph(lambda: self.run(n), device=self.buffer.device)
+            self.buffer[:n].copy_(saved)         # the warm run changed it; the capture did not run
         graph.replay()
 
 
