@@ -8,7 +8,7 @@
 #   env       the machine: GPUs, their links, torch, NCCL, the commit
 #   tests     the gpu-marked tests (pytest -m gpu)
 #   tour      the tour, every row verified, at 2 GPUs and at every larger count the machine has
-#   runners   every lesson's exercise runner on the reference, --backend nccl, 2 GPUs
+#   runners   every lesson's exercise runner on the reference, --backend nccl, at every count
 #             (GPU_RUNNERS="02 10": only those lessons' runners)
 #   bench     lessons 3-4: every algorithm 4 KiB .. 1 GiB against NCCL (plain memory), and the
 #             ring on registered memory with its host time (tools/gpu_ring_check.py)
@@ -65,10 +65,13 @@ for part in $PARTS; do case $part in
       step "tour-p$p" 300 $PY -m collectives tour --backend nccl --world "$p" --size 64M --json "$OUT/steps/tour-p$p.json"
     done ;;
   runners)
-    for ex in lessons/[0-9][0-9]_*/exercise.py; do
-      nn=$(basename "$(dirname "$ex")" | cut -c1-2)
-      case " ${GPU_RUNNERS:-$nn} " in *" $nn "*) ;; *) continue ;; esac
-      on2 step "runner-$nn" 240 $PY "$ex" --impl reference --backend nccl --world 2 --timeout 60
+    for p in $COUNTS; do
+      pin=$([ "$p" = 2 ] && echo on2); tag=$([ "$p" = 2 ] || echo "-p$p")
+      for ex in lessons/[0-9][0-9]_*/exercise.py; do
+        nn=$(basename "$(dirname "$ex")" | cut -c1-2)
+        case " ${GPU_RUNNERS:-$nn} " in *" $nn "*) ;; *) continue ;; esac
+        $pin step "runner-$nn$tag" 240 $PY "$ex" --impl reference --backend nccl --world "$p" --timeout 60
+      done
     done ;;
   bench)
     for p in $COUNTS; do

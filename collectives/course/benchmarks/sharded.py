@@ -120,13 +120,9 @@ def _bench_in_rank(names, layers, width, batch, iters, backend, hybrid_rpm=2) ->
     rows = []
     g = torch.Generator().manual_seed(dist.get_rank())
     xs = [torch.randn(batch, width, generator=g).to(device) for _ in range(2)]
+    base = _settled(device, None)               # the batches alone: every contender starts from here
     for name in names:
-        before = 0
-        if device.type == "cuda":
-            import gc
-            gc.collect()                        # the earlier contender is gone (deleted below)
-            torch.cuda.empty_cache()
-            before = torch.cuda.memory_allocated(device)
+        before = _settled(device, base)
         fwd, step, mem = _contender(name, layers, width, device, hybrid_rpm)
         times, memory, steady = [], None, before
         for i in range(iters + 1):
@@ -156,6 +152,31 @@ def _bench_in_rank(names, layers, width, batch, iters, backend, hybrid_rpm=2) ->
         rows.append(row)
         del fwd, step, mem
     return rows
+
+
+def _settled(device, base: int | None, patience: float = 30.0) -> int:
+    """Bytes allocated on ``device`` once the earlier contender's memory is released (0 on CPU).
+
+    Deleting a contender does not free its memory at once: the process group's watchdog
+    holds the last collectives' tensors until it has seen them complete. A baseline read
+    too early counts them, and they are freed during the next contender's steps, whose
+    peak then reads too low. So wait, up to ``patience``
+    seconds, until the allocator is back at ``base``; what is left after that is the
+    caller's to report."""
+    if device.type != "cuda":
+        return 0
+    import gc
+    deadline = time.monotonic() + patience
+    while True:
+        gc.collect()
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        now = torch.cuda.memory_allocated(device)
+        if base is None or now <= base or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    dist.barrier()
+    return now
 
 
 def _metered_step(fwd, step, x, device) -> int:
