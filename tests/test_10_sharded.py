@@ -430,3 +430,42 @@ def _check_bad_input(errors) -> None:
     assert "release must be 'record_stream' or 'stream_order', got 'later'" in errors[5]
     with pytest.raises(ValueError, match="rank must be"):
         resolve("collectives.sharded:shard_rows")(torch.ones(3), 3, 3)
+
+
+def _settle_world(stuck: bool):
+    """bench-sharded's wait for an earlier contender's memory, with the allocator stood in
+    for: rank 0 is back at the baseline at once, rank 1 three looks later (or never)."""
+    from types import SimpleNamespace
+
+    from collectives.course.benchmarks import sharded
+
+    looks = {"n": 0}
+
+    def allocated(device=None):
+        looks["n"] += 1
+        if dist.get_rank() == 0 or looks["n"] == 1:
+            return 100
+        return 900 if stuck or looks["n"] < 5 else 100
+
+    fake = SimpleNamespace(type="cuda")
+    with contextlib.ExitStack() as stack:
+        for name, value in dict(synchronize=lambda d=None: None, empty_cache=lambda: None,
+                                memory_allocated=allocated).items():
+            stack.enter_context(pytest.MonkeyPatch.context()).setattr(torch.cuda, name, value)
+        real_zeros = torch.zeros
+        stack.enter_context(pytest.MonkeyPatch.context()).setattr(
+            sharded.torch, "zeros", lambda *a, device=None, **k: real_zeros(*a, **k))
+        base = sharded._settled(fake, None)
+        got = sharded._settled(fake, base, patience=0.5)
+    return base, got, looks["n"]
+
+
+@pytest.mark.parametrize("stuck", [False, True])
+def test_the_memory_baseline_waits_in_step_on_every_rank(stuck):
+    """Ranks that see their memory released at different times go round the same number of
+    times (a rank that left early would leave the others in a collective alone: a hang), and
+    what is never released comes back as it is, after the patience runs out."""
+    (b0, got0, n0), (b1, got1, n1) = launch.run(_settle_world, 2, args=(stuck,), timeout=WORLD_TIMEOUT)
+    assert (b0, b1, got0) == (100, 100, 100)
+    assert got1 == (900 if stuck else 100)
+    assert n0 == n1 >= 5        # each look ends in an all-reduce: every rank must make as many

@@ -19,10 +19,7 @@ addresses, peers' mapped over NVLink). No copy engine, no NCCL call, no multicas
 
 Each program runs through its blocks with a stride of the grid (a persistent grid of at
 most :data:`MAX_BLOCKS` programs, so the barrier's words stay within the signal pad), each
-load is BLOCK contiguous elements (Triton vectorises them to 16-byte loads). The two-shot
-takes two blocks a turn and issues both blocks' loads before either store: a load over
-NVLink takes microseconds to come back, and a program that waits on one load at a time
-leaves the link idle (bf16, with half fp32's bytes a block, showed it most). The sum is
+load is BLOCK contiguous elements (Triton vectorises them to 16-byte loads). The sum is
 taken in float32 for 16-bit types and in rank order on every rank: the same bits everywhere.
 
 After the structure of symm-mem-recipes' one-shot all-reduce kernel (a blockwise barrier
@@ -87,32 +84,22 @@ def _two_shot_kernel(buffer_ptrs, signal_pad_ptrs, numel, chunk,
                      RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, ELEMENT: tl.constexpr,
                      ACC: tl.constexpr):
     program, programs = tl.program_id(0), tl.num_programs(0)
-    stride = programs * BLOCK           # a program's blocks: start, start + stride, ...; two per turn
     own = _peer(buffer_ptrs, RANK, ELEMENT)
     blockwise_barrier(signal_pad_ptrs, program, RANK, WORLD)
     lo = RANK * chunk
-    for start in range(program * BLOCK, chunk, 2 * stride):              # reduce our chunk, in place
-        a = lo + start + tl.arange(0, BLOCK)
-        b = a + stride
-        in_a = (a < lo + chunk) & (a < numel)
-        in_b = (b < lo + chunk) & (b < numel)
-        sum_a = _sum_of_peers(buffer_ptrs, a, in_a, ELEMENT, ACC, WORLD, BLOCK)   # both blocks' loads
-        sum_b = _sum_of_peers(buffer_ptrs, b, in_b, ELEMENT, ACC, WORLD, BLOCK)   # are issued before
-        tl.store(own + a, sum_a.to(ELEMENT), mask=in_a)                            # either store
-        tl.store(own + b, sum_b.to(ELEMENT), mask=in_b)
+    for start in range(program * BLOCK, chunk, programs * BLOCK):        # reduce our chunk, in place
+        offsets = lo + start + tl.arange(0, BLOCK)
+        mask = (offsets < lo + chunk) & (offsets < numel)
+        acc = _sum_of_peers(buffer_ptrs, offsets, mask, ELEMENT, ACC, WORLD, BLOCK)
+        tl.store(own + offsets, acc.to(ELEMENT), mask=mask)
     blockwise_barrier(signal_pad_ptrs, program, RANK, WORLD)
     for peer in tl.static_range(WORLD):                                  # gather the others' chunks
         if peer != RANK:
             theirs = _peer(buffer_ptrs, peer, ELEMENT)
-            for start in range(program * BLOCK, chunk, 2 * stride):
-                a = peer * chunk + start + tl.arange(0, BLOCK)
-                b = a + stride
-                in_a = (a < (peer + 1) * chunk) & (a < numel)
-                in_b = (b < (peer + 1) * chunk) & (b < numel)
-                got_a = tl.load(theirs + a, mask=in_a)
-                got_b = tl.load(theirs + b, mask=in_b)
-                tl.store(own + a, got_a, mask=in_a)
-                tl.store(own + b, got_b, mask=in_b)
+            for start in range(program * BLOCK, chunk, programs * BLOCK):
+                offsets = peer * chunk + start + tl.arange(0, BLOCK)
+                mask = (offsets < (peer + 1) * chunk) & (offsets < numel)
+                tl.store(own + offsets, tl.load(theirs + offsets, mask=mask), mask=mask)
     blockwise_barrier(signal_pad_ptrs, program, RANK, WORLD)
 
 

@@ -154,29 +154,32 @@ def _bench_in_rank(names, layers, width, batch, iters, backend, hybrid_rpm=2) ->
     return rows
 
 
-def _settled(device, base: int | None, patience: float = 30.0) -> int:
+def _settled(device, base: int | None, patience: float = 5.0) -> int:
     """Bytes allocated on ``device`` once the earlier contender's memory is released (0 on CPU).
 
-    Deleting a contender does not free its memory at once: the process group's watchdog
-    holds the last collectives' tensors until it has seen them complete. A baseline read
-    too early counts them, and they are freed during the next contender's steps, whose
-    peak then reads too low. So wait, up to ``patience``
-    seconds, until the allocator is back at ``base``; what is left after that is the
-    caller's to report."""
+    Deleting a contender does not free all its memory at once: the process group keeps the
+    tensors of its last collectives until it next looks at its finished work, which a new
+    collective makes it do. A baseline read before that counts them, they are freed during
+    the next contender's steps, and that contender's peak reads too low. So: collect, issue
+    a one-element all-reduce, synchronise, and look again, up to ``patience`` seconds, until
+    the allocator is back at ``base``; what is still there after that is reported by the
+    caller (``allocated_before`` above the first contender's)."""
     if device.type != "cuda":
         return 0
     import gc
     deadline = time.monotonic() + patience
-    while True:
+    done = torch.zeros(1, dtype=torch.int32, device=device)
+    dist.all_reduce(done)                   # the first look at the finished work
+    while True:                             # every rank goes round as often as the slowest
         gc.collect()
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         now = torch.cuda.memory_allocated(device)
-        if base is None or now <= base or time.monotonic() > deadline:
-            break
+        done.fill_(int(base is None or now <= base or time.monotonic() > deadline))
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        if done.item():
+            return now
         time.sleep(0.05)
-    dist.barrier()
-    return now
 
 
 def _metered_step(fwd, step, x, device) -> int:
