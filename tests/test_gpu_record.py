@@ -61,3 +61,25 @@ def test_records_of_different_machines_are_not_merged():
     with pytest.raises(ValueError, match="different machines"):
         tool.merge([_lane("a", "2026-11-28", {"01": True}),
                     _lane("b", "2026-11-28", {"01": True}, hardware="4× NVIDIA H100, NVLink (NV18)")])
+
+
+def test_lesson10_peaks_are_not_compared_when_a_baseline_moved():
+    """A contender whose steps began below what was allocated before it (an earlier
+    contender's memory freed during its run) has a peak that reads too low: the record says
+    so and gives no peak ratio, where a clean run gives one."""
+    tool = _gpu_record()
+
+    def row(name, peak, steady):
+        return dict(name=name, seconds=1.0, max_memory_allocated=[peak, peak],
+                    allocated=[dict(before=8, steady=steady, after=steady)] * 2)
+
+    def lesson10(fsdp2_steady):
+        rows = [row("fsdp2", 800, fsdp2_steady), row("zero3", 880, 390)]
+        return {"10-sharded-nccl.json": {"rows": rows}, "10-sharded-gpu-checks.json": {"checks": {}}}
+
+    clean = tool.figures([dict(step="lesson10", data=lesson10(380))])
+    assert clean["zero3_peak_over_fsdp2"] == pytest.approx(1.1)
+    moved = tool.figures([dict(step="lesson10", data=lesson10(-128))])
+    assert moved["lesson10_baseline_moved"] == ["fsdp2"] and "zero3_peak_over_fsdp2" not in moved
+    said, _ = tool.headline("lesson10", lesson10(-128), [])
+    assert "not comparable" in said and "peak memory 1.10" not in said
