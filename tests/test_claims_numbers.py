@@ -127,3 +127,12 @@ def test_gpu_records_show_when_their_files_exist_and_the_page_builds_without_the
     shown = claim_pages.expand_records(page, tmp_path)
     assert "2x NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, NCCL 2.28.9, 2026-11-28" in shown
     assert "| algorithm | speed |" in shown and "| ring | 0.771 |" in shown
+
+
+def test_a_field_path_reads_keys_indices_matches_and_quoted_keys_with_dots():
+    data = {"steps": [{"step": "a", "data": {"12-bench.json": {"runs": [1.5, 2.5]}}},
+                      {"step": "b", "data": {}}]}
+    assert numbers.field(data, 'steps[step=a].data."12-bench.json".runs[1]') == 2.5
+    assert numbers.field(data, "steps[1].step") == "b"
+    with pytest.raises(KeyError):           # unquoted, the dot splits the key
+        numbers.field(data, "steps[step=a].data.12-bench.json.runs[1]")

@@ -165,9 +165,12 @@ def _parse(text: str) -> tuple[list[float], str, list[int]]:
 
 def field(data, path: str):
     """``comparisons[id=one-size].values.hier`` read out of ``data``: dots between keys,
-    ``[n]`` an index, ``[key=value]`` the list item whose ``key`` is ``value``."""
-    for part in re.findall(r"[^.\[\]]+|\[[^\]]*\]", path):
-        if part.startswith("["):
+    ``[n]`` an index, ``[key=value]`` the list item whose ``key`` is ``value``, and a key
+    with dots in it in double quotes (``data."12-bench-gpu.json".world``)."""
+    for part in re.findall(r'"[^"]*"|[^.\[\]"]+|\[[^\]]*\]', path):
+        if part.startswith('"'):
+            data = data[part[1:-1]]
+        elif part.startswith("["):
             inner = part[1:-1]
             if "=" in inner:
                 key, value = inner.split("=", 1)
