@@ -437,6 +437,11 @@ def test_the_triton_kernels_build_each_launch_once_and_keep_no_tensor_of_the_cal
         # the grid, the stream, the kernel, then its arguments in order and the constexprs
         assert one.direct_calls[0][3] == 7 and one.direct_calls[0][9:13] == (1000, 2000, out, 64)
         assert two.direct_calls[0][9:13] == (1000, 2000, 64, 32)          # numel, then each rank's chunk
+        store = ta._TWO_SHOT_STORE.kernel                                  # the gather by stores:
+        ta.two_shot(handle, 64, torch.float32, gather="store")             # its own kernel and plan
+        assert len(store.jit_calls) == 1 and len(two.jit_calls) == 1 and len(two.direct_calls) == 2
+        with pytest.raises(ValueError, match="gather"):
+            ta.two_shot(handle, 64, torch.float32, gather="pull")
         # the caller's output is passed on every call, never kept by the cached plan
         kept = weakref.ref(out)
         del out, grid, args

@@ -17,6 +17,15 @@ addresses, peers' mapped over NVLink). No copy engine, no NCCL call, no multicas
         gather: for each block of every other chunk j: copy from rank j's buffer into ours
         barrier b                 nobody reads our buffer any more
 
+    two-shot, the gather by stores (``gather="store"``, as torch's in-place two-shot):
+        barrier b
+        for each block of chunk r: acc = Σ_q x_q; store acc into EVERY rank's buffer
+        barrier b                 every sum has landed in every buffer
+      No barrier in the middle: block k of chunk r is read and written by one program of
+      rank r alone, which reads it from every buffer before it writes it anywhere. And a
+      store over NVLink is posted -- nothing waits for it to come back -- where a load is a
+      round trip.
+
 Each program runs through its blocks with a stride of the grid (a persistent grid of at
 most :data:`MAX_BLOCKS` programs, so the barrier's words stay within the signal pad), each
 load is BLOCK contiguous elements (Triton vectorises them to 16-byte loads). The sum is
@@ -103,6 +112,23 @@ def _two_shot_kernel(buffer_ptrs, signal_pad_ptrs, numel, chunk,
     blockwise_barrier(signal_pad_ptrs, program, RANK, WORLD)
 
 
+@triton.jit
+def _two_shot_store_kernel(buffer_ptrs, signal_pad_ptrs, numel, chunk,
+                           RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, ELEMENT: tl.constexpr,
+                           ACC: tl.constexpr):
+    program, programs = tl.program_id(0), tl.num_programs(0)
+    blockwise_barrier(signal_pad_ptrs, program, RANK, WORLD)
+    lo = RANK * chunk
+    for start in range(program * BLOCK, chunk, programs * BLOCK):
+        offsets = lo + start + tl.arange(0, BLOCK)
+        mask = (offsets < lo + chunk) & (offsets < numel)
+        acc = _sum_of_peers(buffer_ptrs, offsets, mask, ELEMENT, ACC, WORLD, BLOCK).to(ELEMENT)
+        for step in tl.static_range(WORLD):              # the sum into every rank's buffer, ours last
+            peer = (RANK + 1 + step) % WORLD
+            tl.store(_peer(buffer_ptrs, peer, ELEMENT) + offsets, acc, mask=mask)
+    blockwise_barrier(signal_pad_ptrs, program, RANK, WORLD)
+
+
 _ELEMENTS = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
              torch.int32: tl.int32, torch.int64: tl.int64}
 
@@ -114,6 +140,8 @@ def _types(dtype: torch.dtype) -> dict:
 
 
 _ONE_SHOT, _TWO_SHOT = Launcher(_one_shot_kernel), Launcher(_two_shot_kernel)
+_TWO_SHOT_STORE = Launcher(_two_shot_store_kernel)
+GATHERS = ("load", "store")
 
 
 def _grid(work: int, block: int, programs: int, world: int) -> tuple[int]:
@@ -166,17 +194,21 @@ def one_shot(handle, numel: int, dtype: torch.dtype, out: torch.Tensor, *, block
     return out
 
 
-def two_shot(handle, numel: int, dtype: torch.dtype, *, block: int = BLOCK, programs: int = MAX_BLOCKS,
-             warps: int = WARPS) -> None:
+def two_shot(handle, numel: int, dtype: torch.dtype, *, gather: str = "load", block: int = BLOCK,
+             programs: int = MAX_BLOCKS, warps: int = WARPS) -> None:
     """The first ``numel`` elements of this rank's symmetric buffer <- their sum over ranks,
-    in place: reduce-scatter then all-gather by loads. One launch (``block``, ``programs``,
-    ``warps``: as :func:`one_shot`)."""
+    in place: a reduce-scatter by loads, then an all-gather -- by loads (``gather="load"``:
+    every rank reads the others' reduced chunks; three barriers) or by stores
+    (``"store"``: every rank writes its reduced chunk into every rank's buffer; two
+    barriers). One launch (``block``, ``programs``, ``warps``: as :func:`one_shot`)."""
+    if gather not in GATHERS:
+        raise ValueError(f"gather must be one of {GATHERS}, got {gather!r}")
     ptrs = handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev
-    key = ("two", ptrs, torch._C._cuda_getDevice(), numel, dtype, block, programs, warps)
+    key = ("two", ptrs, torch._C._cuda_getDevice(), numel, dtype, gather, block, programs, warps)
 
     def make():
         chunk = triton.cdiv(numel, handle.world_size)
         constexprs = dict(RANK=handle.rank, WORLD=handle.world_size, BLOCK=block, **_types(dtype))
         shape = (dtype, tuple(constexprs.values()), int_shape(numel), int_shape(chunk), *ptrs)
         return (_grid(chunk, block, programs, handle.world_size), shape, (*ptrs, numel, chunk), constexprs, warps)
-    _TWO_SHOT.launch(*_plan(key, make), shape=key)
+    (_TWO_SHOT if gather == "load" else _TWO_SHOT_STORE).launch(*_plan(key, make), shape=key)

@@ -10,8 +10,9 @@ symmetric-memory all-reduce writes its tensor into the buffer; that copy is not 
 * ``nccl``: ``dist.all_reduce`` in place;
 * ``symm_one_shot``, ``symm_two_shot``: ``torch.ops.symm_mem.one_shot_all_reduce`` and
   ``two_shot_all_reduce_`` (loads from peers' buffers; not the multicast (multimem) variants);
-* ``triton_one_shot``, ``triton_two_shot``: the lesson's kernels
-  (:mod:`collectives.symmetric.triton_allreduce`), where Triton is installed;
+* ``triton_one_shot``, ``triton_two_shot``, ``triton_two_shot_store``: the lesson's kernels
+  (:mod:`collectives.symmetric.triton_allreduce`; the last gathers by stores), where
+  Triton is installed;
 * ``torch_one_shot``, ``torch_two_shot``: the lesson's plain-torch versions
   (:mod:`collectives.symmetric.gpu`).
 
@@ -80,6 +81,7 @@ def _algorithms(capacity: int, dtype: torch.dtype) -> tuple[dict, list[str], dic
         lesson.buffer.zero_()
         algos["triton_one_shot"] = lambda n: triton_allreduce.one_shot(lesson.handle, n, dtype, out)
         algos["triton_two_shot"] = lambda n: triton_allreduce.two_shot(lesson.handle, n, dtype)
+        algos["triton_two_shot_store"] = lambda n: triton_allreduce.two_shot(lesson.handle, n, dtype, gather="store")
         algos["graph_triton_one_shot"] = Replayed(algos["triton_one_shot"], lesson.buffer)
         algos["graph_triton_two_shot"] = Replayed(algos["triton_two_shot"], lesson.buffer)
     else:
@@ -92,6 +94,7 @@ def _algorithms(capacity: int, dtype: torch.dtype) -> tuple[dict, list[str], dic
                "symm_two_shot": theirs.buffer if torch_ops else None,
                "triton_one_shot": lesson.buffer if "triton_one_shot" in algos else None,
                "triton_two_shot": lesson.buffer if "triton_two_shot" in algos else None,
+               "triton_two_shot_store": lesson.buffer if "triton_two_shot" in algos else None,
                "graph_triton_one_shot": lesson.buffer if "triton_one_shot" in algos else None,
                "graph_triton_two_shot": lesson.buffer if "triton_two_shot" in algos else None,
                "torch_one_shot": plain_torch.buffer, "torch_two_shot": plain_torch.buffer}
@@ -188,7 +191,8 @@ def _launcher_counts() -> dict:
         return {}
     from ...symmetric import triton_allreduce
     return {name: dict(launcher.counts, why_jit=launcher.why)
-            for name, launcher in (("one_shot", triton_allreduce._ONE_SHOT), ("two_shot", triton_allreduce._TWO_SHOT))}
+            for name, launcher in (("one_shot", triton_allreduce._ONE_SHOT), ("two_shot", triton_allreduce._TWO_SHOT),
+                                   ("two_shot_store", triton_allreduce._TWO_SHOT_STORE))}
 
 
 def run_gpu(args) -> dict:
