@@ -434,7 +434,7 @@ def _check_bad_input(errors) -> None:
 
 def _settle_world(stuck: bool):
     """bench-sharded's wait for an earlier contender's memory, with the allocator stood in
-    for: rank 0 is back at the baseline at once, rank 1 three looks later (or never)."""
+    for: rank 0 is back at the baseline at once, rank 1 on its fifth look (or never)."""
     from types import SimpleNamespace
 
     from collectives.course.benchmarks import sharded
@@ -447,14 +447,12 @@ def _settle_world(stuck: bool):
             return 100
         return 900 if stuck or looks["n"] < 5 else 100
 
-    fake = SimpleNamespace(type="cuda")
-    with contextlib.ExitStack() as stack:
-        for name, value in dict(synchronize=lambda d=None: None, empty_cache=lambda: None,
-                                memory_allocated=allocated).items():
-            stack.enter_context(pytest.MonkeyPatch.context()).setattr(torch.cuda, name, value)
-        real_zeros = torch.zeros
-        stack.enter_context(pytest.MonkeyPatch.context()).setattr(
-            sharded.torch, "zeros", lambda *a, device=None, **k: real_zeros(*a, **k))
+    fake, real_zeros = SimpleNamespace(type="cuda"), torch.zeros
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda, "synchronize", lambda d=None: None)
+        mp.setattr(torch.cuda, "empty_cache", lambda: None)
+        mp.setattr(torch.cuda, "memory_allocated", allocated)
+        mp.setattr(torch, "zeros", lambda *a, device=None, **k: real_zeros(*a, **k))   # on the CPU
         base = sharded._settled(fake, None)
         got = sharded._settled(fake, base, patience=0.5 if stuck else 120.0)
     return base, got, looks["n"]
