@@ -16,9 +16,10 @@ against ``dist.all_reduce`` on integer data, its GPU time against NCCL's (eager 
 graph) and the host time of one replay. If the ring's gap to NCCL is the host's, the
 replayed ring closes it.
 
-``triton``: lesson 12's Triton one-shot and two-shot at several shapes (elements per load,
-programs, warps), timed back to back (as ``bench-symmetric``), from a CUDA graph (the
-GPU's time alone) and by the host's launch time, beside torch's ``symm_mem`` ops and NCCL.
+``triton``: lesson 12's Triton one-shot and both two-shots (gathering by loads and by
+stores) at several shapes (elements per load, programs, warps), timed back to back (as
+``bench-symmetric``), from a CUDA graph (the GPU's time alone) and by the host's launch
+time, beside torch's ``symm_mem`` ops and NCCL.
 
 ``launch``: the host's time for one call of lesson 12's two-shot taken apart -- the whole
 call, the launcher given ready arguments, Triton's compiled launcher alone, the handle's
@@ -192,14 +193,15 @@ def triton_rank(sizes: list[int]) -> dict:
         for block, programs, warps in SHAPES:
             if programs * p > words:
                 continue
-            for algo in ("one_shot", "two_shot"):
+            for algo in ("one_shot", "two_shot", "two_shot_store"):
                 if algo == "one_shot" and nbytes > (16 << 20):
                     continue
                 kw = dict(block=block, programs=programs, warps=warps)
                 def fn(kw=kw, algo=algo, n=n):
                     if algo == "one_shot":
                         return triton_allreduce.one_shot(buf.handle, n, dtype, out, **kw)
-                    return triton_allreduce.two_shot(buf.handle, n, dtype, **kw)
+                    gather = "store" if algo == "two_shot_store" else "load"
+                    return triton_allreduce.two_shot(buf.handle, n, dtype, gather=gather, **kw)
                 key = f"{algo} b{block} g{programs} w{warps}"
                 try:
                     row = {"b2b_s": timing.measure_back_to_back(fn, iters=20, device=device),
