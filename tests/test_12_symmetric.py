@@ -400,8 +400,9 @@ def _fake_triton():
     triton.jit = lambda fn: _FakeKernel()
     triton.cdiv = lambda a, b: -(-a // b)
     tl = types.ModuleType("triton.language")
-    for name in ("float32", "bfloat16", "float16", "int32", "int64", "uint64", "constexpr"):
+    for name in ("float32", "bfloat16", "float16", "int32", "int64", "uint64"):
         setattr(tl, name, name)
+    tl.constexpr = str        # an annotation, and the barrier's PTX text wrapped as a compile-time constant
     triton.language = tl
     return triton, tl
 
@@ -442,6 +443,14 @@ def test_the_triton_kernels_build_each_launch_once_and_keep_no_tensor_of_the_cal
         assert len(store.jit_calls) == 1 and len(two.jit_calls) == 1 and len(two.direct_calls) == 2
         with pytest.raises(ValueError, match="gather"):
             ta.two_shot(handle, 64, torch.float32, gather="pull")
+        # the barrier is a compile-time switch: the serial one unless asked, the parallel its own compile
+        assert two.jit_calls[0][2]["PARALLEL"] is False
+        ta.two_shot(handle, 64, torch.float32, barrier="parallel")
+        assert len(two.jit_calls) == 2 and two.jit_calls[1][2]["PARALLEL"] is True
+        for bad in (lambda: ta.two_shot(handle, 64, torch.float32, barrier="spin"),
+                    lambda: ta.one_shot(handle, 64, torch.float32, out, barrier="spin")):
+            with pytest.raises(ValueError, match="barrier"):
+                bad()
         # the caller's output is passed on every call, never kept by the cached plan
         kept = weakref.ref(out)
         del out, grid, args

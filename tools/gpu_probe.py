@@ -1,9 +1,10 @@
-"""Why the course's GPU collectives miss NCCL's pace: three measurements, one record each.
+"""Why the course's GPU collectives miss NCCL's pace: five measurements, one record each.
 
     python3 tools/gpu_probe.py host   --world 2 --json host.json     # host time of one call
     python3 tools/gpu_probe.py graph  --world 2 --json graph.json    # the ring from a CUDA graph
     python3 tools/gpu_probe.py triton --world 2 --json triton.json   # lesson 12's kernels' shape
     python3 tools/gpu_probe.py launch --world 2 --json launch.json   # where a kernel's launch goes
+    python3 tools/gpu_probe.py barrier --world 4 --json barrier.json # lesson 12's two barriers
 
 ``host``: the host time to issue one call (synchronise, then perf_counter around the call:
 the launches alone) of a CUDA kernel, ``dist.all_reduce``, one ``batch_isend_irecv`` pair,
@@ -25,9 +26,13 @@ time, beside torch's ``symm_mem`` ops and NCCL.
 call, the launcher given ready arguments, Triton's compiled launcher alone, the handle's
 pointer properties, the current stream -- and a cProfile of 300 calls, the costliest first.
 
+``barrier``: lesson 12's Triton kernels with each of their barriers (one thread meeting every
+peer in turn, or one thread per peer), exact against NCCL first, then timed.
+
 No torchrun: one process per GPU (:func:`collectives.core.launch.run`). Multicast stays off.
-A world that overruns (80 s for ``host``, ``graph`` and ``launch``, 400 s for ``triton``) ends with the
-place each rank waited: give an outer ``timeout`` more than that, or the report is lost.
+A world that overruns (80 s for ``host``, ``graph`` and ``launch``, 150 s for ``barrier``, 400 s
+for ``triton``) ends with the place each rank waited: give an outer ``timeout`` more than
+that, or the report is lost.
 """
 
 from __future__ import annotations
@@ -215,6 +220,57 @@ def triton_rank(sizes: list[int]) -> dict:
     return {"rows": rows, "pad_words": words, "world": p}
 
 
+def barrier_rank(sizes: list[int]) -> dict:
+    """Lesson 12's kernels with each barrier (:data:`triton_allreduce.BARRIERS`): exact against
+    NCCL on integer-valued bf16 first, then timed back to back and from a CUDA graph."""
+    from collectives.symmetric import gpu, triton_allreduce
+
+    device = ops.rank_device()
+    rank, dtype = dist.get_rank(), torch.bfloat16
+    cap = max(sizes) // 2
+    buf = gpu.SymmetricBuffer(cap, dtype)
+    out = torch.empty(cap, dtype=dtype, device=device)
+    two_shot = gpu.symm_mem_ops().get("two_shot_all_reduce_")
+    rows = []
+    for nbytes in sizes:
+        n = nbytes // 2
+        row = {"bytes": nbytes}
+        values = (torch.randint(-4, 5, (n,), device=device) * (rank + 1)).to(dtype)
+        expected = values.clone()
+        dist.all_reduce(expected)
+        flat = buf.buffer[:n]
+        row["nccl_b2b_s"] = timing.measure_back_to_back(lambda: dist.all_reduce(flat), iters=20, device=device)
+        if two_shot is not None:
+            row["symm_two_shot_b2b_s"] = timing.measure_back_to_back(
+                lambda: two_shot(flat, "sum", buf.group_name), iters=20, device=device)
+        for barrier in triton_allreduce.BARRIERS:
+            for algo in ("one_shot", "two_shot", "two_shot_store"):
+                if algo == "one_shot" and nbytes > (16 << 20):
+                    continue
+
+                def fn(algo=algo, barrier=barrier):
+                    if algo == "one_shot":
+                        return triton_allreduce.one_shot(buf.handle, n, dtype, out, barrier=barrier)
+                    gather = "store" if algo == "two_shot_store" else "load"
+                    return triton_allreduce.two_shot(buf.handle, n, dtype, gather=gather, barrier=barrier)
+                key = f"{algo} {barrier}"
+                try:
+                    flat.copy_(values)
+                    dist.barrier()
+                    fn()
+                    torch.cuda.synchronize(device)
+                    got = out[:n] if algo == "one_shot" else flat
+                    cell = {"exact": bool(torch.equal(got, expected)),
+                            "b2b_s": timing.measure_back_to_back(fn, iters=20, device=device)}
+                    g = _graph(fn, device)
+                    cell["graph_s"] = _gpu(lambda: [g.replay() for _ in range(10)], device) / 10
+                    row[key] = cell
+                except Exception as exc:  # noqa: BLE001 - a probe reports what failed
+                    row[key] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"}
+        rows.append(row)
+    return {"rows": rows, "world": dist.get_world_size()}
+
+
 def launch_rank(numel: int) -> dict:
     import cProfile
     import io
@@ -267,7 +323,7 @@ def triton_launch_hooks():
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["host", "graph", "triton", "launch"])
+    ap.add_argument("what", choices=["host", "graph", "triton", "launch", "barrier"])
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--json", default="")
     ap.add_argument("--label", default="", help="a name for this run's settings")
@@ -277,6 +333,9 @@ def main() -> int:
     elif args.what == "graph":
         res = launch.run(graph_rank, args.world, args=([1 << 20, 16 << 20, 256 << 20], 64 << 20),
                          backend="nccl", timeout=80)
+    elif args.what == "barrier":
+        res = launch.run(barrier_rank, args.world, args=([4 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20],),
+                         backend="nccl", timeout=150)
     elif args.what == "launch":
         res = launch.run(launch_rank, args.world, args=(8192,), backend="nccl", timeout=80)
     else:

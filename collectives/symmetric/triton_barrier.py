@@ -22,8 +22,22 @@ The arrive is a *release* and the wait an *acquire*, at system scope: what this 
 wrote before arriving (its slot, its reduced chunk) is visible to a peer's block that has
 seen the arrival -- the fences the CPU version got for free from x86's store order.
 
+Two ways to run the handshake (``PARALLEL``, a compile-time switch of every kernel):
+
+* serial (``PARALLEL=False``): one thread arrives at each peer in turn, then consumes each
+  peer's arrival in turn -- 2(p − 1) round trips one after another, each a system-scope
+  atomic that waits for its answer (over NVLink when the word is a peer's);
+* parallel (``PARALLEL=True``): thread t of the block handles peer t -- arrives at t's pad,
+  then consumes t's arrival -- so the p − 1 handshakes overlap and a barrier costs about
+  one round trip whatever p is. Written as a few lines of PTX, because a Triton atomic on a
+  tensor of p pointers runs in as many threads as hold a copy of each pointer (a layout
+  question), and a handshake must run exactly once per peer. The block meets first
+  (``bar.sync``), so the arriving thread's release covers what every thread of the block
+  wrote, and again after, so no thread goes on before the handshakes are done.
+
 After the structure of symm-mem-recipes' blockwise barrier (one word per block and peer in
-the signal pad); written for this course. Import it only where Triton is installed.
+the signal pad, one thread per peer); written for this course. Import it only where Triton
+is installed.
 """
 
 from __future__ import annotations
@@ -48,20 +62,64 @@ def _consume(word):
         pass
 
 
+# Thread t < p (t ≠ RANK) of the block: arrive at peer t's word b·p + RANK, then consume our
+# word b·p + t. Operands: $0 (out, unused), $1 the address of the pads' address array, $2 the
+# block b, $3 p, $4 RANK. Labels get LLVM's per-asm unique id, as the barrier is inlined
+# several times into one kernel.
+_HANDSHAKE_PER_THREAD = tl.constexpr("""{
+.reg .pred %go, %again;
+.reg .u32 %t, %word, %old;
+.reg .u64 %off, %at, %theirs, %own;
+mov.u32 $0, 0;
+mov.u32 %t, %tid.x;
+setp.lt.u32 %go, %t, $3;
+setp.ne.and.u32 %go, %t, $4, %go;
+@!%go bra DONE_${:uid};
+mul.wide.u32 %off, %t, 8;
+add.u64 %at, $1, %off;
+ld.global.u64 %theirs, [%at];
+mul.wide.u32 %off, $4, 8;
+add.u64 %at, $1, %off;
+ld.global.u64 %own, [%at];
+mad.lo.u32 %word, $2, $3, $4;
+mul.wide.u32 %off, %word, 4;
+add.u64 %theirs, %theirs, %off;
+mad.lo.u32 %word, $2, $3, %t;
+mul.wide.u32 %off, %word, 4;
+add.u64 %own, %own, %off;
+ARRIVE_${:uid}:
+atom.global.release.sys.cas.b32 %old, [%theirs], 0, 1;
+setp.ne.u32 %again, %old, 0;
+@%again bra ARRIVE_${:uid};
+CONSUME_${:uid}:
+atom.global.acquire.sys.cas.b32 %old, [%own], 1, 0;
+setp.ne.u32 %again, %old, 1;
+@%again bra CONSUME_${:uid};
+DONE_${:uid}:
+}""")
+
+
 @triton.jit
-def blockwise_barrier(signal_pad_ptrs, block, RANK: tl.constexpr, WORLD: tl.constexpr):
+def blockwise_barrier(signal_pad_ptrs, block, RANK: tl.constexpr, WORLD: tl.constexpr, PARALLEL: tl.constexpr):
     """Block ``block`` of every rank waits here until block ``block`` of every rank has arrived.
 
     ``signal_pad_ptrs``: the address of the device array of the p signal pads' addresses
     (``handle.signal_pad_ptrs_dev``, an integer). ``block`` must be below the pad's words ÷ p.
+    ``PARALLEL``: one thread per peer (True) or one thread for every peer in turn (False).
     """
-    pads = signal_pad_ptrs.to(tl.pointer_type(tl.uint64))
-    own = tl.load(pads + RANK).to(tl.pointer_type(tl.uint32))
-    for peer in tl.static_range(WORLD):
-        if peer != RANK:
-            theirs = tl.load(pads + peer).to(tl.pointer_type(tl.uint32))
-            _arrive(theirs + block * WORLD + RANK)
-    for peer in tl.static_range(WORLD):
-        if peer != RANK:
-            _consume(own + block * WORLD + peer)
+    if PARALLEL:
+        tl.debug_barrier()       # what every thread wrote is ordered before the arriving threads' release
+        tl.inline_asm_elementwise(_HANDSHAKE_PER_THREAD, "=r,l,r,r,r",
+                                  [signal_pad_ptrs.to(tl.int64), block, block * 0 + WORLD, block * 0 + RANK],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        pads = signal_pad_ptrs.to(tl.pointer_type(tl.uint64))
+        own = tl.load(pads + RANK).to(tl.pointer_type(tl.uint32))
+        for peer in tl.static_range(WORLD):
+            if peer != RANK:
+                theirs = tl.load(pads + peer).to(tl.pointer_type(tl.uint32))
+                _arrive(theirs + block * WORLD + RANK)
+        for peer in tl.static_range(WORLD):
+            if peer != RANK:
+                _consume(own + block * WORLD + peer)
     tl.debug_barrier()           # every thread of the block waits for the block's handshake
