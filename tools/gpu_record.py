@@ -345,6 +345,9 @@ def merge(records: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0].startswith("-") and argv[0] not in ("--merge", "--again"):
+        print(__doc__)
+        return 0 if argv[0] in ("-h", "--help") else 2
     if argv[:1] == ["--merge"]:            # tools/gpu_record.py --merge OUT LANE LATER...: later steps over it
         record = merge([json.loads(Path(p).read_text()) for p in argv[2:]])
         Path(argv[1]).write_text(json.dumps(record, indent=1, default=str))
