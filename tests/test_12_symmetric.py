@@ -430,7 +430,7 @@ def test_the_triton_kernels_build_each_launch_once_and_keep_no_tensor_of_the_cal
         out = torch.zeros(64)
         for _ in range(3):
             ta.one_shot(handle, 64, torch.float32, out)
-            ta.two_shot(handle, 64, torch.float32)
+            ta.two_shot(handle, 64, torch.float32, gather="load")
         assert len(one.jit_calls) == len(two.jit_calls) == 1          # the dispatch once, then direct
         assert len(one.direct_calls) == len(two.direct_calls) == 2
         grid, args, constexprs, warps = one.jit_calls[0]
@@ -440,15 +440,17 @@ def test_the_triton_kernels_build_each_launch_once_and_keep_no_tensor_of_the_cal
         assert two.direct_calls[0][9:13] == (1000, 2000, 64, 32)          # numel, then each rank's chunk
         store = ta._TWO_SHOT_STORE.kernel                                  # the gather by stores:
         ta.two_shot(handle, 64, torch.float32, gather="store")             # its own kernel and plan
+        ta.two_shot(handle, 64, torch.float32)                             # the default: the same plan
+        assert len(store.jit_calls) == 1 and len(store.direct_calls) == 1
         assert len(store.jit_calls) == 1 and len(two.jit_calls) == 1 and len(two.direct_calls) == 2
         with pytest.raises(ValueError, match="gather"):
             ta.two_shot(handle, 64, torch.float32, gather="pull")
         # the barrier is a compile-time switch: the serial one unless asked, the parallel its own compile
         assert two.jit_calls[0][2]["PARALLEL"] is False
-        ta.two_shot(handle, 64, torch.float32, barrier="parallel")
+        ta.two_shot(handle, 64, torch.float32, gather="load", barrier="parallel")
         assert len(two.jit_calls) == 2 and two.jit_calls[1][2]["PARALLEL"] is True
         for bad in (lambda: ta.two_shot(handle, 64, torch.float32, barrier="spin"),
-                    lambda: ta.one_shot(handle, 64, torch.float32, out, barrier="spin")):
+                    lambda: ta.one_shot(handle, 64, torch.float32, torch.zeros(64), barrier="spin")):
             with pytest.raises(ValueError, match="barrier"):
                 bad()
         # the caller's output is passed on every call, never kept by the cached plan

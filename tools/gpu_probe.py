@@ -285,12 +285,12 @@ def launch_rank(numel: int) -> dict:
     h = buf.handle
     two = triton_allreduce._TWO_SHOT
     for _ in range(5):
-        triton_allreduce.two_shot(h, numel, dtype)
+        triton_allreduce.two_shot(h, numel, dtype, gather="load")
     torch.cuda.synchronize(device)
     plan_key = next((k for k in triton_allreduce._PLANS if k[0] == "two"), None)
     compiled = two.compiled.get(plan_key)
     out = {"numel": numel, "dtype": str(dtype), "counts": dict(two.counts), "why_jit": two.why}
-    out["host_two_shot_s"] = _host(lambda: triton_allreduce.two_shot(h, numel, dtype), device, reps=50)
+    out["host_two_shot_s"] = _host(lambda: triton_allreduce.two_shot(h, numel, dtype, gather="load"), device, reps=50)
     out["host_current_stream_s"] = _host(lambda: torch.cuda.current_stream().cuda_stream, device, reps=50)
     out["host_buffer_ptrs_dev_s"] = _host(lambda: (h.buffer_ptrs_dev, h.signal_pad_ptrs_dev), device, reps=50)
     out["host_hooks_check_s"] = _host(triton_launch_hooks, device, reps=50)
@@ -307,7 +307,7 @@ def launch_rank(numel: int) -> dict:
     torch.cuda.synchronize(device)
     prof.enable()
     for _ in range(300):
-        triton_allreduce.two_shot(h, numel, dtype)
+        triton_allreduce.two_shot(h, numel, dtype, gather="load")
     prof.disable()
     torch.cuda.synchronize(device)
     text = io.StringIO()

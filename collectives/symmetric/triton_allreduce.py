@@ -203,13 +203,14 @@ def one_shot(handle, numel: int, dtype: torch.dtype, out: torch.Tensor, *, block
     return out
 
 
-def two_shot(handle, numel: int, dtype: torch.dtype, *, gather: str = "load", block: int = BLOCK,
+def two_shot(handle, numel: int, dtype: torch.dtype, *, gather: str = "store", block: int = BLOCK,
              programs: int = MAX_BLOCKS, warps: int = WARPS, barrier: str = "serial") -> None:
     """The first ``numel`` elements of this rank's symmetric buffer <- their sum over ranks,
     in place: a reduce-scatter by loads, then an all-gather -- by loads (``gather="load"``:
     every rank reads the others' reduced chunks; three barriers) or by stores
-    (``"store"``: every rank writes its reduced chunk into every rank's buffer; two
-    barriers). One launch (``block``, ``programs``, ``warps``, ``barrier``: as :func:`one_shot`)."""
+    (``"store"``, the default: every rank writes its reduced chunk into every rank's buffer;
+    two barriers; as fast or faster at every size measured, ``docs/benchmarks.md``). One
+    launch (``block``, ``programs``, ``warps``, ``barrier``: as :func:`one_shot`)."""
     if gather not in GATHERS:
         raise ValueError(f"gather must be one of {GATHERS}, got {gather!r}")
     _check_barrier(barrier)

@@ -80,7 +80,7 @@ def _algorithms(capacity: int, dtype: torch.dtype) -> tuple[dict, list[str], dic
         lesson = gpu.SymmetricBuffer(capacity, dtype, group)
         lesson.buffer.zero_()
         algos["triton_one_shot"] = lambda n: triton_allreduce.one_shot(lesson.handle, n, dtype, out)
-        algos["triton_two_shot"] = lambda n: triton_allreduce.two_shot(lesson.handle, n, dtype)
+        algos["triton_two_shot"] = lambda n: triton_allreduce.two_shot(lesson.handle, n, dtype, gather="load")
         algos["triton_two_shot_store"] = lambda n: triton_allreduce.two_shot(lesson.handle, n, dtype, gather="store")
         algos["graph_triton_one_shot"] = Replayed(algos["triton_one_shot"], lesson.buffer)
         algos["graph_triton_two_shot"] = Replayed(algos["triton_two_shot"], lesson.buffer)
