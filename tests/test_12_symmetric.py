@@ -445,10 +445,10 @@ def test_the_triton_kernels_build_each_launch_once_and_keep_no_tensor_of_the_cal
         assert len(store.jit_calls) == 1 and len(two.jit_calls) == 1 and len(two.direct_calls) == 2
         with pytest.raises(ValueError, match="gather"):
             ta.two_shot(handle, 64, torch.float32, gather="pull")
-        # the barrier is a compile-time switch: the serial one unless asked, the parallel its own compile
-        assert two.jit_calls[0][2]["PARALLEL"] is False
-        ta.two_shot(handle, 64, torch.float32, gather="load", barrier="parallel")
-        assert len(two.jit_calls) == 2 and two.jit_calls[1][2]["PARALLEL"] is True
+        # the barrier is a compile-time switch: one thread per peer unless asked, the serial its own compile
+        assert two.jit_calls[0][2]["PARALLEL"] is True
+        ta.two_shot(handle, 64, torch.float32, gather="load", barrier="serial")
+        assert len(two.jit_calls) == 2 and two.jit_calls[1][2]["PARALLEL"] is False
         for bad in (lambda: ta.two_shot(handle, 64, torch.float32, barrier="spin"),
                     lambda: ta.one_shot(handle, 64, torch.float32, torch.zeros(64), barrier="spin")):
             with pytest.raises(ValueError, match="barrier"):

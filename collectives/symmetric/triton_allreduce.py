@@ -181,11 +181,13 @@ def _plan(key: tuple, make) -> tuple:
 
 
 def one_shot(handle, numel: int, dtype: torch.dtype, out: torch.Tensor, *, block: int = BLOCK,
-             programs: int = MAX_BLOCKS, warps: int = WARPS, barrier: str = "serial") -> torch.Tensor:
+             programs: int = MAX_BLOCKS, warps: int = WARPS, barrier: str = "parallel") -> torch.Tensor:
     """``out[:numel]`` <- the sum over ranks of their symmetric buffers' first ``numel``
     elements (``handle``: ``symm_mem.rendezvous`` of a buffer of ``dtype``). One launch of at
     most ``programs`` programs of ``warps`` warps, each taking ``block`` elements at a time.
-    ``barrier``: how a block meets its peers (:mod:`.triton_barrier`; :data:`BARRIERS`).
+    ``barrier``: how a block meets its peers (:mod:`.triton_barrier`; :data:`BARRIERS`): one
+    thread per peer unless asked (on four GPUs the serial handshake made a small call up to
+    half as slow again: ``tools/gpu_probe.py barrier``).
     A call's launch arguments are worked out once and looked up after (keyed by the handle's
     pointers and every argument, so nothing stale can match)."""
     _check_barrier(barrier)
@@ -204,7 +206,7 @@ def one_shot(handle, numel: int, dtype: torch.dtype, out: torch.Tensor, *, block
 
 
 def two_shot(handle, numel: int, dtype: torch.dtype, *, gather: str = "store", block: int = BLOCK,
-             programs: int = MAX_BLOCKS, warps: int = WARPS, barrier: str = "serial") -> None:
+             programs: int = MAX_BLOCKS, warps: int = WARPS, barrier: str = "parallel") -> None:
     """The first ``numel`` elements of this rank's symmetric buffer <- their sum over ranks,
     in place: a reduce-scatter by loads, then an all-gather -- by loads (``gather="load"``:
     every rank reads the others' reduced chunks; three barriers) or by stores
