@@ -83,3 +83,15 @@ def test_lesson10_peaks_are_not_compared_when_a_baseline_moved():
     assert moved["lesson10_baseline_moved"] == ["fsdp2"] and "zero3_peak_over_fsdp2" not in moved
     said, _ = tool.headline("lesson10", lesson10(-128), [])
     assert "not comparable" in said and "peak memory 1.10" not in said
+
+
+def test_a_merged_lanes_table_names_each_commit_short_and_its_steps_in_full(tmp_path):
+    tool = _gpu_record()
+    full = "0123456789abcdef0123456789abcdef01234567"
+    path = tmp_path / "lane.json"
+    path.write_text(json.dumps(_lane(full, "2026-11-28T09:00:00+00:00", {"01": True})))
+    out = tmp_path / "merged.json"
+    assert tool.main(["--merge", str(out), str(path)]) == 0
+    merged = json.loads(out.read_text())
+    assert merged["steps"][0]["commit"] == full and merged["commit"] == full
+    assert merged["rows"][0]["commit"] == full[:7]           # a table cell the page can fit

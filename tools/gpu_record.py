@@ -339,7 +339,7 @@ def merge(records: list[dict]) -> dict:
     out["command"] = "; ".join(dict.fromkeys(r["command"] for r in records))
     out = again(out)
     for row, s in zip(out["rows"], out["steps"]):
-        row.update(commit=s["commit"], date=s["date"][:10])
+        row.update(commit=s["commit"][:7], date=s["date"][:10])        # a table cell: the short form
     return out
 
 
