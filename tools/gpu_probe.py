@@ -167,20 +167,22 @@ def graph_rank(sizes: list[int], a2a_bytes: int) -> dict:
 SHAPES = [(4096, 64, 8), (4096, 128, 8), (8192, 128, 16), (2048, 128, 4), (4096, 256, 8), (1024, 32, 4)]
 
 
-def triton_rank(sizes: list[int]) -> dict:
+def triton_rank(sizes: list[int], shapes=None, algos=("one_shot", "two_shot", "two_shot_store"),
+                dtype_name: str = "bfloat16") -> dict:
     from collectives.symmetric import gpu, triton_allreduce
 
     device = ops.rank_device()
     p = dist.get_world_size()
-    dtype = torch.bfloat16
-    cap = max(sizes) // 2
+    dtype = getattr(torch, dtype_name)
+    size = torch.empty(0, dtype=dtype).element_size()
+    cap = max(sizes) // size
     buf = gpu.SymmetricBuffer(cap, dtype)
     out = torch.empty(cap, dtype=dtype, device=device)
     theirs = gpu.symm_mem_ops()
     words = triton_allreduce._pad_words()
     rows = []
     for nbytes in sizes:
-        n = nbytes // 2
+        n = nbytes // size
         buf.buffer[:n].fill_(1)
         base = {"bytes": nbytes}
         flat = buf.buffer[:n]
@@ -195,10 +197,10 @@ def triton_rank(sizes: list[int]) -> dict:
                 base[f"{name}_host_s"] = _host(fn, device, reps=20)
             except Exception as exc:  # noqa: BLE001
                 base[f"{name}_error"] = str(exc).splitlines()[0][:200]
-        for block, programs, warps in SHAPES:
+        for block, programs, warps in shapes or SHAPES:
             if programs * p > words:
                 continue
-            for algo in ("one_shot", "two_shot", "two_shot_store"):
+            for algo in algos:
                 if algo == "one_shot" and nbytes > (16 << 20):
                     continue
                 kw = dict(block=block, programs=programs, warps=warps)
@@ -327,6 +329,9 @@ def main() -> int:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--json", default="")
     ap.add_argument("--label", default="", help="a name for this run's settings")
+    ap.add_argument("--shapes", default="", help="triton: BLOCKxPROGRAMSxWARPS,... (default: six shapes)")
+    ap.add_argument("--algos", default="", help="triton: one_shot,two_shot,two_shot_store (default: all three)")
+    ap.add_argument("--dtype", default="bfloat16", help="triton: the element type (default bfloat16)")
     args = ap.parse_args()
     if args.what == "host":
         res = launch.run(host_rank, args.world, args=(64 << 20, 256 << 20), backend="nccl", timeout=80)
@@ -339,8 +344,10 @@ def main() -> int:
     elif args.what == "launch":
         res = launch.run(launch_rank, args.world, args=(8192,), backend="nccl", timeout=80)
     else:
-        res = launch.run(triton_rank, args.world, args=([64 << 10, 1 << 20, 16 << 20, 256 << 20],),
-                         backend="nccl", timeout=400)
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else None
+        algos = tuple(args.algos.split(",")) if args.algos else ("one_shot", "two_shot", "two_shot_store")
+        res = launch.run(triton_rank, args.world, args=([64 << 10, 1 << 20, 16 << 20, 256 << 20], shapes, algos,
+                                                         args.dtype), backend="nccl", timeout=400)
     record = dict(claims.environment(backend="nccl", commit=claims.commit(), gpus=args.world),
                   what=args.what, label=args.label,
                   device=f"{args.world}× {torch.cuda.get_device_name(0)}, NVLink",
