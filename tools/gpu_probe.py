@@ -123,11 +123,39 @@ def graph_rank(sizes: list[int], a2a_bytes: int) -> dict:
 
     device = ops.rank_device()
     rank, p = dist.get_rank(), dist.get_world_size()
+    stacks = os.environ.get("GPU_PROBE_STACKS")      # a folder: each rank's Python stack there if it stalls
+    if stacks:
+        import faulthandler
+        faulthandler.dump_traceback_later(40, repeat=True, file=open(f"{stacks}/rank{rank}.txt", "w"))
+    out: dict = {"stages": []}
+
+    def stage(what: str) -> None:                   # kept in the record, and on disk as it happens
+        out["stages"].append(what)
+        if stacks:
+            with open(f"{stacks}/stages{rank}.txt", "a") as f:
+                print(what, flush=True, file=f)
+    a, b = torch.ones(1 << 18, device=device) * (rank + 1), torch.zeros(1 << 18, device=device)
+    peer = (rank + 1) % p
+
+    def pair():                                     # the smallest case: one batched isend+irecv
+        ops.sendrecv(a, peer, b, (rank - 1) % p)[0].wait()
+    try:
+        stage("pair: capturing")
+        g_pair = _graph(pair, device)
+        stage("pair: captured")
+        b.zero_()
+        g_pair.replay()
+        torch.cuda.synchronize(device)
+        out["pair_exact"] = bool(torch.all(b == ((rank - 1) % p) + 1))
+        stage("pair: replayed")
+    except Exception as exc:  # noqa: BLE001
+        out["pair_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     rows = []
     for nbytes in sizes:
         n = nbytes // 4
         x = torch.empty(n, device=device)
         row = {"bytes": nbytes}
+        stage(f"ring {nbytes}: capturing")
         try:
             g_ring = _graph(lambda: ring_all_reduce(x), device)
             values = torch.randint(-8, 9, (n,), device=device).float() * (rank + 1)
@@ -151,7 +179,8 @@ def graph_rank(sizes: list[int], a2a_bytes: int) -> dict:
         rows.append(row)
         x.resize_(0)
         torch.cuda.empty_cache()
-    out = {"rows": rows}
+    out["rows"] = rows
+    stage("all-to-all: capturing")
     n = a2a_bytes // 4 // p * p
     src, dst = torch.randn(n, device=device), torch.empty(n, device=device)
     try:
