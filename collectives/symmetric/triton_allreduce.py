@@ -17,7 +17,7 @@ addresses, peers' mapped over NVLink). No copy engine, no NCCL call, no multicas
         gather: for each block of every other chunk j: copy from rank j's buffer into ours
         barrier b                 nobody reads our buffer any more
 
-    two-shot, the gather by stores (``gather="store"``, as torch's in-place two-shot):
+    two-shot, the gather by stores (``gather="store"``, the default; as torch's in-place two-shot):
         barrier b
         for each block of chunk r: acc = Σ_q x_q; store acc into EVERY rank's buffer
         barrier b                 every sum has landed in every buffer
@@ -186,8 +186,8 @@ def one_shot(handle, numel: int, dtype: torch.dtype, out: torch.Tensor, *, block
     elements (``handle``: ``symm_mem.rendezvous`` of a buffer of ``dtype``). One launch of at
     most ``programs`` programs of ``warps`` warps, each taking ``block`` elements at a time.
     ``barrier``: how a block meets its peers (:mod:`.triton_barrier`; :data:`BARRIERS`): one
-    thread per peer unless asked (on four GPUs the serial handshake made a small call up to
-    half as slow again: ``tools/gpu_probe.py barrier``).
+    thread per peer unless asked (the serial handshake grows with p and made small calls
+    slower on four GPUs: ``tools/gpu_probe.py barrier``).
     A call's launch arguments are worked out once and looked up after (keyed by the handle's
     pointers and every argument, so nothing stale can match)."""
     _check_barrier(barrier)
@@ -211,8 +211,8 @@ def two_shot(handle, numel: int, dtype: torch.dtype, *, gather: str = "store", b
     in place: a reduce-scatter by loads, then an all-gather -- by loads (``gather="load"``:
     every rank reads the others' reduced chunks; three barriers) or by stores
     (``"store"``, the default: every rank writes its reduced chunk into every rank's buffer;
-    two barriers; as fast or faster at every size measured, ``docs/benchmarks.md``). One
-    launch (``block``, ``programs``, ``warps``, ``barrier``: as :func:`one_shot`)."""
+    two barriers; faster on four GPUs, even on two: ``docs/benchmarks.md``). One launch
+    (``block``, ``programs``, ``warps``, ``barrier``: as :func:`one_shot`)."""
     if gather not in GATHERS:
         raise ValueError(f"gather must be one of {GATHERS}, got {gather!r}")
     _check_barrier(barrier)
