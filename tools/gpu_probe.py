@@ -165,6 +165,11 @@ def graph_rank(sizes: list[int], a2a_bytes: int) -> dict:
             g_ring.replay()
             torch.cuda.synchronize(device)
             row["exact"] = bool(torch.equal(x, expected))
+            stage(f"ring {nbytes}: replayed once, exact {row['exact']}")
+            for k in range(3):                   # one by one first: a replay that never ends is named
+                g_ring.replay()
+                torch.cuda.synchronize(device)
+                stage(f"ring {nbytes}: replay {k + 2} done")
             row["gpu_ring_graph_s"] = _gpu(g_ring.replay, device)
             row["host_ring_graph_s"] = _host(g_ring.replay, device)
         except Exception as exc:  # noqa: BLE001 - a probe reports what failed
@@ -177,6 +182,7 @@ def graph_rank(sizes: list[int], a2a_bytes: int) -> dict:
         except Exception as exc:  # noqa: BLE001
             row["nccl_graph_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         rows.append(row)
+        stage(json.dumps(row))
         x.resize_(0)
         torch.cuda.empty_cache()
     out["rows"] = rows
