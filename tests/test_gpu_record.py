@@ -95,3 +95,16 @@ def test_a_merged_lanes_table_names_each_commit_short_and_its_steps_in_full(tmp_
     merged = json.loads(out.read_text())
     assert merged["steps"][0]["commit"] == full and merged["commit"] == full
     assert merged["rows"][0]["commit"] == full[:7]           # a table cell the page can fit
+
+
+def test_the_all_to_all_target_keeps_the_replayed_exchange_apart_from_the_eager_ones():
+    """The lane's all-to-all figure is the best exchange called from Python, as NCCL's is;
+    the linear one replayed from a CUDA graph is reported beside it, never in its place."""
+    tool = _gpu_record()
+    target = [dict(nbytes=64 << 20, best="linear", fraction_of_nccl=0.78, replayed_fraction_of_nccl=1.23)]
+    data = {"bench-alltoall-local-nccl-p2.json": {"target": target}, "11-gpu-checks-p2.json": {"failed": []}}
+    figures = tool.figures([dict(step="lesson11", data=data)])
+    assert figures["alltoall_best_over_nccl_64M_p2"] == 0.78
+    assert figures["alltoall_replayed_over_nccl_64M_p2"] == 1.23
+    said, _ = tool.headline("lesson11", data, [])
+    assert "64 MiB linear 0.78 (linear replayed from a CUDA graph 1.23)" in said

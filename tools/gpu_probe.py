@@ -14,8 +14,10 @@ see which layer costs what: the record keeps the environment it ran in.
 
 ``graph``: the course's ring all-reduce captured once in a CUDA graph and replayed: exact
 against ``dist.all_reduce`` on integer data, its GPU time against NCCL's (eager and from a
-graph) and the host time of one replay. If the ring's gap to NCCL is the host's, the
-replayed ring closes it.
+graph) and the host time of one replay; the same for lesson 11's linear all-to-all. If
+the ring's gap to NCCL is the host's, the replayed ring closes it. NCCL's registration
+of captured buffers is off (``NCCL_GRAPH_REGISTER=0`` unless set otherwise: with it on, a
+replayed ring went wrong and then hung; see ``bench-alltoall``'s ``GRAPH_ENV``).
 
 ``triton``: lesson 12's Triton one-shot and both two-shots (gathering by loads and by
 stores) at several shapes (elements per load, programs, warps), timed back to back (as
@@ -189,9 +191,16 @@ def graph_rank(sizes: list[int], a2a_bytes: int) -> dict:
     stage("all-to-all: capturing")
     n = a2a_bytes // 4 // p * p
     src, dst = torch.randn(n, device=device), torch.empty(n, device=device)
+    expected = torch.empty_like(dst)
+    dist.all_to_all_single(expected, src)
     try:
         g = _graph(lambda: linear_all_to_all(dst, src), device)
-        out["a2a"] = {"bytes": a2a_bytes, "gpu_linear_graph_s": _gpu(g.replay, device),
+        dst.zero_()
+        g.replay()
+        torch.cuda.synchronize(device)
+        stage("all-to-all: replayed once")
+        out["a2a"] = {"bytes": a2a_bytes, "exact": bool(torch.equal(dst, expected)),
+                      "gpu_linear_graph_s": _gpu(g.replay, device),
                       "gpu_linear_eager_s": _gpu(lambda: linear_all_to_all(dst, src), device),
                       "gpu_nccl_eager_s": _gpu(lambda: dist.all_to_all_single(dst, src), device)}
     except Exception as exc:  # noqa: BLE001
@@ -371,8 +380,10 @@ def main() -> int:
     if args.what == "host":
         res = launch.run(host_rank, args.world, args=(64 << 20, 256 << 20), backend="nccl", timeout=80)
     elif args.what == "graph":
+        from collectives.course.benchmarks.alltoall import GRAPH_ENV    # NCCL's own registration off: why there
         res = launch.run(graph_rank, args.world, args=([1 << 20, 16 << 20, 256 << 20], 64 << 20),
-                         backend="nccl", timeout=80)
+                         backend="nccl", timeout=80, env={**GRAPH_ENV, **{k: os.environ[k] for k in GRAPH_ENV
+                                                                           if k in os.environ}})
     elif args.what == "barrier":
         res = launch.run(barrier_rank, args.world, args=([4 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20],),
                          backend="nccl", timeout=150)

@@ -120,6 +120,8 @@ def headline(step: str, data, tail: list[str]) -> tuple[str, str]:
     if step == "lesson11" and isinstance(data, dict):
         local = next((v for k, v in data.items() if k.startswith("bench-alltoall-local")), {})
         fractions = [f"{t['nbytes'] >> 20} MiB {t['best']} {t['fraction_of_nccl']:.2f}"
+                     + (f" (linear replayed from a CUDA graph {t['replayed_fraction_of_nccl']:.2f})"
+                        if "replayed_fraction_of_nccl" in t else "")
                      for t in local.get("target", [])]
         checks = next((v for k, v in data.items() if k.startswith("11-gpu-checks")), {})
         failed = checks.get("failed", "?") or "none"
@@ -234,6 +236,9 @@ def figures(steps: list[dict]) -> dict:
                 world = k.rsplit("-p", 1)[-1].split(".")[0]
                 for t in v.get("target", []):
                     out[f"alltoall_best_over_nccl_{t['nbytes'] >> 20}M_p{world}"] = t["fraction_of_nccl"]
+                    if "replayed_fraction_of_nccl" in t:
+                        out[f"alltoall_replayed_over_nccl_{t['nbytes'] >> 20}M_p{world}"] = \
+                            t["replayed_fraction_of_nccl"]
     lesson09 = by.get("lesson09")
     recorder = lesson09.get("recorder.json") if isinstance(lesson09, dict) else None
     if isinstance(recorder, dict):             # torch's own call per size: what one call costs the host at least

@@ -38,8 +38,25 @@ from .alltoall_host import FLAT, _algorithms, library_all_to_all, print_rows, su
 
 DEFAULT_OUT = ROOT / "build" / "bench"
 QUEUE = "50ms"
+REPLAYED = "linear, replayed from a CUDA graph"
+
+# NCCL registers the buffers of point-to-point calls it sees captured in a CUDA graph
+# (NCCL_GRAPH_REGISTER, on by default). With torch's caching allocator handing freed memory
+# back out, a captured ring replayed wrong, and the next replay never ended, once an
+# earlier capture's memory had been given back to CUDA (tools/gpu_probe.py graph, 2x H200);
+# with it off every capture was exact. Set in every rank before NCCL starts.
+GRAPH_ENV = {"NCCL_GRAPH_REGISTER": "0"}
+
+
+def _replayed(fn, out: torch.Tensor, x: torch.Tensor, device):
+    """``fn(out, x)`` captured once in a CUDA graph (after warm-up runs): its replay."""
+    return timing.capture_graph(lambda: fn(out, x), warm=2, device=device).replay
+
+
 def _time_in_rank(sizes: list[int], iters: int, names: list[str], layout=None) -> dict:
-    """Every algorithm at every size: verified against the library once, then timed (max over ranks)."""
+    """Every algorithm at every size: verified against the library once, then timed (max over ranks).
+    On GPUs the linear all-to-all is also captured in a CUDA graph and replayed (:data:`REPLAYED`):
+    the same messages with the host's cost per call taken out, verified the same way."""
     p = dist.get_world_size()
     device = ops.rank_device()
     fns = _algorithms(names, layout)
@@ -60,6 +77,15 @@ def _time_in_rank(sizes: list[int], iters: int, names: list[str], layout=None) -
             times = timing.measure(lambda: fn(out, x), warmup=1, iters=iters, device=device)
             rows.append(dict(name=name, nbytes=numel * 4, verified=verified, seconds=timing.median(times),
                              times=times, messages=messages))
+        if device.type == "cuda" and "linear" in fns:
+            replay = _replayed(fns["linear"], out, x, device)
+            out.zero_()
+            replay()
+            verified = bool(torch.equal(out, expected))
+            times = timing.measure(replay, warmup=1, iters=iters, device=device)
+            rows.append(dict(name=REPLAYED, nbytes=numel * 4, verified=verified, seconds=timing.median(times),
+                             times=times, messages=None))
+            del replay
     return {"rows": rows, "world_size": p}
 
 
@@ -82,7 +108,7 @@ def suite_local(args, argv) -> dict:
     sizes = timing.parse_sizes(args.sizes)
     names = ["dist.all_to_all_single", "linear", "pairwise", "bruck"]
     result = launch.run(_time_in_rank, args.ranks, args=(sizes, args.iters, names), backend=args.backend,
-                        timeout=600)[0]
+                        timeout=600, env=dict(GRAPH_ENV) if args.backend == "nccl" else None)[0]
     p = result["world_size"]
     link = fit_link(result["rows"], p)
     for row in result["rows"]:
