@@ -380,7 +380,7 @@ def main() -> int:
     if args.what == "host":
         res = launch.run(host_rank, args.world, args=(64 << 20, 256 << 20), backend="nccl", timeout=80)
     elif args.what == "graph":
-        from collectives.course.benchmarks.alltoall import GRAPH_ENV    # NCCL's own registration off: why there
+        from collectives.course.benchmarks.alltoall import GRAPH_ENV  # NCCL's own registration off: why there
         res = launch.run(graph_rank, args.world, args=([1 << 20, 16 << 20, 256 << 20], 64 << 20),
                          backend="nccl", timeout=80, env={**GRAPH_ENV, **{k: os.environ[k] for k in GRAPH_ENV
                                                                            if k in os.environ}})
