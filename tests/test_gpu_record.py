@@ -108,3 +108,14 @@ def test_the_all_to_all_target_keeps_the_replayed_exchange_apart_from_the_eager_
     assert figures["alltoall_replayed_over_nccl_64M_p2"] == 1.23
     said, _ = tool.headline("lesson11", data, [])
     assert "64 MiB linear 0.78 (linear replayed from a CUDA graph 1.23)" in said
+
+
+def test_the_ring_checks_headline_names_its_memory_and_the_replayed_ring():
+    tool = _gpu_record()
+    data = dict(ratio=0.85, bytes=256 << 20, memory="plain", exact=True, ring_host_s=2.6e-4,
+                replayed=dict(ratio=0.96, exact=True, host_s=1.76e-5, seconds=1.05e-3))
+    said, target = tool.headline("ringcheck-p2-replay", data, [])
+    assert "plain memory" in said and "replayed from a CUDA graph: ÷ NCCL 0.960, exact True" in said
+    assert "17.6 µs" in said and "(p = 2)" in target
+    registered, _ = tool.headline("ringcheck-p4-256M", dict(data, memory="registered", replayed=None), [])
+    assert "registered memory" in registered and "replayed" not in registered

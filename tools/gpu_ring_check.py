@@ -10,6 +10,12 @@ the library runs it (each step through ``batch_isend_irecv``) and the pipelined 
 (``--pieces``, 2 by default) are timed with CUDA events in interleaved rounds (``--rounds`` × ``--iters``; each run the
 slowest rank's; median over all). Last, the host time to issue one ring (perf_counter, no
 synchronization inside: if it approached the ring's GPU time, the host would be the limit).
+
+``--replay`` (plain memory only): the ring also captured once in a CUDA graph and replayed --
+the same messages with the host's cost per call taken out -- checked bit for bit, timed in
+the same rounds, with its host time per replay. NCCL's registration of captured buffers is
+turned off first (``NCCL_GRAPH_REGISTER=0``: with it on a replayed ring went wrong and hung,
+``docs/data/gpu/graph-probe-register-on-2x-h200.json``).
 """
 import argparse
 import datetime
@@ -33,7 +39,12 @@ def main():
     ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds of every variant")
     ap.add_argument("--iters", type=int, default=10, help="timed runs per variant and round")
     ap.add_argument("--json", default="", help="also write the result here (rank 0)")
+    ap.add_argument("--replay", action="store_true", help="also the ring replayed from a CUDA graph (with --plain)")
     args = ap.parse_args()
+    if args.replay and not args.plain:
+        ap.error("--replay needs --plain: a capture's own landing buffers would come after the registration")
+    if args.replay:
+        os.environ.setdefault("NCCL_GRAPH_REGISTER", "0")      # before NCCL starts
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
     device = torch.device("cuda", local)
@@ -61,6 +72,14 @@ def main():
 
     cases = {"nccl": lambda: dist.all_reduce(x), "ring": lambda: ring_all_reduce(x),
              "pipelined": lambda: pipelined_ring_all_reduce(x, pieces=args.pieces)}
+    replayed = {}
+    if args.replay:
+        checked = timing.capture_graph(lambda: ring_all_reduce(y), warm=2, device=device)
+        y.copy_(values)
+        checked.replay()
+        torch.cuda.synchronize(device)
+        replayed["exact"] = bool(torch.equal(y, expected))
+        cases["replayed"] = timing.capture_graph(lambda: ring_all_reduce(x), warm=2, device=device).replay
     times = {name: [] for name in cases}
     for _ in range(args.rounds):               # interleaved: a change of load falls on all alike
         for name, fn in cases.items():
@@ -69,6 +88,9 @@ def main():
 
 
     host = timing.measure_issue(cases["ring"], device=device)   # the host's time to issue one ring
+    if args.replay:
+        replayed.update(ratio=t["nccl"] / t["replayed"], seconds=t["replayed"],
+                        host_s=timing.measure_issue(cases["replayed"], device=device))
     t_nccl, t_ring = t["nccl"], t["ring"]
     if rank == 0:
         result = dict(p=p, bytes=nbytes, memory="plain" if args.plain else "registered",
@@ -79,6 +101,7 @@ def main():
                       rounds=args.rounds, iters_per_round=args.iters,
                       pipelined_pieces=args.pieces, pipelined_exact=exact_pipelined,
                       pipelined_ratio=t_nccl / t["pipelined"],
+                      **({"replayed": replayed} if replayed else {}),
                       env={k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
                       device=torch.cuda.get_device_name(device), torch=torch.__version__,
                       nccl=".".join(map(str, torch.cuda.nccl.version())),

@@ -10,8 +10,9 @@
 #   tour      the tour, every row verified, at 2 GPUs and at every larger count the machine has
 #   runners   every lesson's exercise runner on the reference, --backend nccl, at every count
 #             (GPU_RUNNERS="02 10": only those lessons' runners)
-#   bench     lessons 3-4: every algorithm 4 KiB .. 1 GiB against NCCL (plain memory), and the
-#             ring on registered memory with its host time (tools/gpu_ring_check.py)
+#   bench     lessons 3-4: every algorithm 4 KiB .. 1 GiB against NCCL (plain memory), the
+#             ring on registered memory with its host time (tools/gpu_ring_check.py), and the
+#             ring replayed from a CUDA graph (gpu_ring_check.py --plain --replay)
 #   fused     lesson 5      ddp    lesson 6      hier   lesson 7 (tools/gpu_hierarchical.py)
 #   sparse    lesson 8      recorder  lesson 9   lessons   lessons 9-12's GPU scripts, where they exist
 #             (GPU_LESSONS="10 12": only those)
@@ -82,6 +83,9 @@ for part in $PARTS; do case $part in
         $pin step "ringcheck-p$p-$size" 120 torchrun --nproc-per-node "$p" tools/gpu_ring_check.py \
              --size "$size" --json "$OUT/steps/ringcheck-p$p-$size.json"
       done
+      # the ring replayed from a CUDA graph (plain memory), beside NCCL and the ring from Python
+      $pin step "ringcheck-p$p-replay" 120 torchrun --nproc-per-node "$p" tools/gpu_ring_check.py \
+           --size 256M --plain --replay --json "$OUT/steps/ringcheck-p$p-replay.json"
     done ;;
   fused)
     for p in $COUNTS; do
