@@ -4,8 +4,10 @@ On CPUs (the default, gloo): the shared-memory one-shot and two-shot
 (:mod:`collectives.symmetric.shared`) against gloo's ``all_reduce`` and the course's ring
 (lesson 4), ``--world`` forked ranks, float32, sizes ``--sizes`` (4 KiB to 64 MiB), side by
 side in one world. Every algorithm is first checked against ``dist.all_reduce`` bit for
-bit on integer data at one size; then each size is timed (median of ``--iters`` runs, each
-the slowest rank's, :func:`collectives.core.timing.measure`). The α–β model of
+bit on integer data at one size; then each size is timed: the median of :data:`BATCHES`
+batches of runs issued back to back (up to ``--iters`` each, each batch the slowest rank's,
+:func:`collectives.core.timing.measure_back_to_back`), one batch of every algorithm per
+round, so that a change of the machine's load falls on all of them alike. The α–β model of
 :mod:`collectives.symmetric.cost` is fitted to the same run -- σ, ρ, ω from the shared-memory
 times at the smallest and largest sizes, α and β from the ring's -- and its crossovers are
 put beside the measured ones.
@@ -37,7 +39,7 @@ from ...symmetric.gpu import no_multicast
 
 CPU_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M"
 CPU_ALGOS = ("gloo", "ring", "one_shot", "two_shot")
-BATCHES = 5         # each time: the median of 3 batches of runs issued back to back
+BATCHES = 5         # each time: the median of 5 batches of runs issued back to back, in rounds
 def iterations(nbytes: int, iters: int) -> int:
     """Runs per batch: ``iters`` up to 64 KiB, fewer above (each run is longer), at least 3."""
     if nbytes <= 64 << 10:
@@ -75,11 +77,14 @@ def cpu_rank(sizes: list[int], iters: int) -> dict:
     for nbytes in sizes:
         # zeros: summed in place run after run they stay zeros (random data would grow to inf
         # and through denormals, which are slow); an add takes as long on any normal values
+        bufs = {name: torch.zeros(nbytes // 4) for name in CPU_ALGOS}
+        batches: dict[str, list[float]] = {name: [] for name in CPU_ALGOS}
+        for _ in range(BATCHES):                  # in rounds, one batch of each: a change of load falls on all
+            for name in CPU_ALGOS:
+                batches[name].append(timing.measure_back_to_back(
+                    lambda: algos[name](bufs[name]), iters=iterations(nbytes, iters), device=torch.device("cpu")))
         for name in CPU_ALGOS:
-            buf = torch.zeros(nbytes // 4)
-            batches = [timing.measure_back_to_back(lambda: algos[name](buf), iters=iterations(nbytes, iters),
-                                                   device=torch.device("cpu")) for _ in range(BATCHES)]
-            times[name].append(statistics.median(batches))
+            times[name].append(statistics.median(batches[name]))
     return {"times": times, "checked": checked}
 
 
