@@ -195,3 +195,12 @@ def test_capture_graph_warms_on_a_side_stream_then_records_once_with_the_trace_p
     assert got == "graph"
     assert log == ["side waits current", "on side", "run, trace on", "run, trace on", "current waits side", "sync",
                    "capture graph (thread_local)", "run, trace paused", "end capture", "sync"]
+
+
+def test_ranks_that_capture_point_to_point_calls_start_with_nccls_graph_registration_off(monkeypatch):
+    from collectives.core import timing
+
+    monkeypatch.delenv("NCCL_GRAPH_REGISTER", raising=False)
+    assert timing.graph_env() == {"NCCL_GRAPH_REGISTER": "0"}
+    monkeypatch.setenv("NCCL_GRAPH_REGISTER", "1")          # the caller's own choice wins
+    assert timing.graph_env() == {"NCCL_GRAPH_REGISTER": "1"}

@@ -18,7 +18,7 @@ graph) and the host time of one replay; the same for lesson 11's linear all-to-a
 lesson 7's sixteen 4 MiB buckets (hierarchical, one slice each) in one graph. If
 the ring's gap to NCCL is the host's, the replayed ring closes it. NCCL's registration
 of captured buffers is off (``NCCL_GRAPH_REGISTER=0`` unless set otherwise: with it on, a
-replayed ring went wrong and then hung; see ``bench-alltoall``'s ``GRAPH_ENV``).
+replayed ring went wrong and then hung; see :func:`collectives.core.timing.graph_env`).
 
 ``triton``: lesson 12's Triton one-shot and both two-shots (gathering by loads and by
 stores) at several shapes (elements per load, programs, warps), timed back to back (as
@@ -423,10 +423,8 @@ def main() -> int:
     if args.what == "host":
         res = launch.run(host_rank, args.world, args=(64 << 20, 256 << 20), backend="nccl", timeout=80)
     elif args.what == "graph":
-        from collectives.course.benchmarks.alltoall import GRAPH_ENV  # NCCL's own registration off: why there
         res = launch.run(graph_rank, args.world, args=([1 << 20, 16 << 20, 256 << 20], 64 << 20),
-                         backend="nccl", timeout=80, env={**GRAPH_ENV, **{k: os.environ[k] for k in GRAPH_ENV
-                                                                           if k in os.environ}})
+                         backend="nccl", timeout=80, env=timing.graph_env())
     elif args.what == "barrier":
         res = launch.run(barrier_rank, args.world, args=([4 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20],),
                          backend="nccl", timeout=150)

@@ -14,8 +14,7 @@ synchronization inside: if it approached the ring's GPU time, the host would be 
 ``--replay`` (plain memory only): the ring also captured once in a CUDA graph and replayed --
 the same messages with the host's cost per call taken out -- checked bit for bit, timed in
 the same rounds, with its host time per replay. NCCL's registration of captured buffers is
-turned off first (``NCCL_GRAPH_REGISTER=0``: with it on a replayed ring went wrong and hung,
-``docs/data/gpu/graph-probe-register-on-2x-h200.json``).
+turned off first (:func:`collectives.core.timing.graph_env`).
 """
 import argparse
 import datetime
@@ -44,7 +43,7 @@ def main():
     if args.replay and not args.plain:
         ap.error("--replay needs --plain: a capture's own landing buffers would come after the registration")
     if args.replay:
-        os.environ.setdefault("NCCL_GRAPH_REGISTER", "0")      # before NCCL starts
+        os.environ.update(timing.graph_env())      # before NCCL starts
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
     device = torch.device("cuda", local)
@@ -73,13 +72,12 @@ def main():
     cases = {"nccl": lambda: dist.all_reduce(x), "ring": lambda: ring_all_reduce(x),
              "pipelined": lambda: pipelined_ring_all_reduce(x, pieces=args.pieces)}
     replayed = {}
-    if args.replay:
-        checked = timing.capture_graph(lambda: ring_all_reduce(y), warm=2, device=device)
-        y.copy_(values)
-        checked.replay()
-        torch.cuda.synchronize(device)
-        replayed["exact"] = bool(torch.equal(y, expected))
+    if args.replay:                            # one capture on x: checked on integer data, then timed
         cases["replayed"] = timing.capture_graph(lambda: ring_all_reduce(x), warm=2, device=device).replay
+        x.copy_(values)
+        cases["replayed"]()
+        torch.cuda.synchronize(device)
+        replayed["exact"] = bool(torch.equal(x, expected))
     times = {name: [] for name in cases}
     for _ in range(args.rounds):               # interleaved: a change of load falls on all alike
         for name, fn in cases.items():

@@ -7,6 +7,7 @@ ranks. On GPUs the time comes from CUDA events on the current stream; on CPU fro
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Callable
@@ -88,11 +89,27 @@ def measure_back_to_back(fn: Callable[[], object], *, iters: int = 100, group=No
     return slowest.item()
 
 
+# NCCL registers the buffers of point-to-point calls it sees captured in a CUDA graph
+# (NCCL_GRAPH_REGISTER, on by default). With torch's caching allocator handing freed memory
+# back out, a captured ring replayed wrong, and its next replay never ended, once an earlier
+# capture's memory had been given back to CUDA (tools/gpu_probe.py graph, 2x H200,
+# docs/data/gpu/graph-probe-register-on-2x-h200.json); with it off every capture was exact.
+GRAPH_ENV = {"NCCL_GRAPH_REGISTER": "0"}
+
+
+def graph_env() -> dict[str, str]:
+    """The environment for ranks that capture NCCL point-to-point calls with
+    :func:`capture_graph`: :data:`GRAPH_ENV`, unless the caller's environment sets it
+    otherwise. It must be in place before NCCL starts."""
+    return {k: os.environ.get(k, v) for k, v in GRAPH_ENV.items()}
+
+
 def capture_graph(fn: Callable[[], object], *, warm: int = 1, device: torch.device | None = None):
     """``fn`` recorded once in a CUDA graph and returned (``graph.replay()`` issues all its
     kernels at once: the GPU's own time, with no launch from Python). ``warm`` runs come
     first on a side stream, where libraries compile, allocate and bind outside the capture;
-    the course's trace is paused while it records."""
+    the course's trace is paused while it records. Ranks that capture NCCL point-to-point
+    calls start with :func:`graph_env`."""
     device = device if device is not None else rank_device()
     here, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
     side.wait_stream(here)

@@ -40,13 +40,6 @@ DEFAULT_OUT = ROOT / "build" / "bench"
 QUEUE = "50ms"
 REPLAYED = "linear, replayed from a CUDA graph"
 
-# NCCL registers the buffers of point-to-point calls it sees captured in a CUDA graph
-# (NCCL_GRAPH_REGISTER, on by default). With torch's caching allocator handing freed memory
-# back out, a captured ring replayed wrong, and the next replay never ended, once an
-# earlier capture's memory had been given back to CUDA (tools/gpu_probe.py graph, 2x H200);
-# with it off every capture was exact. Set in every rank before NCCL starts.
-GRAPH_ENV = {"NCCL_GRAPH_REGISTER": "0"}
-
 
 def _replayed(fn, out: torch.Tensor, x: torch.Tensor, device):
     """``fn(out, x)`` captured once in a CUDA graph (after warm-up runs): its replay."""
@@ -108,7 +101,7 @@ def suite_local(args, argv) -> dict:
     sizes = timing.parse_sizes(args.sizes)
     names = ["dist.all_to_all_single", "linear", "pairwise", "bruck"]
     result = launch.run(_time_in_rank, args.ranks, args=(sizes, args.iters, names), backend=args.backend,
-                        timeout=600, env=dict(GRAPH_ENV) if args.backend == "nccl" else None)[0]
+                        timeout=600, env=timing.graph_env() if args.backend == "nccl" else None)[0]
     p = result["world_size"]
     link = fit_link(result["rows"], p)
     for row in result["rows"]:
