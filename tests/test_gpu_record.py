@@ -119,3 +119,19 @@ def test_the_ring_checks_headline_names_its_memory_and_the_replayed_ring():
     assert "17.6 µs" in said and "(p = 2)" in target
     registered, _ = tool.headline("ringcheck-p4-256M", dict(data, memory="registered", replayed=None), [])
     assert "registered memory" in registered and "replayed" not in registered
+
+
+def test_the_replayed_ring_has_figures_of_its_own_beside_the_registered_ring():
+    """The page quotes the replayed ring from the lane record: its own fields, at each count,
+    never in place of the registered-memory ring's."""
+    tool = _gpu_record()
+    replay = dict(ratio=0.77, memory="plain", exact=True, ring_host_s=2.4e-4, nccl_s=1e-3,
+                  replayed=dict(ratio=0.92, exact=True, host_s=9.6e-6, seconds=1.07e-3))
+    registered = dict(replay, ratio=0.86, memory="registered", replayed=None)
+    at4 = dict(replay, replayed=dict(replay["replayed"], ratio=0.8))
+    figures = tool.figures([dict(step="ringcheck-p2-256M", data=registered),
+                            dict(step="ringcheck-p2-replay", data=replay),
+                            dict(step="ringcheck-p4-replay", data=at4)])
+    assert figures["ring_speed_vs_nccl"] == 0.86 and figures["ring_replayed_speed_vs_nccl"] == 0.92
+    assert figures["ring_plain_speed_vs_nccl"] == 0.77 and figures["ring_replayed_host_s"] == 9.6e-6
+    assert figures["ring_replayed_speed_vs_nccl_p4"] == 0.8 and figures["ring_replayed_exact_p4"] is True

@@ -1,12 +1,13 @@
 """Where the host time of one fused all-reduce goes, on one GPU (a world of one rank).
 
-    .venv/bin/python tools/gpu_fused_profile.py [--count 1000 --numel 4096]
+    .venv/bin/python tools/gpu_fused_profile.py [--count 1000 --numel 4096] [--json FILE]
 
 Times, on the host (perf_counter; the GPU work of these calls is microseconds), each piece
 of FusedAllReducer's hot path for ``count`` tensors, then the whole call; then the time
 between CUDA events around whole calls (as the benchmark measures them) and around a
 replay of the recorded graph alone; then a cProfile of 20 whole calls. Prints JSON and the
-profile's top lines.
+profile's top lines; ``--json`` also writes the three tables as a record (device, torch, date,
+command, commit).
 """
 import argparse
 import cProfile
@@ -17,6 +18,7 @@ import operator
 import os
 import pstats
 import statistics
+import sys
 import time
 
 import torch
@@ -48,6 +50,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--count", type=int, default=1000)
     ap.add_argument("--numel", type=int, default=4096)
+    ap.add_argument("--json", default="", help="write the measured tables here as a record")
     args = ap.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29511")
@@ -130,8 +133,17 @@ def main():
         "split back, 4 streams": split_streams(split_back, 4),
     }
     recorded = {name: StepGraphs(dev).record(fn) for name, fn in copies.items()}
-    print("graph replay µs", json.dumps({k: round(device(g.replay), 1) for k, g in recorded.items()}),
-          flush=True)
+    replays = {k: device(g.replay) for k, g in recorded.items()}
+    print("graph replay µs", json.dumps({k: round(v, 1) for k, v in replays.items()}), flush=True)
+    if args.json:
+        record = {"host_us": out, "cuda_events_us": events, "graph_replay_us": replays,
+                  "count": args.count, "numel": args.numel, "device": torch.cuda.get_device_name(0),
+                  "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+                  "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  "command": "python3 " + " ".join(sys.argv),
+                  "commit": os.environ.get("COLLECTIVES_COMMIT", "unknown")}
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=1)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(20):

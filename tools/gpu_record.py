@@ -198,6 +198,13 @@ def figures(steps: list[dict]) -> dict:
         if isinstance(ring, dict):
             out.update({"ring_speed_vs_nccl" + suffix: ring["ratio"], "ring_host_s" + suffix: ring["ring_host_s"],
                         "ring_nccl_s" + suffix: ring["nccl_s"]})
+        replay = by.get(f"ringcheck-p{p}-replay")
+        if isinstance(replay, dict) and isinstance(replay.get("replayed"), dict):
+            again = replay["replayed"]      # plain memory: the eager ring beside it on the same memory
+            out.update({"ring_replayed_speed_vs_nccl" + suffix: again["ratio"],
+                        "ring_replayed_host_s" + suffix: again["host_s"],
+                        "ring_replayed_exact" + suffix: again["exact"],
+                        "ring_plain_speed_vs_nccl" + suffix: replay["ratio"]})
         ddp = by.get(f"ddp-p{p}")
         if isinstance(ddp, dict) and ddp:
             rec = next(iter(ddp.values())) if all(isinstance(v, dict) for v in ddp.values()) else ddp

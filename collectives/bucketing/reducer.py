@@ -105,6 +105,10 @@ class BucketedReducer(nn.Module):
                              "which do not fit a flat bucket; build them with sparse=False, or "
                              "use torch DDP, which all-reduces sparse gradients on their own")
         self.broadcast_buffers = broadcast_buffers
+        # As DDP: the buffers are listed once, here (walking the modules every forward costs
+        # the host more than the broadcast of a model without buffers); one registered later
+        # is not broadcast.
+        self._module_buffers = list(module.buffers())
         self._buffers_before_forward = True    # as DDP: after a synced forward, and at first
         self._broadcast_from_rank0()
         self.buckets: list[Bucket] = []
@@ -136,7 +140,7 @@ class BucketedReducer(nn.Module):
 
     def _broadcast_from_rank0(self) -> None:
         """Every replica starts from rank 0's state: one broadcast per (dtype, device)."""
-        self._broadcast(list(self.module.parameters()) + list(self.module.buffers()), "initial broadcast")
+        self._broadcast(list(self.module.parameters()) + self._module_buffers, "initial broadcast")
 
     def _broadcast(self, state: list[torch.Tensor], label: str) -> None:
         """Copy group rank 0's ``state`` to every rank: one broadcast per (dtype, device)."""
@@ -188,8 +192,8 @@ class BucketedReducer(nn.Module):
         if (torch.is_grad_enabled() and self._order_observed and not self._rebuilt
                 and not self.find_unused_parameters):       # as DDP: no rebuild then
             self._rebuild_buckets()
-        if self.broadcast_buffers and self._buffers_before_forward:
-            self._broadcast(list(self.module.buffers()), "buffers")   # rank 0's running stats
+        if self.broadcast_buffers and self._buffers_before_forward and self._module_buffers:
+            self._broadcast(self._module_buffers, "buffers")   # rank 0's running stats
         out = self.module(*args, **kwargs)
         self._expect_hooks = torch.is_grad_enabled() and self._sync
         self._buffers_before_forward = self._expect_hooks

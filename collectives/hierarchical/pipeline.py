@@ -150,6 +150,13 @@ def hierarchical_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, l
         stage_streams[0].wait_event(initial_event)
     else:
         stage_streams[0].wait_stream(caller)
+    # Recorded into a CUDA graph (one capture of many buckets issues them all with one launch):
+    # the graph may wait only on events recorded inside it, and must end with every stream it
+    # forked joined again.
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if capturing:
+        for pool in pools.values():
+            pool.restart(stage_streams[0])
 
     slices: list[Slice | None] = [None] * len(bounds)
     pending: dict[int, list] = {}      # slice -> handles its next stage must wait for
@@ -192,7 +199,8 @@ def hierarchical_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, l
             if 0 <= i < len(bounds):
                 run_stage(k, i)
 
-    caller.wait_stream(stage_streams[4])
+    for stream in stage_streams if capturing else stage_streams[4:]:
+        caller.wait_stream(stream)
     ops.write_back(tensor.detach(), flat)
 
 

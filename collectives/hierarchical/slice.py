@@ -95,6 +95,13 @@ class SlotPool:
             self.buffers[slot] = buf
         return slot, buf[:need].view(dtype)
 
+    def restart(self, stream) -> None:
+        """Record every slot's event again on ``stream``: where a CUDA graph begins (a graph
+        may wait only on events recorded inside it, and the last ones were recorded before)."""
+        for event in self.events:
+            if event is not None:
+                event.record(stream)
+
     def release(self, slot: int, stream, device) -> None:
         if self.events[slot] is None:
             self.events[slot] = streams.new_event(device)
