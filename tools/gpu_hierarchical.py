@@ -9,7 +9,9 @@ timed with CUDA events (median of --iters after warm-up): one slice, pipelined (
 computed once per size: how many slices it chose is printed), NCCL's inside stages against
 messages, and 16 buckets of --bucket bytes handed to the in-flight reducer with 1 and 8 in
 flight, beside NCCL's flat all_reduce of the same bytes (one call per bucket, as DDP's
-default hook). On one machine every link is NVLink: the layout only pretends, so this
+default hook); then the same 16 buckets, one slice each, captured once in a CUDA graph and
+replayed (the world starts with NCCL's registration of captured buffers off:
+``timing.graph_env``). On one machine every link is NVLink: the layout only pretends, so this
 measures what the stages, streams and lanes cost, not a gain.
 
 Beside each GPU time, the host's: ``host_seconds`` is the time the host takes to *issue* the
@@ -65,6 +67,35 @@ def _in_flight(reducer, buckets, k):
 def _host(call, device, iters):
     """Median seconds the host takes to issue ``call()``, the ranks starting together."""
     return timing.measure_issue(call, iters=iters, device=device, barrier=True)
+
+
+def _replayed(layout, pristine, buckets, flat_buckets, nccl_buckets, iters, device) -> dict:
+    """Lesson 7's sixteen buckets, one slice each, captured once in a CUDA graph and replayed:
+    every call of every bucket issued by one launch, so the host's cost per bucket is gone.
+    Exact against NCCL on fresh copies first; beside NCCL's sixteen calls replayed the same way."""
+    row = dict(layout=layout, name="16 buckets, replayed from a CUDA graph", nccl=nccl_buckets,
+               nbytes=16 * pristine[0].numel() * 4, exact=False, seconds=float("nan"), host_seconds=float("nan"))
+
+    def issue():
+        for b in buckets:
+            one_slice_all_reduce(b, layout=layout)
+    try:
+        graph = timing.capture_graph(issue, warm=2, device=device)
+        want = [b.clone() for b in pristine]
+        for w in want:
+            dist.all_reduce(w)
+        for b, fresh in zip(buckets, pristine):
+            b.copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize(device)
+        row["exact"] = all(torch.equal(a, b) for a, b in zip(buckets, want))
+        row["seconds"] = timing.median(timing.measure(graph.replay, iters=iters, device=device))
+        row["host_seconds"] = _host(graph.replay, device, iters)
+        theirs = timing.capture_graph(flat_buckets, warm=2, device=device)
+        row["nccl_graph"] = timing.median(timing.measure(theirs.replay, iters=iters, device=device))
+    except Exception as exc:  # noqa: BLE001 - the row says what failed; the others stand
+        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return row
 
 
 def _rank(layouts, numel, bucket_numel, iters):
@@ -123,6 +154,8 @@ def _rank(layouts, numel, bucket_numel, iters):
         for row in rows[-2:]:
             row.update(issue_per_bucket=issue, python_calls_per_bucket=calls)
         reducer.close()
+    for layout in layouts if device.type == "cuda" else ():    # last: a failed capture spoils no other row
+        rows.append(_replayed(layout, pristine, buckets, flat_buckets, nccl_buckets, iters, device))
     return rows
 
 
@@ -138,13 +171,17 @@ def main() -> int:
     layouts = [(1, p), (p, 1)] + ([(2, p // 2)] if p >= 4 and p % 2 == 0 else [])
     numel = timing.parse_size(args.size) // 4
     rows = launch.run(_rank, p, args=(layouts, numel, timing.parse_size(args.bucket) // 4, args.iters),
-                      backend="nccl", timeout=600)[0]
+                      backend="nccl", timeout=600, env=timing.graph_env())[0]
     device = f"{torch.cuda.get_device_name(0)} x {p}"
     print(f"torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, {device}, "
           f"{args.size} float32")
     for r in rows:
         extra = f"  ({r['slices']} slices)" if "slices" in r else ""
         extra += f"  host {r['host_seconds'] * 1e3:.3f} ms (NCCL's {r['nccl_host'] * 1e3:.3f} ms)"
+        if "nccl_graph" in r:
+            extra += f"  (NCCL's 16 calls replayed {r['nccl_graph'] * 1e3:.2f} ms)"
+        if "error" in r:
+            extra += f"  {r['error']}"
         if "issue_per_bucket" in r:
             extra += f"  course's own host work {r['issue_per_bucket'] * 1e6:.0f} us per bucket"
         print(f"layout {r['layout']}  {r['name']:32s} exact={r['exact']}  {r['seconds'] * 1e3:8.2f} ms   "
