@@ -69,12 +69,13 @@ def _host(call, device, iters):
     return timing.measure_issue(call, iters=iters, device=device, barrier=True)
 
 
-def _replayed(layout, pristine, buckets, flat_buckets, nccl_buckets, iters, device) -> dict:
+def _replayed(layout, pristine, buckets, flat_buckets, nccl_buckets, nccl_host, iters, device) -> dict:
     """Lesson 7's sixteen buckets, one slice each, captured once in a CUDA graph and replayed:
     every call of every bucket issued by one launch, so the host's cost per bucket is gone.
     Exact against NCCL on fresh copies first; beside NCCL's sixteen calls replayed the same way."""
     row = dict(layout=layout, name="16 buckets, replayed from a CUDA graph", nccl=nccl_buckets,
-               nbytes=16 * pristine[0].numel() * 4, exact=False, seconds=float("nan"), host_seconds=float("nan"))
+               nbytes=16 * pristine[0].numel() * 4, exact=False, seconds=float("nan"), host_seconds=float("nan"),
+               nccl_host=nccl_host)
 
     def issue():
         for b in buckets:
@@ -155,7 +156,7 @@ def _rank(layouts, numel, bucket_numel, iters):
             row.update(issue_per_bucket=issue, python_calls_per_bucket=calls)
         reducer.close()
     for layout in layouts if device.type == "cuda" else ():    # last: a failed capture spoils no other row
-        rows.append(_replayed(layout, pristine, buckets, flat_buckets, nccl_buckets, iters, device))
+        rows.append(_replayed(layout, pristine, buckets, flat_buckets, nccl_buckets, nccl_buckets_host, iters, device))
     return rows
 
 
