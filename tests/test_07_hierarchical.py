@@ -645,13 +645,29 @@ def _gpu_checks(layout, big_numel):
     wants = [verify.reference_all_reduce(b) for b in buckets]
     handles = [reducer.all_reduce(b) for b in buckets]
     out["16 in flight"] = [verify.compare(w, h.wait()) for w, h in zip(wants, handles)]
+    # captured once in a CUDA graph (slices, uneven sizes), replayed on fresh copies: exact
+    from collectives.core import timing
+    pristine = [torch.randint(-8, 9, (n,), device=device).float() for n in (4099, 1 << 20, 97)]
+    wants = [verify.reference_all_reduce(b) for b in pristine]
+    buckets = [b.clone() for b in pristine]
+
+    def issue():
+        for b in buckets:
+            load("collectives.hierarchical:hierarchical_all_reduce")(b, layout=layout, slice_numel=1 << 18)
+    graph = timing.capture_graph(issue, warm=2, device=device)
+    for b, fresh in zip(buckets, pristine):
+        b.copy_(fresh)
+    graph.replay()
+    out["replayed"] = [verify.compare(w, b) for w, b in zip(wants, buckets)]
     return out
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", [(1, 2), (2, 1)])
 def test_on_two_gpus_with_nccl(layout):
-    results = launch.run(_gpu_checks, 2, args=(layout, 64 << 20), backend="nccl", timeout=300)
+    from collectives.core import timing
+    results = launch.run(_gpu_checks, 2, args=(layout, 64 << 20), backend="nccl", timeout=300,
+                         env=timing.graph_env())
     for rank, r in enumerate(results):
         for name in ("hierarchical_all_reduce", "one_slice_all_reduce", "rail_all_reduce"):
             assert r[name].ok, f"{name}, layout {layout}, rank {rank}: {r[name].summary()}"
@@ -659,6 +675,7 @@ def test_on_two_gpus_with_nccl(layout):
         assert r["in flight"] == [None] * 4, f"buckets in flight, layout {layout}, rank {rank}: {r['in flight']}"
         assert r["16 in flight"] == [None] * 16, \
             f"16 buckets of 4 MiB in flight, layout {layout}, rank {rank}: {r['16 in flight']}"
+        assert r["replayed"] == [None] * 3, f"replayed from a CUDA graph, layout {layout}, rank {rank}: {r['replayed']}"
 
 
 # ---- the benchmarks' records (no world: what a record holds and how it compares) -----------
