@@ -14,7 +14,9 @@ synchronization inside: if it approached the ring's GPU time, the host would be 
 ``--replay`` (plain memory only): the ring also captured once in a CUDA graph and replayed --
 the same messages with the host's cost per call taken out -- checked bit for bit, timed in
 the same rounds, with its host time per replay. NCCL's registration of captured buffers is
-turned off first (:func:`collectives.core.timing.graph_env`).
+turned off first (:func:`collectives.core.timing.graph_env`). ``--replay-pieces 2,4``: the
+pipelined ring replayed the same way with each of those piece counts (where the host no
+longer sets the pace, does overlapping a piece's add with the next piece's transfer pay?).
 """
 import argparse
 import datetime
@@ -39,6 +41,7 @@ def main():
     ap.add_argument("--iters", type=int, default=10, help="timed runs per variant and round")
     ap.add_argument("--json", default="", help="also write the result here (rank 0)")
     ap.add_argument("--replay", action="store_true", help="also the ring replayed from a CUDA graph (with --plain)")
+    ap.add_argument("--replay-pieces", default="", help="with --replay: the pipelined ring replayed, e.g. 2,4,8")
     args = ap.parse_args()
     if args.replay and not args.plain:
         ap.error("--replay needs --plain: a capture's own landing buffers would come after the registration")
@@ -78,6 +81,14 @@ def main():
         cases["replayed"]()
         torch.cuda.synchronize(device)
         replayed["exact"] = bool(torch.equal(x, expected))
+        for k in [int(v) for v in args.replay_pieces.split(",") if v]:
+            name = f"replayed pipelined {k}"
+            cases[name] = timing.capture_graph(lambda k=k: pipelined_ring_all_reduce(x, pieces=k), warm=2,
+                                               device=device).replay
+            x.copy_(values)
+            cases[name]()
+            torch.cuda.synchronize(device)
+            replayed[f"pipelined_{k}_exact"] = bool(torch.equal(x, expected))
     times = {name: [] for name in cases}
     for _ in range(args.rounds):               # interleaved: a change of load falls on all alike
         for name, fn in cases.items():
@@ -89,6 +100,9 @@ def main():
     if args.replay:
         replayed.update(ratio=t["nccl"] / t["replayed"], seconds=t["replayed"],
                         host_s=timing.measure_issue(cases["replayed"], device=device))
+        for name in cases:
+            if name.startswith("replayed pipelined "):
+                replayed[f"pipelined_{name.split()[-1]}_ratio"] = t["nccl"] / t[name]
     t_nccl, t_ring = t["nccl"], t["ring"]
     if rank == 0:
         result = dict(p=p, bytes=nbytes, memory="plain" if args.plain else "registered",
