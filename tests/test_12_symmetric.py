@@ -81,7 +81,31 @@ def _few_cases_every_size():
              verify.Case(4099, torch.bfloat16, dist.ReduceOp.MIN),
              verify.Case(4099, torch.float32, dist.ReduceOp.SUM, values="random")]
     reports = [verify.check_all_reduce(fn, cases) for fn in ALGORITHMS]
-    return [report.summary() for report in reports if not report.ok]
+    return [report.summary() for report in reports if not report.ok] + _at_home(cases)
+
+
+def _at_home(cases) -> list[str]:
+    """The two-shot of inputs that live in the segment (each rank's home): the same results
+    as dist.all_reduce, no message, and the result where the input was."""
+    rank = dist.get_rank()
+    ws = SharedWorkspace(None, 1 << 15, home=True)
+    failures = []
+    for case in cases:
+        home = ws.home(case.numel, case.dtype)
+        g = torch.Generator().manual_seed(rank)
+        values = (torch.randn(case.numel, generator=g) if case.values == "random"
+                  else torch.randint(-3, 4, (case.numel,), generator=g)).to(case.dtype)
+        if case.op == dist.ReduceOp.PRODUCT:
+            values = torch.full((case.numel,), 1 + rank % 2, dtype=case.dtype)
+        expected = verify.reference_all_reduce(values, case.op)
+        home.copy_(values)
+        with trace.recording() as t:
+            two_shot_all_reduce(home, op=case.op, workspace=ws)
+        exact = case.values != "random"            # random floats: gloo may add in another order
+        wrong = verify.compare(expected, home, exact=exact, rtol=1e-5, atol=1e-5)
+        if wrong or t.to_dicts():
+            failures.append(f"at home, {case}: {wrong}, {len(t.to_dicts())} messages")
+    return failures
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 5, 8])      # 4 is the test above's; 8: more ranks than the cores
@@ -194,6 +218,50 @@ def test_a_flag_reset_before_a_slow_peer_looked_hangs_it_and_epoch_flags_do_not(
     assert isinstance(rank_1, str) and "rank 1 waited" in rank_1 and "group rank(s) [0] never arrived" in rank_1, rank_1
 
 
+def _home_handed_back_early(closing: bool):
+    """The two-shot at home, twice. Rank 1 is held before its gather until rank 0 is in its
+    next call; meanwhile rank 0 has written its next input into its home. Without the
+    closing barrier rank 0 got there: rank 1 gathers that next input as chunk 0."""
+    ws = SharedWorkspace(None, 4096, home=True, closing=closing, timeout=20.0)
+    rank = dist.get_rank()
+    held = []
+
+    def hold_rank_1(point, w):
+        if point == "gather" and rank == 1 and not held:
+            held.append(w.epoch)
+            _wait_for(lambda: int(w.flags[0]) > held[0])       # rank 0 has raised its flag again
+    ws.pause = hold_rank_1
+    home = ws.home(64, torch.int64)
+    home.fill_(1 + rank)                                        # 1 + 2 = 3
+    two_shot_all_reduce(home, workspace=ws)
+    first = home.tolist()
+    home.fill_(100 * (1 + rank))                                # the next input, written at once
+    two_shot_all_reduce(home, workspace=ws)
+    return first, home.tolist()
+
+
+def test_a_home_handed_back_before_a_slow_peer_read_it_is_overwritten_and_the_closing_barrier_prevents_it():
+    guarded = launch.run(_home_handed_back_early, 2, args=(True,), timeout=WORLD_TIMEOUT)
+    assert all(first == [3] * 64 and second == [300] * 64 for first, second in guarded), guarded
+    unguarded = launch.run(_home_handed_back_early, 2, args=(False,), timeout=WORLD_TIMEOUT)
+    assert unguarded[1][0] == [100] * 32 + [3] * 32, unguarded[1][0]    # rank 0's next input as chunk 0
+    assert unguarded[0][0] == [3] * 64
+
+
+def test_a_home_is_refused_where_there_is_none_or_it_would_not_fit():
+    def refusals():
+        errors = []
+        for ws, numel in ((SharedWorkspace(None, 256), 8), (SharedWorkspace(None, 256, home=True), 65)):
+            try:
+                ws.home(numel, torch.float32)
+            except ValueError as exc:
+                errors.append(str(exc))
+        return errors
+    for errors in launch.run(refusals, 2, timeout=WORLD_TIMEOUT):
+        assert "has no homes; make it with home=True" in errors[0], errors
+        assert "does not fit this workspace's homes of 256 bytes" in errors[1], errors
+
+
 # ---- the same bits on every rank, and the model --------------------------------------------
 
 def _random_floats_in_rank_order():
@@ -239,8 +307,8 @@ def test_a_tiny_cpu_benchmark_checks_every_algorithm_and_writes_its_times_and_re
                        "--record", "12-tiny", "--img", str(tmp_path)])
     assert code == 0
     saved = json.loads((tmp_path / "cpu.json").read_text())
-    assert saved["checked"] == {"ring": True, "one_shot": True, "two_shot": True}
-    assert set(saved["runs"]["float32"]) == {"gloo", "ring", "one_shot", "two_shot"}
+    assert saved["checked"] == {"ring": True, "one_shot": True, "two_shot": True, "two_shot_home": True}
+    assert set(saved["runs"]["float32"]) == {"gloo", "ring", "one_shot", "two_shot", "two_shot_home"}
     assert all(len(v) == 2 and min(v) > 0 for v in saved["runs"]["float32"].values())
     assert {"command", "date", "device", "torch", "commit"} <= set(saved["meta"])
     record = json.loads((tmp_path / "12-tiny.json").read_text())

@@ -169,11 +169,17 @@ def two_shot_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, *,
     Rank r reduces chunk r (``ops.chunk_bounds``) of every slot, in rank order, and writes
     the result into chunk r of its own slot; after a second barrier every rank copies
     chunk j out of slot j. Two barriers, no message.
+
+    A tensor that is this rank's home in ``workspace`` (:meth:`SharedWorkspace.home`, on
+    every rank) is reduced where it lives: no copy in, and a third barrier before returning.
     """
     ready = _prepare(tensor, op, group, workspace, "two_shot_all_reduce")
     if ready is None:
         return
     rank, p, flat, ws = ready
+    if ws.holds(flat):
+        _two_shot_at_home(flat, op, rank, p, ws)
+        return
     n, dtype = flat.numel(), flat.dtype
     buffer = ws.begin(n * flat.element_size())
     slots = [ws.slot(buffer, r, dtype, n) for r in range(p)]
@@ -192,3 +198,30 @@ def two_shot_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, *,
         if peer != rank:
             flat[a:b].copy_(slots[peer][a:b])
     _finish(tensor, flat)
+
+
+def _two_shot_at_home(home: torch.Tensor, op, rank: int, p: int, ws: SharedWorkspace) -> None:
+    """The two-shot on inputs that already live in the segment, each rank's in its home.
+
+    The same reads as above without the copy-in; but the home is the caller's tensor, and
+    the caller writes its next input there as soon as this returns. A slow peer may still
+    be copying our chunk out of it then, so the call ends with a third barrier: after it,
+    nobody reads our home until our next call's first barrier (``ws.closing``, the guard).
+    """
+    n, dtype = home.numel(), home.dtype
+    flag_barrier(ws)                                  # 1. every home holds its rank's input
+    ws.pause_at("read")
+    bounds = ops.chunk_bounds(n, p)
+    lo, hi = bounds[rank]
+    mine = torch.empty(hi - lo, dtype=dtype)          # not into the home: its chunk is one of the rows
+    reduce_rows_(mine, ws.home_rows(dtype, lo, hi), op)
+    ops.finish_(mine, op, p)
+    home[lo:hi].copy_(mine)                           # only this rank reads this chunk of this home
+    flag_barrier(ws)                                  # 2. every chunk is reduced
+    ws.pause_at("gather")
+    for peer, (a, b) in enumerate(bounds):            # 3. gather the others' chunks from their homes
+        if peer != rank:
+            home[a:b].copy_(ws.home_of(peer, dtype, n)[a:b])
+    ws.pause_at("closing")
+    if ws.closing:
+        flag_barrier(ws)                              # 4. nobody reads our home any more

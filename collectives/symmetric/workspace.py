@@ -11,12 +11,18 @@ The segment, for a group of p ranks and slots of ``capacity`` bytes::
     | flag 0 | flag 1 | ... | flag p-1 |     one 64-byte line each (no false sharing)
     | buffer 0: slot 0 | slot 1 | ... | slot p-1 |
     | buffer 1: slot 0 | slot 1 | ... | slot p-1 |
+    | homes:    home 0 | home 1 | ... | home p-1 |     (only with home=True)
 
 Rank r writes only its own flag and, in a call, its own slot; it reads everyone's.
 Two buffers, used in turn by successive calls, are the guard against the first hazard of
 the lesson (a slot overwritten while a slow peer still reads it); the flags hold epochs,
 the guard against the second (a flag reset before a slow peer saw it set). Both guards
 can be switched off, for the tests and the lab that show what goes wrong without them.
+
+A home is a tensor that lives in the segment from the start (:meth:`SharedWorkspace.home`),
+as torch's ``symm_mem.empty`` hands out GPU memory its peers can map: an all-reduce of it
+has no input to copy in. The price is a third guard: the call must not return while a peer
+may still read it, since the caller will write its next input there (``closing``).
 
 Setting the segment up is the only part with messages: group rank 0 creates the file
 and broadcasts its name, every rank maps it, a gloo barrier, and rank 0 unlinks the
@@ -60,21 +66,24 @@ class SharedWorkspace:
         two_buffers: successive calls use the two buffers in turn (the guard); ``False``:
             every call uses buffer 0 (the hazard).
         timeout: seconds a rank waits at a barrier before :class:`BarrierTimeout`.
+        home: also give every rank a home of ``capacity`` bytes (:meth:`home`).
+        closing: an all-reduce of a home ends with a barrier, so that no peer still reads it
+            when the caller writes there again (the guard); ``False``: it does not (the hazard).
     """
 
     def __init__(self, group=None, capacity: int = DEFAULT_CAPACITY, *, epochs: bool = True,
-                 two_buffers: bool = True, timeout: float = 30.0):
+                 two_buffers: bool = True, timeout: float = 30.0, home: bool = False, closing: bool = True):
         if capacity < 0:
             raise ValueError(f"SharedWorkspace: capacity must be at least 0 bytes, got {capacity}")
         self.group = group
         self.rank, self.size = ops.group_rank_and_size(group)
         self.capacity = -(-capacity // FLAG_LINE) * FLAG_LINE     # slots stay 64-byte aligned
-        self.epochs, self.two_buffers, self.timeout = epochs, two_buffers, timeout
+        self.epochs, self.two_buffers, self.timeout, self.closing = epochs, two_buffers, timeout, closing
         self.epoch = 0          # barriers this rank has passed: the same count on every rank
         self.calls = 0          # all-reduces begun on this workspace: picks the buffer
         self.pause: Callable[[str, "SharedWorkspace"], None] | None = None   # tests and lab only
         flags_bytes = self.size * FLAG_LINE
-        total = flags_bytes + 2 * self.size * self.capacity
+        total = flags_bytes + (3 if home else 2) * self.size * self.capacity
         with trace.label("shared memory rendezvous"):
             self.path = self._create_and_share(total)
             self.segment = torch.from_file(self.path, shared=True, size=total, dtype=torch.uint8)
@@ -83,7 +92,9 @@ class SharedWorkspace:
             os.unlink(self.path)
         # flag r is the first int64 of line r: ``flags[r]`` below
         self.flags = self.segment[:flags_bytes].view(torch.int64).view(self.size, FLAG_LINE // 8)[:, 0]
-        self.buffers = self.segment[flags_bytes:].view(2, self.size, self.capacity)
+        data = self.segment[flags_bytes:].view(3 if home else 2, self.size, self.capacity)
+        self.buffers = data[:2]
+        self.homes = data[2] if home else None
 
     def _create_and_share(self, total: int) -> str:
         """Group rank 0 makes the file (zeroed: every flag starts at 0); all learn its name."""
@@ -119,10 +130,42 @@ class SharedWorkspace:
         size = torch.empty(0, dtype=dtype).element_size()
         return self.buffers[buffer, :, lo * size:hi * size].view(dtype)
 
+    # ---- homes: tensors that live in the segment --------------------------------------------
+
+    def home(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """This rank's home as a tensor of ``numel`` elements: write the input there, all-reduce
+        it with this workspace (``two_shot_all_reduce(t, workspace=ws)``), read the result there.
+
+        Every rank takes its home with the same ``numel`` and ``dtype``, and passes it whole."""
+        if self.homes is None:
+            raise ValueError(f"rank {self.rank}: this workspace has no homes; make it with home=True")
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        if numel < 0 or nbytes > self.capacity:
+            raise ValueError(f"rank {self.rank}: a home of {numel} elements of {dtype} does not fit this "
+                             f"workspace's homes of {self.capacity} bytes")
+        return self.homes[self.rank, :nbytes].view(dtype)
+
+    def holds(self, flat: torch.Tensor) -> bool:
+        """``flat`` is this rank's home from its first byte, contiguous: its peers can read it."""
+        return (self.homes is not None and flat.device.type == "cpu" and flat.is_contiguous()
+                and flat.numel() * flat.element_size() <= self.capacity
+                and flat.data_ptr() == self.homes[self.rank].data_ptr())
+
+    def home_of(self, rank: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """Group rank ``rank``'s home, as ``numel`` elements of ``dtype``."""
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        return self.homes[rank, :nbytes].view(dtype)
+
+    def home_rows(self, dtype: torch.dtype, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``lo:hi`` of every home, as a ``[p, hi - lo]`` view: row r is rank r's home."""
+        size = torch.empty(0, dtype=dtype).element_size()
+        return self.homes[:, lo * size:hi * size].view(dtype)
+
     def pause_at(self, point: str) -> None:
         """Let a test or the lab hold this rank at ``point`` ("posted": its flag is up and it
         has not looked at the others'; "read": past the barrier, before reading peers;
-        "gather": the two-shot past its second barrier, before copying the peers' chunks)."""
+        "gather": the two-shot past its second barrier, before copying the peers' chunks;
+        "closing": an all-reduce of a home, done, before its closing barrier)."""
         if self.pause is not None:
             self.pause(point, self)
 
@@ -136,7 +179,7 @@ class SharedWorkspace:
 
     def __repr__(self) -> str:
         return (f"SharedWorkspace(rank {self.rank} of {self.size}, slots of {self.capacity} bytes, "
-                f"epochs={self.epochs}, two_buffers={self.two_buffers})")
+                f"epochs={self.epochs}, two_buffers={self.two_buffers}, home={self.homes is not None})")
 
 
 _CACHE: dict[int, tuple[object, SharedWorkspace]] = {}   # id(group) -> (group, its workspace)

@@ -2,7 +2,9 @@
 
 On CPUs (the default, gloo): the shared-memory one-shot and two-shot
 (:mod:`collectives.symmetric.shared`) against gloo's ``all_reduce`` and the course's ring
-(lesson 4), ``--world`` forked ranks, float32, sizes ``--sizes`` (4 KiB to 64 MiB), side by
+(lesson 4), and the two-shot of a tensor that lives in the segment from the start
+(``two_shot_home``: each rank's home, no copy in; every other algorithm takes an ordinary
+tensor), ``--world`` forked ranks, float32, sizes ``--sizes`` (4 KiB to 64 MiB), side by
 side in one world. Every algorithm is first checked against ``dist.all_reduce`` bit for
 bit on integer data at one size; then each size is timed: the median of :data:`BATCHES`
 batches of runs issued back to back (up to ``--iters`` each, each batch the slowest rank's,
@@ -38,7 +40,7 @@ from ...core import launch, timing
 from ...symmetric.gpu import no_multicast
 
 CPU_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M"
-CPU_ALGOS = ("gloo", "ring", "one_shot", "two_shot")
+CPU_ALGOS = ("gloo", "ring", "one_shot", "two_shot", "two_shot_home")
 BATCHES = 5         # each time: the median of 5 batches of runs issued back to back, in rounds
 def iterations(nbytes: int, iters: int) -> int:
     """Runs per batch: ``iters`` up to 64 KiB, fewer above (each run is longer), at least 3."""
@@ -47,8 +49,9 @@ def iterations(nbytes: int, iters: int) -> int:
     return max(3, iters // 5 if nbytes <= 1 << 20 else iters // 20)
 
 
-def _check_in_rank() -> dict[str, bool]:
-    """Each algorithm against ``dist.all_reduce`` on integer data, 1001 float32 elements."""
+def _check_in_rank(home) -> dict[str, bool]:
+    """Each algorithm against ``dist.all_reduce`` on integer data, 1001 float32 elements
+    (``home``: the workspace whose homes the two-shot at home reduces)."""
     from ...ring import ring_all_reduce
     from ...symmetric import one_shot_all_reduce, two_shot_all_reduce
 
@@ -61,23 +64,30 @@ def _check_in_rank() -> dict[str, bool]:
         x = base.clone()
         fn(x)
         out[name] = bool(torch.equal(x, expected))
+    x = home.home(1001)
+    x.copy_(base)
+    two_shot_all_reduce(x, workspace=home)
+    out["two_shot_home"] = bool(torch.equal(x, expected))
     return out
 
 
 def cpu_rank(sizes: list[int], iters: int) -> dict:
     """In each rank: check, then time every algorithm at every size (float32, in place)."""
     from ...ring import ring_all_reduce
-    from ...symmetric import one_shot_all_reduce, two_shot_all_reduce, workspace
+    from ...symmetric import SharedWorkspace, one_shot_all_reduce, two_shot_all_reduce, workspace
 
     workspace(None, max(sizes))                   # made once: no message in any timed call
-    checked = _check_in_rank()
+    home = SharedWorkspace(None, max(sizes), home=True)
+    checked = _check_in_rank(home)
     algos = {"gloo": dist.all_reduce, "ring": ring_all_reduce,
-             "one_shot": one_shot_all_reduce, "two_shot": two_shot_all_reduce}
+             "one_shot": one_shot_all_reduce, "two_shot": two_shot_all_reduce,
+             "two_shot_home": lambda t: two_shot_all_reduce(t, workspace=home)}
     times: dict[str, list[float]] = {name: [] for name in CPU_ALGOS}
     for nbytes in sizes:
         # zeros: summed in place run after run they stay zeros (random data would grow to inf
         # and through denormals, which are slow); an add takes as long on any normal values
         bufs = {name: torch.zeros(nbytes // 4) for name in CPU_ALGOS}
+        bufs["two_shot_home"] = home.home(nbytes // 4).zero_()     # the input lives in the segment
         batches: dict[str, list[float]] = {name: [] for name in CPU_ALGOS}
         for _ in range(BATCHES):                  # in rounds, one batch of each: a change of load falls on all
             for name in CPU_ALGOS:
