@@ -17,6 +17,9 @@ the same rounds, with its host time per replay. NCCL's registration of captured 
 turned off first (:func:`collectives.core.timing.graph_env`). ``--replay-pieces 2,4``: the
 pipelined ring replayed the same way with each of those piece counts (where the host no
 longer sets the pace, does overlapping a piece's add with the next piece's transfer pay?).
+``--profile`` (with ``--replay``): the GPU's kernels of NCCL's call and of the replayed ring,
+by name, from torch's profiler (CUPTI sees the kernels of a replayed graph): where the
+replayed ring's time goes on the GPU, beside NCCL's one kernel.
 """
 import argparse
 import datetime
@@ -32,6 +35,27 @@ from collectives import nccl_memory, timing
 from collectives.ring import pipelined_ring_all_reduce, ring_all_reduce
 
 
+def _kernels(fn, device, runs: int = 5) -> dict:
+    """Mean µs per call of each CUDA kernel (and memcpy/memset) that ``runs`` calls of ``fn``
+    put on the GPU, by name, from torch's profiler; plus their sum."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            fn()
+        torch.cuda.synchronize(device)
+    out: dict[str, float] = {}
+    for event in prof.events():
+        if getattr(event, "device_type", None) == torch.autograd.DeviceType.CUDA:
+            name = event.name[:80]
+            out[name] = out.get(name, 0.0) + event.time_range.elapsed_us() / runs
+    out = dict(sorted(out.items(), key=lambda kv: -kv[1]))
+    out["sum"] = sum(out.values())
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="256M")
@@ -42,6 +66,7 @@ def main():
     ap.add_argument("--json", default="", help="also write the result here (rank 0)")
     ap.add_argument("--replay", action="store_true", help="also the ring replayed from a CUDA graph (with --plain)")
     ap.add_argument("--replay-pieces", default="", help="with --replay: the pipelined ring replayed, e.g. 2,4,8")
+    ap.add_argument("--profile", action="store_true", help="with --replay: the kernels of NCCL's call and the replay")
     args = ap.parse_args()
     if args.replay and not args.plain:
         ap.error("--replay needs --plain: a capture's own landing buffers would come after the registration")
@@ -100,6 +125,8 @@ def main():
     if args.replay:
         replayed.update(ratio=t["nccl"] / t["replayed"], seconds=t["replayed"],
                         host_s=timing.measure_issue(cases["replayed"], device=device))
+        if args.profile:
+            replayed["kernels_us"] = {what: _kernels(cases[what], device) for what in ("nccl", "replayed")}
         for name in cases:
             if name.startswith("replayed pipelined "):
                 replayed[f"pipelined_{name.split()[-1]}_ratio"] = t["nccl"] / t[name]
