@@ -94,6 +94,9 @@ def _replayed(layout, pristine, buckets, flat_buckets, nccl_buckets, nccl_host, 
         row["host_seconds"] = _host(graph.replay, device, iters)
         theirs = timing.capture_graph(flat_buckets, warm=2, device=device)
         row["nccl_graph"] = timing.median(timing.measure(theirs.replay, iters=iters, device=device))
+        # where the replay's time goes on the GPU, beside NCCL's sixteen calls
+        row["kernels_us"] = {"replayed": timing.kernel_times(graph.replay, device=device),
+                             "nccl": timing.kernel_times(flat_buckets, device=device)}
     except Exception as exc:  # noqa: BLE001 - the row says what failed; the others stand
         row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     return row

@@ -35,27 +35,6 @@ from collectives import nccl_memory, timing
 from collectives.ring import pipelined_ring_all_reduce, ring_all_reduce
 
 
-def _kernels(fn, device, runs: int = 5) -> dict:
-    """Mean µs per call of each CUDA kernel (and memcpy/memset) that ``runs`` calls of ``fn``
-    put on the GPU, by name, from torch's profiler; plus their sum."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(runs):
-            fn()
-        torch.cuda.synchronize(device)
-    out: dict[str, float] = {}
-    for event in prof.events():
-        if getattr(event, "device_type", None) == torch.autograd.DeviceType.CUDA:
-            name = event.name[:80]
-            out[name] = out.get(name, 0.0) + event.time_range.elapsed_us() / runs
-    out = dict(sorted(out.items(), key=lambda kv: -kv[1]))
-    out["sum"] = sum(out.values())
-    return out
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="256M")
@@ -126,7 +105,8 @@ def main():
         replayed.update(ratio=t["nccl"] / t["replayed"], seconds=t["replayed"],
                         host_s=timing.measure_issue(cases["replayed"], device=device))
         if args.profile:
-            replayed["kernels_us"] = {what: _kernels(cases[what], device) for what in ("nccl", "replayed")}
+            replayed["kernels_us"] = {what: timing.kernel_times(cases[what], device=device)
+                                     for what in ("nccl", "replayed")}
         for name in cases:
             if name.startswith("replayed pipelined "):
                 replayed[f"pipelined_{name.split()[-1]}_ratio"] = t["nccl"] / t[name]

@@ -125,6 +125,28 @@ def capture_graph(fn: Callable[[], object], *, warm: int = 1, device: torch.devi
     return graph
 
 
+def kernel_times(fn: Callable[[], object], *, runs: int = 5, device: torch.device | None = None) -> dict:
+    """Mean µs per call of each GPU kernel (and copy or set) that ``fn()`` puts on the GPU, by
+    name (cut to 80 characters), from torch's profiler, with their ``"sum"``; longest first.
+    CUPTI sees the kernels of a replayed CUDA graph too: where a replay's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = device if device is not None else rank_device()
+    fn()
+    torch.cuda.synchronize(device)
+    with trace.paused(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            fn()
+        torch.cuda.synchronize(device)
+    out: dict[str, float] = {}
+    for event in prof.events():
+        if getattr(event, "device_type", None) == torch.autograd.DeviceType.CUDA:
+            out[event.name[:80]] = out.get(event.name[:80], 0.0) + event.time_range.elapsed_us() / runs
+    out = dict(sorted(out.items(), key=lambda kv: -kv[1]))
+    out["sum"] = sum(out.values())
+    return out
+
+
 def measure_issue(fn: Callable[[], object], *, iters: int = 20, device: torch.device | None = None,
                   barrier: bool = False, group=None) -> float:
     """Median seconds this host takes to *issue* ``fn()``: the device is synchronised before
