@@ -64,7 +64,8 @@ def test_under_torchrun_start_records_torchs_own_calls_and_futures_and_tells_exi
     assert found.notes == [] and [d["rank"] for d in found.dumps] == [0, 1]
     rank0, rank1 = found.dumps
     assert rank0["reason"] == "exit" and rank0["exception"] is None
-    assert rank1["exception"] == "ValueError: rank one gives up after its last step"
+    assert rank1.get("exception") == "ValueError: rank one gives up after its last step", \
+        (rank1.get("reason"), rank1.get("extras_error"), done.stderr[-1500:])
     for dump in found.dumps:
         ours = [e for e in dump["entries"] if e.get("source") != "torch"]
         theirs = [e for e in dump["entries"] if e.get("source") == "torch"]
@@ -263,6 +264,24 @@ def test_a_deleted_dump_is_missing_not_dead_and_other_runs_are_left_out(tmp_path
     findings = diagnose(found.dumps, found.world, skipped=found.left_out)
     assert not any(f.kind == "straggler" for f in findings)
     assert findings[0].kind == "missing" and findings[0].ranks == (2,)
+
+
+def test_a_dump_is_written_with_its_exception_when_torchs_entries_cannot_be_read(tmp_path, monkeypatch):
+    from collectives.core import flight_torch
+
+    def broken():
+        raise RuntimeError("the process group is gone")
+    monkeypatch.setattr(flight_torch, "torch_entries", broken)
+    recorder = flight_recorder.FlightRecorder(tmp_path, 1, 2, buffer_size=4)
+    recorder.merge_torch = True
+    recorder.exception = "ValueError: rank one gives up"
+    try:
+        recorder.dump("exception: ValueError: rank one gives up")
+    finally:
+        recorder._ring.close()
+    found = read_dumps(tmp_path)
+    assert found.notes == [] and found.dumps[0]["exception"] == "ValueError: rank one gives up"
+    assert found.dumps[0]["extras_error"] == "RuntimeError: the process group is gone"
 
 
 def test_empty_rings_say_that_nothing_was_recorded(tmp_path, capsys):

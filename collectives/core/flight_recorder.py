@@ -238,11 +238,14 @@ class FlightRecorder:
             data.update(fr.dump_header(self.rank, self.world_size, os.getpid(), reason, self.buffer_size,
                                        self.recorded))
             data["exception"] = self.exception
-            data["network"] = fr.network()
             entries, added = self.entries(), 0
-            if self.merge_torch:
-                entries, added = flight_torch.merge(entries, flight_torch.torch_entries(),
-                                                    self.recorded > self.buffer_size)
+            try:                        # the extras: a dump is written even when they fail
+                data["network"] = fr.network()
+                if self.merge_torch:
+                    entries, added = flight_torch.merge(entries, flight_torch.torch_entries(),
+                                                        self.recorded > self.buffer_size)
+            except Exception as exc:  # noqa: BLE001 - said in the dump instead
+                data["extras_error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
             data["torch_entries"] = added
             data["entries"] = entries
             data["pg_config"] = fr.pg_config(entries)
