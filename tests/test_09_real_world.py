@@ -282,6 +282,19 @@ def test_a_dump_is_written_with_its_exception_when_torchs_entries_cannot_be_read
     found = read_dumps(tmp_path)
     assert found.notes == [] and found.dumps[0]["exception"] == "ValueError: rank one gives up"
     assert found.dumps[0]["extras_error"] == "RuntimeError: the process group is gone"
+    # an entry of torch's holding a value JSON has no form for is written as text, not lost
+    monkeypatch.setattr(flight_torch, "torch_entries", lambda: [])
+    monkeypatch.setattr(flight_torch, "merge", lambda ours, theirs, wrapped: (
+        ours + [{"record_id": 0, "profiling_name": "gloo:all_reduce", "process_group": ["0", "default_pg"],
+                 "pg_ranks": "[0, 1]", "frames": b"\x00raw"}], 1))
+    recorder = flight_recorder.FlightRecorder(tmp_path, 1, 2, buffer_size=4)
+    recorder.exception = "ValueError: rank one gives up"
+    try:
+        recorder.dump("exception: ValueError: rank one gives up")
+    finally:
+        recorder._ring.close()
+    dump = json.loads((tmp_path / "rank1.json").read_text())
+    assert dump["exception"] == "ValueError: rank one gives up" and dump["entries"][-1]["frames"] == "b'\\x00raw'"
 
 
 def test_empty_rings_say_that_nothing_was_recorded(tmp_path, capsys):

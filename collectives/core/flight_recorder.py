@@ -250,7 +250,7 @@ class FlightRecorder:
             data["entries"] = entries
             data["pg_config"] = fr.pg_config(entries)
             tmp = self.dump_path.with_suffix(f".tmp{threading.get_ident()}")
-            tmp.write_text(json.dumps(data, indent=1))
+            tmp.write_text(json.dumps(data, indent=1, default=str))   # an odd value of torch's: as text
             os.replace(tmp, self.dump_path)
             return self.dump_path
 

@@ -123,8 +123,10 @@ def dump_header(rank, world_size, pid, reason, buffer_size, recorded, run: str |
 
 
 def pg_config(entries: list[dict]) -> dict:
+    """The process groups the entries name (an entry without one names none)."""
     return {e["process_group"][0]: {"name": e["process_group"][0], "desc": e["process_group"][1],
-                                    "ranks": e["pg_ranks"]} for e in entries}
+                                    "ranks": e.get("pg_ranks")}
+            for e in entries if isinstance(e.get("process_group"), (list, tuple)) and len(e["process_group"]) >= 2}
 
 
 def _int_env(name: str) -> int | None:
