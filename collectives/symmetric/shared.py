@@ -51,7 +51,7 @@ import torch
 
 from ..core import ops
 from ..core.ops import ReduceOp
-from .workspace import SharedWorkspace, workspace
+from .workspace import HOME, SharedWorkspace, workspace
 
 __all__ = ["flag_barrier", "one_shot_all_reduce", "two_shot_all_reduce", "reduce_rows_"]
 
@@ -214,14 +214,13 @@ def _two_shot_at_home(home: torch.Tensor, op, rank: int, p: int, ws: SharedWorks
     bounds = ops.chunk_bounds(n, p)
     lo, hi = bounds[rank]
     mine = torch.empty(hi - lo, dtype=dtype)          # not into the home: its chunk is one of the rows
-    reduce_rows_(mine, ws.home_rows(dtype, lo, hi), op)
+    reduce_rows_(mine, ws.rows(HOME, dtype, lo, hi), op)
     ops.finish_(mine, op, p)
     home[lo:hi].copy_(mine)                           # only this rank reads this chunk of this home
     flag_barrier(ws)                                  # 2. every chunk is reduced
     ws.pause_at("gather")
     for peer, (a, b) in enumerate(bounds):            # 3. gather the others' chunks from their homes
         if peer != rank:
-            home[a:b].copy_(ws.home_of(peer, dtype, n)[a:b])
-    ws.pause_at("closing")
+            home[a:b].copy_(ws.slot(HOME, peer, dtype, n)[a:b])
     if ws.closing:
         flag_barrier(ws)                              # 4. nobody reads our home any more

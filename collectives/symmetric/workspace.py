@@ -41,8 +41,9 @@ import torch.distributed as dist
 
 from ..core import ops, trace
 
-__all__ = ["SharedWorkspace", "BarrierTimeout", "workspace", "FLAG_LINE", "DEFAULT_CAPACITY"]
+__all__ = ["SharedWorkspace", "BarrierTimeout", "workspace", "FLAG_LINE", "DEFAULT_CAPACITY", "HOME"]
 
+HOME = 2                          # the row of homes, after buffers 0 and 1 (slot(HOME, r, ...))
 FLAG_LINE = 64                    # bytes per flag: one cache line, written by one rank only
 DEFAULT_CAPACITY = 1 << 16        # the smallest slot the cache makes (64 KiB)
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()   # Linux: memory, never a disk
@@ -92,9 +93,9 @@ class SharedWorkspace:
             os.unlink(self.path)
         # flag r is the first int64 of line r: ``flags[r]`` below
         self.flags = self.segment[:flags_bytes].view(torch.int64).view(self.size, FLAG_LINE // 8)[:, 0]
-        data = self.segment[flags_bytes:].view(3 if home else 2, self.size, self.capacity)
-        self.buffers = data[:2]
-        self.homes = data[2] if home else None
+        # buffers 0 and 1, and with homes a third row of slots: buffer HOME (never begin()'s)
+        self.buffers = self.segment[flags_bytes:].view(3 if home else 2, self.size, self.capacity)
+        self.homes = self.buffers[HOME] if home else None
 
     def _create_and_share(self, total: int) -> str:
         """Group rank 0 makes the file (zeroed: every flag starts at 0); all learn its name."""
@@ -151,21 +152,10 @@ class SharedWorkspace:
                 and flat.numel() * flat.element_size() <= self.capacity
                 and flat.data_ptr() == self.homes[self.rank].data_ptr())
 
-    def home_of(self, rank: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        """Group rank ``rank``'s home, as ``numel`` elements of ``dtype``."""
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-        return self.homes[rank, :nbytes].view(dtype)
-
-    def home_rows(self, dtype: torch.dtype, lo: int, hi: int) -> torch.Tensor:
-        """Elements ``lo:hi`` of every home, as a ``[p, hi - lo]`` view: row r is rank r's home."""
-        size = torch.empty(0, dtype=dtype).element_size()
-        return self.homes[:, lo * size:hi * size].view(dtype)
-
     def pause_at(self, point: str) -> None:
         """Let a test or the lab hold this rank at ``point`` ("posted": its flag is up and it
         has not looked at the others'; "read": past the barrier, before reading peers;
-        "gather": the two-shot past its second barrier, before copying the peers' chunks;
-        "closing": an all-reduce of a home, done, before its closing barrier)."""
+        "gather": the two-shot past its second barrier, before copying the peers' chunks)."""
         if self.pause is not None:
             self.pause(point, self)
 
