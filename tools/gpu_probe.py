@@ -14,9 +14,9 @@ see which layer costs what: the record keeps the environment it ran in.
 
 ``graph``: the course's ring all-reduce captured once in a CUDA graph and replayed: exact
 against ``dist.all_reduce`` on integer data, its GPU time against NCCL's (eager and from a
-graph) and the host time of one replay; the same for lesson 11's linear all-to-all and for
-lesson 7's sixteen 4 MiB buckets (hierarchical, one slice each) in one graph. If
-the ring's gap to NCCL is the host's, the replayed ring closes it. NCCL's registration
+graph) and the host time of one replay; the same for lesson 11's linear all-to-all (lesson
+7's buckets replayed from a graph are a row of ``tools/gpu_hierarchical.py``, the lane's
+step). If the ring's gap to NCCL is the host's, the replayed ring closes it. NCCL's registration
 of captured buffers is off (``NCCL_GRAPH_REGISTER=0`` unless set otherwise: with it on, a
 replayed ring went wrong and then hung; see :func:`collectives.core.timing.graph_env`).
 
@@ -206,49 +206,7 @@ def graph_rank(sizes: list[int], a2a_bytes: int) -> dict:
                       "gpu_nccl_eager_s": _gpu(lambda: dist.all_to_all_single(dst, src), device)}
     except Exception as exc:  # noqa: BLE001
         out["a2a_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    out["buckets"] = _replayed_buckets(device, stage)
     return out
-
-
-def _replayed_buckets(device, stage, count: int = 16, nbytes: int = 4 << 20) -> dict:
-    """Lesson 7's buckets from a CUDA graph: ``count`` hierarchical all-reduces of ``nbytes``
-    each (one slice, layout (2, p/2) where p allows, else (1, p)) captured once and replayed,
-    exact against NCCL first; beside NCCL's ``count`` calls, eager and from a graph."""
-    from collectives.hierarchical import one_slice_all_reduce
-
-    rank, p = dist.get_rank(), dist.get_world_size()
-    layout = (2, p // 2) if p >= 4 and p % 2 == 0 else (1, p)
-    pristine = [torch.randint(-8, 9, (nbytes // 4,), device=device).float() * (rank + 1) for _ in range(count)]
-    want = [b.clone() for b in pristine]
-    for w in want:
-        dist.all_reduce(w)
-    buckets = [b.clone() for b in pristine]
-
-    def ours():
-        for b in buckets:
-            one_slice_all_reduce(b, layout=layout)
-
-    def nccl():
-        for b in buckets:
-            dist.all_reduce(b)
-    row: dict = {"layout": list(layout), "count": count, "bytes": nbytes}
-    try:
-        stage(f"buckets {layout}: capturing")
-        g = _graph(ours, device)
-        for b, fresh in zip(buckets, pristine):
-            b.copy_(fresh)
-        g.replay()
-        torch.cuda.synchronize(device)
-        row["exact"] = all(torch.equal(b, w) for b, w in zip(buckets, want))
-        stage(f"buckets {layout}: replayed once, exact {row['exact']}")
-        row["gpu_replayed_s"] = _gpu(g.replay, device)
-        row["host_replayed_s"] = _host(g.replay, device)
-        row["gpu_eager_s"] = _gpu(ours, device)
-        row["gpu_nccl_eager_s"] = _gpu(nccl, device)
-        row["gpu_nccl_graph_s"] = _gpu(_graph(nccl, device).replay, device)
-    except Exception as exc:  # noqa: BLE001 - a probe reports what failed
-        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    return row
 
 
 SHAPES = [(4096, 64, 8), (4096, 128, 8), (8192, 128, 16), (2048, 128, 4), (4096, 256, 8), (1024, 32, 4)]
