@@ -145,9 +145,9 @@ GATHERS = ("load", "store")
 BARRIERS = ("serial", "parallel")     # one thread for every peer in turn, or one thread per peer
 
 
-def _check_barrier(barrier: str) -> None:
-    if barrier not in BARRIERS:
-        raise ValueError(f"barrier must be one of {BARRIERS}, got {barrier!r}")
+def _check(name: str, value: str, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
 
 
 def _grid(work: int, block: int, programs: int, world: int) -> tuple[int]:
@@ -190,7 +190,7 @@ def one_shot(handle, numel: int, dtype: torch.dtype, out: torch.Tensor, *, block
     slower on four GPUs: ``tools/gpu_probe.py barrier``).
     A call's launch arguments are worked out once and looked up after (keyed by the handle's
     pointers and every argument, so nothing stale can match)."""
-    _check_barrier(barrier)
+    _check("barrier", barrier, BARRIERS)
     ptrs = handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev
     key = ("one", ptrs, torch._C._cuda_getDevice(), numel, dtype, out.data_ptr(), block, programs, warps, barrier)
 
@@ -213,9 +213,8 @@ def two_shot(handle, numel: int, dtype: torch.dtype, *, gather: str = "store", b
     (``"store"``, the default: every rank writes its reduced chunk into every rank's buffer;
     two barriers; faster on four GPUs, even on two: ``docs/benchmarks.md``). One launch
     (``block``, ``programs``, ``warps``, ``barrier``: as :func:`one_shot`)."""
-    if gather not in GATHERS:
-        raise ValueError(f"gather must be one of {GATHERS}, got {gather!r}")
-    _check_barrier(barrier)
+    _check("gather", gather, GATHERS)
+    _check("barrier", barrier, BARRIERS)
     ptrs = handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev
     key = ("two", ptrs, torch._C._cuda_getDevice(), numel, dtype, gather, block, programs, warps, barrier)
 

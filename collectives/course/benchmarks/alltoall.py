@@ -41,11 +41,6 @@ QUEUE = "50ms"
 REPLAYED = "linear, replayed from a CUDA graph"
 
 
-def _replayed(fn, out: torch.Tensor, x: torch.Tensor, device):
-    """``fn(out, x)`` captured once in a CUDA graph (after warm-up runs): its replay."""
-    return timing.capture_graph(lambda: fn(out, x), warm=2, device=device).replay
-
-
 def _time_in_rank(sizes: list[int], iters: int, names: list[str], layout=None) -> dict:
     """Every algorithm at every size: verified against the library once, then timed (max over ranks).
     On GPUs the linear all-to-all is also captured in a CUDA graph and replayed (:data:`REPLAYED`):
@@ -71,7 +66,7 @@ def _time_in_rank(sizes: list[int], iters: int, names: list[str], layout=None) -
             rows.append(dict(name=name, nbytes=numel * 4, verified=verified, seconds=timing.median(times),
                              times=times, messages=messages))
         if device.type == "cuda" and "linear" in fns:
-            replay = _replayed(fns["linear"], out, x, device)
+            replay = timing.capture_graph(lambda: fns["linear"](out, x), warm=2, device=device).replay
             out.zero_()
             replay()
             verified = bool(torch.equal(out, expected))

@@ -86,7 +86,7 @@ def cpu_rank(sizes: list[int], iters: int) -> dict:
     for nbytes in sizes:
         # zeros: summed in place run after run they stay zeros (random data would grow to inf
         # and through denormals, which are slow); an add takes as long on any normal values
-        bufs = {name: torch.zeros(nbytes // 4) for name in CPU_ALGOS}
+        bufs = {name: torch.zeros(nbytes // 4) for name in CPU_ALGOS if name != "two_shot_home"}
         bufs["two_shot_home"] = home.home(nbytes // 4).zero_()     # the input lives in the segment
         batches: dict[str, list[float]] = {name: [] for name in CPU_ALGOS}
         for _ in range(BATCHES):                  # in rounds, one batch of each: a change of load falls on all
