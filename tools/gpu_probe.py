@@ -30,7 +30,8 @@ call, the launcher given ready arguments, Triton's compiled launcher alone, the 
 pointer properties, the current stream -- and a cProfile of 300 calls, the costliest first.
 
 ``barrier``: lesson 12's Triton kernels with each of their barriers (one thread meeting every
-peer in turn, or one thread per peer), exact against NCCL first, then timed.
+peer in turn, or one thread per peer), every barrier ordered or only those that hand over
+data, exact against NCCL first, then timed.
 
 No torchrun: one process per GPU (:func:`collectives.core.launch.run`). Multicast stays off.
 A world that overruns (80 s for ``host``, ``graph`` and ``launch``, 150 s for ``barrier``, 400 s
@@ -268,8 +269,10 @@ def triton_rank(sizes: list[int], shapes=None, algos=("one_shot", "two_shot", "t
 
 
 def barrier_rank(sizes: list[int]) -> dict:
-    """Lesson 12's kernels with each barrier (:data:`triton_allreduce.BARRIERS`): exact against
-    NCCL on integer-valued bf16 first, then timed back to back and from a CUDA graph."""
+    """Lesson 12's kernels with each barrier (:data:`triton_allreduce.BARRIERS`), every barrier
+    ordered, and with the parallel barrier ordered only where it hands over data
+    (:data:`triton_allreduce.FENCES`): exact against NCCL on integer-valued bf16 first, then
+    timed back to back and from a CUDA graph."""
     from collectives.symmetric import gpu, triton_allreduce
 
     device = ops.rank_device()
@@ -290,17 +293,18 @@ def barrier_rank(sizes: list[int]) -> dict:
         if two_shot is not None:
             row["symm_two_shot_b2b_s"] = timing.measure_back_to_back(
                 lambda: two_shot(flat, "sum", buf.group_name), iters=20, device=device)
-        for barrier in triton_allreduce.BARRIERS:
+        for barrier, fences in (("serial", "all"), ("parallel", "all"), ("parallel", "needed")):
             for algo in ("one_shot", "two_shot", "two_shot_store"):
                 if algo == "one_shot" and nbytes > (16 << 20):
                     continue
 
-                def fn(algo=algo, barrier=barrier):
+                def fn(algo=algo, barrier=barrier, fences=fences):
                     if algo == "one_shot":
-                        return triton_allreduce.one_shot(buf.handle, n, dtype, out, barrier=barrier)
+                        return triton_allreduce.one_shot(buf.handle, n, dtype, out, barrier=barrier, fences=fences)
                     gather = "store" if algo == "two_shot_store" else "load"
-                    return triton_allreduce.two_shot(buf.handle, n, dtype, gather=gather, barrier=barrier)
-                key = f"{algo} {barrier}"
+                    return triton_allreduce.two_shot(buf.handle, n, dtype, gather=gather, barrier=barrier,
+                                                     fences=fences)
+                key = f"{algo} {barrier}" + (" fences needed" if fences == "needed" else "")
                 try:
                     flat.copy_(values)
                     dist.barrier()

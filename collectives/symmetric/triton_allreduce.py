@@ -48,7 +48,7 @@ import triton.language as tl
 from .triton_barrier import blockwise_barrier
 from .triton_launch import Launcher, int_shape
 
-__all__ = ["one_shot", "two_shot", "BLOCK", "MAX_BLOCKS", "WARPS", "GATHERS", "BARRIERS"]
+__all__ = ["one_shot", "two_shot", "BLOCK", "MAX_BLOCKS", "WARPS", "GATHERS", "BARRIERS", "FENCES"]
 
 # The shape measured best of six on 2× NVIDIA H200 at 256 MiB of bf16 (tools/gpu_probe.py triton;
 # docs/data/gpu/lesson12-shapes-2x-h200.json): more programs, each with more loads in flight.
@@ -77,31 +77,31 @@ def _sum_of_peers(buffer_ptrs, offsets, mask, ELEMENT: tl.constexpr, ACC: tl.con
 @triton.jit
 def _one_shot_kernel(buffer_ptrs, signal_pad_ptrs, out_ptr, numel,
                      RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, ELEMENT: tl.constexpr,
-                     ACC: tl.constexpr, PARALLEL: tl.constexpr):
+                     ACC: tl.constexpr, PARALLEL: tl.constexpr, LEAN: tl.constexpr):
     program, programs = tl.program_id(0), tl.num_programs(0)
-    blockwise_barrier(signal_pad_ptrs, program, RANK, WORLD, PARALLEL)
+    blockwise_barrier(signal_pad_ptrs, program, RANK, WORLD, PARALLEL, not LEAN)   # peers have started
     for start in range(program * BLOCK, numel, programs * BLOCK):
         offsets = start + tl.arange(0, BLOCK)
         mask = offsets < numel
         acc = _sum_of_peers(buffer_ptrs, offsets, mask, ELEMENT, ACC, WORLD, BLOCK)
         tl.store(out_ptr + offsets, acc.to(ELEMENT), mask=mask)
-    blockwise_barrier(signal_pad_ptrs, program, RANK, WORLD, PARALLEL)
+    blockwise_barrier(signal_pad_ptrs, program, RANK, WORLD, PARALLEL, not LEAN)   # nobody reads any more
 
 
 @triton.jit
 def _two_shot_kernel(buffer_ptrs, signal_pad_ptrs, numel, chunk,
                      RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, ELEMENT: tl.constexpr,
-                     ACC: tl.constexpr, PARALLEL: tl.constexpr):
+                     ACC: tl.constexpr, PARALLEL: tl.constexpr, LEAN: tl.constexpr):
     program, programs = tl.program_id(0), tl.num_programs(0)
     own = _peer(buffer_ptrs, RANK, ELEMENT)
-    blockwise_barrier(signal_pad_ptrs, program, RANK, WORLD, PARALLEL)
+    blockwise_barrier(signal_pad_ptrs, program, RANK, WORLD, PARALLEL, not LEAN)
     lo = RANK * chunk
     for start in range(program * BLOCK, chunk, programs * BLOCK):        # reduce our chunk, in place
         offsets = lo + start + tl.arange(0, BLOCK)
         mask = (offsets < lo + chunk) & (offsets < numel)
         acc = _sum_of_peers(buffer_ptrs, offsets, mask, ELEMENT, ACC, WORLD, BLOCK)
         tl.store(own + offsets, acc.to(ELEMENT), mask=mask)
-    blockwise_barrier(signal_pad_ptrs, program, RANK, WORLD, PARALLEL)
+    blockwise_barrier(signal_pad_ptrs, program, RANK, WORLD, PARALLEL, True)      # hands over what we wrote
     for peer in tl.static_range(WORLD):                                  # gather the others' chunks
         if peer != RANK:
             theirs = _peer(buffer_ptrs, peer, ELEMENT)
@@ -109,15 +109,15 @@ def _two_shot_kernel(buffer_ptrs, signal_pad_ptrs, numel, chunk,
                 offsets = peer * chunk + start + tl.arange(0, BLOCK)
                 mask = (offsets < (peer + 1) * chunk) & (offsets < numel)
                 tl.store(own + offsets, tl.load(theirs + offsets, mask=mask), mask=mask)
-    blockwise_barrier(signal_pad_ptrs, program, RANK, WORLD, PARALLEL)
+    blockwise_barrier(signal_pad_ptrs, program, RANK, WORLD, PARALLEL, not LEAN)
 
 
 @triton.jit
 def _two_shot_store_kernel(buffer_ptrs, signal_pad_ptrs, numel, chunk,
                            RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, ELEMENT: tl.constexpr,
-                           ACC: tl.constexpr, PARALLEL: tl.constexpr):
+                           ACC: tl.constexpr, PARALLEL: tl.constexpr, LEAN: tl.constexpr):
     program, programs = tl.program_id(0), tl.num_programs(0)
-    blockwise_barrier(signal_pad_ptrs, program, RANK, WORLD, PARALLEL)
+    blockwise_barrier(signal_pad_ptrs, program, RANK, WORLD, PARALLEL, not LEAN)
     lo = RANK * chunk
     for start in range(program * BLOCK, chunk, programs * BLOCK):
         offsets = lo + start + tl.arange(0, BLOCK)
@@ -126,7 +126,7 @@ def _two_shot_store_kernel(buffer_ptrs, signal_pad_ptrs, numel, chunk,
         for step in tl.static_range(WORLD):              # the sum into every rank's buffer, ours last
             peer = (RANK + 1 + step) % WORLD
             tl.store(_peer(buffer_ptrs, peer, ELEMENT) + offsets, acc, mask=mask)
-    blockwise_barrier(signal_pad_ptrs, program, RANK, WORLD, PARALLEL)
+    blockwise_barrier(signal_pad_ptrs, program, RANK, WORLD, PARALLEL, True)      # hands over the sums
 
 
 _ELEMENTS = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
@@ -143,6 +143,7 @@ _ONE_SHOT, _TWO_SHOT = Launcher(_one_shot_kernel), Launcher(_two_shot_kernel)
 _TWO_SHOT_STORE = Launcher(_two_shot_store_kernel)
 GATHERS = ("load", "store")
 BARRIERS = ("serial", "parallel")     # one thread for every peer in turn, or one thread per peer
+FENCES = ("needed", "all")            # order only the barriers that hand over data, or every one
 
 
 def _check(name: str, value: str, allowed: tuple) -> None:
@@ -181,22 +182,27 @@ def _plan(key: tuple, make) -> tuple:
 
 
 def one_shot(handle, numel: int, dtype: torch.dtype, out: torch.Tensor, *, block: int = BLOCK,
-             programs: int = MAX_BLOCKS, warps: int = WARPS, barrier: str = "parallel") -> torch.Tensor:
+             programs: int = MAX_BLOCKS, warps: int = WARPS, barrier: str = "parallel",
+             fences: str = "needed") -> torch.Tensor:
     """``out[:numel]`` <- the sum over ranks of their symmetric buffers' first ``numel``
     elements (``handle``: ``symm_mem.rendezvous`` of a buffer of ``dtype``). One launch of at
     most ``programs`` programs of ``warps`` warps, each taking ``block`` elements at a time.
     ``barrier``: how a block meets its peers (:mod:`.triton_barrier`; :data:`BARRIERS`): one
     thread per peer unless asked (the serial handshake grows with p and made small calls
-    slower on four GPUs: ``tools/gpu_probe.py barrier``).
+    slower on four GPUs: ``tools/gpu_probe.py barrier``). ``fences``: :data:`FENCES` --
+    release and acquire only at the barriers that hand peers what this kernel wrote
+    (``"needed"``), or at every barrier (``"all"``, to measure what they cost).
     A call's launch arguments are worked out once and looked up after (keyed by the handle's
     pointers and every argument, so nothing stale can match)."""
     _check("barrier", barrier, BARRIERS)
+    _check("fences", fences, FENCES)
     ptrs = handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev
-    key = ("one", ptrs, torch._C._cuda_getDevice(), numel, dtype, out.data_ptr(), block, programs, warps, barrier)
+    key = ("one", ptrs, torch._C._cuda_getDevice(), numel, dtype, out.data_ptr(), block, programs, warps, barrier,
+           fences)
 
     def make():     # no tensor kept here: a cached plan must not keep ``out`` alive
         constexprs = dict(RANK=handle.rank, WORLD=handle.world_size, BLOCK=block, **_types(dtype),
-                          PARALLEL=barrier == "parallel")
+                          PARALLEL=barrier == "parallel", LEAN=fences == "needed")
         shape = (dtype, tuple(constexprs.values()), int_shape(numel), out.data_ptr() % 16 == 0, out.device.index,
                  *ptrs)
         return _grid(numel, block, programs, handle.world_size), shape, constexprs
@@ -206,22 +212,24 @@ def one_shot(handle, numel: int, dtype: torch.dtype, out: torch.Tensor, *, block
 
 
 def two_shot(handle, numel: int, dtype: torch.dtype, *, gather: str = "store", block: int = BLOCK,
-             programs: int = MAX_BLOCKS, warps: int = WARPS, barrier: str = "parallel") -> None:
+             programs: int = MAX_BLOCKS, warps: int = WARPS, barrier: str = "parallel",
+             fences: str = "needed") -> None:
     """The first ``numel`` elements of this rank's symmetric buffer <- their sum over ranks,
     in place: a reduce-scatter by loads, then an all-gather -- by loads (``gather="load"``:
     every rank reads the others' reduced chunks; three barriers) or by stores
     (``"store"``, the default: every rank writes its reduced chunk into every rank's buffer;
     two barriers; faster on four GPUs, even on two: ``docs/benchmarks.md``). One launch
-    (``block``, ``programs``, ``warps``, ``barrier``: as :func:`one_shot`)."""
+    (``block``, ``programs``, ``warps``, ``barrier``, ``fences``: as :func:`one_shot`)."""
     _check("gather", gather, GATHERS)
     _check("barrier", barrier, BARRIERS)
+    _check("fences", fences, FENCES)
     ptrs = handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev
-    key = ("two", ptrs, torch._C._cuda_getDevice(), numel, dtype, gather, block, programs, warps, barrier)
+    key = ("two", ptrs, torch._C._cuda_getDevice(), numel, dtype, gather, block, programs, warps, barrier, fences)
 
     def make():
         chunk = triton.cdiv(numel, handle.world_size)
         constexprs = dict(RANK=handle.rank, WORLD=handle.world_size, BLOCK=block, **_types(dtype),
-                          PARALLEL=barrier == "parallel")
+                          PARALLEL=barrier == "parallel", LEAN=fences == "needed")
         shape = (dtype, tuple(constexprs.values()), int_shape(numel), int_shape(chunk), *ptrs)
         return (_grid(chunk, block, programs, handle.world_size), shape, (*ptrs, numel, chunk), constexprs, warps)
     (_TWO_SHOT if gather == "load" else _TWO_SHOT_STORE).launch(*_plan(key, make), shape=key)

@@ -35,6 +35,20 @@ Two ways to run the handshake (``PARALLEL``, a compile-time switch of every kern
   (``bar.sync``), so the arriving thread's release covers what every thread of the block
   wrote, and again after, so no thread goes on before the handshakes are done.
 
+Not every barrier needs the release and the acquire (``ORDERED``, a compile-time switch
+too), as torch's own symmetric-memory kernels sort them:
+
+* a barrier that only says "every peer has *started*" -- the first of every kernel, whose
+  buffers were filled by earlier kernels (the end of a kernel already makes its writes
+  visible) -- and one that only says "nobody reads your buffer any more" -- the last, after
+  which peers may overwrite what was read -- need no ordering: relaxed atomics (``False``);
+* a barrier that hands peers what *this kernel* wrote (a reduced chunk to be gathered, sums
+  stored into a peer's buffer) must release before it arrives and acquire after it waits
+  (``True``).
+
+Each ordered atomic at system scope is a fence across NVLink; dropping the ones no peer
+needs is what the small calls gain (``tools/gpu_probe.py barrier`` times both).
+
 After the structure of symm-mem-recipes' blockwise barrier (one word per block and peer in
 the signal pad, one thread per peer); written for this course. Import it only where Triton
 is installed.
@@ -49,24 +63,32 @@ __all__ = ["blockwise_barrier"]
 
 
 @triton.jit
-def _arrive(word):
+def _arrive(word, ORDERED: tl.constexpr):
     """Raise ``word`` (a peer's) from 0 to 1; wait while it is still 1 from the last barrier."""
-    while tl.atomic_cas(word, 0, 1, sem="release", scope="sys") != 0:
-        pass
+    if ORDERED:
+        while tl.atomic_cas(word, 0, 1, sem="release", scope="sys") != 0:
+            pass
+    else:
+        while tl.atomic_cas(word, 0, 1, sem="relaxed", scope="sys") != 0:
+            pass
 
 
 @triton.jit
-def _consume(word):
+def _consume(word, ORDERED: tl.constexpr):
     """Wait for ``word`` (our own) to be 1, and put it back to 0."""
-    while tl.atomic_cas(word, 1, 0, sem="acquire", scope="sys") != 1:
-        pass
+    if ORDERED:
+        while tl.atomic_cas(word, 1, 0, sem="acquire", scope="sys") != 1:
+            pass
+    else:
+        while tl.atomic_cas(word, 1, 0, sem="relaxed", scope="sys") != 1:
+            pass
 
 
 # Thread t < p (t ≠ RANK) of the block: arrive at peer t's word b·p + RANK, then consume our
 # word b·p + t. Operands: $0 (out, unused), $1 the address of the pads' address array, $2 the
 # block b, $3 p, $4 RANK. Labels get LLVM's per-asm unique id, as the barrier is inlined
-# several times into one kernel.
-_HANDSHAKE_PER_THREAD = tl.constexpr("""{
+# several times into one kernel. ARRIVE_SEM and CONSUME_SEM: the atomics' ordering.
+_HANDSHAKE_TEMPLATE = """{
 .reg .pred %go, %again;
 .reg .u32 %t, %word, %old;
 .reg .u64 %off, %at, %theirs, %own;
@@ -88,38 +110,47 @@ mad.lo.u32 %word, $2, $3, %t;
 mul.wide.u32 %off, %word, 4;
 add.u64 %own, %own, %off;
 ARRIVE_${:uid}:
-atom.global.release.sys.cas.b32 %old, [%theirs], 0, 1;
+atom.global.ARRIVE_SEM.sys.cas.b32 %old, [%theirs], 0, 1;
 setp.ne.u32 %again, %old, 0;
 @%again bra ARRIVE_${:uid};
 CONSUME_${:uid}:
-atom.global.acquire.sys.cas.b32 %old, [%own], 1, 0;
+atom.global.CONSUME_SEM.sys.cas.b32 %old, [%own], 1, 0;
 setp.ne.u32 %again, %old, 1;
 @%again bra CONSUME_${:uid};
 DONE_${:uid}:
-}""")
+}"""
+_HANDSHAKE_ORDERED = tl.constexpr(_HANDSHAKE_TEMPLATE.replace("ARRIVE_SEM", "release")
+                                  .replace("CONSUME_SEM", "acquire"))
+_HANDSHAKE_RELAXED = tl.constexpr(_HANDSHAKE_TEMPLATE.replace("ARRIVE_SEM", "relaxed")
+                                  .replace("CONSUME_SEM", "relaxed"))
 
 
 @triton.jit
-def blockwise_barrier(signal_pad_ptrs, block, RANK: tl.constexpr, WORLD: tl.constexpr, PARALLEL: tl.constexpr):
+def blockwise_barrier(signal_pad_ptrs, block, RANK: tl.constexpr, WORLD: tl.constexpr, PARALLEL: tl.constexpr,
+                      ORDERED: tl.constexpr):
     """Block ``block`` of every rank waits here until block ``block`` of every rank has arrived.
 
     ``signal_pad_ptrs``: the address of the device array of the p signal pads' addresses
     (``handle.signal_pad_ptrs_dev``, an integer). ``block`` must be below the pad's words ÷ p.
     ``PARALLEL``: one thread per peer (True) or one thread for every peer in turn (False).
+    ``ORDERED``: release on arrival and acquire on the wait (True), or relaxed (False): the
+    module docstring says which barrier needs which.
     """
     if PARALLEL:
         tl.debug_barrier()       # what every thread wrote is ordered before the arriving threads' release
-        tl.inline_asm_elementwise(_HANDSHAKE_PER_THREAD, "=r,l,r,r,r",
-                                  [signal_pad_ptrs.to(tl.int64), block, block * 0 + WORLD, block * 0 + RANK],
-                                  dtype=tl.int32, is_pure=False, pack=1)
+        args = [signal_pad_ptrs.to(tl.int64), block, block * 0 + WORLD, block * 0 + RANK]
+        if ORDERED:
+            tl.inline_asm_elementwise(_HANDSHAKE_ORDERED, "=r,l,r,r,r", args, dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            tl.inline_asm_elementwise(_HANDSHAKE_RELAXED, "=r,l,r,r,r", args, dtype=tl.int32, is_pure=False, pack=1)
     else:
         pads = signal_pad_ptrs.to(tl.pointer_type(tl.uint64))
         own = tl.load(pads + RANK).to(tl.pointer_type(tl.uint32))
         for peer in tl.static_range(WORLD):
             if peer != RANK:
                 theirs = tl.load(pads + peer).to(tl.pointer_type(tl.uint32))
-                _arrive(theirs + block * WORLD + RANK)
+                _arrive(theirs + block * WORLD + RANK, ORDERED)
         for peer in tl.static_range(WORLD):
             if peer != RANK:
-                _consume(own + block * WORLD + peer)
+                _consume(own + block * WORLD + peer, ORDERED)
     tl.debug_barrier()           # every thread of the block waits for the block's handshake
