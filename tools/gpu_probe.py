@@ -319,7 +319,26 @@ def barrier_rank(sizes: list[int]) -> dict:
                 except Exception as exc:  # noqa: BLE001 - a probe reports what failed
                     row[key] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"}
         rows.append(row)
-    return {"rows": rows, "world": dist.get_world_size()}
+    launchers = {"one_shot": triton_allreduce._ONE_SHOT, "two_shot": triton_allreduce._TWO_SHOT,
+                 "two_shot_store": triton_allreduce._TWO_SHOT_STORE}
+    return {"rows": rows, "world": dist.get_world_size(),
+            "ptx": {name: ptx_widths(launcher) for name, launcher in launchers.items()}}
+
+
+def ptx_widths(launcher) -> dict:
+    """How wide each compiled kernel's global loads and stores are: the count of every PTX form
+    (``ld.global.v4.b32`` moves 16 bytes, ``st.global.b16`` two), per kernel compiled."""
+    import collections
+    import re
+
+    found = {}
+    for key, compiled in launcher.compiled.items():
+        ptx = getattr(compiled, "asm", {}).get("ptx", "")
+        forms = collections.Counter(m.group(0) for m in re.finditer(r"\b(?:ld|st)\.global(?:\.[a-z0-9]+)*", ptx))
+        name = " ".join(str(part) for part in key if not isinstance(part, tuple)    # pointers left out
+                        and not (isinstance(part, int) and part > 1 << 32))
+        found[name] = dict(forms)
+    return found
 
 
 def launch_rank(numel: int) -> dict:

@@ -61,7 +61,11 @@ WARPS = 16            # warps per program: 512 threads, 16 elements (32 bytes of
 def _peer(buffer_ptrs, peer, ELEMENT: tl.constexpr):
     """Rank ``peer``'s buffer, as a pointer to ELEMENT (``buffer_ptrs``: the address, an
     integer, of the device array of the p buffers' addresses)."""
-    return tl.load(buffer_ptrs.to(tl.pointer_type(tl.uint64)) + peer).to(tl.pointer_type(ELEMENT))
+    base = tl.load(buffer_ptrs.to(tl.pointer_type(tl.uint64)) + peer).to(tl.pointer_type(ELEMENT))
+    # A pointer read from memory tells the compiler nothing of its alignment, and unaligned it
+    # moves one element per instruction. Symmetric buffers start at least 16-byte aligned:
+    # saying so lets it load and store 16 bytes at a time (tools/gpu_probe.py barrier counts them).
+    return tl.multiple_of(base, 16)
 
 
 @triton.jit
