@@ -19,7 +19,10 @@ symmetric-memory all-reduce writes its tensor into the buffer; that copy is not 
 Every algorithm is checked against NCCL bit for bit on integer-valued data first (sizes
 that do not divide by p included). Times: CUDA events around runs issued back to back
 (:func:`collectives.core.timing.measure_back_to_back`), the slowest rank's, the median of
-three batches.
+:data:`ROUNDS` batches. The rounds interleave the algorithms -- each round times every one
+once, in turn -- so that a drift of the machine's pace (a shared host, a clock) falls on all
+of them alike, not on whichever was timed then: at ten microseconds a call, drift is as large
+as the differences measured.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from ...symmetric import gpu
 GPU_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M,1G"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 CHECK_SIZES = (1, 1001, 4099, (1 << 20) + 3)
+ROUNDS = 5          # batches per algorithm and size, interleaved across the algorithms
 
 
 class Replayed:
@@ -167,15 +171,17 @@ def gpu_rank(sizes: list[int], dtypes: list[str], iters: int) -> dict:
         for nbytes in sizes:
             n = nbytes // size
             batch = max(3, iters if nbytes <= 1 << 20 else iters // 10 if nbytes <= 64 << 20 else 3)
-            for name, run in list(algos.items()):
-                try:
-                    samples = [timing.measure_back_to_back(lambda: run(n), iters=batch, device=torch.device("cuda"))
-                               for _ in range(3)]
-                except RuntimeError as exc:   # the same on every rank (it depends on the size): dropped whole
-                    skipped.append(f"{name} ({dtype_name}): raised at {nbytes} bytes: {str(exc).splitlines()[0]}")
-                    del algos[name], times[name]
-                    continue
-                times[name].append(statistics.median(samples))
+            samples: dict[str, list[float]] = {name: [] for name in algos}
+            for _ in range(ROUNDS):
+                for name, run in list(algos.items()):
+                    try:
+                        samples[name].append(timing.measure_back_to_back(lambda: run(n), iters=batch,
+                                                                         device=torch.device("cuda")))
+                    except RuntimeError as exc:   # the same on every rank (it depends on the size): dropped whole
+                        skipped.append(f"{name} ({dtype_name}): raised at {nbytes} bytes: {str(exc).splitlines()[0]}")
+                        del algos[name], times[name], samples[name]
+            for name in algos:
+                times[name].append(statistics.median(samples[name]))
         runs[dtype_name] = times
         host[dtype_name] = {name: timing.measure_issue(lambda run=run: run(sizes[0] // size), barrier=True)
                             for name, run in algos.items() if not name.startswith("graph_")}
