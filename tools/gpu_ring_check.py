@@ -11,10 +11,13 @@ the library runs it (each step through ``batch_isend_irecv``) and the pipelined 
 slowest rank's; median over all). Last, the host time to issue one ring (perf_counter, no
 synchronization inside: if it approached the ring's GPU time, the host would be the limit).
 
-``--replay`` (plain memory only): the ring also captured once in a CUDA graph and replayed --
-the same messages with the host's cost per call taken out -- checked bit for bit, timed in
-the same rounds, with its host time per replay. NCCL's registration of captured buffers is
-turned off first (:func:`collectives.core.timing.graph_env`). ``--replay-pieces 2,4``: the
+``--replay``: the ring also captured once in a CUDA graph and replayed -- the same messages
+with the host's cost per call taken out -- checked bit for bit, timed in the same rounds, with
+its host time per replay. NCCL's registration of captured buffers is turned off first
+(:func:`collectives.core.timing.graph_env`). On registered memory the capture comes after
+:func:`~collectives.core.nccl_memory.register`: the ring's landing buffers, made in the pool by
+the warm-up, are reused, so the captured ring allocates nothing and every buffer it moves is
+registered. ``--replay-pieces 2,4``: the
 pipelined ring replayed the same way with each of those piece counts (where the host no
 longer sets the pace, does overlapping a piece's add with the next piece's transfer pay?).
 ``--profile`` (with ``--replay``): the GPU's kernels of NCCL's call and of the replayed ring,
@@ -43,12 +46,10 @@ def main():
     ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds of every variant")
     ap.add_argument("--iters", type=int, default=10, help="timed runs per variant and round")
     ap.add_argument("--json", default="", help="also write the result here (rank 0)")
-    ap.add_argument("--replay", action="store_true", help="also the ring replayed from a CUDA graph (with --plain)")
+    ap.add_argument("--replay", action="store_true", help="also the ring replayed from a CUDA graph")
     ap.add_argument("--replay-pieces", default="", help="with --replay: the pipelined ring replayed, e.g. 2,4,8")
     ap.add_argument("--profile", action="store_true", help="with --replay: the kernels of NCCL's call and the replay")
     args = ap.parse_args()
-    if args.replay and not args.plain:
-        ap.error("--replay needs --plain: a capture's own landing buffers would come after the registration")
     if args.replay:
         os.environ.update(timing.graph_env())      # before NCCL starts
     local = int(os.environ["LOCAL_RANK"])
