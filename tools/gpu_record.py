@@ -198,6 +198,11 @@ def figures(steps: list[dict]) -> dict:
         if isinstance(ring, dict):
             out.update({"ring_speed_vs_nccl" + suffix: ring["ratio"], "ring_host_s" + suffix: ring["ring_host_s"],
                         "ring_nccl_s" + suffix: ring["nccl_s"]})
+            if isinstance(ring.get("replayed"), dict):      # registered memory, replayed from a graph
+                again = ring["replayed"]
+                out.update({"ring_registered_replayed_speed_vs_nccl" + suffix: again["ratio"],
+                            "ring_registered_replayed_host_s" + suffix: again["host_s"],
+                            "ring_registered_replayed_exact" + suffix: again["exact"]})
         replay = by.get(f"ringcheck-p{p}-replay")
         if isinstance(replay, dict) and isinstance(replay.get("replayed"), dict):
             again = replay["replayed"]      # plain memory: the eager ring beside it on the same memory

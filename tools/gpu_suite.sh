@@ -10,9 +10,9 @@
 #   tour      the tour, every row verified, at 2 GPUs and at every larger count the machine has
 #   runners   every lesson's exercise runner on the reference, --backend nccl, at every count
 #             (GPU_RUNNERS="02 10": only those lessons' runners)
-#   bench     lessons 3-4: every algorithm 4 KiB .. 1 GiB against NCCL (plain memory), the
-#             ring on registered memory with its host time (tools/gpu_ring_check.py), and the
-#             ring replayed from a CUDA graph (gpu_ring_check.py --plain --replay)
+#   bench     lessons 3-4: every algorithm 4 KiB .. 1 GiB against NCCL (plain memory), then ring
+#   ring      the ring against NCCL at 256 MiB (tools/gpu_ring_check.py): on registered memory
+#             with its host time, and on plain memory, each also replayed from a CUDA graph
 #   fused     lesson 5      ddp    lesson 6      hier   lesson 7 (tools/gpu_hierarchical.py)
 #   sparse    lesson 8      recorder  lesson 9   lessons   lessons 9-12's GPU scripts, where they exist
 #             (GPU_LESSONS="10 12": only those)
@@ -54,6 +54,15 @@ step() {  # step NAME SECONDS command...: run it with a limit; its output into s
   echo "=== $name: exit $rc in $((SECONDS - t0)) s" | tee -a "$LOG"
 }
 on2() { CUDA_VISIBLE_DEVICES=0,1 "$@"; }
+ringchecks() {  # the ring against NCCL at 256 MiB: registered memory, then plain; each eager and replayed
+  for p in $COUNTS; do
+    pin=$([ "$p" = 2 ] && echo on2)
+    $pin step "ringcheck-p$p-256M" 120 torchrun --nproc-per-node "$p" tools/gpu_ring_check.py \
+         --size 256M --replay --json "$OUT/steps/ringcheck-p$p-256M.json"
+    $pin step "ringcheck-p$p-replay" 120 torchrun --nproc-per-node "$p" tools/gpu_ring_check.py \
+         --size 256M --plain --replay --json "$OUT/steps/ringcheck-p$p-replay.json"
+  done
+}
 
 for part in $PARTS; do case $part in
   env)
@@ -79,14 +88,10 @@ for part in $PARTS; do case $part in
       pin=$([ "$p" = 2 ] && echo on2)
       $pin step "bench-p$p" 420 $PY -m collectives bench --backend nccl --world "$p" --sizes 4K..1G \
            --iters 10 --warmup 3 --timeout 360 --json "$OUT/steps/bench-p$p.json" --out "$OUT/steps/bench-p$p"
-      for size in 256M; do
-        $pin step "ringcheck-p$p-$size" 120 torchrun --nproc-per-node "$p" tools/gpu_ring_check.py \
-             --size "$size" --json "$OUT/steps/ringcheck-p$p-$size.json"
-      done
-      # the ring replayed from a CUDA graph (plain memory), beside NCCL and the ring from Python
-      $pin step "ringcheck-p$p-replay" 120 torchrun --nproc-per-node "$p" tools/gpu_ring_check.py \
-           --size 256M --plain --replay --json "$OUT/steps/ringcheck-p$p-replay.json"
-    done ;;
+    done
+    ringchecks ;;
+  ring)
+    ringchecks ;;
   fused)
     for p in $COUNTS; do
       pin=$([ "$p" = 2 ] && echo on2)
