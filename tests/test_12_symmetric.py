@@ -503,6 +503,7 @@ def test_the_triton_kernels_build_each_launch_once_and_keep_no_tensor_of_the_cal
         assert len(one.direct_calls) == len(two.direct_calls) == 2
         grid, args, constexprs, warps = one.jit_calls[0]
         assert args == (1000, 2000, out, 64) and constexprs["RANK"] == 1 and warps == ta.WARPS
+        assert constexprs["BLOCK"] == ta.BLOCK_BYTES // 4              # a block is so many bytes of float32
         # the grid, the stream, the kernel, then its arguments in order and the constexprs
         assert one.direct_calls[0][3] == 7 and one.direct_calls[0][9:13] == (1000, 2000, out, 64)
         assert two.direct_calls[0][9:13] == (1000, 2000, 64, 32)          # numel, then each rank's chunk

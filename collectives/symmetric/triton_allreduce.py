@@ -48,13 +48,16 @@ import triton.language as tl
 from .triton_barrier import blockwise_barrier
 from .triton_launch import Launcher, int_shape
 
-__all__ = ["one_shot", "two_shot", "BLOCK", "MAX_BLOCKS", "WARPS", "GATHERS", "BARRIERS", "FENCES"]
+__all__ = ["one_shot", "two_shot", "BLOCK_BYTES", "MAX_BLOCKS", "WARPS", "GATHERS", "BARRIERS", "FENCES"]
 
 # The shape measured best of six on 2× NVIDIA H200 at 256 MiB of bf16 (tools/gpu_probe.py triton;
 # docs/data/gpu/lesson12-shapes-2x-h200.json): more programs, each with more loads in flight.
-BLOCK = 8192          # elements per load of one program
+# A block is so many bytes, not elements: counted in elements, fp32 had half bf16's programs
+# for the same bytes, and on four GPUs took 1.27x torch's time at 4 MiB where bf16 took 1.02x
+# (docs/data/gpu/lane-4x-h200.json, the lesson-12 step at a30758c).
+BLOCK_BYTES = 16384   # bytes per load of one program: 8192 elements of bf16, 4096 of fp32
 MAX_BLOCKS = 128      # programs at most: 128 · p words of the signal pad (p ≤ 8: 4 KiB of 9 KiB)
-WARPS = 16            # warps per program: 512 threads, 16 elements (32 bytes of bf16) each per load
+WARPS = 16            # warps per program: 512 threads, 32 bytes each per load
 
 
 @triton.jit
@@ -155,6 +158,11 @@ def _check(name: str, value: str, allowed: tuple) -> None:
         raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
 
 
+def _block(block: int | None, dtype: torch.dtype) -> int:
+    """Elements per load: ``block``, or :data:`BLOCK_BYTES` worth of ``dtype``."""
+    return BLOCK_BYTES // dtype.itemsize if block is None else block
+
+
 def _grid(work: int, block: int, programs: int, world: int) -> tuple[int]:
     if not (block > 0 and block & (block - 1) == 0):
         raise ValueError(f"block must be a power of two, got {block}")
@@ -185,12 +193,13 @@ def _plan(key: tuple, make) -> tuple:
     return plan
 
 
-def one_shot(handle, numel: int, dtype: torch.dtype, out: torch.Tensor, *, block: int = BLOCK,
+def one_shot(handle, numel: int, dtype: torch.dtype, out: torch.Tensor, *, block: int | None = None,
              programs: int = MAX_BLOCKS, warps: int = WARPS, barrier: str = "parallel",
              fences: str = "needed") -> torch.Tensor:
     """``out[:numel]`` <- the sum over ranks of their symmetric buffers' first ``numel``
     elements (``handle``: ``symm_mem.rendezvous`` of a buffer of ``dtype``). One launch of at
-    most ``programs`` programs of ``warps`` warps, each taking ``block`` elements at a time.
+    most ``programs`` programs of ``warps`` warps, each taking ``block`` elements at a time
+    (default: :data:`BLOCK_BYTES` of them).
     ``barrier``: how a block meets its peers (:mod:`.triton_barrier`; :data:`BARRIERS`): one
     thread per peer unless asked (the serial handshake grows with p and made small calls
     slower on four GPUs: ``tools/gpu_probe.py barrier``). ``fences``: :data:`FENCES` --
@@ -205,17 +214,18 @@ def one_shot(handle, numel: int, dtype: torch.dtype, out: torch.Tensor, *, block
            fences)
 
     def make():     # no tensor kept here: a cached plan must not keep ``out`` alive
-        constexprs = dict(RANK=handle.rank, WORLD=handle.world_size, BLOCK=block, **_types(dtype),
+        elements = _block(block, dtype)
+        constexprs = dict(RANK=handle.rank, WORLD=handle.world_size, BLOCK=elements, **_types(dtype),
                           PARALLEL=barrier == "parallel", LEAN=fences == "needed")
         shape = (dtype, tuple(constexprs.values()), int_shape(numel), out.data_ptr() % 16 == 0, out.device.index,
                  *ptrs)
-        return _grid(numel, block, programs, handle.world_size), shape, constexprs
+        return _grid(numel, elements, programs, handle.world_size), shape, constexprs
     grid, shape, constexprs = _plan(key, make)
     _ONE_SHOT.launch(grid, shape, (*ptrs, out, numel), constexprs, warps, shape=key)
     return out
 
 
-def two_shot(handle, numel: int, dtype: torch.dtype, *, gather: str = "store", block: int = BLOCK,
+def two_shot(handle, numel: int, dtype: torch.dtype, *, gather: str = "store", block: int | None = None,
              programs: int = MAX_BLOCKS, warps: int = WARPS, barrier: str = "parallel",
              fences: str = "needed") -> None:
     """The first ``numel`` elements of this rank's symmetric buffer <- their sum over ranks,
@@ -232,8 +242,9 @@ def two_shot(handle, numel: int, dtype: torch.dtype, *, gather: str = "store", b
 
     def make():
         chunk = triton.cdiv(numel, handle.world_size)
-        constexprs = dict(RANK=handle.rank, WORLD=handle.world_size, BLOCK=block, **_types(dtype),
+        elements = _block(block, dtype)
+        constexprs = dict(RANK=handle.rank, WORLD=handle.world_size, BLOCK=elements, **_types(dtype),
                           PARALLEL=barrier == "parallel", LEAN=fences == "needed")
         shape = (dtype, tuple(constexprs.values()), int_shape(numel), int_shape(chunk), *ptrs)
-        return (_grid(chunk, block, programs, handle.world_size), shape, (*ptrs, numel, chunk), constexprs, warps)
+        return (_grid(chunk, elements, programs, handle.world_size), shape, (*ptrs, numel, chunk), constexprs, warps)
     (_TWO_SHOT if gather == "load" else _TWO_SHOT_STORE).launch(*_plan(key, make), shape=key)
