@@ -54,7 +54,7 @@ __all__ = ["one_shot", "two_shot", "BLOCK_BYTES", "MAX_BLOCKS", "WARPS", "GATHER
 # docs/data/gpu/lesson12-shapes-2x-h200.json): more programs, each with more loads in flight.
 # A block is so many bytes, not elements: counted in elements, fp32 had half bf16's programs
 # for the same bytes, and on four GPUs took 1.27x torch's time at 4 MiB where bf16 took 1.02x
-# (docs/data/gpu/lane-4x-h200.json, the lesson-12 step at a30758c).
+# (docs/data/gpu/figures/lesson12-4x-h200-block-elements.json, at a30758c).
 BLOCK_BYTES = 16384   # bytes per load of one program: 8192 elements of bf16, 4096 of fp32
 MAX_BLOCKS = 128      # programs at most: 128 · p words of the signal pad (p ≤ 8: 4 KiB of 9 KiB)
 WARPS = 16            # warps per program: 512 threads, 32 bytes each per load
