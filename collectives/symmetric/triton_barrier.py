@@ -127,14 +127,14 @@ _HANDSHAKE_RELAXED = tl.constexpr(_HANDSHAKE_TEMPLATE.replace("ARRIVE_SEM", "rel
 
 @triton.jit
 def blockwise_barrier(signal_pad_ptrs, block, RANK: tl.constexpr, WORLD: tl.constexpr, PARALLEL: tl.constexpr,
-                      ORDERED: tl.constexpr):
+                      ORDERED: tl.constexpr = True):
     """Block ``block`` of every rank waits here until block ``block`` of every rank has arrived.
 
     ``signal_pad_ptrs``: the address of the device array of the p signal pads' addresses
     (``handle.signal_pad_ptrs_dev``, an integer). ``block`` must be below the pad's words ÷ p.
     ``PARALLEL``: one thread per peer (True) or one thread for every peer in turn (False).
-    ``ORDERED``: release on arrival and acquire on the wait (True), or relaxed (False): the
-    module docstring says which barrier needs which.
+    ``ORDERED``: release on arrival and acquire on the wait (True, the default: always
+    correct), or relaxed (False): the module docstring says which barrier may be.
     """
     if PARALLEL:
         tl.debug_barrier()       # what every thread wrote is ordered before the arriving threads' release
