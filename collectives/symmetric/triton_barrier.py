@@ -63,25 +63,12 @@ __all__ = ["blockwise_barrier"]
 
 
 @triton.jit
-def _arrive(word, ORDERED: tl.constexpr):
-    """Raise ``word`` (a peer's) from 0 to 1; wait while it is still 1 from the last barrier."""
-    if ORDERED:
-        while tl.atomic_cas(word, 0, 1, sem="release", scope="sys") != 0:
-            pass
-    else:
-        while tl.atomic_cas(word, 0, 1, sem="relaxed", scope="sys") != 0:
-            pass
-
-
-@triton.jit
-def _consume(word, ORDERED: tl.constexpr):
-    """Wait for ``word`` (our own) to be 1, and put it back to 0."""
-    if ORDERED:
-        while tl.atomic_cas(word, 1, 0, sem="acquire", scope="sys") != 1:
-            pass
-    else:
-        while tl.atomic_cas(word, 1, 0, sem="relaxed", scope="sys") != 1:
-            pass
+def _flip(word, old, new, SEM: tl.constexpr):
+    """Once ``word`` holds ``old``, make it ``new`` (spinning on a compare-and-swap): arriving
+    raises a peer's word from 0 to 1, waiting while it is still 1 from the last barrier;
+    consuming waits for our own word to be 1 and puts the 0 back."""
+    while tl.atomic_cas(word, old, new, sem=SEM, scope="sys") != old:
+        pass
 
 
 # Thread t < p (t ≠ RANK) of the block: arrive at peer t's word b·p + RANK, then consume our
@@ -149,8 +136,8 @@ def blockwise_barrier(signal_pad_ptrs, block, RANK: tl.constexpr, WORLD: tl.cons
         for peer in tl.static_range(WORLD):
             if peer != RANK:
                 theirs = tl.load(pads + peer).to(tl.pointer_type(tl.uint32))
-                _arrive(theirs + block * WORLD + RANK, ORDERED)
+                _flip(theirs + block * WORLD + RANK, 0, 1, "release" if ORDERED else "relaxed")   # arrive
         for peer in tl.static_range(WORLD):
             if peer != RANK:
-                _consume(own + block * WORLD + peer, ORDERED)
+                _flip(own + block * WORLD + peer, 1, 0, "acquire" if ORDERED else "relaxed")      # consume
     tl.debug_barrier()           # every thread of the block waits for the block's handshake
