@@ -1,0 +1,282 @@
+"""Lesson 13: tensor and sequence parallelism, equal to one process and to torch's DTensor TP.
+
+What is checked:
+
+* **equal to one process** -- :class:`TinyGPT` trained three SGD steps whole, and split by
+  :class:`TPGPT` over 2 and 4 ranks, plain TP and sequence parallel, lesson 4's ring and
+  torch's collectives: losses and parameters agree to 1e-5 (the row layers' partial products
+  and the cross-entropy's sums are added across ranks, in another order than one matmul's);
+* **equal to torch** -- the same model split by ``parallelize_module`` (ColwiseParallel,
+  RowwiseParallel, SequenceParallel, ``loss_parallel``) on a gloo ``DeviceMesh``, with torch's
+  collectives: the loss bit for bit at p = 2 and to 1e-6 at 4 (gloo and DTensor sum four
+  partial products in another order than our layers), every gradient to 1e-6 (torch's
+  DTensor backward runs other kernels);
+  2-D: lesson 10's FSDP across × TP inside on a 2 × 2 mesh, equal to ``fully_shard`` +
+  ``parallelize_module`` on the same mesh to 1e-5;
+* **bytes from the trace** -- what one block sends per rank, forward and backward, equals
+  :func:`comm_bytes_per_layer`, plain TP and sequence parallel;
+* **activation memory** -- the bytes autograd keeps for one block per rank equal
+  :func:`activation_bytes` at p = 1, 2, 4, both schemes;
+* **the vocabulary** -- the embedding and the cross-entropy equal ``nn.Embedding`` and
+  ``F.cross_entropy``, and the loss sends 3 numbers per token, never the logits;
+* **async TP** -- the chunked all-gather → matmul and matmul → reduce-scatter equal the
+  sequential ones bit for bit (the reduce-scatter's products made row block by row block:
+  BLAS may round a block of a larger product otherwise), send only p2p pieces, and each piece's transfer runs while
+  the matmul before it does;
+* **bad input** -- a group that does not divide the heads, the width, the vocabulary or the
+  sequence is refused before any message.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from collectives import launch, trace
+from collectives.ring import ring_all_gather, ring_reduce_scatter
+from collectives.tensor_parallel import (
+    TPGPT,
+    Config,
+    TinyGPT,
+    TPBlock,
+    TPGroup,
+    VocabParallelEmbedding,
+    activation_bytes,
+    all_gather_matmul,
+    comm_bytes_per_layer,
+    matmul_reduce_scatter,
+    sync_sequence_parallel_grads,
+    vocab_parallel_cross_entropy,
+)
+from collectives.tensor_parallel.cost import saved_activation_bytes
+
+LESSON = 13
+CFG = Config(vocab=32, hidden=16, heads=4, ffn=32, layers=2)
+B, S = 2, 8
+STEPS = 3
+TOL = 1e-5
+
+
+def batch(step: int):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randint(0, CFG.vocab, (B, S), generator=g), torch.randint(0, CFG.vocab, (B, S), generator=g)
+
+
+def _shard_of(full: torch.Tensor, name: str, p: int, r: int) -> torch.Tensor:
+    """The part of one-process parameter ``name`` that rank r of p holds in TPGPT."""
+    if name.endswith(("wq.weight", "wk.weight", "wv.weight", "w1.weight", "wq.bias", "wk.bias", "wv.bias",
+                      "w1.bias", "output.weight", "tok_embeddings.weight")):
+        return full.chunk(p, 0)[r]
+    if name.endswith(("wo.weight", "w2.weight")):
+        return full.chunk(p, 1)[r]
+    return full
+
+
+def _tp_names(model: TinyGPT) -> list[str]:
+    """The one-process names in TPGPT's parameter order."""
+    names = ["tok_embeddings.weight"]
+    for i in range(len(model.layers)):
+        names += [f"layers.{i}.{n}" for n in ("attention_norm.weight", "attention_norm.bias", "ffn_norm.weight",
+                                               "ffn_norm.bias", "attention.wq.weight", "attention.wq.bias",
+                                               "attention.wk.weight", "attention.wk.bias", "attention.wv.weight",
+                                               "attention.wv.bias", "attention.wo.weight", "attention.wo.bias",
+                                               "feed_forward.w1.weight", "feed_forward.w1.bias",
+                                               "feed_forward.w2.weight", "feed_forward.w2.bias")]
+    return names + ["norm.weight", "norm.bias", "output.weight"]
+
+
+def _train_one_process():
+    model = TinyGPT(CFG, seed=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for s in range(STEPS):
+        loss = model.loss(*batch(s))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return losses, dict(model.named_parameters())
+
+
+def _train_split(sp: bool, use_torch: bool):
+    tp = TPGroup(use_torch=use_torch)
+    model = TPGPT(TinyGPT(CFG, seed=1), tp, sp=sp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for s in range(STEPS):
+        loss = model.loss(*batch(s))
+        loss.backward()
+        sync_sequence_parallel_grads(model, tp)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return losses, [q.detach().clone() for q in model.parameters()]
+
+
+def _train_torch(sp: bool):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from collectives.tensor_parallel import torch_tp
+
+    model = TinyGPT(CFG, seed=1)
+    torch_tp.tp_plan(model, init_device_mesh("cpu", (dist.get_world_size(),)), sp)
+    loss = torch_tp.torch_loss(model, *batch(0))
+    torch_tp.backward(loss)
+    tp = TPGroup(use_torch=True)               # the same collectives as DTensor's
+    ours = TPGPT(TinyGPT(CFG, seed=1), tp, sp=sp)
+    mine = ours.loss(*batch(0))
+    mine.backward()
+    sync_sequence_parallel_grads(ours, tp)
+    grads = [float((torch_tp.local_grad(a) - b.grad).abs().max())
+             for a, b in zip(model.parameters(), ours.parameters())]
+    return float(loss.full_tensor()), float(mine), grads
+
+
+def _equal_world(reference):
+    out = {}
+    for sp in (False, True):
+        for use_torch in (False, True):
+            out[(sp, use_torch)] = _train_split(sp, use_torch)
+        out[("torch", sp)] = _train_torch(sp)
+    return out
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_training_equals_one_process_and_torchs_dtensor_tp(p):
+    want_losses, want = _train_one_process()
+    names = _tp_names(TinyGPT(CFG, seed=1))
+    results = launch.run(_equal_world, p, args=(None,), timeout=120)
+    for r, got in enumerate(results):
+        for sp in (False, True):
+            for use_torch in (False, True):
+                losses, params = got[(sp, use_torch)]
+                where = f"rank {r} of {p}, {'SP' if sp else 'TP'}, {'torch' if use_torch else 'ring'}"
+                assert losses == pytest.approx(want_losses, abs=TOL), where
+                assert len(params) == len(names)
+                for name, q in zip(names, params):
+                    torch.testing.assert_close(q, _shard_of(want[name].detach(), name, p, r), rtol=0, atol=TOL,
+                                               msg=lambda m, n=name: f"{where}, {n}: {m}")
+            theirs, ours, grads = got[("torch", sp)]
+            if p == 2:                               # two addends: one order, the same bits
+                assert theirs == ours, f"rank {r}: torch's loss {theirs} and ours {ours} differ"
+            assert abs(theirs - ours) <= 1e-6, f"rank {r}: torch's loss {theirs} and ours {ours} differ"
+            assert max(grads) < 1e-6, f"rank {r}, {'SP' if sp else 'TP'}: gradients differ from torch's by {grads}"
+
+
+def _block_world(b, s, sp):
+    tp = TPGroup()
+    p = tp.size
+    block = TPBlock(TinyGPT(Config(vocab=32, hidden=16, heads=4, ffn=32, layers=1), seed=2).layers[0], tp, sp)
+    x = torch.randn(b, s // p if sp else s, 16, generator=torch.Generator().manual_seed(tp.rank if sp else 0),
+                    requires_grad=True)
+    saved = saved_activation_bytes(block, x, exclude=list(block.parameters()))
+    with trace.recording() as t:
+        block(x).square().sum().backward()
+    kinds = sorted({e.kind for e in t.events if e.kind not in ("send", "recv", "isend", "irecv")})
+    return saved, sum(e.nbytes for e in t.sends()), kinds
+
+
+def test_bytes_from_the_trace_and_activation_memory_equal_the_formulas():
+    b, s, h = 2, 8, 16
+    for p in (1, 2, 4):
+        for sp in (False, True):
+            got = launch.run(_block_world, p, args=(b, s, sp))
+            for r, (saved, sent, kinds) in enumerate(got):
+                where = f"rank {r} of {p}, {'SP' if sp else 'TP'}"
+                assert sent == comm_bytes_per_layer(b, s, h, p, sp=sp)["bytes"], where
+                assert saved == activation_bytes(b, s, h, 4, 32, p, sp=sp)["total"], where
+                assert kinds == [], f"{where}: the ring sends messages, not {kinds}"
+    tp_mem = activation_bytes(b, s, h, 4, 32, 4, sp=False)["total"]
+    sp_mem = activation_bytes(b, s, h, 4, 32, 4, sp=True)["total"]
+    assert sp_mem < tp_mem
+
+
+def _vocab_world(seed):
+    tp = TPGroup()
+    g = torch.Generator().manual_seed(seed)
+    emb = torch.nn.Embedding(24, 5)
+    logits = torch.randn(3, 7, 24, generator=g)
+    targets = torch.randint(0, 24, (3, 7), generator=g)
+    ids = torch.randint(0, 24, (3, 8), generator=g)
+    mine = tp.split(logits, -1).requires_grad_()
+    with trace.recording() as t:
+        loss = vocab_parallel_cross_entropy(mine, targets, tp)
+    largest = max((e.numel for e in t.sends()), default=0)
+    loss.mean().backward()
+    looked = VocabParallelEmbedding(emb, tp)(ids)
+    return loss.detach(), mine.grad, largest, looked.detach(), emb.weight.detach(), logits, targets, ids
+
+
+def test_vocabulary_parallel_embedding_and_cross_entropy_equal_torchs_and_send_3_numbers_a_token():
+    for p in (2, 3):
+        for r, (loss, grad, largest, looked, weight, logits, targets, ids) in enumerate(launch.run(_vocab_world, p,
+                                                                                                  args=(7,))):
+            full = logits.clone().requires_grad_()
+            want = torch.nn.functional.cross_entropy(full.flatten(0, 1), targets.flatten(), reduction="none")
+            want.mean().backward()
+            torch.testing.assert_close(loss.flatten(), want.detach(), rtol=0, atol=1e-6)
+            torch.testing.assert_close(grad, full.grad.chunk(p, -1)[r], rtol=0, atol=1e-7)
+            assert largest <= -(-2 * 21 // p), f"a message of {largest} elements: the logits were sent"
+            assert torch.equal(looked, torch.nn.functional.embedding(ids, weight))
+
+
+def _async_world(slow):
+    tp = TPGroup()
+    p, r = tp.size, tp.rank
+    g = torch.Generator().manual_seed(r)
+    x = torch.randint(-4, 5, (6, 8), generator=g).float()
+    w = torch.randint(-4, 5, (8, 5), generator=torch.Generator().manual_seed(99)).float()
+    gathered = x.new_empty(p * 6, 8)
+    ring_all_gather(gathered, x)
+    timeline = []
+
+    def matmul(a, b):
+        if slow:
+            import time
+            time.sleep(0.05)
+        return a @ b
+
+    with trace.recording() as t:
+        y = all_gather_matmul(x, w, tp, timeline=timeline, matmul=matmul)
+    kinds = {e.kind for e in t.events}
+    xr = torch.randn(p * 6, 8, generator=g)
+    wr = torch.randn(8, 5, generator=g)
+    want = torch.empty(6, 5)              # the products row block by row block, as the chunks are made
+    ring_reduce_scatter(want, torch.cat([xr[k * 6:(k + 1) * 6] @ wr for k in range(p)]))
+    got = matmul_reduce_scatter(xr, wr, tp)
+    return torch.equal(y, gathered @ w), torch.equal(got, want), kinds, timeline
+
+
+def test_async_tp_equals_the_sequential_collectives_bit_for_bit_and_overlaps():
+    for p in (2, 4):
+        for r, (ag, rs, kinds, timeline) in enumerate(launch.run(_async_world, p, args=(True,))):
+            assert ag and rs, f"rank {r} of {p}: all-gather-matmul {ag}, matmul-reduce-scatter {rs}"
+            assert kinds <= {"send", "recv", "isend", "irecv"}, kinds
+            transfers = [e for e in timeline if e["what"] == "transfer"]
+            matmuls = [e for e in timeline if e["what"] == "matmul"]
+            assert len(transfers) == p - 1 and len(matmuls) == p
+            for k, tr in enumerate(transfers):     # transfer k started before matmul k ended
+                assert tr["start"] < matmuls[k]["end"], f"rank {r}: transfer {k} waited for matmul {k}"
+
+
+def _bad_world():
+    out = []
+    for cfg, sp, seq in ((Config(heads=3, hidden=15), False, 8), (Config(vocab=30), False, 8), (CFG, True, 6)):
+        try:
+            with trace.recording() as t:
+                model = TPGPT(TinyGPT(cfg, seed=0), TPGroup(), sp=sp)
+                model.loss(torch.zeros(1, seq, dtype=torch.int64), torch.zeros(1, seq, dtype=torch.int64))
+            out.append(("no error", 0))
+        except ValueError as exc:
+            out.append((str(exc), len(t.events)))
+    return out
+
+
+def test_a_group_that_does_not_divide_the_model_is_refused_before_any_message():
+    for r, got in enumerate(launch.run(_bad_world, 4)):
+        (heads, n1), (vocab, n2), (seq, n3) = got
+        assert "heads = 3 does not split over 4 ranks" in heads
+        assert "vocab = 30 does not split over 4 ranks" in vocab
+        assert "sequence length = 6 does not split over 4 ranks" in seq
+        assert n1 == n2 == n3 == 0, f"rank {r} sent messages before refusing"
