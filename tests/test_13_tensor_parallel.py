@@ -280,3 +280,47 @@ def test_a_group_that_does_not_divide_the_model_is_refused_before_any_message():
         assert "vocab = 30 does not split over 4 ranks" in vocab
         assert "sequence length = 6 does not split over 4 ranks" in seq
         assert n1 == n2 == n3 == 0, f"rank {r} sent messages before refusing"
+
+
+def _two_d_world():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from collectives.sharded import FSDP
+    from collectives.tensor_parallel import torch_tp
+
+    rank = dist.get_rank()
+    dp, tpr = divmod(rank, 2)                         # the mesh (dp, tp) = (2, 2), row-major as torch's
+    tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    tp = TPGroup(tp_groups[dp])
+    model = TPGPT(TinyGPT(CFG, seed=1), tp)
+    fsdp = FSDP(model, units=[model.tok_embeddings, *model.layers, model.norm, model.output], group=dp_groups[tpr])
+    opt = torch.optim.SGD(fsdp.parameters(), lr=0.5)
+    theirs = TinyGPT(CFG, seed=1)
+    torch_tp.torch_2d(theirs, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
+    their_opt = torch.optim.SGD(theirs.parameters(), lr=0.5)
+    losses = []
+    for s in range(STEPS):
+        ids, targets = batch(10 * s + dp)             # each data-parallel half its own batch
+        loss = model.loss(ids, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        their = torch_tp.torch_loss(theirs, ids, targets)
+        torch_tp.backward(their)
+        their_opt.step()
+        their_opt.zero_grad()
+        losses.append((float(loss), float(their.full_tensor())))
+    mine = [q.detach().clone() for q in fsdp.full_parameters()]
+    full = dict((n, q.full_tensor().detach()) for n, q in theirs.named_parameters())
+    fsdp.close()
+    names = _tp_names(TinyGPT(CFG, seed=1))
+    diffs = [float((a - _shard_of(full[n], n, 2, tpr)).abs().max()) for n, a in zip(names, mine)]
+    return losses, diffs
+
+
+def test_fsdp_across_and_tp_inside_on_a_2x2_mesh_equal_fully_shard_and_parallelize_module():
+    for r, (losses, diffs) in enumerate(launch.run(_two_d_world, 4, timeout=120)):
+        for s, (mine, theirs) in enumerate(losses):
+            assert abs(mine - theirs) <= 1e-6, f"rank {r}, step {s}: loss {mine} against torch's {theirs}"
+        assert len(diffs) == len(_tp_names(TinyGPT(CFG, seed=1))) and max(diffs) < TOL, f"rank {r}: {diffs}"
