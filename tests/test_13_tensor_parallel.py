@@ -324,3 +324,21 @@ def test_fsdp_across_and_tp_inside_on_a_2x2_mesh_equal_fully_shard_and_paralleli
         for s, (mine, theirs) in enumerate(losses):
             assert abs(mine - theirs) <= 1e-6, f"rank {r}, step {s}: loss {mine} against torch's {theirs}"
         assert len(diffs) == len(_tp_names(TinyGPT(CFG, seed=1))) and max(diffs) < TOL, f"rank {r}: {diffs}"
+
+
+def test_a_tiny_benchmark_checks_every_variant_and_writes_its_times_and_meta(tmp_path, capsys):
+    import json
+
+    from collectives.course.benchmarks import tp as bench
+
+    path = tmp_path / "tp.json"
+    assert bench.main(["--world", "2", "--shapes", "32x16x32", "--iters", "1", "--rounds", "2",
+                       "--json", str(path)]) == 0
+    record = json.loads(path.read_text())
+    assert set(record["times"]) == {"sequential", "async", "dtensor"} and all(record["checked"].values())
+    assert all(len(v) == 1 and v[0] > 0 for v in record["times"].values())
+    for key in ("device", "torch", "date", "command", "commit", "cpus", "load_average"):
+        assert key in record["meta"], key
+    assert "async × sequential" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="s x h x f"):
+        bench.parse_shapes("32x16")

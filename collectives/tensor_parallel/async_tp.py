@@ -105,6 +105,8 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, tp: TPGroup | N
     m = x.shape[0] // p
     if p == 1:
         return matmul(x, weight)
+    if x.is_cuda:
+        return _matmul_reduce_scatter_cuda(x, weight, tp, m)
     right, left = ops.global_rank(tp.group, (r + 1) % p), ops.global_rank(tp.group, (r - 1) % p)
     arrived = x.new_empty((m, weight.shape[1]))
 
@@ -133,6 +135,9 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, tp: TPGroup | N
     return acc
 
 
+_BUFFERS: dict = {}
+
+
 def _all_gather_matmul_symmetric(x: torch.Tensor, weight: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """The GPU path: every rank's piece in lesson 12's symmetric memory; piece ``r - s`` is
     copied from its owner's buffer on a side stream while the main stream multiplies the
@@ -141,7 +146,10 @@ def _all_gather_matmul_symmetric(x: torch.Tensor, weight: torch.Tensor, tp: TPGr
 
     no_multicast()
     p, r, m = tp.size, tp.rank, x.shape[0]
-    buf = SymmetricBuffer(x.numel(), x.dtype, tp.group)
+    key = (x.numel(), x.dtype, id(tp.group))
+    if key not in _BUFFERS:                              # a rendezvous is collective: once per shape
+        _BUFFERS[key] = SymmetricBuffer(x.numel(), x.dtype, tp.group)
+    buf = _BUFFERS[key]
     buf.buffer.copy_(x.reshape(-1))
     buf.handle.barrier(channel=0)                        # every piece is in its owner's buffer
     main, side = streams.current_stream(x.device), streams.new_stream(x.device, name="tp-copy")
@@ -164,3 +172,26 @@ def _all_gather_matmul_symmetric(x: torch.Tensor, weight: torch.Tensor, tp: TPGr
     main.wait_stream(side)
     buf.handle.barrier(channel=1)                        # nobody reads our buffer any more
     return out
+
+
+def _matmul_reduce_scatter_cuda(x: torch.Tensor, weight: torch.Tensor, tp: TPGroup, m: int) -> torch.Tensor:
+    """The GPU path of :func:`matmul_reduce_scatter`: each running sum travels (NCCL p2p) on a
+    side stream while the main stream multiplies the next chunk; events order the two."""
+    p, r = tp.size, tp.rank
+    right, left = ops.global_rank(tp.group, (r + 1) % p), ops.global_rank(tp.group, (r - 1) % p)
+    main, side = streams.current_stream(x.device), streams.new_stream(x.device, name="tp-comm")
+    acc = x[((r - 1) % p) * m:((r - 1) % p + 1) * m] @ weight
+    for step in range(p - 1):
+        c = (r - 2 - step) % p
+        arrived = torch.empty_like(acc)
+        side.wait_stream(main)                           # acc is computed, arrived allocated
+        with streams.use(side):
+            recv, send = ops.sendrecv(acc, right, arrived, left, tp.group)
+            recv.wait()
+            send.wait()
+        streams.record_stream(acc, side)
+        streams.record_stream(arrived, side)
+        mine = x[c * m:(c + 1) * m] @ weight             # on the main stream, while the sum travels
+        main.wait_stream(side)
+        acc = mine.add_(arrived)
+    return acc
