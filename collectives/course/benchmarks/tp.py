@@ -23,7 +23,11 @@ Every variant is first checked against the sequential one (to 1e-4 relative: the
 cut in pieces may round differently). Each time is the median of ``--rounds`` batches of
 ``--iters`` runs (the slowest rank's), with the spread (the lowest and highest batch).
 ``--json PATH`` writes every time with device, versions, date, command, commit, host cores
-and load (:func:`collectives.course.site.claims.environment`).
+and load (:func:`collectives.course.site.claims.environment`); ``--record NAME`` draws the
+chart and writes the record a page reads (``docs/img/NAME.svg`` and ``.json``). ``--counts``
+measures no time: it counts what one block sends and keeps per rank, TP against sequence
+parallelism, at 1 to 8 ranks, checks every count against its formula and writes the record
+``13-tp-vs-sp`` (:mod:`collectives.course.benchmarks.tp_record`).
 """
 
 from __future__ import annotations
@@ -177,8 +181,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=7, help="batches of every variant, interleaved")
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--json", type=Path, default=None, help="write the times, with their meta, here")
+    parser.add_argument("--record", default=None, help="draw docs/img/NAME.svg and write its record NAME.json")
+    parser.add_argument("--img", type=Path, default=None, help="where --record writes (default docs/img)")
+    parser.add_argument("--counts", action="store_true", help="count bytes and activations (no timing)")
     args = parser.parse_args(argv)
     from ..site import claims
+    from . import tp_record
+
+    if args.counts:
+        counted = tp_record.counts()
+        print("every count equals its formula:", counted)
+        print(f"wrote {tp_record.save_counts_record(counted, args.record or '13-tp-vs-sp', args.img)}")
+        return 0
 
     if args.backend == "nccl":
         no_multicast()
@@ -202,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {args.json}")
+    if args.record:
+        print(f"wrote {tp_record.save_bench_record(result, args.record, args.img)}")
     return 0 if all(result["checked"].values()) else 1
 
 
