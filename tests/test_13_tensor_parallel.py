@@ -13,6 +13,8 @@ What is checked:
   DTensor backward runs other kernels);
   2-D: lesson 10's FSDP across × TP inside on a 2 × 2 mesh, equal to ``fully_shard`` +
   ``parallelize_module`` on the same mesh to 1e-5;
+* **dropout** -- with dropout on, the split model (plain TP and sequence parallel) drops what
+  the whole one drops: the loss and gradients agree to 1e-5;
 * **bytes from the trace** -- what one block sends per rank, forward and backward, equals
   :func:`comm_bytes_per_layer`, plain TP and sequence parallel;
 * **activation memory** -- the bytes autograd keeps for one block per rank equal
@@ -133,8 +135,24 @@ def _train_torch(sp: bool):
     return float(loss.full_tensor()), float(mine), grads
 
 
+DROP = Config(vocab=32, hidden=16, heads=4, ffn=32, layers=2, dropout=0.2)
+
+
+def _dropout_loss(sp: bool | None):
+    """One loss and the wq gradient with dropout on: whole (``sp`` None) or split; the masks
+    are drawn whole from one seed, so the split model drops what the whole one drops."""
+    model = TinyGPT(DROP, seed=1)
+    if sp is not None:
+        model = TPGPT(model, TPGroup(), sp=sp)
+    torch.manual_seed(42)
+    loss = model.loss(*batch(0))
+    loss.backward()
+    grad = (model.layers[0].wq.weight.grad if sp is not None else model.layers[0].attention.wq.weight.grad)
+    return loss.item(), grad
+
+
 def _equal_world(reference):
-    out = {}
+    out = {"dropout": [_dropout_loss(sp) for sp in (False, True)]}
     for sp in (False, True):
         for use_torch in (False, True):
             out[(sp, use_torch)] = _train_split(sp, use_torch)
@@ -147,7 +165,11 @@ def test_training_equals_one_process_and_torchs_dtensor_tp(p):
     want_losses, want = _train_one_process()
     names = _tp_names(TinyGPT(CFG, seed=1))
     results = launch.run(_equal_world, p, args=(None,), timeout=120)
+    drop_loss, drop_grad = _dropout_loss(None)
     for r, got in enumerate(results):
+        for sp, (loss, grad) in zip((False, True), got["dropout"]):
+            assert abs(loss - drop_loss) <= TOL, f"rank {r}, dropout, {'SP' if sp else 'TP'}: {loss} vs {drop_loss}"
+            torch.testing.assert_close(grad, drop_grad.chunk(p, 0)[r], rtol=0, atol=TOL)
         for sp in (False, True):
             for use_torch in (False, True):
                 losses, params = got[(sp, use_torch)]
@@ -342,3 +364,15 @@ def test_a_tiny_benchmark_checks_every_variant_and_writes_its_times_and_meta(tmp
     assert "async × sequential" in capsys.readouterr().out
     with pytest.raises(ValueError, match="s x h x f"):
         bench.parse_shapes("32x16")
+
+
+def _gpu_variants():
+    from collectives.course.benchmarks import tp as bench
+    return bench.bench_rank([(256, 256, 512)], bench.GPU_VARIANTS, "bfloat16", 1, 1)["checked"]
+
+
+@pytest.mark.gpu
+def test_on_gpus_async_tp_and_torchs_fused_ops_equal_the_sequential_forward():
+    from collectives.symmetric.gpu import NO_MULTICAST
+    for rank, checked in enumerate(launch.run(_gpu_variants, 2, backend="nccl", timeout=300, env=dict(NO_MULTICAST))):
+        assert checked and all(checked.values()), f"rank {rank}: {checked}"
