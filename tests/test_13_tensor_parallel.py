@@ -355,10 +355,14 @@ def test_a_tiny_benchmark_checks_every_variant_and_writes_its_times_and_meta(tmp
 
     path = tmp_path / "tp.json"
     assert bench.main(["--world", "2", "--shapes", "32x16x32", "--iters", "1", "--rounds", "2",
-                       "--json", str(path)]) == 0
+                       "--json", str(path), "--record", "13-bench-test", "--img", str(tmp_path)]) == 0
+    saved = json.loads((tmp_path / "13-bench-test.json").read_text())
+    assert [c["id"] for c in saved["comparisons"]] == ["at-32x16x32"] and (tmp_path / "13-bench-test.svg").exists()
     record = json.loads(path.read_text())
     assert set(record["times"]) == {"sequential", "async", "dtensor"} and all(record["checked"].values())
     assert all(len(v) == 1 and v[0] > 0 for v in record["times"].values())
+    whats = [e["what"] for e in record["timeline"]]           # one async forward, p = 2: 2 + 2 matmuls
+    assert whats.count("matmul") == 4 and whats.count("transfer") == 2, whats
     for key in ("device", "torch", "date", "command", "commit", "cpus", "load_average"):
         assert key in record["meta"], key
     assert "async × sequential" in capsys.readouterr().out

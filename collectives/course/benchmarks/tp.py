@@ -83,8 +83,9 @@ def _variants(s, h, f, dtype, device, names):
         ring_reduce_scatter(out, (full @ w1_mine) @ w2_mine)
         return out
 
-    def asynchronous():
-        return matmul_reduce_scatter(all_gather_matmul(x, w1_mine, tp), w2_mine, tp)
+    def asynchronous(timeline=None):
+        return matmul_reduce_scatter(all_gather_matmul(x, w1_mine, tp, timeline=timeline), w2_mine, tp,
+                                     timeline=timeline)
 
     fns = {"sequential": sequential, "async": asynchronous}
     if "dtensor" in names:
@@ -147,7 +148,20 @@ def bench_rank(shapes, names, dtype_name: str, iters: int, rounds: int) -> dict:
         for name in names:
             out["times"][name].append(statistics.median(batches[name]))
             out["spread"][name].append([min(batches[name]), max(batches[name])])
+    if device.type == "cpu":                     # one async forward of the last shape, its pieces timed
+        out["timeline"] = _timeline(fns["async"])
     return out
+
+
+def _timeline(asynchronous) -> list[dict]:
+    """When each transfer and each matmul of one async forward ran, from its start (seconds)."""
+    import time
+
+    timeline: list = []
+    dist.barrier()
+    begin = time.perf_counter()
+    asynchronous(timeline)
+    return [dict(e, start=e["start"] - begin, end=e["end"] - begin) for e in timeline]
 
 
 def print_table(result: dict) -> None:

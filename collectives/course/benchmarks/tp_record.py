@@ -7,7 +7,8 @@
   times, the same on any machine;
 * :func:`save_counts_record` -- their chart and record (``13-tp-vs-sp``);
 * :func:`save_bench_record` -- the timed run's chart and record: every variant's time per
-  shape, the sequential forward the baseline.
+  shape, the sequential forward the baseline, and (on CPU) rank 0's timeline of one async
+  forward: when each transfer and each matmul of a piece ran.
 """
 
 from __future__ import annotations
@@ -105,8 +106,10 @@ def save_bench_record(result: dict, name: str, img: Path | None = None) -> Path:
 
     names = list(result["times"])
     shapes = ["x".join(map(str, s)) for s in result["shapes"]]
-    fig = plots._figure(7.0, 3.2)
-    ax = fig.subplots()
+    timeline = result.get("timeline")
+    fig = plots._figure(10.0 if timeline else 7.0, 3.2)
+    axes = fig.subplots(1, 2 if timeline else 1, squeeze=False)[0]
+    ax = axes[0]
     width = 0.8 / len(names)
     for k, n in enumerate(names):
         xs = [i + k * width for i in range(len(shapes))]
@@ -116,6 +119,8 @@ def save_bench_record(result: dict, name: str, img: Path | None = None) -> Path:
     ax.set_ylabel("forward, ms (median)", fontsize=10)
     ax.tick_params(labelsize=9)
     ax.legend(fontsize=9)
+    if timeline:
+        _draw_timeline(axes[1], timeline, shapes[-1])
     meta = result.get("meta") or claims.environment(backend=result["backend"])
     record = claims.Record(name, names={n: NAMES[n] for n in names}, meta=meta,
                            aliases={"async": ["the overlapped forward"], "sequential": ["sequential TP"]},
@@ -128,3 +133,15 @@ def save_bench_record(result: dict, name: str, img: Path | None = None) -> Path:
                     "rows": [[shape] + [claims.human(result["times"][n][i]) for n in names]
                              for i, shape in enumerate(shapes)]}
     return plots.save(fig, Path(img or ROOT / "docs" / "img") / name, record)
+
+
+def _draw_timeline(ax, timeline: list[dict], shape: str) -> None:
+    """Rank 0's async forward: each matmul of a piece (below) and each transfer (above) in time."""
+    for e in timeline:
+        row = 1 if e["what"] == "transfer" else 0
+        ax.barh(row, (e["end"] - e["start"]) * 1e3, left=e["start"] * 1e3, height=0.6,
+                color="tab:orange" if row else "tab:blue", edgecolor="white")
+    ax.set_yticks([0, 1], ["matmuls", "transfers"])
+    ax.set_xlabel(f"ms into one async forward, rank 0, {shape}", fontsize=10)
+    ax.set_title("one async forward: transfers and matmuls in time", fontsize=10)
+    ax.tick_params(labelsize=9)
