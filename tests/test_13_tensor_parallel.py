@@ -11,8 +11,8 @@ What is checked:
   collectives: the loss bit for bit at p = 2 and to 1e-6 at 4 (gloo and DTensor sum four
   partial products in another order than our layers), every gradient to 1e-6 (torch's
   DTensor backward runs other kernels);
-  2-D: lesson 10's FSDP across × TP inside on a 2 × 2 mesh, equal to ``fully_shard`` +
-  ``parallelize_module`` on the same mesh to 1e-5;
+  2-D: lesson 10's FSDP across × TP inside on a 2 × 2 mesh, plain TP and sequence parallel,
+  equal to ``fully_shard`` + ``parallelize_module`` on the same mesh to 1e-5;
 * **dropout** -- with dropout on, the split model (plain TP and sequence parallel) drops what
   the whole one drops: the loss and gradients agree to 1e-5;
 * **bytes from the trace** -- what one block sends per rank, forward and backward, equals
@@ -304,7 +304,7 @@ def test_a_group_that_does_not_divide_the_model_is_refused_before_any_message():
         assert n1 == n2 == n3 == 0, f"rank {r} sent messages before refusing"
 
 
-def _two_d_world():
+def _two_d_world(sp):
     from torch.distributed.device_mesh import init_device_mesh
 
     from collectives.sharded import FSDP
@@ -315,17 +315,18 @@ def _two_d_world():
     tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     tp = TPGroup(tp_groups[dp])
-    model = TPGPT(TinyGPT(CFG, seed=1), tp)
+    model = TPGPT(TinyGPT(CFG, seed=1), tp, sp=sp)
     fsdp = FSDP(model, units=[model.tok_embeddings, *model.layers, model.norm, model.output], group=dp_groups[tpr])
     opt = torch.optim.SGD(fsdp.parameters(), lr=0.5)
     theirs = TinyGPT(CFG, seed=1)
-    torch_tp.torch_2d(theirs, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
+    torch_tp.torch_2d(theirs, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")), sp)
     their_opt = torch.optim.SGD(theirs.parameters(), lr=0.5)
     losses = []
     for s in range(STEPS):
         ids, targets = batch(10 * s + dp)             # each data-parallel half its own batch
         loss = model.loss(ids, targets)
         loss.backward()
+        sync_sequence_parallel_grads(fsdp, tp)       # LayerNorms' rows: summed over the TP group too
         opt.step()
         opt.zero_grad()
         their = torch_tp.torch_loss(theirs, ids, targets)
@@ -341,8 +342,9 @@ def _two_d_world():
     return losses, diffs
 
 
-def test_fsdp_across_and_tp_inside_on_a_2x2_mesh_equal_fully_shard_and_parallelize_module():
-    for r, (losses, diffs) in enumerate(launch.run(_two_d_world, 4, timeout=120)):
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+def test_fsdp_across_and_tp_inside_on_a_2x2_mesh_equal_fully_shard_and_parallelize_module(sp):
+    for r, (losses, diffs) in enumerate(launch.run(_two_d_world, 4, args=(sp,), timeout=120)):
         for s, (mine, theirs) in enumerate(losses):
             assert abs(mine - theirs) <= 1e-6, f"rank {r}, step {s}: loss {mine} against torch's {theirs}"
         assert len(diffs) == len(_tp_names(TinyGPT(CFG, seed=1))) and max(diffs) < TOL, f"rank {r}: {diffs}"

@@ -190,12 +190,22 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
     return _VocabParallelCE.apply(logits, targets, tp)
 
 
-def sync_sequence_parallel_grads(module: nn.Module, tp: TPGroup | None = None) -> int:
+def sync_sequence_parallel_grads(module, tp: TPGroup | None = None) -> int:
     """Sum over the group the gradients of the replicated parameters that saw only this
     rank's piece of the sequence (LayerNorms, a row layer's bias); returns how many.
-    One all-reduce of them all packed together."""
+    One all-reduce of them all packed together.
+
+    ``module`` may also be lesson 10's :class:`~collectives.sharded.FSDP` around a split
+    model (2-D: FSDP across, TP inside): then the gradients summed are those of this rank's
+    rows of each such parameter -- the sum over the TP group and FSDP's average over the
+    data-parallel group are both linear, so their order does not matter."""
     tp = tp or TPGroup()
-    params = [q for q in module.parameters() if getattr(q, "sequence_parallel", False) and q.grad is not None]
+    units = getattr(module, "units", None)
+    if units is not None and not isinstance(module, nn.Module):           # lesson 10's FSDP
+        pairs = [(q, s) for u in units for q, s in zip(u.params, u.shards)]
+        params = [s for q, s in pairs if getattr(q, "sequence_parallel", False) and s.grad is not None]
+    else:
+        params = [q for q in module.parameters() if getattr(q, "sequence_parallel", False) and q.grad is not None]
     if params and tp.size > 1:
         flat = tp.all_reduce(torch.cat([q.grad.reshape(-1) for q in params]))
         offset = 0
