@@ -91,10 +91,14 @@ class _GatherLinear(torch.autograd.Function):
         grad_in = None
         out = []
         for g, w, b in zip(grads, wb[0::2], wb[1::2]):
+            if g is None:                                         # an output nobody used
+                out += [None, None]
+                continue
             part = g @ w
             grad_in = part if grad_in is None else grad_in.add_(part)
             out += [g.flatten(0, -2).t() @ full.flatten(0, -2), g.flatten(0, -2).sum(0) if b is not None else None]
-        return (ctx.tp.reduce_scatter(grad_in, ctx.dim), None, None, *out)
+        grad_x = ctx.tp.reduce_scatter(grad_in, ctx.dim) if grad_in is not None else None
+        return (grad_x, None, None, *out)
 
 
 def gather_linear(x: torch.Tensor, layers, tp: TPGroup | None = None, dim: int = 1) -> list[torch.Tensor]:

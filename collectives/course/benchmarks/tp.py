@@ -118,9 +118,12 @@ def _dtensor(w1, w2, x, device):
 
 
 def _fused(x, w1_mine, w2_mine):
-    import torch.distributed._symmetric_memory  # noqa: F401  (registers torch.ops.symm_mem)
+    import torch.distributed._symmetric_memory as symm_mem  # registers torch.ops.symm_mem
+
+    from ...symmetric.gpu import _enable
 
     name = dist.group.WORLD.group_name
+    _enable(symm_mem, name)                      # older torch must be told the group uses it
 
     def run():
         _, (h1,) = torch.ops.symm_mem.fused_all_gather_matmul(x, [w1_mine], 0, name, return_A=False)
