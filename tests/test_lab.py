@@ -78,7 +78,7 @@ def test_written_tasks_run_the_students_code(monkeypatch, tmp_path):
 
 # --------------------------------------------------------------------------- the labs use the switch
 
-SWITCHED_LABS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)
+SWITCHED_LABS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13)
 
 
 @pytest.mark.parametrize("number", SWITCHED_LABS)

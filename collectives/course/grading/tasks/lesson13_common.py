@@ -1,0 +1,52 @@
+"""Lesson 13's judges' shared pieces: drawing inputs, copying results out, judging traffic."""
+
+from __future__ import annotations
+
+import torch
+
+from .world import Verdict
+
+TOL = 1e-5
+P2P = ("send", "recv")
+
+
+def _ints(seed: int, shape, lo: int = -4, hi: int = 5) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed % (1 << 62))
+    return torch.randint(lo, hi, tuple(shape), generator=g).float()
+
+
+def _randn(seed: int, shape, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed % (1 << 62))
+    return torch.randn(tuple(shape), generator=g) * scale
+
+
+def _copy(value):
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+def _grad(x: torch.Tensor):
+    return None if x.grad is None else x.grad.detach().clone()
+
+
+def _sent(calls) -> int:
+    return sum(c.numel for c in calls if c.kind == "send")
+
+
+def _collectives(calls) -> list[str]:
+    return sorted({c.kind for c in calls if c.kind not in P2P and not c.kind.startswith("store.")})
+
+
+def _traffic(run, rank: int, key: str, most: int, where: str, verdict: Verdict) -> None:
+    """No dist collective, and no more than ``most`` elements sent, under case ``key``."""
+    calls = run.of(rank, key)
+    banned = _collectives(calls)
+    if banned:
+        verdict.add(f"{where}: called {', '.join(banned)}; build it on lesson 4's ring (ring_all_reduce...)")
+    sent = _sent(calls)
+    if sent > most:
+        verdict.add(f"{where}: sent {sent} elements; " + (f"at most {most} travel here" if most else
+                                                           "nothing should travel here"))
+
+
+def _ring_all_reduce_bound(n: int, p: int) -> int:
+    return 2 * (p - 1) * -(-n // p)
