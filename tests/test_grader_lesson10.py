@@ -1,9 +1,10 @@
-"""Lesson 10's grader fails natural mistakes, and says which.
+"""Lesson 10's grader fails natural mistakes and cheats, and says which.
 
 Each fixture in ``tests/mistakes/lesson10_*.py`` is a whole exercise file: the reference,
-with one slip a student makes planted in every task's own function (its docstring lists
-them). One grading run judges all six tasks of a fixture; every task must score 0, and its
-first problem must name the slip -- the words a student needs to find it.
+with a slip a student makes (or a cheat) planted in some tasks' own functions (its
+docstring lists them). One grading run judges all six tasks of a fixture; every planted
+task must score 0 with its first problem naming the slip -- the words a student needs to
+find it -- and every other task full marks (the fixture is the reference there).
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ NAMED = {
         5: "free a layer once its gradients are reduce-scattered",
         6: "masters Adam steps stay float32",
     },
+    # files in /dev/shm carry the data, zero-filled messages of the ring's sizes the traffic
+    "lesson10_side_channels_and_decoys": {
+        2: "carries none of the blocks",
+        3: "carries none of the blocks",
+    },
 }
 
 
@@ -59,11 +65,17 @@ def _grade(exercise: Path, into: Path) -> dict[int, tuple[int, str]]:
 
 @pytest.mark.parametrize("name", sorted(NAMED))
 def test_every_planted_mistake_fails_its_task_with_a_message_naming_it(name, tmp_path):
-    verdicts = _grade(MISTAKES / f"{name}.py", tmp_path)
-    for task, words in NAMED[name].items():
-        earned, result = verdicts[task]
-        assert earned == 0, f"{name}: task {task} scored {earned}: {result}"
-        assert words in result.splitlines()[0], f"{name}: task {task} said: {result}"
+    try:
+        verdicts = _grade(MISTAKES / f"{name}.py", tmp_path)
+    finally:                                   # the side channel's files, named after this process
+        for folder in Path("/dev/shm").glob(f"lesson10-side-{os.getpid()}-*"):
+            shutil.rmtree(folder, ignore_errors=True)
+    for task, (earned, result) in verdicts.items():
+        if task in NAMED[name]:
+            assert earned == 0, f"{name}: task {task} scored {earned}: {result}"
+            assert NAMED[name][task] in result.splitlines()[0], f"{name}: task {task} said: {result}"
+        else:
+            assert result == "pass", f"{name}: task {task} is the reference's and must pass: {result}"
 
 
 def test_every_lesson10_fixture_is_listed():
