@@ -688,3 +688,23 @@ def test_a_checkpoint_saved_on_three_ranks_loads_on_two(tmp_path):
         for rank in range(2):
             lo, hi = ShardSpec(shape, 2).owned_rows(rank)
             assert torch.equal(loaded[rank][1][i], full[lo:hi]), (i, rank)
+
+
+def test_the_agreement_benchmark_writes_its_record_on_a_tiny_model(tmp_path, capsys):
+    """bench-sharded-agreement at a tiny size: every contender and policy, the bits at two ranks,
+    and the peak as the ratio of the two peaks (the 1.05x bound is the larger model's claim,
+    and the peak test's above: at two layers of 96 the ring's own buffers weigh more)."""
+    import json
+
+    from collectives.course.benchmarks import sharded_agreement
+    argv = ["--world", "2", "--layers", "2", "--width", "96", "--batch", "8", "--steps", "1", "--out", str(tmp_path)]
+    assert sharded_agreement.main(argv) == 0
+    record = json.loads((tmp_path / "10-sharded-agreement.json").read_text())
+    assert {"command", "commit", "date", "device", "cpus", "torch"} <= set(record["meta"])
+    assert "bench-sharded-agreement --world 2" in record["meta"]["command"]
+    rows = {(r["contender"], r["policy"]): r for r in record["rows"]}
+    assert set(rows) == {(f"ZeRO-3 ({c})", p) for c in ("ring", "torch") for p in ("fp32", "bf16")}
+    for row in rows.values():
+        assert row["bit_equal"] and row["losses_equal"] and row["max_abs_diff"] == 0, row
+        assert 0 < row["peak_bytes"] and row["peak_over_fsdp2"] == row["peak_bytes"] / row["fsdp2_peak_bytes"], row
+    assert "wrote" in capsys.readouterr().out
