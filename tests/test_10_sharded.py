@@ -24,7 +24,15 @@ What is checked:
 * **peak memory** -- :class:`~collectives.core.live_bytes.LiveBytes` counts a known pattern of
   allocations, views, frees and storage resizes exactly, on two threads; in a step of an MLP
   shaped like the benchmark's, ZeRO-3's peak live bytes stay within 1.05x FSDP2's;
-* **bad input** -- clear errors before anything is sent.
+* **bad input** -- clear errors before anything is sent;
+* **edges, against fully_shard** -- frozen parameters, a layer skipped in a step, two
+  backwards before a step, ``reshard_after_forward=False`` (two collectives a unit, counted in
+  the trace), clipping by the global norm; ZeRO-2 accumulating and skipping against DDP, its
+  reduce-scatter in flight while the backward computes (from the trace); a write after
+  wrapping and ranks listing their parameters differently refused, naming the parameter and
+  the rank; the exercise's ``zero3_train`` equal to ``fully_shard`` bit for bit at two ranks,
+  fp32 and bf16; a checkpoint saved on three ranks loaded on two, rows and Adam's moments;
+* **the agreement benchmark** -- its record at a tiny size.
 """
 
 from __future__ import annotations
