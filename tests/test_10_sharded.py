@@ -120,9 +120,10 @@ def torch_ddp():
     return losses, [q.detach().clone() for q in m.parameters()]
 
 
-def ours_fsdp(use_torch, mixed=None, prefetch=True, max_alive=2, memory=False):
+def ours_fsdp(use_torch, mixed=None, prefetch=True, max_alive=2, memory=False, reshard=True):
     m = make_model()
-    f = FSDP(m, use_torch=use_torch, prefetch=prefetch, max_alive=max_alive, mixed=mixed)
+    f = FSDP(m, use_torch=use_torch, prefetch=prefetch, max_alive=max_alive, mixed=mixed,
+             reshard_after_forward=reshard)
     opt = adam(f.parameters())
     with trace.recording() as t:
         losses = _train(f, lambda: (opt.step(), opt.zero_grad()))
@@ -191,6 +192,9 @@ def _world(mode: str):
         out[(2, True)] = dict(vs_ddp=_same(z["params"], ddp[1]), losses=z["losses"], buckets=z["buckets"])
         if mode == "light":
             out["hybrid"] = _same(ours_hybrid(3), ddp[1])
+            # reshard_after_forward=3: the backward's all-gather inside groups of 3, the same values
+            k3 = ours_fsdp(False, reshard=3)
+            out["reshard 3"] = (_same(k3["params"], ours_fsdp(False)["params"]), k3["sends"])
     if full:
         mp = torch_fsdp2(mp=torch.bfloat16)
         ours = ours_fsdp(True, mixed=MixedPrecision(torch.bfloat16, torch.bfloat16))
@@ -284,6 +288,10 @@ def _check_world(p: int, results: list, full: bool) -> None:
         assert out[(2, not full)]["buckets"] > 1        # ZeRO-2 reduce-scattered bucket by bucket
         if "hybrid" in out:                             # sharded inside 2 groups of 3, replicated across
             assert out["hybrid"][1] <= TOL, out["hybrid"]
+            (exact, diff), sends = out["reshard 3"]
+            assert exact, diff
+            # per step and unit: forward all-gather over p, backward's over 3, reduce-scatter over p
+            assert sends == STEPS * 3 * ((p - 1) + (3 - 1) + (p - 1)), sends
         if full:
             _check_memory(p, rank, out)
             _check_mixed(p, out)
@@ -421,7 +429,8 @@ def _bad_input():
     for make in (lambda: ZeRO(make_model(), stage=3), lambda: FSDP(make_model(), max_alive=0),
                  lambda: FSDP(make_model(), units=[make_model()[0]]),
                  lambda: ZeRO(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double()), stage=1),
-                 lambda: FSDP(make_model().double()), lambda: FSDP(make_model(), release="later")):
+                 lambda: FSDP(make_model().double()), lambda: FSDP(make_model(), release="later"),
+                 lambda: FSDP(make_model(), reshard_after_forward=2), lambda: ZeRO(make_model(), 2, max_in_flight=0)):
         try:
             make()
             errors.append("")
@@ -437,6 +446,8 @@ def _check_bad_input(errors) -> None:
     assert "share one floating dtype" in errors[3]
     assert "must be float32" in errors[4]
     assert "release must be 'record_stream' or 'stream_order', got 'later'" in errors[5]
+    assert "reshard_after_forward must be True, False or an int dividing the 1 ranks, got 2" in errors[6]
+    assert "max_in_flight must be at least 1, got 0" in errors[7]
     with pytest.raises(ValueError, match="rank must be"):
         resolve("collectives.sharded:shard_rows")(torch.ones(3), 3, 3)
 

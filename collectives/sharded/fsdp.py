@@ -99,6 +99,9 @@ class _Unit:
         self.versions = [q._version for q in params]   # a write after wrapping bumps one
         self.gathered = False      # full parameters present
         self.pending = None        # the in-flight all-gather
+        self.pending_layout = None # how its buffer unpacks: this unit's group, or mid_layout
+        self.mid = None            # reshard_after_forward=k: this rank's piece of a k-way sharding
+        self.mid_layout = None
         self.ready = 0             # gradients arrived this backward
         self.in_backward = False
         self.entry = None          # this unit's open compute record in FSDP.timeline
@@ -118,7 +121,8 @@ class FSDP:
     ``reshard_after_forward`` (FSDP2's switch): True frees a unit after its forward and
     gathers it again for its backward; False keeps it whole from its forward to its
     backward -- two collectives a unit instead of three, the memory of the whole model at
-    the end of the forward. Use like ``fully_shard``::
+    the end of the forward; an int k (dividing p) keeps a k-way sharding within groups of k
+    consecutive ranks (a machine's), so the backward's all-gather stays inside the group. Use like ``fully_shard``::
 
         fsdp = FSDP(model)
         opt = torch.optim.Adam(fsdp.parameters(), lr=1e-3)     # this rank's rows
@@ -140,11 +144,9 @@ class FSDP:
             raise ValueError(f"FSDP: max_alive must be at least 1, got {max_alive}")
         if release not in ("record_stream", "stream_order"):
             raise ValueError(f"FSDP: release must be 'record_stream' or 'stream_order', got {release!r}")
-        if reshard_after_forward not in (True, False):
-            raise ValueError(f"FSDP: reshard_after_forward must be True or False, got {reshard_after_forward!r} "
-                             "(an int -- resharding to a smaller group -- is fully_shard's, not built here)")
         self.reshard_after_forward = reshard_after_forward
         self.rank, self.p = _rank_and_size(group)
+        self.reshard_to, self.mid_group, self.mid_rank = self._reshard_groups(reshard_after_forward, group)
         self.model, self.use_torch, self.group = model, use_torch, group
         self.replicate_group = replicate_group
         self.prefetch, self.max_alive = prefetch, max_alive
@@ -167,6 +169,8 @@ class FSDP:
             owned.update(id(q) for q in mine)
             self.units.append(_Unit(k, module, mine, self.p, self.rank, self.device,
                                     self.mixed.param_dtype or torch.float32))
+            if self.reshard_to is not None:
+                self.units[-1].mid_layout = ShardGroup([s.shape for s in self.units[-1].group.specs], self.reshard_to)
         missing = [i for i, q in enumerate(params) if id(q) not in owned]
         if missing:
             raise ValueError(f"FSDP: parameters {missing} of the model belong to no unit; "
@@ -228,6 +232,25 @@ class FSDP:
         names, shapes, shards = zip(*self.named_shards())
         load_sharded(folder, names, shapes, shards, self.rank, self.p, optimizer)
 
+    def _reshard_groups(self, reshard, group):
+        """``reshard_after_forward`` as an int k (FSDP2's): after its forward a unit keeps a
+        k-way sharding within groups of k consecutive ranks, and its backward gathers within
+        the group -- Ψ/k held between the two, and the gather's ring k ranks long."""
+        if isinstance(reshard, bool):
+            return None, None, None
+        if not isinstance(reshard, int) or reshard < 1 or self.p % reshard:
+            raise ValueError(f"FSDP: reshard_after_forward must be True, False or an int dividing the "
+                             f"{self.p} ranks, got {reshard!r}")
+        if reshard in (1, self.p):
+            self.reshard_after_forward = reshard == self.p   # 1: kept whole; p: the whole group
+            return None, None, None
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.p))
+        mine = None
+        for b in range(self.p // reshard):           # every rank makes every group, in one order
+            g = dist.new_group(ranks[b * reshard:(b + 1) * reshard])
+            mine = g if self.rank // reshard == b else mine
+        return reshard, mine, self.rank % reshard
+
     def _check_writes(self, units=None) -> None:
         for u in units or self.units:
             for q, v in zip(u.params, u.versions):
@@ -255,14 +278,20 @@ class FSDP:
         dtype = self.mixed.param_dtype or torch.float32
         issued = time.perf_counter()
 
+        mid, u.mid = u.mid, None        # resharded to a smaller group after forward: gather in it
+
         def work():
             t0 = time.perf_counter()
-            local = u.piece.to(dtype)
-            gathered = local.new_empty(self.p * u.group.shard_numel)
-            all_gather(gathered, local, use_torch=self.use_torch, group=self.group)
+            if mid is not None:
+                gathered = mid.new_empty(self.reshard_to * u.mid_layout.shard_numel)
+                all_gather(gathered, mid, use_torch=self.use_torch, group=self.mid_group)
+            else:
+                local = u.piece.to(dtype)
+                gathered = local.new_empty(self.p * u.group.shard_numel)
+                all_gather(gathered, local, use_torch=self.use_torch, group=self.group)
             self._note("all_gather", u.index, t0, time.perf_counter())
             return [gathered]
-        u.pending = self.side.submit(work)
+        u.pending, u.pending_layout = self.side.submit(work), u.mid_layout if mid is not None else u.group
         self.timeline.append(dict(what="issue_all_gather", unit=u.index, start=issued, end=issued))
         self.peak_alive = max(self.peak_alive, self._alive())
 
@@ -275,7 +304,7 @@ class FSDP:
         with torch.no_grad():
             for full in u.fulls:
                 full.untyped_storage().resize_(full.numel() * full.element_size())
-            u.group.unpack_into(gathered, u.fulls)
+            u.pending_layout.unpack_into(gathered, u.fulls)
         del gathered                    # the flat buffer goes as soon as it is copied out
         for q, full in zip(u.params, u.fulls):
             q.data = full
@@ -310,7 +339,11 @@ class FSDP:
     def _make_post_forward(self, u: _Unit):
         def hook(module, args, output):
             u.entry["end"] = time.perf_counter()
-            if self.reshard_after_forward or not torch.is_grad_enabled():
+            if self.reshard_to is not None and torch.is_grad_enabled():
+                # keep this rank's piece of a reshard_to-way sharding for the backward's gather
+                u.mid = torch.cat(u.mid_layout.shard([f.detach() for f in u.fulls], self.mid_rank))
+                self._free(u)
+            elif self.reshard_after_forward or not torch.is_grad_enabled():
                 self._free(u)
             outs = output if isinstance(output, (tuple, list)) else (output,)
             for t in outs:
@@ -385,7 +418,7 @@ class FSDP:
         self._reductions = []
         self._backward_started = False
         for u in self.units:
-            u.in_backward, u.ready = False, 0
+            u.in_backward, u.ready, u.mid = False, 0, None
             if u.pending is not None:           # a prefetch nobody used: drain it
                 u.pending.result()
                 u.pending = None
