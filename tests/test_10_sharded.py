@@ -552,11 +552,12 @@ def _edges():
                                                      norms=(float(norm), float(their_norm.full_tensor())),
                                                      sends=sum(1 for e in t.sends() if e.numel > 1))  # not the norm's
             f.close()
-    # ZeRO-2: accumulation and an unused parameter against DDP; its reduce-scatter in flight in backward
+    # ZeRO-2: a frozen parameter, accumulation and an unused parameter against DDP; its
+    # reduce-scatter in flight in backward
     from torch.nn.parallel import DistributedDataParallel
-    ddp = DistributedDataParallel(Branchy(), find_unused_parameters=True)
+    ddp = DistributedDataParallel(Branchy(frozen=True), find_unused_parameters=True)
     _edge_train(ddp.module, ddp, ddp.parameters(), None)
-    m = Branchy()
+    m = Branchy(frozen=True)
     z = ZeRO(m, stage=2, optimizer=adam, bucket_cap_bytes=7 * 7 * 4)
     opt = z.optimizer
     for s, (use_b, backwards) in enumerate(PLAN):
