@@ -38,18 +38,20 @@ def check_layout(named, group=None, what: str = "FSDP") -> None:
     """Raise on every rank unless every rank of ``group`` lists the same ``(name, tensor)``
     pairs -- names, shapes, dtypes, ``requires_grad`` -- in the same order."""
     rank, p = ops.group_rank_and_size(group)
+    named = list(named)
     rows = [f"{name} {tuple(q.shape)} {q.dtype} {'trains' if q.requires_grad else 'frozen'}" for name, q in named]
     if p == 1:
         return
-    count = torch.tensor([len(rows)], dtype=torch.int64)
-    counts = torch.zeros(p, dtype=torch.int64)
+    device = named[0][1].device if named else torch.device("cpu")     # NCCL's tensors live on its GPU
+    count = torch.tensor([len(rows)], dtype=torch.int64, device=device)
+    counts = torch.zeros(p, dtype=torch.int64, device=device)
     dist.all_gather_into_tensor(counts, count, group=group)
     most = int(counts.max())
     mine = torch.full((most,), -1, dtype=torch.int64)
     mine[:len(rows)] = torch.tensor([_code(r) for r in rows], dtype=torch.int64)
-    every = torch.zeros(p * most, dtype=torch.int64)
-    dist.all_gather_into_tensor(every, mine, group=group)
-    every = every.view(p, most)
+    every = torch.zeros(p * most, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(every, mine.to(device), group=group)
+    every, counts = every.view(p, most).cpu(), counts.cpu()
     for r in range(1, p):
         differ = (every[r] != every[0]).nonzero().view(-1)
         if differ.numel():
@@ -65,7 +67,8 @@ def clip_grad_norm_(shards, max_norm: float, group=None, use_torch: bool = False
     """Scale every shard's gradient so that the norm of the whole gradient -- all ranks' rows
     -- is at most ``max_norm``; return that norm (before clipping), the same on every rank."""
     grads = [s.grad for s in shards if s.grad is not None]
-    local = torch.zeros(1, dtype=torch.float64)
+    device = shards[0].device if len(shards) else torch.device("cpu")
+    local = torch.zeros(1, dtype=torch.float64, device=device)
     for g in grads:
         local += g.detach().double().square().sum()
     if use_torch:
