@@ -169,9 +169,9 @@ class ZeRO:
     def _launch(self, k: int, members: list[int]) -> None:
         """Stage 2: bucket ``k``'s reduce-scatter started on the side thread (after the oldest
         in flight, when ``max_in_flight`` are)."""
-        g, packed = self._pack(k, members)
-        while len(self._inflight) >= self.max_in_flight:
+        while len(self._inflight) >= self.max_in_flight:     # before packing: never one more
             self._land(self._inflight.pop(0))
+        g, packed = self._pack(k, members)
         box = [packed]
         del packed
 
