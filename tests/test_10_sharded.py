@@ -24,7 +24,15 @@ What is checked:
 * **peak memory** -- :class:`~collectives.core.live_bytes.LiveBytes` counts a known pattern of
   allocations, views, frees and storage resizes exactly, on two threads; in a step of an MLP
   shaped like the benchmark's, ZeRO-3's peak live bytes stay within 1.05x FSDP2's;
-* **bad input** -- clear errors before anything is sent.
+* **bad input** -- clear errors before anything is sent;
+* **edges, against fully_shard** -- frozen parameters, a layer skipped in a step, two
+  backwards before a step, ``reshard_after_forward=False`` (two collectives a unit, counted in
+  the trace), clipping by the global norm; ZeRO-2 accumulating and skipping against DDP, its
+  reduce-scatter in flight while the backward computes (from the trace); a write after
+  wrapping and ranks listing their parameters differently refused, naming the parameter and
+  the rank; the exercise's ``zero3_train`` equal to ``fully_shard`` bit for bit at two ranks,
+  fp32 and bf16; a checkpoint saved on three ranks loaded on two, rows and Adam's moments;
+* **the agreement benchmark** -- its record at a tiny size.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from collectives.sharded import (
     FSDP,
     MixedPrecision,
     ShardGroup,
+    ShardSpec,
     ZeRO,
     comm_elements,
     hybrid_groups,
@@ -111,9 +120,10 @@ def torch_ddp():
     return losses, [q.detach().clone() for q in m.parameters()]
 
 
-def ours_fsdp(use_torch, mixed=None, prefetch=True, max_alive=2, memory=False):
+def ours_fsdp(use_torch, mixed=None, prefetch=True, max_alive=2, memory=False, reshard=True):
     m = make_model()
-    f = FSDP(m, use_torch=use_torch, prefetch=prefetch, max_alive=max_alive, mixed=mixed)
+    f = FSDP(m, use_torch=use_torch, prefetch=prefetch, max_alive=max_alive, mixed=mixed,
+             reshard_after_forward=reshard)
     opt = adam(f.parameters())
     with trace.recording() as t:
         losses = _train(f, lambda: (opt.step(), opt.zero_grad()))
@@ -182,6 +192,9 @@ def _world(mode: str):
         out[(2, True)] = dict(vs_ddp=_same(z["params"], ddp[1]), losses=z["losses"], buckets=z["buckets"])
         if mode == "light":
             out["hybrid"] = _same(ours_hybrid(3), ddp[1])
+            # reshard_after_forward=3: the backward's all-gather inside groups of 3, the same values
+            k3 = ours_fsdp(False, reshard=3)
+            out["reshard 3"] = (_same(k3["params"], ours_fsdp(False)["params"]), k3["sends"])
     if full:
         mp = torch_fsdp2(mp=torch.bfloat16)
         ours = ours_fsdp(True, mixed=MixedPrecision(torch.bfloat16, torch.bfloat16))
@@ -275,6 +288,10 @@ def _check_world(p: int, results: list, full: bool) -> None:
         assert out[(2, not full)]["buckets"] > 1        # ZeRO-2 reduce-scattered bucket by bucket
         if "hybrid" in out:                             # sharded inside 2 groups of 3, replicated across
             assert out["hybrid"][1] <= TOL, out["hybrid"]
+            (exact, diff), sends = out["reshard 3"]
+            assert exact, diff
+            # per step and unit: forward all-gather over p, backward's over 3, reduce-scatter over p
+            assert sends == STEPS * 3 * ((p - 1) + (3 - 1) + (p - 1)), sends
         if full:
             _check_memory(p, rank, out)
             _check_mixed(p, out)
@@ -412,7 +429,8 @@ def _bad_input():
     for make in (lambda: ZeRO(make_model(), stage=3), lambda: FSDP(make_model(), max_alive=0),
                  lambda: FSDP(make_model(), units=[make_model()[0]]),
                  lambda: ZeRO(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double()), stage=1),
-                 lambda: FSDP(make_model().double()), lambda: FSDP(make_model(), release="later")):
+                 lambda: FSDP(make_model().double()), lambda: FSDP(make_model(), release="later"),
+                 lambda: FSDP(make_model(), reshard_after_forward=2), lambda: ZeRO(make_model(), 2, max_in_flight=0)):
         try:
             make()
             errors.append("")
@@ -428,6 +446,8 @@ def _check_bad_input(errors) -> None:
     assert "share one floating dtype" in errors[3]
     assert "must be float32" in errors[4]
     assert "release must be 'record_stream' or 'stream_order', got 'later'" in errors[5]
+    assert "reshard_after_forward must be True, False or an int dividing the 1 ranks, got 2" in errors[6]
+    assert "max_in_flight must be at least 1, got 0" in errors[7]
     with pytest.raises(ValueError, match="rank must be"):
         resolve("collectives.sharded:shard_rows")(torch.ones(3), 3, 3)
 
@@ -469,3 +489,242 @@ def test_the_memory_baseline_waits_in_step_on_every_rank(stuck):
     # each look ends in an all-reduce: every rank makes as many as the slowest needs (rank 1
     # is back at its baseline on its fifth look), or as many as the patience allows
     assert n0 == n1 and (n1 >= 2 if stuck else n1 == 5)
+
+
+# ---- what a user of fully_shard relies on, each against fully_shard on the same model ------------
+
+class Branchy(nn.Module):
+    """Three layers; the middle one runs only when ``use_b`` (a parameter unused in a step)."""
+
+    def __init__(self, frozen: bool = False, swapped: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(5, 7), nn.Linear(7, 7), nn.Linear(7, 3)
+        self.use_b = True
+        if frozen:
+            self.a.bias.requires_grad_(False)
+        if swapped:                         # the middle layer's parameters registered in the other order
+            del self.b.weight, self.b.bias
+            self.b.register_parameter("bias", nn.Parameter(torch.zeros(7)))
+            self.b.register_parameter("weight", nn.Parameter(torch.zeros(7, 7)))
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        if self.use_b:
+            h = torch.relu(self.b(h))
+        return self.c(h)
+
+
+PLAN = [(True, 1), (False, 1), (True, 2)]       # per step: the middle layer used?, backwards before the step
+CLIP = 0.05
+
+
+def _edge_train(model, forward, params, clip):
+    opt = adam(params)
+    for s, (use_b, backwards) in enumerate(PLAN):
+        model.use_b = use_b
+        for k in range(backwards):               # gradient accumulation: two backwards, one step
+            forward(batch(10 * s + k)).square().mean().backward()
+        norm = clip(CLIP) if clip else None
+        opt.step()
+        opt.zero_grad()
+    return opt, norm
+
+
+def _edges():
+    from torch.distributed.fsdp import fully_shard
+    out = {}
+    for frozen, reshard in ((False, True), (True, False)):
+        theirs = Branchy(frozen)
+        for layer in (theirs.a, theirs.b, theirs.c):
+            fully_shard(layer, reshard_after_forward=reshard)
+        fully_shard(theirs, reshard_after_forward=reshard)
+        params = list(theirs.parameters())
+        trained = [q for q in params if q.requires_grad]
+        _, their_norm = _edge_train(theirs, theirs, params, lambda c: torch.nn.utils.clip_grad_norm_(trained, c))
+        want = [q.full_tensor().detach().clone() for q in params]
+        for use_torch in (True, False):
+            m = Branchy(frozen)
+            f = FSDP(m, use_torch=use_torch, reshard_after_forward=reshard)
+            with trace.recording() as t:
+                _, norm = _edge_train(m, f, f.parameters(), f.clip_grad_norm_)
+            out[(frozen, reshard, use_torch)] = dict(diff=_same(f.full_parameters(), want),
+                                                     norms=(float(norm), float(their_norm.full_tensor())),
+                                                     sends=sum(1 for e in t.sends() if e.numel > 1))  # not the norm's
+            f.close()
+    # ZeRO-2: a frozen parameter, accumulation and an unused parameter against DDP; its
+    # reduce-scatter in flight in backward
+    from torch.nn.parallel import DistributedDataParallel
+    ddp = DistributedDataParallel(Branchy(frozen=True), find_unused_parameters=True)
+    _edge_train(ddp.module, ddp, ddp.parameters(), None)
+    m = Branchy(frozen=True)
+    z = ZeRO(m, stage=2, optimizer=adam, bucket_cap_bytes=7 * 7 * 4)
+    opt = z.optimizer
+    for s, (use_b, backwards) in enumerate(PLAN):
+        m.use_b = use_b
+        for k in range(backwards):
+            m(batch(10 * s + k)).square().mean().backward()
+        z.step()
+        z.zero_grad()
+    out["zero2"] = _same([q.detach() for q in m.parameters()], [q.detach() for q in ddp.parameters()])
+    out["zero2 overlap"] = _zero2_overlap()
+    del opt
+    # refused with a clear error: a write after wrapping; parameters listed in another order
+    f = FSDP(Branchy())
+    nn.init.zeros_(f.model.a.weight)
+    out["write"] = _error(lambda: f(batch(0)))
+    f.close()
+    out["layout"] = _error(lambda: FSDP(Branchy(swapped=dist.get_rank() == 1)))
+    out["zero3_train"] = _zero3_train_against_fully_shard()
+    return out
+
+
+def _zero3_train_against_fully_shard() -> dict:
+    """The exercise's task 6, solved: losses and the trained rows equal fully_shard's, fp32 and
+    bf16 over fp32 masters (the grader's model: linear layers, GELU, a LayerNorm)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from collectives.course.grading.tasks.lesson10_training import make_model as train_model
+    from collectives.sharded import zero3_train
+    batches = [torch.randn(4, 8, generator=torch.Generator().manual_seed(100 + 10 * s + dist.get_rank()))
+               for s in range(3)]
+    out = {}
+    for name, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
+        losses, pieces = zero3_train(train_model(1), batches, lr=1e-2, param_dtype=dtype)
+        m = train_model(1)
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype) if dtype else MixedPrecisionPolicy()
+        for child in m:
+            if any(True for _ in child.parameters()):
+                fully_shard(child, mp_policy=policy)
+        fully_shard(m, mp_policy=policy)
+        opt = adam(m.parameters())
+        theirs = []
+        for x in batches:
+            loss = m(x).float().square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            theirs.append(loss.item())
+        units = [c for c in m if any(True for _ in c.parameters())]
+        rows = [torch.cat(ShardGroup([q.shape for q in u.parameters()], dist.get_world_size()).shard(
+            [q.full_tensor().detach() for q in u.parameters()], dist.get_rank())) for u in units]
+        out[name] = (losses == theirs, _same(pieces, rows))
+    return out
+
+
+class _SlowBackward(torch.autograd.Function):
+    """The identity, whose backward computes for a while (noted: when it began, when it ended)."""
+
+    @staticmethod
+    def forward(ctx, x, log):
+        ctx.log = log
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import time
+        t0 = time.perf_counter()
+        time.sleep(0.2)
+        ctx.log.append((t0, time.perf_counter()))
+        return grad, None
+
+
+def _zero2_overlap() -> bool:
+    """A ring reduce-scatter message of a later bucket in flight while the first layer's backward
+    computes: ZeRO-2's reduce-scatter runs during backward, not after it or in its way."""
+    m, log = make_model(), []
+    z = ZeRO(m, stage=2, optimizer=adam, bucket_cap_bytes=100)
+    with trace.recording() as t:
+        h = _SlowBackward.apply(m[0](batch(0)), log)
+        m[1:](h).square().mean().backward()
+    z.step()
+    z.remove()
+    moving = [e for e in t.events if e.label.startswith("reduce-scatter") and e.t1 is not None]
+    return any(e.t0 < end and e.t1 > start for e in moving for start, end in log)
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except (RuntimeError, ValueError) as exc:
+        return str(exc)
+    return ""
+
+
+def test_edges_behave_as_fully_shard_or_err_clearly():
+    p = 2
+    for rank, out in enumerate(launch.run(_edges, p, timeout=WORLD_TIMEOUT)):
+        for (frozen, reshard, use_torch), got in ((k, v) for k, v in out.items() if isinstance(k, tuple)):
+            # the clipping factor is the norm of shards' norms, summed in another order than
+            # fully_shard's: equal to rounding (the gradients themselves are its bits)
+            exact, diff = got["diff"]
+            assert diff <= TOL, (rank, frozen, reshard, use_torch, diff)
+            ours, theirs = got["norms"]
+            assert abs(ours - theirs) <= 1e-6 * theirs, got["norms"]
+        # the ring's messages: per backward and unit run, an all-gather in forward, another
+        # before backward unless reshard_after_forward is False, and a reduce-scatter; plus the
+        # step that skips the middle layer: its prefetch (issued as the first layer starts) is wasted
+        units_run = [3 if use_b else 2 for use_b, _ in PLAN]
+        for reshard, frozen in ((True, False), (False, True)):
+            collectives = sum(n * backwards * (3 if reshard else 2) for n, (_, backwards) in zip(units_run, PLAN))
+            assert out[(frozen, reshard, False)]["sends"] == (collectives + 1) * (p - 1), (reshard, out)
+        exact, diff = out["zero2"]
+        assert diff <= TOL, diff
+        assert out["zero2 overlap"], "no reduce-scatter message was in flight during the backward's compute"
+        assert "parameter a.weight was written after wrapping" in out["write"], out["write"]
+        assert "rank 1 lists its parameters differently from rank 0" in out["layout"], out["layout"]
+        for name, (same_losses, (exact, diff)) in out["zero3_train"].items():
+            assert same_losses and exact, (rank, name, diff)      # two ranks: one order of sums, the bits
+
+
+def _checkpoint(folder: str, save: bool):
+    """Save after two steps on this world, or load into a fresh model on this one: plain data back."""
+    f = FSDP(make_model())
+    opt = adam(f.parameters())
+    if save:
+        _train(f, lambda: (opt.step(), opt.zero_grad()))
+        dist.barrier()
+        f.save(folder, opt)
+    else:
+        f.load(folder, opt)
+    moments = [opt.state[s]["exp_avg"].clone() for s in f.parameters()]
+    steps = {float(opt.state[s]["step"]) for s in f.parameters()}
+    params = f.full_parameters()
+    f.close()
+    return params, moments, steps
+
+
+def test_a_checkpoint_saved_on_three_ranks_loads_on_two(tmp_path):
+    saved = launch.run(_checkpoint, 3, args=(str(tmp_path), True), timeout=WORLD_TIMEOUT)
+    loaded = launch.run(_checkpoint, 2, args=(str(tmp_path), False), timeout=WORLD_TIMEOUT)
+    assert sorted(x.name for x in tmp_path.iterdir()) == [f"rank{r}-of-3.pt" for r in range(3)]
+    want_params = saved[0][0]
+    for params, moments, steps in loaded:
+        assert all(torch.equal(a, b) for a, b in zip(params, want_params))
+        assert steps == {float(STEPS)}
+    # Adam's first moments: the rows of three ranks glued, cut again for two
+    for i, shape in enumerate(SHAPES):
+        full = torch.cat([saved[r][1][i] for r in range(3)])
+        for rank in range(2):
+            lo, hi = ShardSpec(shape, 2).owned_rows(rank)
+            assert torch.equal(loaded[rank][1][i], full[lo:hi]), (i, rank)
+
+
+def test_the_agreement_benchmark_writes_its_record_on_a_tiny_model(tmp_path, capsys):
+    """bench-sharded-agreement at a tiny size: every contender and policy, the bits at two ranks,
+    and the peak as the ratio of the two peaks (the 1.05x bound is the larger model's claim,
+    and the peak test's above: at two layers of 96 the ring's own buffers weigh more)."""
+    import json
+
+    from collectives.course.benchmarks import sharded_agreement
+    argv = ["--world", "2", "--layers", "2", "--width", "96", "--batch", "8", "--steps", "1", "--out", str(tmp_path)]
+    assert sharded_agreement.main(argv) == 0
+    record = json.loads((tmp_path / "10-sharded-agreement.json").read_text())
+    assert {"command", "commit", "date", "device", "cpus", "torch"} <= set(record["meta"])
+    assert "bench-sharded-agreement --world 2" in record["meta"]["command"]
+    rows = {(r["contender"], r["policy"]): r for r in record["rows"]}
+    assert set(rows) == {(f"ZeRO-3 ({c})", p) for c in ("ring", "torch") for p in ("fp32", "bf16")}
+    for row in rows.values():
+        assert row["bit_equal"] and row["losses_equal"] and row["max_abs_diff"] == 0, row
+        assert 0 < row["peak_bytes"] and row["peak_over_fsdp2"] == row["peak_bytes"] / row["fsdp2_peak_bytes"], row
+    assert "wrote" in capsys.readouterr().out

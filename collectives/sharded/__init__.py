@@ -4,6 +4,7 @@
 * :mod:`~collectives.sharded.zero` -- ZeRO-1 and ZeRO-2 (optimizer state, then gradients, sharded);
 * :mod:`~collectives.sharded.fsdp` -- ZeRO-3 / FSDP with prefetch and mixed precision;
 * :mod:`~collectives.sharded.steps` -- the exercise's four moves, one function each;
+* :mod:`~collectives.sharded.zero3_steps` -- ZeRO-3's whole step from them: a layer's hooks, training;
 * :mod:`~collectives.sharded.cost` -- memory per rank and bytes moved, by stage.
 """
 
@@ -12,9 +13,11 @@ from .fsdp import FSDP, MixedPrecision, hybrid_groups
 from .shard import ShardGroup, ShardSpec, all_gather, reduce_scatter
 from .steps import forward_prefetch, free_layer, gather_layer, shard_rows, unshard_rows, zero1_step
 from .zero import ZeRO, optimizer_state_bytes, tensor_bytes
+from .zero3_steps import reduce_scatter_grads, zero3_layer, zero3_train
 
 __all__ = [
     "FSDP", "MixedPrecision", "ShardGroup", "ShardSpec", "ZeRO", "all_gather", "comm_elements",
     "forward_prefetch", "free_layer", "gather_layer", "hybrid_groups", "memory_bytes",
-    "optimizer_state_bytes", "reduce_scatter", "shard_rows", "tensor_bytes", "unshard_rows", "zero1_step",
+    "optimizer_state_bytes", "reduce_scatter", "reduce_scatter_grads", "shard_rows", "tensor_bytes",
+    "unshard_rows", "zero1_step", "zero3_layer", "zero3_train",
 ]

@@ -33,7 +33,6 @@ reduce-scattered in ``reduce_dtype`` and added to fp32 gradients of the fp32 mas
 
 from __future__ import annotations
 
-import concurrent.futures
 import time
 from dataclasses import dataclass
 
@@ -41,11 +40,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from collectives.core import live_bytes, streams
 from collectives.core.ops import ReduceOp
 from collectives.ring import ring_all_reduce
 
 from .shard import ShardGroup, all_gather, reduce_scatter
+from .side import SideStream
+from .state import check_layout, clip_grad_norm_, load_sharded, save_sharded
 from .zero import _rank_and_size, optimizer_state_bytes, tensor_bytes
 
 
@@ -73,63 +73,6 @@ def hybrid_groups(ranks_per_machine: int):
     return shard, replicate
 
 
-class SideStream:
-    """Where the communication runs: a thread of its own on CPU (``overlap``), a CUDA
-    stream on GPUs, or inline. ``submit(fn)`` returns something with ``.result()``.
-
-    On a GPU the tensors ``fn`` makes (a gathered layer, a reduced shard) belong to the side
-    stream's memory, and the issuing stream reads them. ``release`` says how the allocator
-    learns when their memory may be reused:
-
-    * ``"record_stream"``: ``result()`` marks them as used by the issuing stream; a tensor the
-      host frees stays allocated until the GPU has passed that use -- when the host runs
-      ahead, several gathered layers at once;
-    * ``"stream_order"`` (as FSDP2): nothing is marked. Every ``submit`` first makes the side
-      stream wait for the issuing stream, and only the side stream allocates from that memory,
-      so whatever the side stream makes after a free runs after every read issued before it:
-      the memory is reusable as soon as the host frees it.
-    """
-
-    def __init__(self, device, overlap: bool, release: str = "record_stream"):
-        self.device, self.overlap, self.release = device, overlap, release
-        self.cuda = streams.is_cuda(device)
-        self.pool = concurrent.futures.ThreadPoolExecutor(1, "fsdp-comm") if overlap and not self.cuda else None
-        self.stream = streams.new_stream(device, name="fsdp-comm") if overlap and self.cuda else None
-
-    def submit(self, fn, keep=()):
-        """Run ``fn`` here; ``keep``: tensors of the issuing stream it reads (on a GPU the
-        allocator is told they are in use on the side stream until it is done)."""
-        if self.pool is not None:
-            return self.pool.submit(live_bytes.carry(fn))     # a running meter sees the thread's tensors
-        if self.stream is None:
-            return _Done(fn(), None, None)
-        for t in keep:
-            streams.record_stream(t, self.stream)
-        self.stream.wait_stream(streams.current_stream(self.device))
-        with streams.use(self.stream):
-            value = fn()
-        done = streams.new_event(self.device)
-        done.record(self.stream)
-        return _Done(value, done, self)
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=True)
-
-
-class _Done:
-    def __init__(self, value, event, side):
-        self.value, self.event, self.side = value, event, side
-
-    def result(self):
-        if self.event is not None:
-            streams.current_stream(self.side.device).wait_event(self.event)
-            if self.side.release == "record_stream":
-                for t in self.value if isinstance(self.value, list) else []:
-                    streams.record_stream(t, streams.current_stream(self.side.device))
-        return self.value
-
-
 class _Unit:
     """One layer: its parameters (full-size only while gathered) and this rank's rows."""
 
@@ -140,8 +83,9 @@ class _Unit:
         with torch.no_grad():
             for view, spec, q in zip(self.group.shard_views(self.piece), self.group.specs, params):
                 view.copy_(spec.shard(q.detach().float(), rank))
-        self.shards = [nn.Parameter(spec.unpad(v, rank)) for v, spec in zip(self.group.shard_views(self.piece),
-                                                                          self.group.specs)]
+        self.shards = [nn.Parameter(spec.unpad(v, rank), requires_grad=q.requires_grad)
+                       for v, spec, q in zip(self.group.shard_views(self.piece), self.group.specs, params)]
+        self.trainable = [j for j, q in enumerate(params) if q.requires_grad]   # frozen ones get no hook
         # the full parameters, made once: freeing one shrinks its storage to nothing and
         # gathering grows it back, so what autograd saved of it (the weight a layer keeps
         # for its backward, a view of this storage) holds no memory between the two (FSDP2's
@@ -152,8 +96,12 @@ class _Unit:
             full.untyped_storage().resize_(0)
             q.data = self.empty         # the model's own tensor goes (if nothing else holds it)
             self.fulls.append(full)
+        self.versions = [q._version for q in params]   # a write after wrapping bumps one
         self.gathered = False      # full parameters present
         self.pending = None        # the in-flight all-gather
+        self.pending_layout = None # how its buffer unpacks: this unit's group, or mid_layout
+        self.mid = None            # reshard_after_forward=k: this rank's piece of a k-way sharding
+        self.mid_layout = None
         self.ready = 0             # gradients arrived this backward
         self.in_backward = False
         self.entry = None          # this unit's open compute record in FSDP.timeline
@@ -170,21 +118,35 @@ class FSDP:
     ``replicate_group`` the ranks holding the same rows on the other machines (each
     gradient shard averaged across them by an all-reduce, see :func:`hybrid_groups`).
     ``release``: on GPUs, how gathered layers' memory is handed back (:class:`SideStream`).
-    Use like ``fully_shard``::
+    ``reshard_after_forward`` (FSDP2's switch): True frees a unit after its forward and
+    gathers it again for its backward; False keeps it whole from its forward to its
+    backward -- two collectives a unit instead of three, the memory of the whole model at
+    the end of the forward; an int k (dividing p) keeps a k-way sharding within groups of k
+    consecutive ranks (a machine's), so the backward's all-gather stays inside the group. Use like ``fully_shard``::
 
         fsdp = FSDP(model)
         opt = torch.optim.Adam(fsdp.parameters(), lr=1e-3)     # this rank's rows
         fsdp(x).square().mean().backward(); opt.step(); opt.zero_grad()
+
+    The gradients are the rows': ``fsdp.parameters()[i].grad`` (the model's own parameters
+    hold no gradient between steps); clip them with :meth:`clip_grad_norm_`. Frozen
+    parameters (``requires_grad`` False) are sharded and never reduced; a parameter no
+    backward reached keeps no gradient, as under ``fully_shard``. A parameter written after
+    wrapping (``nn.init.zeros_(model[0].weight)``) is refused at the next forward: its
+    full tensor is freed between steps, so the write went nowhere. Every rank must list the
+    same parameters in the same order (checked at wrap time, :func:`.state.check_layout`).
     """
 
     def __init__(self, model: nn.Module, units=None, *, use_torch: bool = False, prefetch: bool = True,
                  max_alive: int = 2, mixed: MixedPrecision | None = None, group=None, replicate_group=None,
-                 release: str = "record_stream"):
+                 release: str = "record_stream", reshard_after_forward: bool = True):
         if max_alive < 1:
             raise ValueError(f"FSDP: max_alive must be at least 1, got {max_alive}")
         if release not in ("record_stream", "stream_order"):
             raise ValueError(f"FSDP: release must be 'record_stream' or 'stream_order', got {release!r}")
+        self.reshard_after_forward = reshard_after_forward
         self.rank, self.p = _rank_and_size(group)
+        self.reshard_to, self.mid_group, self.mid_rank = self._reshard_groups(reshard_after_forward, group)
         self.model, self.use_torch, self.group = model, use_torch, group
         self.replicate_group = replicate_group
         self.prefetch, self.max_alive = prefetch, max_alive
@@ -194,6 +156,8 @@ class FSDP:
         params = [q for q in model.parameters()]
         if not params:
             raise ValueError("FSDP: the model has no parameters")
+        self.names = {id(q): name for name, q in model.named_parameters()}
+        check_layout(model.named_parameters(), group, "FSDP")
         self.device = params[0].device
         for k, module in enumerate(units):
             mine = [q for q in module.parameters() if id(q) not in owned]
@@ -205,6 +169,8 @@ class FSDP:
             owned.update(id(q) for q in mine)
             self.units.append(_Unit(k, module, mine, self.p, self.rank, self.device,
                                     self.mixed.param_dtype or torch.float32))
+            if self.reshard_to is not None:
+                self.units[-1].mid_layout = ShardGroup([s.shape for s in self.units[-1].group.specs], self.reshard_to)
         missing = [i for i, q in enumerate(params) if id(q) not in owned]
         if missing:
             raise ValueError(f"FSDP: parameters {missing} of the model belong to no unit; "
@@ -220,8 +186,8 @@ class FSDP:
             self._free(u)
             self._hooks.append(u.module.register_forward_pre_hook(self._make_pre_forward(u)))
             self._hooks.append(u.module.register_forward_hook(self._make_post_forward(u)))
-            for q in u.params:
-                self._hooks.append(q.register_post_accumulate_grad_hook(self._make_grad_ready(u)))
+            for j in u.trainable:
+                self._hooks.append(u.params[j].register_post_accumulate_grad_hook(self._make_grad_ready(u)))
 
     # -- the public face -----------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -233,6 +199,7 @@ class FSDP:
 
     def full_parameters(self) -> list[torch.Tensor]:
         """Every parameter whole, gathered now (a collective: every rank must call it)."""
+        self._check_writes()
         out = []
         for u in self.units:
             gathered = u.piece.new_empty(self.p * u.group.shard_numel)
@@ -245,6 +212,53 @@ class FSDP:
         return dict(params=tensor_bytes([u.piece for u in self.units] + [q for u in self.units for q in u.params]),
                     grads=tensor_bytes([s.grad for u in self.units for s in u.shards]),
                     optimizer=optimizer_state_bytes(optimizer) if optimizer is not None else 0)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip every row's gradient by the norm of the whole gradient, over every rank's rows."""
+        return clip_grad_norm_(self.parameters(), max_norm, self.group, self.use_torch)
+
+    def named_shards(self) -> list[tuple[str, tuple[int, ...], nn.Parameter]]:
+        """(name, full shape, this rank's rows) of every parameter: what a sharded checkpoint holds."""
+        return [(self.names[id(q)], tuple(q_shape), s) for u in self.units
+                for q, q_shape, s in zip(u.params, [sp.shape for sp in u.group.specs], u.shards)]
+
+    def save(self, folder: str, optimizer=None) -> str:
+        """This rank's rows (and ``optimizer``'s moments) to ``folder``: :func:`.state.save_sharded`."""
+        names, shapes, shards = zip(*self.named_shards())
+        return save_sharded(folder, names, shapes, shards, self.rank, self.p, optimizer)
+
+    def load(self, folder: str, optimizer=None) -> None:
+        """This rank's rows from a checkpoint saved on any number of ranks (:func:`.state.load_sharded`)."""
+        names, shapes, shards = zip(*self.named_shards())
+        load_sharded(folder, names, shapes, shards, self.rank, self.p, optimizer)
+
+    def _reshard_groups(self, reshard, group):
+        """``reshard_after_forward`` as an int k (FSDP2's): after its forward a unit keeps a
+        k-way sharding within groups of k consecutive ranks, and its backward gathers within
+        the group -- Ψ/k held between the two, and the gather's ring k ranks long."""
+        if isinstance(reshard, bool):
+            return None, None, None
+        if not isinstance(reshard, int) or reshard < 1 or self.p % reshard:
+            raise ValueError(f"FSDP: reshard_after_forward must be True, False or an int dividing the "
+                             f"{self.p} ranks, got {reshard!r}")
+        if reshard in (1, self.p):
+            self.reshard_after_forward = reshard == self.p   # 1: kept whole; p: the whole group
+            return None, None, None
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.p))
+        mine = None
+        for b in range(self.p // reshard):           # every rank makes every group, in one order
+            g = dist.new_group(ranks[b * reshard:(b + 1) * reshard])
+            mine = g if self.rank // reshard == b else mine
+        return reshard, mine, self.rank % reshard
+
+    def _check_writes(self, units=None) -> None:
+        for u in units or self.units:
+            for q, v in zip(u.params, u.versions):
+                if q._version != v:
+                    raise RuntimeError(f"FSDP on rank {self.rank}: parameter {self.names.get(id(q), '?')} was "
+                                       "written after wrapping; its full tensor is freed between steps, so the "
+                                       "write went nowhere. Initialise before FSDP(model), or write this rank's "
+                                       "rows: fsdp.parameters()")
 
     def close(self) -> None:
         for h in self._hooks:
@@ -264,14 +278,20 @@ class FSDP:
         dtype = self.mixed.param_dtype or torch.float32
         issued = time.perf_counter()
 
+        mid, u.mid = u.mid, None        # resharded to a smaller group after forward: gather in it
+
         def work():
             t0 = time.perf_counter()
-            local = u.piece.to(dtype)
-            gathered = local.new_empty(self.p * u.group.shard_numel)
-            all_gather(gathered, local, use_torch=self.use_torch, group=self.group)
+            if mid is not None:
+                gathered = mid.new_empty(self.reshard_to * u.mid_layout.shard_numel)
+                all_gather(gathered, mid, use_torch=self.use_torch, group=self.mid_group)
+            else:
+                local = u.piece.to(dtype)
+                gathered = local.new_empty(self.p * u.group.shard_numel)
+                all_gather(gathered, local, use_torch=self.use_torch, group=self.group)
             self._note("all_gather", u.index, t0, time.perf_counter())
             return [gathered]
-        u.pending = self.side.submit(work)
+        u.pending, u.pending_layout = self.side.submit(work), u.mid_layout if mid is not None else u.group
         self.timeline.append(dict(what="issue_all_gather", unit=u.index, start=issued, end=issued))
         self.peak_alive = max(self.peak_alive, self._alive())
 
@@ -284,7 +304,7 @@ class FSDP:
         with torch.no_grad():
             for full in u.fulls:
                 full.untyped_storage().resize_(full.numel() * full.element_size())
-            u.group.unpack_into(gathered, u.fulls)
+            u.pending_layout.unpack_into(gathered, u.fulls)
         del gathered                    # the flat buffer goes as soon as it is copied out
         for q, full in zip(u.params, u.fulls):
             q.data = full
@@ -305,6 +325,7 @@ class FSDP:
     # -- hooks -------------------------------------------------------------------------------------
     def _make_pre_forward(self, u: _Unit):
         def hook(module, args):
+            self._check_writes([u])
             self._finish_gather(u)
             self._maybe_prefetch(u.index + 1)
             u.entry = dict(what="forward", unit=u.index, start=time.perf_counter(), end=None)
@@ -318,7 +339,12 @@ class FSDP:
     def _make_post_forward(self, u: _Unit):
         def hook(module, args, output):
             u.entry["end"] = time.perf_counter()
-            self._free(u)
+            if self.reshard_to is not None and torch.is_grad_enabled():
+                # keep this rank's piece of a reshard_to-way sharding for the backward's gather
+                u.mid = torch.cat(u.mid_layout.shard([f.detach() for f in u.fulls], self.mid_rank))
+                self._free(u)
+            elif self.reshard_after_forward or not torch.is_grad_enabled():
+                self._free(u)
             outs = output if isinstance(output, (tuple, list)) else (output,)
             for t in outs:
                 if torch.is_tensor(t) and t.requires_grad:
@@ -340,11 +366,11 @@ class FSDP:
     def _make_grad_ready(self, u: _Unit):
         def hook(param):
             u.ready += 1
-            if u.ready == len(u.params):
-                self._reduce(u)
+            if u.ready == len(u.trainable):
+                self._reduce(u, u.trainable)
         return hook
 
-    def _reduce(self, u: _Unit) -> None:
+    def _reduce(self, u: _Unit, members: list[int]) -> None:
         if u.entry is not None and u.entry["what"] == "backward":
             u.entry["end"] = time.perf_counter()
         reduce_dtype = self.mixed.reduce_dtype or self.mixed.param_dtype or torch.float32
@@ -352,17 +378,19 @@ class FSDP:
         # at most one reduce-scatter in flight, as FSDP2: wait for the one before (its input
         # then goes) before this unit's input is made
         if self._reductions:
-            self._reductions[-1][1].result()
-        packed = u.group.pack([q.grad for q in u.params], dtype=reduce_dtype)
-        for q in u.params:
-            q.grad = None               # the full gradient goes once packed
+            self._reductions[-1][3].result()
+        group = u.group if len(members) == len(u.params) else \
+            ShardGroup([u.group.specs[j].shape for j in members], self.p)
+        packed = group.pack([u.params[j].grad for j in members], dtype=reduce_dtype)
+        for j in members:
+            u.params[j].grad = None     # the full gradient goes once packed
 
         box = [packed]                  # work takes it out: nothing holds it once reduced
 
         def work():
             t0 = time.perf_counter()
             grads = box.pop()
-            piece = grads.new_empty(u.group.shard_numel)
+            piece = grads.new_empty(group.shard_numel)
             reduce_scatter(piece, grads, use_torch=self.use_torch, group=self.group, scratch=True)
             del grads                   # gone before the result is handed over
             if self.replicate_group is not None:
@@ -373,23 +401,26 @@ class FSDP:
             self._note("reduce_scatter", u.index, t0, time.perf_counter())
             return [piece]
         del packed
-        self._reductions.append((u, self.side.submit(work, keep=tuple(box))))
+        self._reductions.append((u, members, group, self.side.submit(work, keep=tuple(box))))
 
     def _end_backward(self) -> None:
-        for u, future in self._reductions:
+        # a unit some of whose parameters no backward reached: the others' gradients go now,
+        # in unit order (the same on every rank that used the same parameters)
+        for u in self.units:
+            if 0 < u.ready < len(u.trainable):
+                self._reduce(u, [j for j in u.trainable if u.params[j].grad is not None])
+        for u, members, group, future in self._reductions:
             piece = future.result()[0].float()
-            for shard, view, spec in zip(u.shards, u.group.shard_views(piece), u.group.specs):
+            for j, view, spec in zip(members, group.shard_views(piece), group.specs):
                 grad = spec.unpad(view, self.rank)
+                shard = u.shards[j]
                 shard.grad = grad if shard.grad is None else shard.grad.add_(grad)
-        reduced = {u.index for u, _ in self._reductions}
         self._reductions = []
         self._backward_started = False
-        missing = [u.index for u in self.units if u.index not in reduced]
         for u in self.units:
-            u.in_backward, u.ready = False, 0
+            u.in_backward, u.ready, u.mid = False, 0, None
             if u.pending is not None:           # a prefetch nobody used: drain it
                 u.pending.result()
                 u.pending = None
-        if missing:
-            raise RuntimeError(f"FSDP on rank {self.rank}: units {missing} got no gradient for every parameter "
-                               "in backward; every parameter must be used")
+            if u.gathered:                      # kept whole for a backward that never reached it
+                self._free(u)

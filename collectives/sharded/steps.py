@@ -7,6 +7,8 @@ do these same moves with hooks and bookkeeping around them; here each stands alo
 2. :func:`zero1_step` -- ZeRO-1's step: reduce-scatter, Adam on my rows, all-gather;
 3. :func:`gather_layer` / :func:`free_layer` -- a layer's weights whole just while needed;
 4. :func:`forward_prefetch` -- a forward that gathers layer i+1 while layer i computes.
+
+ZeRO-3's whole step, built on these, is :mod:`collectives.sharded.zero3_steps`.
 """
 
 from __future__ import annotations
@@ -59,20 +61,27 @@ def zero1_step(params, shards, optimizer, group=None) -> None:
 
 
 def gather_layer(params, shapes, piece: torch.Tensor, group=None) -> None:
-    """Make each (freed) parameter of a layer whole: all-gather every rank's ``piece`` (its
-    padded rows of each parameter, in order) and point ``params[i].data`` at tensor i."""
+    """Make each freed parameter of a layer whole: all-gather every rank's ``piece`` (its
+    padded rows of each parameter, in order), grow each parameter's storage back to its
+    full size and copy tensor i into it -- in place, so every tensor that shares the storage
+    (what autograd saved of it in a forward) sees the weights again."""
     p = torch.distributed.get_world_size(group)
     g = ShardGroup(shapes, p)
     gathered = piece.new_empty(p * g.shard_numel)
     ring_all_gather(gathered, piece, group=group)
     for q, full in zip(params, g.unpack(gathered)):
-        q.data = full
+        storage = q.untyped_storage()
+        if storage.nbytes() < q.numel() * q.element_size():
+            storage.resize_(q.numel() * q.element_size())
+        q.data.copy_(full)        # through .data: autograd's saved copy stays valid (no version bump)
 
 
 def free_layer(params) -> None:
-    """Drop the full parameters: each ``.data`` becomes an empty tensor (its memory freed)."""
+    """Drop the full parameters: shrink each one's storage to nothing (FSDP2's way). The
+    Parameter keeps its shape; every tensor sharing its storage -- the weight a forward saved
+    for backward -- holds no memory either, until :func:`gather_layer` grows it back."""
     for q in params:
-        q.data = torch.empty(0, dtype=q.dtype, device=q.device)
+        q.untyped_storage().resize_(0)
 
 
 def forward_prefetch(layers, shapes, pieces, x: torch.Tensor, max_alive: int = 2, group=None) -> torch.Tensor:

@@ -15,8 +15,17 @@ optimizer state shrinks p-fold for free.
 * **ZeRO-1** (:class:`ZeRO` with ``stage=1``): one reduce-scatter over every gradient
   after backward, the full gradients kept until then (4 B · Ψ).
 * **ZeRO-2** (``stage=2``): the gradients reduce-scattered bucket by bucket *during*
-  backward, with lesson 6's buckets (:func:`collectives.bucketing.buckets.assign_buckets`),
-  and freed at once: a rank holds its gradient rows and at most one bucket of full ones.
+  backward, with lesson 6's buckets (:func:`collectives.bucketing.buckets.assign_buckets`):
+  a bucket whose last gradient has arrived is packed, its full gradients freed, and its
+  reduce-scatter started on a thread of its own (the same order on every rank) while
+  backward goes on computing; at most ``max_in_flight`` buckets travel at once (a new one
+  first waits for the oldest), and the end of backward waits for the rest. A rank holds
+  its gradient rows and at most ``max_in_flight`` packed buckets.
+
+Several backwards before one step (gradient accumulation) add into the rows' gradients. A
+parameter no backward reached keeps no gradient, and its bucket is reduce-scattered at the
+end of backward without it -- as ``fully_shard`` leaves an unused parameter's gradient None
+(every rank must use the same parameters: the collectives must match).
 
 A rank's rows of a parameter are contiguous in it, so the optimizer steps on views of the
 model's own parameters: no second copy of the weights (fp32 here; the mixed-precision
@@ -25,16 +34,19 @@ masters are :mod:`collectives.sharded.fsdp`'s).
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
+import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from collectives.bucketing.buckets import assign_buckets
-from collectives.core import ops
+from collectives.core import live_bytes, ops
 
 from .shard import ShardGroup, all_gather, reduce_scatter
+from .state import check_layout, clip_grad_norm_
 
 DEFAULT_BUCKET_CAP_BYTES = 1 << 20
 
@@ -76,17 +88,23 @@ class ZeRO:
         zero.step()                       # reduce-scatter (stage 1), step, all-gather
         zero.zero_grad()
 
+    The gradients of this rank's rows are ``zero.shards[i].grad`` once reduced (stage 2: after
+    backward; stage 1: in ``step``, which clips them when given ``clip_norm``).
     ``use_torch`` swaps lesson 4's ring for ``dist.reduce_scatter_tensor`` /
-    ``dist.all_gather_into_tensor``.
+    ``dist.all_gather_into_tensor``. ``max_in_flight`` (stage 2): buckets reduce-scattering
+    at once while backward computes; :attr:`timeline` records when each ran.
     """
 
     def __init__(self, model: nn.Module, stage: int = 1, optimizer=None, *, use_torch: bool = False,
-                 bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, group=None):
+                 bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, group=None, max_in_flight: int = 2):
         if stage not in (1, 2):
             raise ValueError(f"ZeRO: stage must be 1 or 2 (stage 3 is collectives.sharded.FSDP), got {stage!r}")
         if bucket_cap_bytes <= 0:
             raise ValueError(f"ZeRO: bucket_cap_bytes must be positive, got {bucket_cap_bytes}")
+        if max_in_flight < 1:
+            raise ValueError(f"ZeRO: max_in_flight must be at least 1, got {max_in_flight}")
         self.rank, self.p = _rank_and_size(group)
+        check_layout(model.named_parameters(), group, f"ZeRO-{stage}")
         self.model, self.stage, self.use_torch, self.group = model, stage, use_torch, group
         self.params = [q for q in model.parameters() if q.requires_grad]
         if not self.params:
@@ -110,53 +128,103 @@ class ZeRO:
         make = optimizer or functools.partial(torch.optim.Adam, lr=1e-3)
         self.optimizer = make(self.shards)
         self.reduced_buckets = 0
+        self.max_in_flight = max_in_flight
+        self.timeline: list[dict] = []
         self._pending = [len(b) for b in self.buckets]
         self._bucket_of = {i: k for k, b in enumerate(self.buckets) for i in b}
+        self._inflight: list = []
+        self._backward_started = False
         self._hooks = []
+        self._side = concurrent.futures.ThreadPoolExecutor(1, "zero2-comm") if stage == 2 else None
         if stage == 2:
             for i, q in enumerate(self.params):
                 self._hooks.append(q.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i)))
 
     # -- gradients -> this rank's rows of their mean -----------------------------------------
-    def _reduce_bucket(self, k: int) -> None:
-        bucket, g = self.buckets[k], self.groups[k]
-        grads = []
-        for i in bucket:
-            q = self.params[i]
-            if q.grad is None:
-                raise RuntimeError(f"ZeRO: parameter {i} ({tuple(q.shape)}) got no gradient in backward; "
-                                   "every parameter must be used")
-            grads.append(q.grad)
-        packed = g.pack(grads)
-        del grads
-        for i in bucket:
+    def _pack(self, k: int, members: list[int]):
+        """Bucket ``k``'s gradients of ``members`` packed for the reduce-scatter, the full ones freed."""
+        g = self.groups[k] if len(members) == len(self.buckets[k]) else \
+            ShardGroup([self.params[i].shape for i in members], self.p)
+        packed = g.pack([self.params[i].grad for i in members])
+        for i in members:
             self.params[i].grad = None                  # the full gradients are packed: not needed any more
-        piece = packed.new_empty(g.shard_numel)
-        # packed is ours to overwrite: the ring sums in it, no copy
-        reduce_scatter(piece, packed, use_torch=self.use_torch, group=self.group, scratch=True)
-        del packed
-        for i, spec, view in zip(bucket, g.specs, g.shard_views(piece)):
+        return g, packed
+
+    def _add_rows(self, members, g: ShardGroup, piece: torch.Tensor) -> None:
+        for i, spec, view in zip(members, g.specs, g.shard_views(piece)):
             row_grad = spec.unpad(view, self.rank)
             shard = self.rows[i]
             shard.grad = row_grad if shard.grad is None else shard.grad.add_(row_grad)
         self.reduced_buckets += 1
 
+    def _reduce_now(self, members) -> None:
+        """Stage 1: every gradient in one reduce-scatter, here and now."""
+        g, packed = self._pack(0, members)
+        piece = packed.new_empty(g.shard_numel)
+        # packed is ours to overwrite: the ring sums in it, no copy
+        reduce_scatter(piece, packed, use_torch=self.use_torch, group=self.group, scratch=True)
+        del packed
+        self._add_rows(members, g, piece)
+
+    def _launch(self, k: int, members: list[int]) -> None:
+        """Stage 2: bucket ``k``'s reduce-scatter started on the side thread (after the oldest
+        in flight, when ``max_in_flight`` are)."""
+        while len(self._inflight) >= self.max_in_flight:     # before packing: never one more
+            self._land(self._inflight.pop(0))
+        g, packed = self._pack(k, members)
+        box = [packed]
+        del packed
+
+        def work():
+            t0 = time.perf_counter()
+            grads = box.pop()
+            piece = grads.new_empty(g.shard_numel)
+            reduce_scatter(piece, grads, use_torch=self.use_torch, group=self.group, scratch=True)
+            del grads                                   # the packed bucket goes once reduced
+            self.timeline.append(dict(what="reduce_scatter", bucket=k, start=t0, end=time.perf_counter()))
+            return piece
+        self.timeline.append(dict(what="issue_reduce_scatter", bucket=k, start=time.perf_counter(), end=None))
+        self._inflight.append((members, g, self._side.submit(live_bytes.carry(work))))
+
+    def _land(self, entry) -> None:
+        members, g, future = entry
+        self._add_rows(members, g, future.result())
+
     def _grad_ready(self, i: int, param) -> None:
+        if not self._backward_started:
+            self._backward_started = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         k = self._bucket_of[i]
         self._pending[k] -= 1
         if self._pending[k] == 0:
-            self._reduce_bucket(k)
+            self._launch(k, self.buckets[k])
+
+    def _end_backward(self) -> None:
+        """Buckets a backward did not fill (a parameter unused) go without the unused ones, in
+        bucket order; then every reduce-scatter in flight lands."""
+        for k, bucket in enumerate(self.buckets):
+            if 0 < self._pending[k]:
+                members = [i for i in bucket if self.params[i].grad is not None]
+                if members:
+                    self._launch(k, members)
+        while self._inflight:
+            self._land(self._inflight.pop(0))
+        self._pending = [len(b) for b in self.buckets]
+        self._backward_started = False
+        self.timeline.append(dict(what="end_backward", bucket=None, start=time.perf_counter(), end=None))
 
     # -- the step ----------------------------------------------------------------------------
-    def step(self) -> None:
-        """Reduce-scatter what backward has not (all of it in stage 1), step, all-gather."""
+    def step(self, clip_norm: float | None = None):
+        """Reduce-scatter what backward has not (all of it in stage 1), step, all-gather.
+        ``clip_norm``: first scale the rows' gradients so the whole gradient's norm, over every
+        rank's rows, is at most that; returns the norm before clipping (else None)."""
         if self.stage == 1:
-            self._reduce_bucket(0)
-        elif any(n != 0 for n in self._pending):
-            waiting = [k for k, n in enumerate(self._pending) if n != 0]
-            raise RuntimeError(f"ZeRO-2 on rank {self.rank}: buckets {waiting} never filled during backward; "
-                               "call step() after a backward that uses every parameter")
-        self._pending = [len(b) for b in self.buckets]
+            members = [i for i in self.buckets[0] if self.params[i].grad is not None]
+            if members:
+                self._reduce_now(members)
+        norm = None
+        if clip_norm is not None:
+            norm = clip_grad_norm_(self.shards, clip_norm, self.group, self.use_torch)
         self.optimizer.step()
         with torch.no_grad():
             for b, g in zip(self.buckets, self.groups):
@@ -165,6 +233,7 @@ class ZeRO:
                 all_gather(gathered, mine, use_torch=self.use_torch, group=self.group)
                 g.unpack_into(gathered, [self.params[i] for i in b])   # straight into the weights
                 del gathered
+        return norm
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -181,3 +250,5 @@ class ZeRO:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self._side is not None:
+            self._side.shutdown(wait=True)

@@ -12,6 +12,7 @@
   bench-cluster  the two tiers of a simulated cluster fitted, the flat ring predicted and measured
   bench-recorder lesson 9: what the flight recorder costs per call, off and on (and torch's DETAIL)
   bench-sharded  lesson 10: step time and memory of ZeRO-1/2/3 against torch DDP and FSDP2 (--cluster, --backend nccl)
+  bench-sharded-agreement  lesson 10: ZeRO-3 against fully_shard on a larger model, values and peak memory
   bench-alltoall lesson 11: all-to-alls against dist.all_to_all_single (local, cluster), the MoE layer (moe)
   bench-symmetric lesson 12: one-shot and two-shot without messages against gloo/NCCL (--backend nccl)
   bench-tp     lesson 13: sequence-parallel MLP, sequential against async TP, DTensor and fused ops (--backend nccl)
@@ -40,6 +41,7 @@ COMMANDS = {
     "bench-cluster": "collectives.course.benchmarks.cluster:main",
     "bench-recorder": "collectives.course.benchmarks.debugging:main",
     "bench-sharded": "collectives.course.benchmarks.sharded:main",
+    "bench-sharded-agreement": "collectives.course.benchmarks.sharded_agreement:main",
     "bench-alltoall": "collectives.course.benchmarks.alltoall:main",
     "bench-symmetric": "collectives.course.benchmarks.symmetric:main",
     "bench-tp": "collectives.course.benchmarks.tp:main",

@@ -4,16 +4,19 @@ The judge draws every weight, shape and seed itself (``os.urandom``, never told 
 and recomputes every expected value in the grading process from the reference layout
 (:class:`collectives.sharded.ShardSpec`) and a full-batch Adam step; each rank's batch
 comes from its secret. What comes back from a rank is plain data (tensors copied out,
-numbers), and the messages are the tap's: ZeRO-1 may send no all-reduce and no more than
-the bytes of a reduce-scatter and an all-gather; a gathered layer no more than an
-all-gather's; the prefetching forward is held to its bound on live layers (counted by the
-probe's own layers as they run) and must have started layer i+1's gather before layer i
-finished computing (the tap's clock against the probe's).
+numbers), and the messages are the tap's. Tasks 2 and 3 say "ring": any library collective
+scores nothing, the bytes sent are exactly a ring's (no fewer, no more), and every message
+must carry a block it can carry (:mod:`.lesson10_messages`: a piece of the weights, a running
+sum of the gradients). A freed layer must hold no memory in the tensors sharing its storage
+(what autograd saved), and a gathered one must fill them again. The prefetching forward is
+held to its bound on live layers, counted by the probe's own layers at the start and at the
+end of a compute that lasts long enough for a gather to land, and must have started layer
+i+1's gather before layer i finished computing (the tap's clock against the probe's).
+Tasks 5 and 6 (ZeRO-3's backward, a model trained) are :mod:`.lesson10_training`'s.
 """
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch
@@ -22,30 +25,19 @@ from torch import nn
 
 from ....sharded import ShardGroup, ShardSpec
 from . import GradedTask
+from . import lesson10_messages as messages
+from . import lesson10_training as training
+from .lesson10_messages import common_seed as _common_seed
+from .lesson10_messages import copy_or_none as _copy
+from .lesson10_messages import draw as _draw
+from .lesson10_messages import judge_ring as _judge_ring
+from .lesson10_messages import tensor as _tensor
 from .world import Grading, InWorldGrading, Probe, Verdict, outcome_problem, same
 
 HERE = __name__
 TOL = 1e-6
 STEPS = 2
 ONE_SIZE = (1,)
-
-
-def _draw() -> int:
-    return int.from_bytes(os.urandom(4), "little")
-
-
-def _common_seed(probe: Probe, key: str) -> int:
-    """A seed every rank of the world shares: rank 0's, drawn from its secret and broadcast
-    (outside every case: not the student's message). The judge gets it as ``run.seed(0, key)``."""
-    import torch.distributed as dist
-
-    seed = torch.tensor([probe.seed(key) % 1_000_000 if probe.rank == 0 else 0], dtype=torch.int64)
-    dist.broadcast(seed, 0)
-    return int(seed.item())
-
-
-def _tensor(seed: int, shape) -> torch.Tensor:
-    return torch.randn(tuple(shape), generator=torch.Generator().manual_seed(seed % (1 << 62)))
 
 
 # ---- task 1: shard_rows / unshard_rows ------------------------------------------------------
@@ -95,7 +87,11 @@ def _judge_shards(grading: Grading) -> Verdict:
             where = f"shard_rows of a {tuple(shape)} tensor, rank {r} of {p}"
             o = got[("shard", shape, p, r)]
             if not outcome_problem(where, o, verdict):
-                verdict.add(_named(where, same(spec.shard(full, r), o.value)))
+                problem = same(spec.shard(full, r), o.value)
+                if problem and isinstance(o.value, torch.Tensor) and o.value.numel() != spec.shard_numel:
+                    problem += (f" -- every shard holds c = ceil(rows / p) = {spec.rows_per_shard} rows, "
+                                f"{spec.shard_numel} elements, the missing rows zeros")
+                verdict.add(_named(where, problem))
         where = f"unshard_rows of a {tuple(shape)} tensor over {p}"
         o = got[("unshard", shape, p)]
         if not outcome_problem(where, o, verdict):
@@ -150,22 +146,40 @@ def probe_zero1(probe: Probe) -> dict:
     return out
 
 
-def _expected_zero1(model_seed: int, seeds: list[int]) -> list[list[torch.Tensor]]:
+def _expected_zero1(model_seed: int, seeds: list[int]) -> tuple[list, list]:
+    """The parameters after each step, and each step's gradients of every rank."""
     model = make_model(model_seed)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
-    after = []
+    after, by_step = [], []
     for s in range(STEPS):
-        grads = None
+        grads, per_rank = None, []
         for seed in seeds:
             model.zero_grad(set_to_none=True)
             model(_batch(seed, s)).square().mean().backward()
             g = [q.grad.clone() for q in model.parameters()]
+            per_rank.append(g)
             grads = g if grads is None else [a + b for a, b in zip(grads, g)]
         for q, g in zip(model.parameters(), grads):
             q.grad = g / len(seeds)
         opt.step()
         after.append([q.detach().clone() for q in model.parameters()])
-    return after
+        by_step.append(per_rank)
+    return after, by_step
+
+
+def _rows_differ(want: torch.Tensor, have: torch.Tensor, p: int) -> str:
+    """Which ranks' rows of a parameter differ: the rank whose packing (or step) went wrong."""
+    if tuple(have.shape) != tuple(want.shape) or have.dtype != want.dtype:
+        return ""
+    spec = ShardSpec(tuple(want.shape), p)
+    bad = ~torch.isclose(have.double().reshape(spec.rows, -1), want.double().reshape(spec.rows, -1),
+                         rtol=0, atol=TOL)
+    owners = sorted({r for r in range(p) for row in bad.any(1).nonzero().view(-1).tolist()
+                     if spec.owned_rows(r)[0] <= row < spec.owned_rows(r)[1]})
+    if not owners:
+        return ""
+    return " -- the rows of rank" + ("s " if len(owners) > 1 else " ") + ", ".join(map(str, owners)) + \
+        " (block " + ", ".join(map(str, owners)) + " of the reduce-scatter: check how it is packed)"
 
 
 def _judge_zero1(grading: Grading) -> Verdict:
@@ -176,9 +190,11 @@ def _judge_zero1(grading: Grading) -> Verdict:
         for problem in run.problems():
             verdict.add(problem)
         model_seed = run.seed(0, "model") % 1_000_000
-        expected = _expected_zero1(model_seed, [run.seed(r, "batch") for r in range(p)])
+        expected, grads = _expected_zero1(model_seed, [run.seed(r, "batch") for r in range(p)])
         shapes = [tuple(q.shape) for q in make_model(model_seed).parameters()]
-        piece = ShardGroup(shapes, p).shard_numel
+        group = ShardGroup(shapes, p)
+        piece = group.shard_numel
+        carried = [messages.blocks(group, grads[s]) + messages.pieces(group, expected[s]) for s in range(STEPS)]
         for rank in range(p):
             got = run.results[rank]
             for s, (o, params) in enumerate(got["steps"]):
@@ -186,17 +202,12 @@ def _judge_zero1(grading: Grading) -> Verdict:
                 if outcome_problem(where, o, verdict):
                     break
                 for i, (want, have) in enumerate(zip(expected[s], params)):
-                    verdict.add(_named(f"{where}, parameter {i} {shapes[i]}",
-                                       same(want, have, exact=False, rtol=0, atol=TOL)))
+                    problem = same(want, have, exact=False, rtol=0, atol=TOL)
+                    if problem:
+                        verdict.add(f"{where}, parameter {i} {shapes[i]}: {problem}{_rows_differ(want, have, p)}")
                 calls = run.of(rank, f"step {s}")
-                kinds = sorted({c.kind for c in calls if c.kind not in ("send", "recv")})
-                banned = [k for k in kinds if k in ("allreduce", "broadcast", "reduce", "allreduce_coalesced")]
-                if banned:
-                    verdict.add(f"{where}: called {', '.join(banned)}: ZeRO-1 reduce-scatters and all-gathers")
-                sent = sum(c.numel for c in calls if c.kind == "send")
-                if sent > 2 * (p - 1) * piece:
-                    verdict.add(f"{where}: sent {sent} elements; a reduce-scatter and an all-gather of "
-                                f"{p} × {piece} send {2 * (p - 1) * piece}")
+                _judge_ring(where, calls, 2 * (p - 1) * piece, carried[s],
+                            "ZeRO-1 reduce-scatters the gradients and all-gathers the weights", verdict)
             if len(got["steps"]) == STEPS and got["steps"][-1][0].error == "":
                 for i, (st, shape) in enumerate(zip(got["state"], got["shard_shapes"])):
                     if st is None or st != (shape, float(STEPS)):
@@ -210,6 +221,14 @@ def _judge_zero1(grading: Grading) -> Verdict:
 # ---- task 3: gather_layer / free_layer --------------------------------------------------------
 
 LAYER_SHAPES = [(7, 5), (7,), (3, 2, 2)]
+LAYER_BATCH = 3
+
+
+def _layer_loss(params, x):
+    """A layer's forward as autograd sees it: a linear layer (it saves a view of its weight)
+    and a parameter used as itself."""
+    w, b, extra = params
+    return nn.functional.linear(x, w, b).square().sum() + (extra * extra).sum()
 
 
 def probe_gather(probe: Probe) -> dict:
@@ -219,11 +238,23 @@ def probe_gather(probe: Probe) -> dict:
     params = [nn.Parameter(f.clone()) for f in fulls]
     group = ShardGroup(LAYER_SHAPES, probe.size)
     piece = torch.cat(group.shard(fulls, probe.rank))
+    x = _tensor(probe.seed("x"), (LAYER_BATCH, LAYER_SHAPES[0][1])).requires_grad_()
+    loss = _layer_loss(params, x)            # autograd saves the weights, as a layer's forward does
+    held = [q.view(-1) for q in params]      # tensors sharing each parameter's storage, as autograd's
     out = {}
     o = probe.call("free_layer", free_layer, params)
-    out["free"] = (o, [q.numel() for q in params], [q.dtype for q in params] == [torch.float32] * len(params))
+    out["free"] = (o, [h.untyped_storage().nbytes() for h in held], [q.untyped_storage().nbytes() for q in params],
+                   [(tuple(q.shape), q.dtype == torch.float32) for q in params])
     o = probe.call("gather_layer", gather_layer, params, list(LAYER_SHAPES), piece.clone())
-    out["gather"] = (o, [q.detach().clone() for q in params])
+    out["gather"] = (o, [_copy(q) for q in params], [_copy(h) for h in held])
+    backward = ""
+    if not o.error and not o.not_written:
+        try:
+            loss.backward()
+        except RuntimeError as exc:
+            backward = str(exc).splitlines()[0]
+    out["backward"] = (backward, x.grad.clone() if x.grad is not None else None,
+                       [q.grad.clone() if q.grad is not None else None for q in params])
     return out
 
 
@@ -236,31 +267,53 @@ def _judge_gather(grading: Grading) -> Verdict:
             verdict.add(problem)
         seed = run.seed(0, "weights") % 1_000_000
         fulls = [_tensor(seed + k, s) for k, s in enumerate(LAYER_SHAPES)]
-        piece = ShardGroup(LAYER_SHAPES, p).shard_numel
+        group = ShardGroup(LAYER_SHAPES, p)
+        carried = messages.pieces(group, fulls)
         for rank in range(p):
             got = run.results[rank]
-            o, numels, dtypes_kept = got["free"]
+            o, held_bytes, param_bytes, kept = got["free"]
             where = f"free_layer on rank {rank} of {p}"
             if outcome_problem(where, o, verdict):
                 continue
-            if any(numels) or not dtypes_kept:
-                verdict.add(f"{where}: the parameters still hold {numels} elements (or changed dtype); "
-                            "expected empty tensors of their dtype")
-            o, params = got["gather"]
+            if any(held_bytes):
+                how = ("a new tensor was put under the Parameters: `.data = torch.empty(0)` swaps the tensor "
+                       "and frees nothing autograd holds" if not any(param_bytes) else "the storage was not shrunk")
+                verdict.add(f"{where}: the tensors autograd saved of the weights still hold {sum(held_bytes)} "
+                            f"bytes ({how}); free with q.untyped_storage().resize_(0)")
+            elif kept != [(s, True) for s in LAYER_SHAPES]:
+                verdict.add(f"{where}: the parameters changed shape or dtype ({kept}); keep the Parameter, "
+                            "shrink its storage")
+            o, params, held = got["gather"]
             where = f"gather_layer on rank {rank} of {p}"
             if outcome_problem(where, o, verdict):
                 continue
             for i, (want, have) in enumerate(zip(fulls, params)):
-                verdict.add(_named(f"{where}, parameter {i} {LAYER_SHAPES[i]}", same(want, have)))
-            calls = run.of(rank, "gather_layer")
-            banned = sorted({c.kind for c in calls if c.kind in ("allreduce", "broadcast", "reduce")})
-            if banned:
-                verdict.add(f"{where}: called {', '.join(banned)}; a layer is gathered by an all-gather")
-            sent = sum(c.numel for c in calls if c.kind == "send")
-            if sent > (p - 1) * piece:
-                verdict.add(f"{where}: sent {sent} elements; an all-gather of {p} pieces of {piece} "
-                            f"sends {(p - 1) * piece}")
+                verdict.add(_named(f"{where}, parameter {i} {LAYER_SHAPES[i]}",
+                                   same(want, have) if have is not None else "its storage is still empty"))
+            if not any(held_bytes) and any(h is None or same(f.view(-1), h) for f, h in zip(fulls, held)):
+                verdict.add(f"{where}: the tensors autograd saved still do not see the weights: grow the "
+                            "storage back (untyped_storage().resize_) and copy into it through q.data, "
+                            "rather than pointing .data at a new tensor")
+            backward, x_grad, grads = got["backward"]
+            if backward:
+                verdict.add(f"{where}: the layer's backward failed after free and gather: {backward}")
+            else:
+                _judge_layer_backward(where, rank, run, fulls, x_grad, grads, verdict)
+            _judge_ring(where, run.of(rank, "gather_layer"), (p - 1) * group.shard_numel, carried,
+                        "a layer is gathered by a ring all-gather of the pieces", verdict)
     return verdict
+
+
+def _judge_layer_backward(where, rank, run, fulls, x_grad, grads, verdict) -> None:
+    params = [nn.Parameter(f.clone()) for f in fulls]
+    x = _tensor(run.seed(rank, "x"), (LAYER_BATCH, LAYER_SHAPES[0][1])).requires_grad_()
+    _layer_loss(params, x).backward()
+    for name, want, have in [("the input", x.grad, x_grad)] + [(f"parameter {i}", q.grad, g)
+                                                               for i, (q, g) in enumerate(zip(params, grads))]:
+        problem = same(want, have, exact=False, rtol=1e-5, atol=1e-5) if have is not None else "no gradient"
+        if problem:
+            verdict.add(f"{where}: the backward after free and gather gave {name} a wrong gradient: {problem}")
+            return
 
 
 # ---- task 4: forward_prefetch ------------------------------------------------------------------
@@ -276,11 +329,15 @@ class Watched(nn.Linear):
         super().__init__(n_in, n_out)
         self.family, self.log, self.compute = family, log, compute
 
+    def whole(self) -> int:
+        return sum(1 for m in self.family if m.weight.untyped_storage().nbytes() > 0)
+
     def forward(self, x):
-        alive = sum(1 for m in self.family if m.weight.numel() > 0)
+        alive = self.whole()
         start = time.perf_counter()
         y = super().forward(x)
         time.sleep(self.compute)              # the compute a prefetched gather hides under
+        alive = max(alive, self.whole())      # a gather started before the compute has landed by now
         self.log.append((self.family.index(self), alive, start, time.perf_counter()))
         return y
 
@@ -299,17 +356,17 @@ def probe_prefetch(probe: Probe, limits: list[int]) -> dict:
     out = {}
     for limit in limits:
         family, log = [], []
-        layers = _prefetch_layers(seed, family, log, COMPUTE_SECONDS if limit >= 2 else 0.0)
+        layers = _prefetch_layers(seed, family, log, COMPUTE_SECONDS)
         shapes = [[tuple(q.shape) for q in m.parameters()] for m in layers]
         pieces = [torch.cat(ShardGroup(s, probe.size).shard([q.detach() for q in m.parameters()], probe.rank))
                   for s, m in zip(shapes, layers)]
         for m in layers:
             for q in m.parameters():
-                q.data = torch.empty(0)
+                q.untyped_storage().resize_(0)          # freed, as task 3 frees
         x = _tensor(seed + probe.rank, (3, PREFETCH_WIDTHS[0]))
         o = probe.call(f"max_alive {limit}", fn, layers, shapes, pieces, x, limit)
         o.value = o.value.detach().clone() if isinstance(o.value, torch.Tensor) else o.value
-        left = sum(q.numel() for m in layers for q in m.parameters())
+        left = sum(q.untyped_storage().nbytes() // q.element_size() for m in layers for q in m.parameters())
         out[limit] = (o, list(log), left, [ShardGroup(s, probe.size).shard_numel for s in shapes])
     return out
 
@@ -343,7 +400,11 @@ def _judge_prefetch(grading: Grading) -> Verdict:
                 over = [(i, alive) for i, alive, _, _ in log if alive > limit]
                 if over:
                     verdict.add(f"{where}: layer {over[0][0]} ran with {over[0][1]} layers whole, "
-                                f"more than max_alive = {limit}")
+                                f"more than max_alive = {limit} (a layer counts from the moment its gather "
+                                "is submitted: prefetch only while alive < max_alive)")
+                library = messages.library_calls(run.of(rank, f"max_alive {limit}"))
+                if library:
+                    verdict.add(f"{where}: called {', '.join(library)}: {messages.LIBRARY}")
                 if left:
                     verdict.add(f"{where}: {left} elements of full weights still held on return; free every layer")
                 if limit >= 2:
@@ -370,4 +431,4 @@ TASKS = [
     GradedTask(10, 2, "ZeRO-1 step", 4, _judge_zero1, ("zero1_step",)),
     GradedTask(10, 3, "gather and free a layer", 3, _judge_gather, ("gather_layer", "free_layer")),
     GradedTask(10, 4, "prefetch the next layer", 4, _judge_prefetch, ("forward_prefetch",)),
-]
+] + training.TASKS

@@ -1,0 +1,6 @@
+"""Whole exercise files with natural mistakes (and cheats) planted, one per task they target.
+
+Each ``lessonNN_*.py`` says in its docstring which slip sits in which task; the lesson's
+grader test (``tests/test_grader_lessonNN.py``) grades it and holds every planted task to 0
+with a message naming the slip.
+"""
