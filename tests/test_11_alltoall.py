@@ -358,3 +358,122 @@ def test_the_host_suite_replays_each_calls_messages_and_compares_with_a_record(t
         ratio = again["ratios"][name]
         now = {r["name"]: r for r in again["rows"]}[name]
         assert ratio["host"] == pytest.approx(rows[name]["host_seconds"] / now["host_seconds"])
+
+
+def _moved_away(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A buffer whose storage then moves (``share_memory_`` gives it new memory, as a
+    ``resize_`` may) and a new tensor at the address it had: the case where an address alone
+    names the wrong memory. The old memory stays valid (numpy owns it), so the case is exact."""
+    array = values.numpy().copy()
+    planned = torch.from_numpy(array)
+    return planned, array
+
+
+def _no_silent_wrong_answers():
+    """Each call once gave a wrong answer and no error; each must now be right or raise."""
+    import collectives.alltoall as a2a
+    from collectives.alltoall import plan as plans
+    r, p = dist.get_rank(), dist.get_world_size()
+    plans.clear_plans()
+    wrong = []
+    rows = 2 * p
+    for name in ALGORITHMS + ("hierarchical_all_to_all",):
+        fn = getattr(a2a, name)
+        call = (lambda o, i, fn=fn: fn(o, i, layout=(2, p // 2))) if name.startswith("hier") else fn
+        # a planned input whose storage moved, a new tensor at its old address: the new one's data must go
+        x, array = _moved_away(_values(r, rows * 3, torch.int64).view(rows, 3))
+        out = torch.zeros(rows, 3, dtype=torch.int64)
+        call(out, x)
+        x.share_memory_()
+        array[:] = _values(r, rows * 3, torch.int64, salt=9).view(rows, 3).numpy()
+        fresh = torch.from_numpy(array)
+        call(out, fresh)
+        if not torch.equal(out, _library(torch.empty_like(fresh), fresh)):
+            wrong.append((name, "moved input"))
+        # the same with the output: the new tensor at its old address must be written
+        y, array = _moved_away(torch.zeros(rows, 3, dtype=torch.int64))
+        call(y, fresh)
+        y.share_memory_()
+        target = torch.from_numpy(array)
+        target.fill_(-1)
+        call(target, fresh)
+        if not torch.equal(target, _library(torch.empty_like(fresh), fresh)):
+            wrong.append((name, "moved output"))
+        # a lazily conjugated input, alone and after its unconjugated twin (the same addresses)
+        z = torch.complex(_values(r, 2 * p, torch.float32), _values(r, 2 * p, torch.float32, salt=3)).view(p, 2)
+        for given in (z.conj(), z, z.conj(), -z.conj()):
+            got = torch.zeros(p, 2, dtype=torch.complex64)
+            call(got, given)
+            if not torch.equal(got, _library(torch.empty(p, 2, dtype=torch.complex64), given.resolve_conj()
+                                             .resolve_neg())):
+                wrong.append((name, "conj", given.is_conj(), given.is_neg()))
+    errors = []
+    # Bruck given an output of the wrong size (equal blocks): an error, as the others give
+    for out_rows in (p, 4 * p):
+        try:
+            a2a.bruck_all_to_all(torch.empty(out_rows, 3), torch.zeros(2 * p, 3))
+            errors.append(None)
+        except ValueError as exc:
+            errors.append(str(exc))
+    # Bruck with rank 0 sending rank 1 five rows where rank 1 expects three: every rank raises
+    ins = [5 if (r, d) == (0, 1) else 3 for d in range(p)]
+    outs = [3] * p
+    try:
+        a2a.bruck_all_to_all(torch.empty(sum(outs), 2), torch.zeros(sum(ins), 2), outs, ins)
+        errors.append(None)
+    except ValueError as exc:
+        errors.append(str(exc))
+    after = torch.empty(p, 1)
+    a2a.bruck_all_to_all(after, torch.full((p, 1), float(r)))
+    return wrong, errors, after.view(-1).tolist()
+
+
+def test_moved_buffers_conjugates_wrong_sizes_and_mismatched_pairs_are_never_silent():
+    for wrong, errors, after in launch.run(_no_silent_wrong_answers, 4, timeout=WORLD_TIMEOUT):
+        assert wrong == []
+        assert all(errors), errors
+        assert "equal blocks need as many output rows as input rows, got 4 and 8" in errors[0]
+        assert "got 16 and 8" in errors[1]
+        assert "group rank 0 sends group rank 1 5 rows but rank 1 expects 3" in errors[2]
+        assert after == [0.0, 1.0, 2.0, 3.0]
+
+
+def _checked_mismatches():
+    """Check mode on: calls whose ranks disagree raise ArgumentMismatch on every rank."""
+    import collectives.alltoall as a2a
+    from collectives.core.checkmode import ArgumentMismatch
+    r, p = dist.get_rank(), dist.get_world_size()
+    calls = []
+    for name in ALGORITHMS:
+        fn = getattr(a2a, name)
+        ins = [5 if (r, d) == (0, 1) else 3 for d in range(p)]          # rank 1 expects 3 from rank 0
+        calls.append(lambda fn=fn, ins=ins: fn(torch.empty(3 * p, 2), torch.zeros(sum(ins), 2), [3] * p, ins))
+        dtype = torch.int32 if r == 2 else torch.float32                 # splits given, dtypes differ
+        calls.append(lambda fn=fn, dtype=dtype: fn(torch.empty(p, 2, dtype=dtype), torch.zeros(p, 2, dtype=dtype),
+                                                   [1] * p, [1] * p))
+        width = 3 if r == 1 else 2                                        # rows of different shapes
+        calls.append(lambda fn=fn, width=width: fn(torch.empty(p, width), torch.zeros(p, width), [1] * p, [1] * p))
+    layout = (2, 2) if r < 2 else (4, 1)
+    calls.append(lambda: a2a.hierarchical_all_to_all(torch.empty(p, 1), torch.zeros(p, 1), layout=layout))
+    errors = []
+    for call in calls:
+        try:
+            call()
+            errors.append(None)
+        except ArgumentMismatch as exc:
+            errors.append(str(exc))
+    after = torch.empty(p, 1)
+    a2a.pairwise_all_to_all(after, torch.full((p, 1), float(r)), [1] * p, [1] * p)
+    return errors, after.view(-1).tolist()
+
+
+def test_check_mode_compares_every_pair_dtype_row_shape_and_layout():
+    for errors, after in launch.run(_checked_mismatches, 4, check=True, timeout=WORLD_TIMEOUT):
+        assert all(errors), errors
+        for i in range(len(ALGORITHMS)):
+            pairs, dtypes, shapes = errors[3 * i: 3 * i + 3]
+            assert "rank 0 sends rank 1 5 rows but rank 1 expects 3 from rank 0" in pairs
+            assert "dtype float32 on ranks 0, 1, 3 vs int32 on rank 2" in dtypes
+            assert "rows of (2,) on ranks 0, 2, 3 vs (3,) on rank 1" in shapes
+        assert "layout (D=2, M=2) on ranks 0, 1 vs (D=4, M=1) on ranks 2, 3" in errors[-1]
+        assert after == [0.0, 1.0, 2.0, 3.0]

@@ -47,7 +47,8 @@ def hierarchical_all_to_all(output: torch.Tensor, input: torch.Tensor, group=Non
     The stages are worked out on the first call and reused (:mod:`.plan`).
     """
     plan = plan_for("hierarchical_all_to_all", output, input, None, None, group, extra=("layout", layout),
-                    check=lambda made: made.cache.update(hierarchical=_stages(made, resolve(layout, group))))
+                    check=lambda made: made.cache.update(hierarchical=_stages(made, resolve(layout, group))),
+                    agree=lambda: {"layout": _layout_text(layout, group)})
     if plan is None:
         return
     plan.stage_in(input)
@@ -60,6 +61,11 @@ def hierarchical_all_to_all(output: torch.Tensor, input: torch.Tensor, group=Non
         for to, frm in after:
             to.copy_(frm)
     plan.stage_out(output)
+
+
+def _layout_text(layout, group) -> str:
+    lay = resolve(layout, group)
+    return f"(D={lay.D}, M={lay.M})"
 
 
 def _stages(plan, lay) -> list:
