@@ -477,3 +477,134 @@ def test_check_mode_compares_every_pair_dtype_row_shape_and_layout():
             assert "rows of (2,) on ranks 0, 2, 3 vs (3,) on rank 1" in shapes
         assert "layout (D=2, M=2) on ranks 0, 1 vs (D=4, M=1) on ranks 2, 3" in errors[-1]
         assert after == [0.0, 1.0, 2.0, 3.0]
+
+
+def _dedup_against_flat(factor):
+    """Top-4 over 8 experts on 2 machines × 2: the deduplicating dispatch hands every expert
+    the flat dispatch's batch row for row, and the combines agree to rounding."""
+    from collectives.alltoall import dedup, flat_combine, flat_dispatch, make_expert, make_router, route, run_experts
+    from collectives.alltoall.moe import capacity_for
+    r = dist.get_rank()
+    H, F, E, T, k = 6, 5, 8, 12, 4
+    router = make_router(3, H, E).requires_grad_()
+    experts = [make_expert(3, r * 2 + e, H, F) for e in range(2)]
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(r)).requires_grad_()
+    target = torch.randn(T, H, generator=torch.Generator().manual_seed(10 + r))
+    capacity = T * k if factor is None else capacity_for(T, E, k, factor)
+    out, grads, batches, across = {}, {}, {}, {}
+    for name in ("flat", "dedup"):
+        routing = route(x, router, k, capacity)
+        with trace.recording() as t:                  # the dispatch's messages
+            if name == "flat":
+                rows, counts, state = flat_dispatch(x, routing, E)
+            else:
+                rows, counts, state = dedup.dedup_dispatch(x, routing, E, (2, 2), r)
+        y = run_experts(rows, counts, *zip(*experts))
+        result = flat_combine(y, routing, state, T) if name == "flat" else dedup.dedup_combine(y, state)
+        batches[name] = (rows.detach().clone(), counts)
+        # across: the other machine's ranks; the counts (1 or E/p = 2 integers per pair) left out
+        across[name] = [(e.peer, e.numel) for e in t if e.kind == "isend" and e.peer // 2 != r // 2 and e.numel > 2]
+        (result * target).sum().backward()
+        out[name] = result.detach()
+        grads[name] = (x.grad.clone(), router.grad.clone())
+        x.grad = router.grad = None
+    where = dedup.machines_needed(routing, 2, 2)
+    choices_across = int(((where >= 0) & (where != r // 2)).sum())
+    tokens_across = int(((where == 1 - r // 2).any(1)).sum())
+    (rows_f, counts_f), (rows_d, counts_d) = batches["flat"], batches["dedup"]
+    return dict(batches=torch.equal(rows_f, rows_d) and counts_f == counts_d,
+                out=torch.allclose(out["flat"], out["dedup"], rtol=1e-5, atol=1e-6),
+                grads=all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(grads["flat"], grads["dedup"])),
+                rail=all(peer % 2 == r % 2 for peer, _ in across["dedup"]),
+                rows_across={name: sum(n for _, n in msgs) for name, msgs in across.items()},
+                choices_across=choices_across, tokens_across=tokens_across, dropped=routing.dropped)
+
+
+@pytest.mark.parametrize("factor", [None, 0.75])
+def test_the_deduplicating_dispatch_hands_experts_the_flat_batches_and_sends_each_token_across_once(factor):
+    H, k = 6, 4
+    results = launch.run(_dedup_against_flat, 4, args=(factor,), timeout=WORLD_TIMEOUT)
+    for r, res in enumerate(results):
+        assert res["batches"] and res["out"] and res["grads"] and res["rail"], (r, res)
+        # flat: a row per choice on the other machine; dedup: a row (+ k gates) and 2k integers per token
+        assert res["rows_across"]["flat"] == res["choices_across"] * H
+        assert res["rows_across"]["dedup"] == res["tokens_across"] * (H + k + 2 * k)
+        assert res["tokens_across"] < res["choices_across"]
+    assert (sum(r["dropped"] for r in results) > 0) == (factor is not None)
+
+
+def _train_ep(steps: int):
+    """A small MoE model (a dense layer, then the MoE layer) trained by expert parallelism:
+    dropless, the balancing loss, the balancing bias, node-limited routing, deduplicated
+    dispatch. Returns the losses, this rank's experts and the shared weights after training."""
+    from collectives.alltoall import MoELayer, balance
+    from collectives.ring import ring_all_reduce
+    r = dist.get_rank()
+    H, F, E, T = 6, 8, 8, 10
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(H, H).double()
+    layer = MoELayer(H, F, E, k=2, capacity_factor=None, seed=5, dedup=(2, 2), node_limit=1).double()
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(r), dtype=torch.float64)
+    target = torch.randn(T, H, generator=torch.Generator().manual_seed(20 + r), dtype=torch.float64)
+    shared = [dense.weight, dense.bias, layer.router]
+    losses = []
+    for _ in range(steps):
+        h = dense(x)
+        out = layer(h)
+        loss = ((out - target) ** 2).mean() + 0.01 * balance.load_balancing_loss(h, layer.router, layer.routing)
+        loss.backward()
+        for w in shared:                       # data parallel: the replicated weights' gradients summed
+            ring_all_reduce(w.grad)
+        with torch.no_grad():
+            for w in [*shared, *layer.w1, *layer.w2]:
+                w -= 0.1 * w.grad
+                w.grad = None
+        balance.update_bias(layer.logit_bias, balance.expert_load(layer.routing, E), 0.05)
+        losses.append(float(loss))
+    return (losses, [w.detach() for w in (*layer.w1, *layer.w2)], [w.detach() for w in shared],
+            layer.logit_bias.clone(), layer.first)
+
+
+def _train_twin(steps: int, p: int = 4):
+    from collectives.alltoall import balance, make_expert, make_router, moe_reference
+    H, F, E, T = 6, 8, 8, 10
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(H, H).double()
+    router = make_router(5, H, E).double().requires_grad_()
+    experts = [tuple(w.double().requires_grad_() for w in make_expert(5, e, H, F)) for e in range(E)]
+    bias = torch.zeros(E, dtype=torch.float64)
+    xs = [torch.randn(T, H, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in range(p)]
+    targets = [torch.randn(T, H, generator=torch.Generator().manual_seed(20 + s), dtype=torch.float64)
+               for s in range(p)]
+    losses = [[] for _ in range(p)]
+    for _ in range(steps):
+        hs = [dense(x) for x in xs]
+        routings = []
+        outs, _ = moe_reference(hs, [router] * p, experts, 2, None, bias, node_limit=1, machines=2,
+                                routings_out=routings)
+        per = [((o - t) ** 2).mean() + 0.01 * balance.load_balancing_loss(h, router, rt)
+               for o, t, h, rt in zip(outs, targets, hs, routings)]
+        sum(per).backward()
+        with torch.no_grad():
+            for w in [dense.weight, dense.bias, router, *[w for pair in experts for w in pair]]:
+                w -= 0.1 * w.grad
+                w.grad = None
+        load = sum(torch.bincount(rt.expert.reshape(-1), minlength=E) for rt in routings)
+        balance.update_bias(bias, load, 0.05)
+        for s in range(p):
+            losses[s].append(float(per[s]))
+    return losses, experts, [dense.weight.detach(), dense.bias.detach(), router.detach()], bias
+
+
+def test_expert_parallel_training_equals_its_one_process_twin():
+    steps = 3
+    results = launch.run(_train_ep, 4, args=(steps,), timeout=WORLD_TIMEOUT)
+    losses, experts, shared, bias = _train_twin(steps)
+    close = lambda a, b: torch.allclose(a, b, rtol=1e-10, atol=1e-12)   # noqa: E731 - float64, sums reordered
+    for r, (my_losses, my_experts, my_shared, my_bias, first) in enumerate(results):
+        assert my_losses == pytest.approx(losses[r], rel=1e-10)
+        assert torch.equal(my_bias, bias) and bias.abs().sum() > 0          # the bias moved, alike everywhere
+        assert all(close(a, b) for a, b in zip(my_shared, shared))
+        twin = [experts[first + e][0] for e in range(2)] + [experts[first + e][1] for e in range(2)]
+        assert all(close(a, b.detach()) for a, b in zip(my_experts, twin))
+    assert losses[0][-1] != losses[0][0]

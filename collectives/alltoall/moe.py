@@ -26,7 +26,6 @@ and gradients equal it bit for bit in fp32.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +36,7 @@ from .flat import pairwise_all_to_all
 
 __all__ = ["AllToAll", "all_to_all_autograd", "Routing", "capacity_for", "route", "dispatch_order",
            "combine", "expert_forward", "moe_dispatch_combine", "make_router", "make_expert", "exchange_counts",
-           "MoELayer", "moe_reference"]
+           "moe_reference", "flat_dispatch", "flat_combine", "run_experts", "limit_nodes"]
 
 
 class AllToAll(torch.autograd.Function):
@@ -79,13 +78,24 @@ def capacity_for(tokens: int, num_experts: int, k: int, factor: float) -> int:
     return math.ceil(factor * tokens * k / num_experts)
 
 
-def route(x: torch.Tensor, weight: torch.Tensor, k: int, capacity: int, bias=None) -> Routing:
-    """Top-k routing with a capacity: first choices take their slots before second choices."""
+def route(x: torch.Tensor, weight: torch.Tensor, k: int, capacity: int, bias=None, *,
+          node_limit: int | None = None, machines: int = 1) -> Routing:
+    """Top-k routing with a capacity: first choices take their slots before second choices.
+
+    ``bias`` (DeepSeek-V3's balancing bias) shifts which experts are chosen, not the gates:
+    a token chooses by logits + bias; its gates are the unbiased softmax at those experts. ``node_limit``
+    (DeepSeek-V3's node-limited routing): the experts split into ``machines`` equal groups,
+    and a token chooses only among the ``node_limit`` groups with the highest sums of their
+    best k/``machines`` scores. ``capacity = T·k`` keeps every choice (dropless)."""
     logits = x @ weight
-    if bias is not None:
-        logits = logits + bias
-    gate, expert = torch.softmax(logits, dim=-1).topk(k, dim=-1)
+    probs = torch.softmax(logits, dim=-1)
     E = weight.shape[1]
+    with torch.no_grad():
+        score = logits if bias is None else logits + bias
+        if node_limit is not None and node_limit < machines:
+            score = limit_nodes(score, k, node_limit, machines)
+        expert = score.topk(k, dim=-1).indices
+    gate = probs.gather(1, expert)
     with torch.no_grad():
         taken = torch.zeros(E, dtype=torch.int64, device=x.device)
         slot = torch.empty_like(expert)
@@ -98,6 +108,17 @@ def route(x: torch.Tensor, weight: torch.Tensor, k: int, capacity: int, bias=Non
         slot[slot >= capacity] = -1
         counts = torch.clamp(taken, max=capacity).tolist()
     return Routing(expert, gate, slot, counts, dropped, capacity)
+
+
+def limit_nodes(score: torch.Tensor, k: int, node_limit: int, machines: int) -> torch.Tensor:
+    """``score`` with every expert outside each token's best ``node_limit`` machines set to −inf;
+    a machine's rank is the sum of its best ⌈k/machines⌉ scores."""
+    T, E = score.shape
+    per = score.view(T, machines, E // machines)
+    top = per.topk(min(max(1, -(-k // machines)), E // machines), dim=-1).values.sum(-1)     # [T, machines]
+    keep = torch.zeros(T, machines, dtype=torch.bool, device=score.device)
+    keep.scatter_(1, top.topk(node_limit, dim=-1).indices, True)
+    return score.masked_fill(~keep.repeat_interleave(E // machines, dim=1), float("-inf"))
 
 
 def dispatch_order(routing: Routing) -> torch.Tensor:
@@ -180,82 +201,64 @@ def moe_dispatch_combine(x: torch.Tensor, expert_of: torch.Tensor, num_experts: 
     return returned.index_select(0, torch.argsort(order))
 
 
-class MoELayer(torch.nn.Module):
-    """E experts spread over the group's ranks, E/p each; tokens dispatched by all-to-all.
+@dataclass
+class FlatState:
+    """What :func:`flat_combine` needs from :func:`flat_dispatch`."""
 
-    ``forward(x)`` takes this rank's [T, hidden] tokens and returns their [T, hidden]
-    outputs. After each call ``stats`` holds the dropped choices, the rows received per
-    local expert, and ``timings`` the seconds of dispatch, expert compute and combine.
-    """
+    order: torch.Tensor         # the kept choices (t·k + j) in send order
+    send: list[int]
+    recv: list[int]
+    recv_counts: torch.Tensor   # [p, E/p] rows from each source for each local expert
 
-    def __init__(self, hidden: int, ffn: int, num_experts: int, k: int = 2, capacity_factor: float = 1.25,
-                 group=None, seed: int = 0, algorithm=None):
-        super().__init__()
-        rank, p = ops.group_rank_and_size(group)
-        if num_experts % p or not 1 <= k <= num_experts:
-            raise ValueError(f"MoELayer: {num_experts} experts must split evenly over {p} ranks and "
-                             f"1 ≤ k ≤ experts (k={k})")
-        self.hidden, self.num_experts, self.k, self.factor = hidden, num_experts, k, capacity_factor
-        self.group, self.algorithm = group, algorithm or pairwise_all_to_all
-        self.local = num_experts // p
-        self.first = rank * self.local
-        self.router = torch.nn.Parameter(make_router(seed, hidden, num_experts))
-        weights = [make_expert(seed, self.first + e, hidden, ffn) for e in range(self.local)]
-        self.w1 = torch.nn.ParameterList([torch.nn.Parameter(w) for w, _ in weights])
-        self.w2 = torch.nn.ParameterList([torch.nn.Parameter(w) for _, w in weights])
-        self.register_buffer("logit_bias", torch.zeros(num_experts))
-        self.stats: dict = {}
-        self.timings: dict = {}
 
-    def _sync(self, x):
-        if x.is_cuda:
-            torch.cuda.synchronize(x.device)
-        return time.perf_counter()
+def flat_dispatch(x: torch.Tensor, routing: Routing, num_experts: int, group=None, algorithm=None):
+    """One row per kept (token, choice) to its expert's rank: the counts, then the rows.
+    Returns this rank's experts' rows (expert by expert, each in source order, then slot),
+    the rows per local expert, and the state :func:`flat_combine` needs."""
+    rank, p = ops.group_rank_and_size(group)
+    El = num_experts // p
+    k = routing.expert.shape[1]
+    order = dispatch_order(routing)
+    recv_counts = exchange_counts(routing.counts, group)                         # [p, El]
+    send = [sum(routing.counts[q * El:(q + 1) * El]) for q in range(p)]
+    recv = recv_counts.sum(1).tolist()
+    with trace.label("moe: dispatch"):
+        received = all_to_all_autograd(x.index_select(0, order // k), recv, send, group, algorithm)
+    pieces = received.split(recv_counts.reshape(-1).tolist())
+    batch = [pieces[s * El + e] for e in range(El) for s in range(p)]
+    rows = torch.cat(batch) if batch else received
+    return rows, recv_counts.sum(0).tolist(), FlatState(order, send, recv, recv_counts)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.hidden \
-                or not x.is_floating_point():
-            raise ValueError(f"MoELayer: expected floating [tokens, {self.hidden}] tokens, got "
-                             f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
-        p, El = self.num_experts // self.local, self.local
-        t0 = self._sync(x)
-        routing = route(x, self.router, self.k, capacity_for(x.shape[0], self.num_experts, self.k, self.factor),
-                        self.logit_bias)
-        order = dispatch_order(routing)
-        send_rows = x.index_select(0, order // self.k)
-        recv_counts = exchange_counts(routing.counts, self.group)               # [p, El]
-        send_splits = [sum(routing.counts[q * El:(q + 1) * El]) for q in range(p)]
-        recv_splits = recv_counts.sum(1).tolist()
-        with trace.label("moe: dispatch"):
-            received = all_to_all_autograd(send_rows, recv_splits, send_splits, self.group, self.algorithm)
-        t1 = self._sync(x)
-        pieces = received.split(recv_counts.reshape(-1).tolist())
-        back = [None] * (p * El)
-        for e in range(El):
-            rows = torch.cat([pieces[s * El + e] for s in range(p)])
-            y = expert_forward(rows, self.w1[e], self.w2[e])
-            for s, part in enumerate(y.split(recv_counts[:, e].tolist())):
-                back[s * El + e] = part
-        back_rows = torch.cat(back) if back else received
-        t2 = self._sync(x)
-        with trace.label("moe: combine"):
-            returned = all_to_all_autograd(back_rows, send_splits, recv_splits, self.group, self.algorithm)
-        out = combine(returned, routing, order, x.shape[0])
-        t3 = self._sync(x)
-        self.stats = {"dropped": routing.dropped, "capacity": routing.capacity,
-                      "received_per_expert": recv_counts.sum(0).tolist(), "received": sum(recv_splits)}
-        self.timings = {"dispatch": t1 - t0, "experts": t2 - t1, "combine": t3 - t2}
-        return out
+
+def flat_combine(y: torch.Tensor, routing: Routing, state: FlatState, tokens: int, group=None,
+                 algorithm=None) -> torch.Tensor:
+    """The experts' outputs (in :func:`flat_dispatch`'s batch order) back, then
+    out[t] = Σ_j gate[t, j] · y_j[t], choice by choice."""
+    p, El = state.recv_counts.shape
+    parts = y.split(state.recv_counts.t().reshape(-1).tolist())                 # [expert][source]
+    back = [parts[e * p + s] for s in range(p) for e in range(El)]
+    with trace.label("moe: combine"):
+        returned = all_to_all_autograd(torch.cat(back) if back else y, state.send, state.recv, group, algorithm)
+    return combine(returned, routing, state.order, tokens)
+
+
+def run_experts(rows: torch.Tensor, counts: list[int], w1, w2) -> torch.Tensor:
+    """Each local expert once on its rows (``rows`` expert by expert, ``counts`` of each)."""
+    outs = [expert_forward(part, a, b) for part, a, b in zip(rows.split(counts), w1, w2)]
+    return torch.cat(outs) if outs else rows
 
 
 def moe_reference(xs: list[torch.Tensor], routers: list[torch.Tensor], experts: list[tuple], k: int,
-                  capacity_factor: float, bias=None) -> tuple[list[torch.Tensor], list[int]]:
+                  capacity_factor: float | None, bias=None, *, node_limit=None, machines: int = 1,
+                  routings_out: list | None = None) -> tuple[list[torch.Tensor], list[int]]:
     """The same MoE in one process: ``xs[r]`` and ``routers[r]`` are rank r's tokens and
-    router copy, ``experts[e] = (w1, w2)``. Returns every rank's output and its dropped count."""
+    router copy, ``experts[e] = (w1, w2)``. Returns every rank's output and its dropped count
+    (``routings_out``, if given, receives every rank's :class:`Routing`)."""
     p, E = len(xs), len(experts)
     routings, orders, sends = [], [], []
     for x, w in zip(xs, routers):
-        r = route(x, w, k, capacity_for(x.shape[0], E, k, capacity_factor), bias)
+        capacity = x.shape[0] * k if capacity_factor is None else capacity_for(x.shape[0], E, k, capacity_factor)
+        r = route(x, w, k, capacity, bias, node_limit=node_limit, machines=machines)
         order = dispatch_order(r)
         routings.append(r)
         orders.append(order)
@@ -266,4 +269,6 @@ def moe_reference(xs: list[torch.Tensor], routers: list[torch.Tensor], experts: 
         for s, part in enumerate(y.split([routings[s].counts[e] for s in range(p)])):
             outputs_by[s][e] = part
     outs = [combine(torch.cat(outputs_by[s]), routings[s], orders[s], xs[s].shape[0]) for s in range(p)]
+    if routings_out is not None:
+        routings_out.extend(routings)
     return outs, [r.dropped for r in routings]
