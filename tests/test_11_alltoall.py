@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from collectives import launch, trace
+from collectives.core.cluster import unavailable_reason as cluster_reason
 from collectives.course.catalog import world_timeout
 from collectives.course.grading.tasks import Grading, lesson11
 
@@ -592,7 +593,7 @@ def _train_twin(steps: int, p: int = 4):
         load = sum(torch.bincount(rt.expert.reshape(-1), minlength=E) for rt in routings)
         balance.update_bias(bias, load, 0.05)
         for s in range(p):
-            losses[s].append(float(per[s]))
+            losses[s].append(float(per[s].detach()))
     return losses, experts, [dense.weight.detach(), dense.bias.detach(), router.detach()], bias
 
 
@@ -608,3 +609,34 @@ def test_expert_parallel_training_equals_its_one_process_twin():
         twin = [experts[first + e][0] for e in range(2)] + [experts[first + e][1] for e in range(2)]
         assert all(close(a, b.detach()) for a, b in zip(my_experts, twin))
     assert losses[0][-1] != losses[0][0]
+
+
+def test_the_cost_model_says_when_deduplication_wins_and_that_top_1_cannot():
+    from collectives.alltoall import cost
+    from collectives.core.cost import AlphaBeta, TwoTier
+    assert cost.dedup_rows(1, 8, 2) == (0.5, 0.5)                       # one expert: one machine, nothing to share
+    flat, dedup = cost.dedup_rows(4, 8, 2)
+    assert flat == 2 and dedup == pytest.approx(1 - 1 / 70)              # C(4, 4)/C(8, 4): all four on the own machine
+    cluster = TwoTier(inside=AlphaBeta(5e-5, 1e-10), across=AlphaBeta(1e-4, 8e-9), machines=2, ranks_per_machine=2)
+    assert cost.moe_seconds(2048, 4096, 4, 8, cluster, True) < cost.moe_seconds(2048, 4096, 4, 8, cluster, False) / 1.5
+    assert cost.moe_seconds(2048, 4096, 1, 8, cluster, True) > cost.moe_seconds(2048, 4096, 1, 8, cluster, False)
+    # the flat all-to-all's α's across: D·(M − 1) per rank in series, its ranks at once
+    assert cost.flat_seconds(0, cluster) == pytest.approx(2 * 1e-4)
+
+
+@pytest.mark.skipif(cluster_reason() is not None, reason=cluster_reason() or "")
+def test_the_dedup_benchmark_on_the_simulated_cluster_writes_its_record(tmp_path):
+    import json
+    import os
+
+    from collectives.core.netns import our_namespaces
+    from collectives.course.benchmarks import alltoall as bench
+    assert bench.main(["dedup", "--tokens", "32", "--hidden", "8", "--iters", "1", "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "bench-alltoall-dedup.json").read_text())
+    rows = {r["name"]: r for r in record["rows"]}
+    assert set(rows) == {"flat", "dedup"} and all(r["verified"] for r in rows.values())
+    assert rows["dedup"]["elements_across"] < rows["flat"]["elements_across"]
+    assert all(r["model_seconds"] > 0 and r["seconds"] > 0 for r in rows.values())
+    assert record["layout"] == [2, 2] and record["k"] == 4 and record["experts"] == 8
+    assert record["meta"]["command"].startswith(".venv/bin/python -m collectives bench-alltoall dedup")
+    assert not [name for name in our_namespaces() if f"-{os.getpid()}-" in name]      # this run's, torn down

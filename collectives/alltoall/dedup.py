@@ -44,7 +44,6 @@ import torch
 from ..core import trace
 from .flat import pairwise_all_to_all
 from .moe import Routing, all_to_all_autograd
-from .splits import exchange_splits
 
 __all__ = ["DedupState", "dedup_dispatch", "dedup_combine", "machines_needed"]
 
@@ -69,6 +68,25 @@ def _plain_all_to_all(t: torch.Tensor, recv: list[int], send: list[int]) -> torc
     out = t.new_empty((sum(recv), *t.shape[1:]))
     pairwise_all_to_all(out, t.contiguous(), recv, send)
     return out
+
+
+def _counts_with(peers: list[int], counts: list[int], rank: int, p: int) -> list[int]:
+    """What each of ``peers`` sends this rank, from one integer to and from each of them
+    only: no message to a rank that can send nothing (a count across goes to the rail peer
+    alone, a count inside stays inside)."""
+    ones = [1 if q in peers else 0 for q in range(p)]
+    got = _plain_all_to_all(torch.tensor([counts[q] for q in range(p) if ones[q]], dtype=torch.int64), ones, ones)
+    out, at = [0] * p, 0
+    for q in range(p):
+        if ones[q]:
+            out[q] = int(got[at])
+            at += 1
+    return out
+
+
+def _packable(dtype: torch.dtype) -> bool:
+    """Whether small integers (below 2^24) ride exactly in the rows' own columns."""
+    return dtype in (torch.float32, torch.float64)
 
 
 def machines_needed(routing: Routing, experts_per_rank: int, D: int) -> torch.Tensor:
@@ -101,13 +119,15 @@ def dedup_dispatch(x: torch.Tensor, routing: Routing, num_experts: int, layout: 
     meta = torch.cat([torch.where(on_it, routing.expert.index_select(0, sent), -1),
                       torch.where(on_it, routing.slot.index_select(0, sent), -1)], dim=1)
     gates = routing.gate.index_select(0, sent) * on_it
+    rails = [mm * D + i for mm in range(M)]
+    pack = _packable(x.dtype) and T * k < 1 << 24 and num_experts * p < 1 << 24
     with trace.label("dedup A: the counts"):
-        recv_a = exchange_splits(send_a)
-    with trace.label("dedup A: across, one row per machine"):
-        rows_a = all_to_all_autograd(torch.cat([x.index_select(0, sent), gates.to(x.dtype)], dim=1),
-                                     recv_a, send_a)
-        meta_a = _plain_all_to_all(meta, recv_a, send_a)
+        recv_a = _counts_with(rails, send_a, rank, p)
     H = x.shape[1]
+    with trace.label("dedup A: across, one row per machine"):
+        parts = [x.index_select(0, sent), gates.to(x.dtype)] + ([meta.to(x.dtype)] if pack else [])
+        rows_a = all_to_all_autograd(torch.cat(parts, dim=1), recv_a, send_a)
+        meta_a = rows_a[:, H + k:].detach().to(torch.int64) if pack else _plain_all_to_all(meta, recv_a, send_a)
     # B. inside: a copy per choice on this machine, to its expert's rank, with its sort key
     source = torch.repeat_interleave(torch.arange(p), torch.tensor(recv_a))    # source rank of each row
     experts, slots = meta_a[:, :k], meta_a[:, k:]
@@ -119,13 +139,21 @@ def dedup_dispatch(x: torch.Tensor, routing: Routing, num_experts: int, layout: 
     row, choice, dest, key = row[by_dest], choice[by_dest], dest[by_dest], key[by_dest]
     send_b = torch.bincount(dest, minlength=p).tolist()
     with trace.label("dedup B: the counts"):
-        recv_b = exchange_splits(send_b)
+        recv_b = _counts_with(list(range(m * D, (m + 1) * D)), send_b, rank, p)
     with trace.label("dedup B: forward inside"):
-        rows_b = all_to_all_autograd(rows_a[:, :H].index_select(0, row), recv_b, send_b)
-        keys_b = _plain_all_to_all(key, recv_b, send_b)
+        copies = rows_a[:, :H].index_select(0, row)
+        if pack:                          # the key's two halves, each below 2^24, ride as two columns
+            halves = torch.stack([key >> SLOT_BITS, key & ((1 << SLOT_BITS) - 1)], dim=1).to(x.dtype)
+            rows_b = all_to_all_autograd(torch.cat([copies, halves], dim=1), recv_b, send_b)
+            got = rows_b[:, H:].detach().to(torch.int64)
+            keys_b = got[:, 0] << SLOT_BITS | got[:, 1]
+            rows_b = rows_b[:, :H]
+        else:
+            rows_b = all_to_all_autograd(copies, recv_b, send_b)
+            keys_b = _plain_all_to_all(key, recv_b, send_b)
     order = torch.argsort(keys_b)
     counts = torch.bincount(keys_b >> SLOT_BITS, minlength=El * p).view(El, p).sum(1).tolist()
-    state = DedupState(sent, (send_a, recv_a), row, rows_a[:, H:][row, choice], (send_b, recv_b), order, T,
+    state = DedupState(sent, (send_a, recv_a), row, rows_a[:, H:H + k][row, choice], (send_b, recv_b), order, T,
                        rows_a.shape[0])
     return rows_b.index_select(0, order), counts, state
 
