@@ -38,6 +38,7 @@ from ...core import launch, ops, timing, trace
 from ..catalog import ROOT
 from .alltoall_dedup import add_arguments, two_tier
 from .alltoall_dedup import print_rows as print_dedup
+from .alltoall_dedup import site_record
 from .alltoall_host import FLAT, _algorithms, library_all_to_all, print_rows, suite_host  # noqa: F401
 
 DEFAULT_OUT = ROOT / "build" / "bench"
@@ -236,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
     if suite == "dedup":
         print_dedup(result)
+        print(f"wrote {site_record(json.loads(path.read_text()), path.parent)}")
         rows = []
     for row in rows:
         if "nbytes" in row:

@@ -13,7 +13,9 @@ dropped) and times, with the expert compute left out (each expert returns its ro
 Each is verified first: the experts' batches equal row for row, the combined outputs to
 fp32 rounding. The record holds per variant the median seconds (max over ranks), the
 elements the rank sent across machines (from its trace), and the two-tier model's
-prediction (:func:`collectives.alltoall.cost.moe_seconds`) beside it.
+prediction (:func:`collectives.alltoall.cost.moe_seconds`) beside it. Beside the run's
+record (``bench-alltoall-dedup.json``) it writes the site's (``11-alltoall-dedup.json``,
+:func:`site_record`): the table and the comparison lesson 11's page shows.
 """
 
 from __future__ import annotations
@@ -103,3 +105,26 @@ def print_rows(result: dict) -> None:
               f"{timing.human_seconds(row['model_seconds'])})  {row['elements_across']} elements across  "
               f"verified={row['verified']}")
     print(f"dedup {result['speedup']:.2f}x as fast as flat (model {result['model_speedup']:.2f}x)")
+
+
+def site_record(raw: dict, folder) -> str:
+    """The page's record of a run: one comparison (measured), the model's, and the table."""
+    from pathlib import Path
+
+    from ..site import claims
+    names = {"flat": "the flat dispatch + combine", "dedup": "the deduplicated dispatch + combine"}
+    D, M = raw["layout"]
+    record = claims.Record("11-alltoall-dedup", names=names, aliases={"dedup": ["deduplicated", "deduplication"]},
+                           meta=raw["meta"], title="MoE dispatch + combine across machines: flat against deduplicated")
+    rows = {r["name"]: r for r in raw["rows"]}
+    where = (f"{raw['tokens']} tokens of {raw['hidden']} fp32 per rank, top-{raw['k']} of {raw['experts']} "
+             f"experts, {M} machines × {D} ranks, {raw['link']} links")
+    record.times("measured", {n: rows[n]["seconds"] for n in names}, baseline="flat", where=where)
+    record.fact("model", f"The two-tier model predicts {raw['model_speedup']:.2f}× for the deduplicated "
+                f"dispatch + combine; measured {raw['speedup']:.2f}×.", model=raw["model_speedup"],
+                measured=raw["speedup"])
+    record.table = {"head": ["dispatch + combine", "measured", "model", "elements sent across per rank"],
+                    "rows": [[n, timing.human_seconds(rows[n]["seconds"]), timing.human_seconds(rows[n]["model_seconds"]),
+                              str(rows[n]["elements_across"])] for n in ("flat", "dedup")]}
+    record.caption = record.text()
+    return str(record.save(Path(folder) / "11-alltoall-dedup"))
