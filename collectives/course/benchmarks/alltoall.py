@@ -36,9 +36,8 @@ import torch.distributed as dist
 from ...core import cost as core_cost
 from ...core import launch, ops, timing, trace
 from ..catalog import ROOT
-from .alltoall_dedup import add_arguments, two_tier
+from .alltoall_dedup import add_arguments, site_record, two_tier
 from .alltoall_dedup import print_rows as print_dedup
-from .alltoall_dedup import site_record
 from .alltoall_host import FLAT, _algorithms, library_all_to_all, print_rows, suite_host  # noqa: F401
 
 DEFAULT_OUT = ROOT / "build" / "bench"
