@@ -124,7 +124,8 @@ def site_record(raw: dict, folder) -> str:
                 f"dispatch + combine; measured {raw['speedup']:.2f}×.", model=raw["model_speedup"],
                 measured=raw["speedup"])
     record.table = {"head": ["dispatch + combine", "measured", "model", "elements sent across per rank"],
-                    "rows": [[n, timing.human_seconds(rows[n]["seconds"]), timing.human_seconds(rows[n]["model_seconds"]),
-                              str(rows[n]["elements_across"])] for n in ("flat", "dedup")]}
+                    "rows": [[n, timing.human_seconds(rows[n]["seconds"]),
+                              timing.human_seconds(rows[n]["model_seconds"]), str(rows[n]["elements_across"])]
+                             for n in ("flat", "dedup")]}
     record.caption = record.text()
     return str(record.save(Path(folder) / "11-alltoall-dedup"))
