@@ -1,12 +1,12 @@
-"""A mixture-of-experts layer with dispatch and combine written as all-to-alls.
+"""Mixture-of-experts routing, and its dispatch and combine written as all-to-alls.
 
 Each rank holds T tokens and E/p of the E experts. A router scores every token against
 every expert and keeps its top k (GShard's top-2; Switch's top-1 is k = 1). Each expert
 takes at most C = ⌈capacity_factor · T · k / E⌉ tokens *from each rank*, first choices
 first, in token order; what does not fit is dropped (its contribution is zero, and
-counted). Then::
+counted). With C = T·k nothing is dropped (dropless, as DeepSeek-V3 trains). Then::
 
-    route      logits = x · W_router, gates = top-k of softmax       (every rank, its tokens)
+    route      logits = x · W_router; top k of logits + bias; gates = softmax at those k
     permute    the kept (token, choice) rows sorted by expert, then by slot
     counts     one all-to-all of E/p counts per pair: who receives how many rows per expert
     dispatch   all-to-all of the rows (uneven splits, sizes from the counts)
