@@ -19,6 +19,7 @@
 """
 
 from . import balance, cost, dedup
+from .balance import balance_experts
 from .flat import bruck_all_to_all, check_all_to_all_args, linear_all_to_all, pairwise_all_to_all, pairwise_schedule
 from .hierarchical import carrier, hierarchical_all_to_all
 from .layer import MoELayer, PhaseTimer
@@ -34,6 +35,7 @@ from .moe import (
     flat_combine,
     flat_dispatch,
     run_experts,
+    topk_dispatch_combine,
     make_expert,
     make_router,
     moe_dispatch_combine,
@@ -47,4 +49,5 @@ __all__ = ["linear_all_to_all", "pairwise_all_to_all", "bruck_all_to_all", "chec
            "AllToAll", "all_to_all_autograd", "moe_dispatch_combine", "MoELayer", "moe_reference", "Routing", "route",
            "capacity_for",
            "dispatch_order", "combine", "expert_forward", "make_router", "make_expert", "exchange_counts", "cost",
-           "flat_dispatch", "flat_combine", "run_experts", "dedup", "balance", "PhaseTimer"]
+           "flat_dispatch", "flat_combine", "run_experts", "dedup", "balance", "PhaseTimer",
+           "topk_dispatch_combine", "balance_experts"]

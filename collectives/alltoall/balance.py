@@ -24,7 +24,7 @@ import torch
 from ..core import ops
 from .moe import Routing
 
-__all__ = ["load_balancing_loss", "expert_load", "update_bias"]
+__all__ = ["load_balancing_loss", "expert_load", "update_bias", "balance_experts"]
 
 
 def load_balancing_loss(x: torch.Tensor, weight: torch.Tensor, routing: Routing,
@@ -50,3 +50,21 @@ def expert_load(routing: Routing, num_experts: int, group=None) -> torch.Tensor:
 def update_bias(bias: torch.Tensor, load: torch.Tensor, gamma: float) -> None:
     """DeepSeek-V3's update: bias_e += γ·sign(mean load − load_e), in place."""
     bias.add_(gamma * torch.sign(load.double().mean() - load.double()).to(bias.dtype).to(bias.device))
+
+
+def balance_experts(bias: torch.Tensor, expert: torch.Tensor, probs: torch.Tensor, gamma: float,
+                    group=None) -> torch.Tensor:
+    """Both balancers from a step's routing (task 7's contract): returns this rank's
+    load-balancing loss E·Σ_e f_e·P_e (``expert`` [T, k] the choices, ``probs`` [T, E] the
+    router's probabilities), and moves ``bias`` in place by γ·sign(mean load − load_e),
+    the loads summed over every rank of ``group``."""
+    E = probs.shape[1]
+    f = torch.bincount(expert.reshape(-1), minlength=E).to(probs.dtype) / max(expert.numel(), 1)
+    loss = E * (f * probs.mean(0)).sum()
+    load = torch.bincount(expert.reshape(-1).cpu(), minlength=E).to(torch.int64)
+    from ..ring import ring_all_reduce
+    if ops.group_rank_and_size(group)[1] > 1:
+        load = load.to(ops.rank_device())
+        ring_all_reduce(load, group=group)
+    update_bias(bias, load.cpu(), gamma)
+    return loss

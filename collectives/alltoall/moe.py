@@ -36,7 +36,8 @@ from .flat import pairwise_all_to_all
 
 __all__ = ["AllToAll", "all_to_all_autograd", "Routing", "capacity_for", "route", "dispatch_order",
            "combine", "expert_forward", "moe_dispatch_combine", "make_router", "make_expert", "exchange_counts",
-           "moe_reference", "flat_dispatch", "flat_combine", "run_experts", "limit_nodes"]
+           "moe_reference", "flat_dispatch", "flat_combine", "run_experts", "limit_nodes", "assign_slots",
+           "topk_dispatch_combine"]
 
 
 class AllToAll(torch.autograd.Function):
@@ -96,17 +97,24 @@ def route(x: torch.Tensor, weight: torch.Tensor, k: int, capacity: int, bias=Non
             score = limit_nodes(score, k, node_limit, machines)
         expert = score.topk(k, dim=-1).indices
     gate = probs.gather(1, expert)
-    with torch.no_grad():
-        taken = torch.zeros(E, dtype=torch.int64, device=x.device)
-        slot = torch.empty_like(expert)
-        for j in range(k):
-            onehot = F.one_hot(expert[:, j], E)
-            position = torch.cumsum(onehot, 0) - 1 + taken
-            slot[:, j] = position.gather(1, expert[:, j:j + 1]).squeeze(1)
-            taken += onehot.sum(0)
-        dropped = int((slot >= capacity).sum())
-        slot[slot >= capacity] = -1
-        counts = torch.clamp(taken, max=capacity).tolist()
+    return assign_slots(expert, gate, E, capacity)
+
+
+@torch.no_grad()
+def assign_slots(expert: torch.Tensor, gate: torch.Tensor, num_experts: int, capacity: int) -> Routing:
+    """Each choice's place in its expert's buffer: every token's first choice in token order,
+    then every second choice, ...; a choice past ``capacity`` is dropped (slot −1)."""
+    E, k = num_experts, expert.shape[1]
+    taken = torch.zeros(E, dtype=torch.int64, device=expert.device)
+    slot = torch.empty_like(expert)
+    for j in range(k):
+        onehot = F.one_hot(expert[:, j], E)
+        position = torch.cumsum(onehot, 0) - 1 + taken
+        slot[:, j] = position.gather(1, expert[:, j:j + 1]).squeeze(1)
+        taken += onehot.sum(0)
+    dropped = int((slot >= capacity).sum())
+    slot[slot >= capacity] = -1
+    counts = torch.clamp(taken, max=capacity).tolist()
     return Routing(expert, gate, slot, counts, dropped, capacity)
 
 
@@ -272,3 +280,24 @@ def moe_reference(xs: list[torch.Tensor], routers: list[torch.Tensor], experts: 
     if routings_out is not None:
         routings_out.extend(routings)
     return outs, [r.dropped for r in routings]
+
+
+def topk_dispatch_combine(x: torch.Tensor, experts: torch.Tensor, gates: torch.Tensor, num_experts: int,
+                          capacity: int, expert_fn, group=None) -> tuple[torch.Tensor, int]:
+    """Top-k dispatch and combine with a capacity, given the routing (task 6's contract).
+
+    ``experts[t, j]``/``gates[t, j]``: choice j of token t and its weight. Each expert takes at
+    most ``capacity`` rows from this rank, first choices before second choices, in token order
+    (:func:`assign_slots`); the rest are dropped. Expert e's rank calls ``expert_fn(e, rows)``
+    once, on its rows from every source in source order (slot order within a source).
+    Returns ``(out, dropped)``: out[t] = Σ_j gates[t, j]·y_j[t] over the kept choices."""
+    rank, p = ops.group_rank_and_size(group)
+    if num_experts % p or experts.shape != gates.shape or experts.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_dispatch_combine: rank {rank}: experts and gates must be [tokens, k] and "
+                         f"{num_experts} experts split evenly over {p} ranks")
+    routing = assign_slots(experts, gates, num_experts, capacity)
+    rows, counts, state = flat_dispatch(x, routing, num_experts, group)
+    first = rank * (num_experts // p)
+    outs = [expert_fn(first + e, part) for e, part in enumerate(rows.split(counts))]
+    y = torch.cat(outs) if outs else rows
+    return flat_combine(y, routing, state, x.shape[0], group), routing.dropped

@@ -7,10 +7,14 @@ computes is taken as the answer. Returned tensors must be plain ``torch.Tensor``
 copied out in the rank; returned sizes are read as ints. Every call is held to messages
 only (no library collective, read from the tap), and one counted call per world to its
 design: the pairwise exchange's p − 1 rounds, one partner each way per round, in the
-schedule's order; Bruck's ⌈log2 p⌉ messages to rank + 2^k carrying the blocks whose bit
-k is set; the sizes' exchange one integer per pair; the uneven all-to-all the rows it
-owes and the counts, nothing more. The MoE task records what each expert was handed:
-every row routed to it, from every rank, in source order, in one call.
+schedule's order, each finished before the next is posted (one rank starts late: a round
+posted before the late rank's block arrived shows in the tap's clock); Bruck's ⌈log2 p⌉
+messages to rank + 2^k carrying the blocks whose bit k is set; the sizes' exchange one
+integer per pair; the uneven all-to-all the rows it owes and the counts, nothing more.
+The MoE task records what each expert was handed: every row routed to it, from every
+rank, in source order, in one call. A wrong output names the block and the rank whose
+data belongs there. Tasks 6 and 7 (top-k with a capacity, and balancing) are
+:mod:`.lesson11_moe`'s.
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ import torch
 from ... import verify
 from . import GradedTask
 from .allreduce import messages_only
+from .lesson11_moe import TASKS as MOE_TASKS
+from .lesson11_moe import own_tensor
+from .lesson11_moe import values as _values
 from .world import Grading, Probe, Verdict, outcome_problem, same
 
 HERE = __name__
@@ -31,11 +38,6 @@ MAX_PROBLEMS = 20
 
 
 # ---- inputs ---------------------------------------------------------------------------
-
-def _values(seed: int, numel: int, dtype) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF)
-    return torch.randint(-100, 100, (numel,), generator=gen).to(dtype)
-
 
 def public_splits(p: int, key: str) -> list[list[int]]:
     """``splits[s][d]``: rows rank s sends rank d in an uneven case of tasks 1 and 2; public (the
@@ -73,21 +75,20 @@ def _transpose(inputs: list[torch.Tensor], rows_in: list[list[int]], r: int) -> 
     return torch.cat([x.split(rows)[r] for x, rows in zip(inputs, rows_in)])
 
 
-def own_tensor(value) -> torch.Tensor | None:
-    """A copy of ``value`` if it is a plain tensor (no subclass of the student's), else None."""
-    if type(value) is not torch.Tensor:
-        return None
-    return value.detach().cpu().clone(memory_format=torch.contiguous_format)
-
-
 # ---- tasks 1 and 2: pairwise and Bruck ------------------------------------------------
 
-def probe_flat(probe: Probe, name: str, uneven: bool) -> dict:
+LATE = 0.15          # seconds the last rank waits before the counted case of task 1
+
+
+def probe_flat(probe: Probe, name: str, uneven: bool, late: float = 0.0) -> dict:
+    import time
     fn = probe.student(name)
     p, r = probe.size, probe.rank
     out = {}
     for case in flat_cases(p, uneven):
         key, dtype, rows, width, layout = case
+        if key == COUNTED and late and p >= 3 and r == p - 1:
+            time.sleep(late)
         x = _flat_input(case, p, r, probe.seed(key))
         pristine = x.clone()
         rows_out = [_rows_in(case, p, s)[r] for s in range(p)]
@@ -133,6 +134,54 @@ def _bruck_pattern(case, p: int, rank: int, calls) -> str | None:
     return None
 
 
+def _posted_early(run, p: int, rank: int) -> str | None:
+    """Rank p − 1 started the counted case late: a rank that posts a round after the one in
+    which it receives from p − 1 before that block was even sent did not finish the round."""
+    from ....alltoall.flat import pairwise_schedule
+    late = p - 1
+    if p < 3 or rank == late:
+        return None
+    schedule = pairwise_schedule(rank, p)
+    k_late = next(k for k, (_, frm) in enumerate(schedule, start=1) if frm == late)
+    theirs = [c for c in run.of(late, COUNTED) if c.kind == "send" and c.peer == rank and c.numel]
+    mine = [c for c in run.of(rank, COUNTED) if c.kind == "send" and c.numel]
+    if not theirs or len(mine) < len(schedule):
+        return None                                     # the pattern's own check says what is missing
+    for k in range(k_late + 1, len(schedule) + 1):
+        if mine[k - 1].t < theirs[0].t:
+            early = 1e3 * (theirs[0].t - mine[k - 1].t)
+            return (f"posted round {k} (a send to rank {schedule[k - 1][0]}) {early:.0f} ms before rank {late}"
+                    f", which started {LATE:g} s late, sent its block of round {k_late}: "
+                    f"round {k_late} was not finished (both messages waited for) before the next was posted")
+    return None
+
+
+def block_problem(inputs: list[torch.Tensor], rows_in: list[list[int]], r: int, got) -> str | None:
+    """Rank r's output against the transpose, block by block: the first wrong block named with
+    the rank whose input block r belongs there, and what it holds instead."""
+    expected = _transpose(inputs, rows_in, r)
+    problem = same(expected, got)
+    if problem is None or not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+        return problem
+    rows_out = [rows[r] for rows in rows_in]
+    at = 0
+    for s, n in enumerate(rows_out):
+        want, have = expected[at:at + n], got[at:at + n]
+        if not torch.equal(want, have):
+            holds = "values no rank sent"
+            if bool((have == 55).all()):
+                holds = "the output's old contents: it was never written"
+            else:
+                for q, (x, rows) in enumerate(zip(inputs, rows_in)):
+                    for b, block in enumerate(x.split(rows)):
+                        if block.shape == have.shape and torch.equal(block, have):
+                            holds = f"rank {q}'s input block {b}"
+            return (f"output block {s} (rows {at}..{at + n - 1}) should hold rank {s}'s input block {r}, "
+                    f"but holds {holds}")
+        at += n
+    return problem
+
+
 def _flat_bytes(case, p: int, rank: int, calls, rows_in) -> str | None:
     sent = sum(c.numel for c in calls if c.kind == "send")
     owed = sum(rows for d, rows in enumerate(rows_in) if d != rank) * case[3]
@@ -141,10 +190,10 @@ def _flat_bytes(case, p: int, rank: int, calls, rows_in) -> str | None:
     return None
 
 
-def _judge_flat(grading: Grading, name: str, uneven: bool, pattern) -> Verdict:
+def _judge_flat(grading: Grading, name: str, uneven: bool, pattern, late: float = 0.0) -> Verdict:
     verdict = Verdict()
     for size in grading.sizes(*FLAT_SIZES):
-        run = grading.world(f"{HERE}:probe_flat", size, name, uneven)
+        run = grading.world(f"{HERE}:probe_flat", size, name, uneven, late)
         for problem in run.problems():
             verdict.add(problem)
         for case in flat_cases(size, uneven):
@@ -157,11 +206,12 @@ def _judge_flat(grading: Grading, name: str, uneven: bool, pattern) -> Verdict:
                 if outcome_problem(where, outcome, verdict):
                     continue
                 calls = run.of(r, key)
-                problem = (same(_transpose(inputs, rows_in, r), got)
+                problem = (block_problem(inputs, rows_in, r, got)
                            or (None if untouched else "modified its input")
                            or messages_only(None, size, r, calls)
                            or _flat_bytes(case, size, r, calls, rows_in[r])
-                           or pattern(case, size, r, calls))
+                           or pattern(case, size, r, calls)
+                           or (_posted_early(run, size, r) if late and key == COUNTED else None))
                 verdict.add(problem and f"{where}: {problem}")
         if verdict.not_written or verdict.problems:
             break
@@ -215,7 +265,9 @@ def _judge_splits(grading: Grading) -> Verdict:
                 sends = [c for c in calls if c.kind == "send" and c.numel]
                 problem = None
                 if got != expected:
-                    problem = f"returned {got if got is not None else 'something else'}, expected {expected}"
+                    problem = (f"returned {got if got is not None else 'something else'}, expected {expected}: "
+                               f"result[s] is rank s's input_split_sizes[{r}]"
+                               + (" (these are this rank's own counts)" if got == counts[r] else ""))
                 problem = problem or messages_only(None, size, r, calls)
                 if problem is None and (len(sends) > size - 1 or any(c.numel != 1 for c in sends)
                                         or len({c.peer for c in sends}) != len(sends)):
@@ -244,11 +296,12 @@ def probe_uneven(probe: Probe) -> dict:
     for key, dtype, width in UNEVEN:
         x, splits = _uneven_input(key, dtype, width, probe.size, probe.seed(key))
         outcome = probe.call(key, fn, x, list(splits))
-        got, sizes = None, None
+        got, sizes, kinds = None, None, type(outcome.value).__name__
         if isinstance(outcome.value, tuple) and len(outcome.value) == 2:
             got, sizes = own_tensor(outcome.value[0]), _as_ints(outcome.value[1], probe.size)
+            kinds = f"({type(outcome.value[0]).__name__}, {type(outcome.value[1]).__name__})"
         outcome.value = None
-        out[key] = (outcome, got, sizes)
+        out[key] = (outcome, got, sizes, kinds)
     return out
 
 
@@ -262,17 +315,17 @@ def _judge_uneven(grading: Grading) -> Verdict:
             made = [_uneven_input(key, dtype, width, size, run.seed(s, key)) for s in range(size)]
             for r in range(size):
                 where = f"all_to_all_uneven, world of {size}, rank {r}, case {key}"
-                outcome, got, sizes = run.results[r][key]
+                outcome, got, sizes, kinds = run.results[r][key]
                 if outcome_problem(where, outcome, verdict):
                     continue
                 expected_sizes = [made[s][1][r] for s in range(size)]
                 calls = run.of(r, key)
                 problem = None
                 if got is None or sizes is None:
-                    problem = "returned something other than (a plain torch.Tensor, a list of p ints)"
+                    problem = f"returned {kinds}, expected (a plain torch.Tensor, a list of p ints)"
                 elif sizes != expected_sizes:
                     problem = f"returned output_split_sizes {sizes}, expected {expected_sizes}"
-                problem = (problem or same(_transpose([m[0] for m in made], [m[1] for m in made], r), got)
+                problem = (problem or block_problem([m[0] for m in made], [m[1] for m in made], r, got)
                            or messages_only(None, size, r, calls))
                 owed = sum(n for d, n in enumerate(made[r][1]) if d != r) * width
                 sent = sum(c.numel for c in calls if c.kind == "send")
@@ -342,12 +395,22 @@ def _judge_moe(grading: Grading) -> Verdict:
                 expected = torch.stack([_expert_value(int(e), row) for row, e in zip(x, expert_of)]) \
                     if x.shape[0] else x.clone()
                 problem = None if got is not None else "returned something other than a plain torch.Tensor"
-                problem = problem or same(expected, got) or _batches(seen, made, r, size, E) \
+                problem = problem or _unpermuted(expected, got) or _batches(seen, made, r, size, E) \
                     or messages_only(None, size, r, run.of(r, key))
                 verdict.add(problem and f"{where}: {problem}")
         if verdict.not_written or verdict.problems:
             break
     return verdict
+
+
+def _unpermuted(expected: torch.Tensor, got: torch.Tensor) -> str | None:
+    problem = same(expected, got)
+    if problem is None or got.shape != expected.shape or not expected.numel():
+        return problem
+    if sorted(map(tuple, expected.tolist())) == sorted(map(tuple, got.tolist())):
+        return ("every token's result came back, but into other tokens' rows: put each one in the row of "
+                "its token (un-permute with the inverse of the sort, argsort(order))")
+    return problem
 
 
 def _batches(seen, made, rank: int, p: int, E: int) -> str | None:
@@ -374,11 +437,12 @@ def _batches(seen, made, rank: int, p: int, E: int) -> str | None:
 
 TASKS = [
     GradedTask(11, 1, "pairwise all-to-all", 4, lambda g: _judge_flat(g, "pairwise_all_to_all", True,
-                                                                      _pairwise_pattern),
+                                                                      _pairwise_pattern, LATE),
                ("pairwise_all_to_all",)),
     GradedTask(11, 2, "Bruck all-to-all", 4, lambda g: _judge_flat(g, "bruck_all_to_all", False, _bruck_pattern),
                ("bruck_all_to_all",)),
     GradedTask(11, 3, "exchange of split sizes", 2, _judge_splits, ("exchange_splits",)),
     GradedTask(11, 4, "uneven all-to-all", 3, _judge_uneven, ("all_to_all_uneven",)),
     GradedTask(11, 5, "MoE dispatch and combine", 5, _judge_moe, ("moe_dispatch_combine",)),
+    *MOE_TASKS,
 ]
