@@ -643,3 +643,45 @@ def test_the_dedup_benchmark_on_the_simulated_cluster_writes_its_record(tmp_path
     assert [row[0] for row in page["table"]["rows"]] == ["flat", "dedup"] and page["meta"] == record["meta"]
     assert {c["id"] for c in page["comparisons"]} == {"measured", "model"}
     assert not [name for name in our_namespaces() if f"-{os.getpid()}-" in name]      # this run's, torn down
+
+
+def _syncs_per_forward():
+    """The MoE layer's forward on GPUs under the sync debug mode: the host waits once (the counts)."""
+    import warnings
+
+    from collectives import ops
+    from collectives.alltoall import MoELayer
+    p = dist.get_world_size()
+    device = ops.rank_device()
+    layer = MoELayer(16, 32, 2 * p, k=2, seed=1).to(device)
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(dist.get_rank())).to(device)
+    with torch.no_grad():
+        layer(x)                                         # the first call makes its plans and connections
+        torch.cuda.synchronize(device)
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                layer(x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    return len(syncs), sorted(layer.timings), all(v > 0 for v in layer.timings.values())
+
+
+def _phases():
+    from collectives.alltoall import MoELayer
+    layer = MoELayer(6, 8, 4, k=2)
+    layer(torch.randn(5, 6))
+    return layer.timings
+
+
+def test_the_moe_layer_times_its_phases_without_stopping_the_host():
+    for timings in launch.run(_phases, 2, timeout=WORLD_TIMEOUT):
+        assert sorted(timings) == ["combine", "dispatch", "experts"] and all(v > 0 for v in timings.values())
+
+
+@pytest.mark.gpu
+def test_the_moe_layer_waits_for_the_gpu_once_per_forward():
+    for syncs, phases, positive in launch.run(_syncs_per_forward, 2, backend="nccl", timeout=120):
+        assert syncs == 1 and phases == ["combine", "dispatch", "experts"] and positive

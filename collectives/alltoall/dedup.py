@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core import trace
+from ..core import ops, trace
 from .flat import pairwise_all_to_all
 from .moe import Routing, all_to_all_autograd
 
@@ -75,11 +75,12 @@ def _counts_with(peers: list[int], counts: list[int], rank: int, p: int) -> list
     only: no message to a rank that can send nothing (a count across goes to the rail peer
     alone, a count inside stays inside)."""
     ones = [1 if q in peers else 0 for q in range(p)]
-    got = _plain_all_to_all(torch.tensor([counts[q] for q in range(p) if ones[q]], dtype=torch.int64), ones, ones)
+    mine = torch.tensor([counts[q] for q in range(p) if ones[q]], dtype=torch.int64, device=ops.rank_device())
+    got = _plain_all_to_all(mine, ones, ones).tolist()
     out, at = [0] * p, 0
     for q in range(p):
         if ones[q]:
-            out[q] = int(got[at])
+            out[q] = got[at]
             at += 1
     return out
 
@@ -113,8 +114,10 @@ def dedup_dispatch(x: torch.Tensor, routing: Routing, num_experts: int, layout: 
         tokens = torch.nonzero((where == mm).any(1)).squeeze(1)
         picks.append(tokens)
         send_a[mm * D + i] = tokens.numel()
-    sent = torch.cat(picks) if picks else torch.zeros(0, dtype=torch.int64)
-    machine_of_row = torch.repeat_interleave(torch.arange(M), torch.tensor([t.numel() for t in picks]))
+    dev = x.device
+    sent = torch.cat(picks)
+    machine_of_row = torch.repeat_interleave(torch.arange(M, device=dev),
+                                             torch.tensor([t.numel() for t in picks], device=dev))
     on_it = where.index_select(0, sent) == machine_of_row.unsqueeze(1)        # [N, k]: choices on that machine
     meta = torch.cat([torch.where(on_it, routing.expert.index_select(0, sent), -1),
                       torch.where(on_it, routing.slot.index_select(0, sent), -1)], dim=1)
@@ -129,7 +132,7 @@ def dedup_dispatch(x: torch.Tensor, routing: Routing, num_experts: int, layout: 
         rows_a = all_to_all_autograd(torch.cat(parts, dim=1), recv_a, send_a)
         meta_a = rows_a[:, H + k:].detach().to(torch.int64) if pack else _plain_all_to_all(meta, recv_a, send_a)
     # B. inside: a copy per choice on this machine, to its expert's rank, with its sort key
-    source = torch.repeat_interleave(torch.arange(p), torch.tensor(recv_a))    # source rank of each row
+    source = torch.repeat_interleave(torch.arange(p, device=dev), torch.tensor(recv_a, device=dev))   # its source
     experts, slots = meta_a[:, :k], meta_a[:, k:]
     row, choice = torch.nonzero(experts >= 0, as_tuple=True)                   # row-major: token, then choice
     e = experts[row, choice]

@@ -19,12 +19,13 @@ __all__ = ["MoELayer", "PhaseTimer"]
 
 
 class PhaseTimer:
-    """Phase times without stopping the host: CUDA events recorded on the stream, read once
-    at the end of the next call (or by :meth:`read`); ``time.perf_counter`` on the CPU."""
+    """Phase times that never stop the host: CUDA events recorded on the stream (on the CPU,
+    ``time.perf_counter``). :meth:`close` ends a call; :meth:`result` reads the last one --
+    on a GPU after waiting for its last event, which only whoever asks for the times pays."""
 
     def __init__(self):
         self.marks: list = []
-        self.pending: list = []
+        self.closed: tuple = ((), [])
 
     def mark(self, x: torch.Tensor) -> None:
         if x.is_cuda:
@@ -34,12 +35,15 @@ class PhaseTimer:
         else:
             self.marks.append(time.perf_counter())
 
-    def read(self, names: tuple[str, ...]) -> dict:
-        marks, self.marks = self.marks, []
+    def close(self, names: tuple[str, ...]) -> None:
+        self.closed, self.marks = (names, self.marks), []
+
+    def result(self) -> dict:
+        names, marks = self.closed
         if not marks:
             return {}
         if not isinstance(marks[0], float):
-            marks[-1].synchronize()           # the events are read after the work, not in its way
+            marks[-1].synchronize()
             return {n: a.elapsed_time(b) / 1e3 for n, a, b in zip(names, marks, marks[1:])}
         return {n: b - a for n, a, b in zip(names, marks, marks[1:])}
 
@@ -50,7 +54,8 @@ class MoELayer(torch.nn.Module):
     ``forward(x)`` takes this rank's [T, hidden] tokens and returns their [T, hidden]
     outputs. After each call ``stats`` holds the dropped choices, the rows received per
     local expert, and ``timings`` the seconds of dispatch, expert compute and combine
-    (on a GPU from CUDA events: the only host synchronisation of a call is the counts').
+    (on a GPU from CUDA events, read when asked for: the only host synchronisation of a
+    flat call is the counts', one copy of the sent and received counts together).
 
     ``capacity_factor=None``: dropless, every choice kept. ``dedup=(D, M)``: the
     node-deduplicating dispatch and combine (:mod:`.dedup`) on D ranks × M machines.
@@ -81,7 +86,6 @@ class MoELayer(torch.nn.Module):
         self.w2 = torch.nn.ParameterList([torch.nn.Parameter(w) for _, w in weights])
         self.register_buffer("logit_bias", torch.zeros(num_experts))
         self.stats: dict = {}
-        self.timings: dict = {}
         self.routing: Routing | None = None
         self._timer = PhaseTimer()
 
@@ -111,5 +115,10 @@ class MoELayer(torch.nn.Module):
         self.routing = routing
         self.stats = {"dropped": routing.dropped, "capacity": routing.capacity,
                       "received_per_expert": counts, "received": sum(counts)}
-        self.timings = timer.read(("dispatch", "experts", "combine"))
+        timer.close(("dispatch", "experts", "combine"))
         return out
+
+    @property
+    def timings(self) -> dict:
+        """Seconds of the last call's dispatch, experts and combine (on a GPU: waits for it)."""
+        return self._timer.result()

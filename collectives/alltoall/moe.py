@@ -66,12 +66,40 @@ def all_to_all_autograd(input, output_split_sizes, input_split_sizes, group=None
 
 @dataclass
 class Routing:
+    """A routing decision, on the tokens' device; its counts reach the host once (:meth:`host`)."""
+
     expert: torch.Tensor      # [T, k] expert of each choice
     gate: torch.Tensor        # [T, k] its weight (differentiable: the router learns through it)
     slot: torch.Tensor        # [T, k] position in the expert's buffer, −1 where dropped
-    counts: list[int]         # kept rows per expert, E of them
-    dropped: int              # (token, choice) pairs over capacity
+    kept: torch.Tensor        # [E] kept rows per expert, on the device
     capacity: int
+    _host: list | None = None
+
+    def host(self, *more: torch.Tensor) -> list[list[int]]:
+        """The kept rows per expert, then the dropped count, then each of ``more`` (integer
+        tensors on the same device), read in one device-to-host copy: a layer's one wait."""
+        parts = [self.kept, self.dropped_t.view(1), *(m.reshape(-1) for m in more)]
+        flat = torch.cat(parts).tolist()
+        out, at = [], 0
+        for part in parts:
+            out.append(flat[at:at + part.numel()])
+            at += part.numel()
+        self._host = out[:2]
+        return out
+
+    @property
+    def dropped_t(self) -> torch.Tensor:
+        return (self.slot < 0).sum().view(1).to(self.kept.dtype)
+
+    @property
+    def counts(self) -> list[int]:
+        """Kept rows per expert, E of them (read from the device on first use)."""
+        return (self._host or self.host())[0]
+
+    @property
+    def dropped(self) -> int:
+        """(token, choice) pairs over capacity."""
+        return (self._host or self.host())[1][0]
 
 
 def capacity_for(tokens: int, num_experts: int, k: int, factor: float) -> int:
@@ -112,10 +140,8 @@ def assign_slots(expert: torch.Tensor, gate: torch.Tensor, num_experts: int, cap
         position = torch.cumsum(onehot, 0) - 1 + taken
         slot[:, j] = position.gather(1, expert[:, j:j + 1]).squeeze(1)
         taken += onehot.sum(0)
-    dropped = int((slot >= capacity).sum())
     slot[slot >= capacity] = -1
-    counts = torch.clamp(taken, max=capacity).tolist()
-    return Routing(expert, gate, slot, counts, dropped, capacity)
+    return Routing(expert, gate, slot, torch.clamp(taken, max=capacity), capacity)
 
 
 def limit_nodes(score: torch.Tensor, k: int, node_limit: int, machines: int) -> torch.Tensor:
@@ -130,21 +156,22 @@ def limit_nodes(score: torch.Tensor, k: int, node_limit: int, machines: int) -> 
 
 
 def dispatch_order(routing: Routing) -> torch.Tensor:
-    """Positions (t·k + j) of the kept choices, sorted by expert then slot: the send order."""
+    """Positions (t·k + j) of the kept choices, sorted by expert then slot: the send order.
+    Dropped choices sort last and are cut off at the kept count (known on the host)."""
     flat_slot = routing.slot.reshape(-1)
-    kept = torch.nonzero(flat_slot >= 0).squeeze(1)
-    key = routing.expert.reshape(-1)[kept] * max(routing.capacity, 1) + flat_slot[kept]
-    return kept[torch.argsort(key, stable=True)]
+    E = routing.kept.numel()
+    cap = max(routing.capacity, 1)
+    key = torch.where(flat_slot >= 0, routing.expert.reshape(-1) * cap + flat_slot, E * cap)
+    return torch.argsort(key, stable=True)[:sum(routing.counts)]
 
 
 def combine(returned: torch.Tensor, routing: Routing, order: torch.Tensor, tokens: int) -> torch.Tensor:
     """Un-permute: out[t] = Σ_j gate[t, j] · (the row choice j of token t came back with, or 0)."""
     k = routing.expert.shape[1]
+    ys = returned.new_zeros((tokens * k, returned.shape[1])).index_copy(0, order, returned).view(tokens, k, -1)
     out = None
     for j in range(k):
-        mine = (order % k) == j
-        y = returned.new_zeros((tokens, returned.shape[1])).index_copy(0, order[mine] // k, returned[mine])
-        term = routing.gate[:, j:j + 1] * y
+        term = routing.gate[:, j:j + 1] * ys[:, j]
         out = term if out is None else out + term
     return out
 
@@ -164,15 +191,19 @@ def make_expert(seed: int, expert: int, hidden: int, ffn: int) -> tuple[torch.Te
             torch.randn(ffn, hidden, generator=gen) / math.sqrt(ffn))
 
 
-def exchange_counts(counts: list[int], group=None) -> torch.Tensor:
-    """[p, E/p]: row s holds how many rows rank s sends to each of this rank's experts."""
+def exchange_counts(counts, group=None) -> torch.Tensor:
+    """[p, E/p]: row s holds how many rows rank s sends to each of this rank's experts.
+    ``counts``: a list (the result is on the CPU) or a device tensor (the result stays there:
+    no wait for the host)."""
     rank, p = ops.group_rank_and_size(group)
     device = ops.rank_device()
-    send = torch.tensor(counts, dtype=torch.int64, device=device)
+    on_device = isinstance(counts, torch.Tensor)
+    send = counts.to(device, torch.int64) if on_device else torch.tensor(counts, dtype=torch.int64, device=device)
     recv = torch.empty_like(send)
     with trace.label("moe: counts per expert"):
         pairwise_all_to_all(recv, send, group=group)
-    return recv.view(p, len(counts) // p).cpu()
+    recv = recv.view(p, send.numel() // p)
+    return recv if on_device else recv.cpu()
 
 
 def moe_dispatch_combine(x: torch.Tensor, expert_of: torch.Tensor, num_experts: int, expert_fn,
@@ -226,8 +257,9 @@ def flat_dispatch(x: torch.Tensor, routing: Routing, num_experts: int, group=Non
     rank, p = ops.group_rank_and_size(group)
     El = num_experts // p
     k = routing.expert.shape[1]
+    recv_device = exchange_counts(routing.kept, group)                            # [p, El], on the device
+    recv_counts = torch.tensor(routing.host(recv_device)[2], dtype=torch.int64).view(p, El)   # the one wait
     order = dispatch_order(routing)
-    recv_counts = exchange_counts(routing.counts, group)                         # [p, El]
     send = [sum(routing.counts[q * El:(q + 1) * El]) for q in range(p)]
     recv = recv_counts.sum(1).tolist()
     with trace.label("moe: dispatch"):
