@@ -299,11 +299,11 @@ def test_the_cost_model_counts_bruck_blocks_and_a_finite_crossover():
 
 def test_the_judges_tell_linear_from_pairwise_and_pairwise_from_bruck():
     grading = Grading("collectives.alltoall", timeout=WORLD_TIMEOUT, world_size=3)
-    linear = lesson11._judge_flat(grading, "linear_all_to_all", True, lesson11._pairwise_pattern)
+    linear = lesson11._judge_flat(grading, "linear_all_to_all", True, lesson11.pairwise_pattern)
     assert linear.problems and "round 1" in linear.problems[0], linear.problems
     # at p = 3 Bruck's two messages are pairwise's (one block to rank + 1, one to rank + 2): four tells them apart
     grading = Grading("collectives.alltoall", timeout=WORLD_TIMEOUT, world_size=4)
-    pairwise = lesson11._judge_flat(grading, "pairwise_all_to_all", False, lesson11._bruck_pattern)
+    pairwise = lesson11._judge_flat(grading, "pairwise_all_to_all", False, lesson11.bruck_pattern)
     assert pairwise.problems and "round k sends the blocks whose bit k" in pairwise.problems[0], pairwise.problems
 
 

@@ -168,7 +168,8 @@ def dispatch_order(routing: Routing) -> torch.Tensor:
 def combine(returned: torch.Tensor, routing: Routing, order: torch.Tensor, tokens: int) -> torch.Tensor:
     """Un-permute: out[t] = Σ_j gate[t, j] · (the row choice j of token t came back with, or 0)."""
     k = routing.expert.shape[1]
-    ys = returned.new_zeros((tokens * k, returned.shape[1])).index_copy(0, order, returned).view(tokens, k, -1)
+    H = returned.shape[1]
+    ys = returned.new_zeros((tokens * k, H)).index_copy(0, order, returned).view(tokens, k, H)
     out = None
     for j in range(k):
         term = routing.gate[:, j:j + 1] * ys[:, j]

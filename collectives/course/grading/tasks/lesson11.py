@@ -24,6 +24,16 @@ import torch
 from ... import verify
 from . import GradedTask
 from .allreduce import messages_only
+from .lesson11_messages import (
+    COUNTED,
+    COUNTED_ROWS,
+    COUNTED_WIDTH,
+    LATE,
+    bruck_pattern,
+    carried,
+    pairwise_pattern,
+    posted_early,
+)
 from .lesson11_moe import TASKS as MOE_TASKS
 from .lesson11_moe import own_tensor
 from .lesson11_moe import values as _values
@@ -32,8 +42,6 @@ from .world import Grading, Probe, Verdict, outcome_problem, same
 HERE = __name__
 FLAT_SIZES = (1, 2, 3, 4, 5, 6)
 SIZES = (1, 2, 3, 4)
-COUNTED = "counted float32, 3 rows of 5 per block"
-COUNTED_ROWS, COUNTED_WIDTH = 3, 5
 MAX_PROBLEMS = 20
 
 
@@ -77,9 +85,6 @@ def _transpose(inputs: list[torch.Tensor], rows_in: list[list[int]], r: int) -> 
 
 # ---- tasks 1 and 2: pairwise and Bruck ------------------------------------------------
 
-LATE = 0.15          # seconds the last rank waits before the counted case of task 1
-
-
 def probe_flat(probe: Probe, name: str, uneven: bool, late: float = 0.0) -> dict:
     import time
     fn = probe.student(name)
@@ -100,60 +105,6 @@ def probe_flat(probe: Probe, name: str, uneven: bool, late: float = 0.0) -> dict
         outcome.value = None
         out[key] = (outcome, output.detach().clone(memory_format=torch.contiguous_format), torch.equal(x, pristine))
     return out
-
-
-def _pairwise_pattern(case, p: int, rank: int, calls) -> str | None:
-    from ....alltoall.flat import pairwise_schedule
-    if case[0] != COUNTED or p == 1:
-        return None
-    msgs = [c for c in calls if c.kind in ("send", "recv") and c.numel]
-    if len(msgs) != 2 * (p - 1):
-        return f"made {len(msgs)} sends and receives, expected 2(p − 1) = {2 * (p - 1)}"
-    block = COUNTED_ROWS * COUNTED_WIDTH
-    for k, (to, frm) in enumerate(pairwise_schedule(rank, p), start=1):
-        got = {(c.kind, c.peer) for c in msgs[2 * (k - 1): 2 * k]}
-        if got != {("send", to), ("recv", frm)}:
-            return (f"round {k} {sorted(got)}, expected a send to {to} and a receive from {frm} "
-                    "(one partner each way per round, rounds in order)")
-    if any(c.numel != block for c in msgs):
-        return f"messages of {sorted({c.numel for c in msgs})} elements, expected one block ({block})"
-    return None
-
-
-def _bruck_pattern(case, p: int, rank: int, calls) -> str | None:
-    if case[0] != COUNTED or p == 1:
-        return None
-    sends = [c for c in calls if c.kind == "send" and c.numel]
-    rounds = (p - 1).bit_length()
-    expected = [((rank + (1 << k)) % p, sum(1 for i in range(p) if i >> k & 1) * COUNTED_ROWS * COUNTED_WIDTH)
-                for k in range(rounds)]
-    got = [(c.peer, c.numel) for c in sends]
-    if got != expected:
-        return (f"sent (rank, elements) {got}, expected {expected}: round k sends the blocks whose bit k "
-                "is set to rank + 2^k, packed in one message")
-    return None
-
-
-def _posted_early(run, p: int, rank: int) -> str | None:
-    """Rank p − 1 started the counted case late: a rank that posts a round after the one in
-    which it receives from p − 1 before that block was even sent did not finish the round."""
-    from ....alltoall.flat import pairwise_schedule
-    late = p - 1
-    if p < 3 or rank == late:
-        return None
-    schedule = pairwise_schedule(rank, p)
-    k_late = next(k for k, (_, frm) in enumerate(schedule, start=1) if frm == late)
-    theirs = [c for c in run.of(late, COUNTED) if c.kind == "send" and c.peer == rank and c.numel]
-    mine = [c for c in run.of(rank, COUNTED) if c.kind == "send" and c.numel]
-    if not theirs or len(mine) < len(schedule):
-        return None                                     # the pattern's own check says what is missing
-    for k in range(k_late + 1, len(schedule) + 1):
-        if mine[k - 1].t < theirs[0].t:
-            early = 1e3 * (theirs[0].t - mine[k - 1].t)
-            return (f"posted round {k} (a send to rank {schedule[k - 1][0]}) {early:.0f} ms before rank {late}"
-                    f", which started {LATE:g} s late, sent its block of round {k_late}: "
-                    f"round {k_late} was not finished (both messages waited for) before the next was posted")
-    return None
 
 
 def block_problem(inputs: list[torch.Tensor], rows_in: list[list[int]], r: int, got) -> str | None:
@@ -211,7 +162,8 @@ def _judge_flat(grading: Grading, name: str, uneven: bool, pattern, late: float 
                            or messages_only(None, size, r, calls)
                            or _flat_bytes(case, size, r, calls, rows_in[r])
                            or pattern(case, size, r, calls)
-                           or (_posted_early(run, size, r) if late and key == COUNTED else None))
+                           or (carried(name, inputs, size, r, calls) if key == COUNTED else None)
+                           or (posted_early(run, size, r) if late and key == COUNTED else None))
                 verdict.add(problem and f"{where}: {problem}")
         if verdict.not_written or verdict.problems:
             break
@@ -269,10 +221,10 @@ def _judge_splits(grading: Grading) -> Verdict:
                                f"result[s] is rank s's input_split_sizes[{r}]"
                                + (" (these are this rank's own counts)" if got == counts[r] else ""))
                 problem = problem or messages_only(None, size, r, calls)
-                if problem is None and (len(sends) > size - 1 or any(c.numel != 1 for c in sends)
+                if problem is None and (len(sends) != size - 1 or any(c.numel != 1 for c in sends)
                                         or len({c.peer for c in sends}) != len(sends)):
                     problem = (f"sent {[(c.peer, c.numel) for c in sends]} (rank, elements): one count to each "
-                               "other rank is all an exchange of sizes needs")
+                               "other rank, no more and no fewer, is what an exchange of sizes sends")
                 verdict.add(problem and f"{where}: {problem}")
         if verdict.not_written or verdict.problems:
             break
@@ -396,11 +348,24 @@ def _judge_moe(grading: Grading) -> Verdict:
                     if x.shape[0] else x.clone()
                 problem = None if got is not None else "returned something other than a plain torch.Tensor"
                 problem = problem or _unpermuted(expected, got) or _batches(seen, made, r, size, E) \
-                    or messages_only(None, size, r, run.of(r, key))
+                    or messages_only(None, size, r, run.of(r, key)) or _moe_traffic(made, r, size, E, run.of(r, key))
                 verdict.add(problem and f"{where}: {problem}")
         if verdict.not_written or verdict.problems:
             break
     return verdict
+
+
+def _moe_traffic(made, r: int, p: int, E: int, calls) -> str | None:
+    """No fewer elements sent than the rows for other ranks' experts and the results owed back."""
+    home = lambda e: int(e) // (E // p)                                                  # noqa: E731
+    out_rows = sum(1 for e in made[r][1] if home(e) != r)
+    back_rows = sum(1 for s, m in enumerate(made) if s != r for e in m[1] if home(e) == r)
+    owed = (out_rows + back_rows) * HIDDEN
+    sent = sum(c.numel for c in calls if c.kind == "send" and c.numel > E // p)
+    if sent < owed:
+        return (f"sent {sent} elements of rows, but the tokens for other ranks' experts and the results owed "
+                f"back come to {owed}: the rows travel as messages")
+    return None
 
 
 def _unpermuted(expected: torch.Tensor, got: torch.Tensor) -> str | None:
@@ -437,9 +402,9 @@ def _batches(seen, made, rank: int, p: int, E: int) -> str | None:
 
 TASKS = [
     GradedTask(11, 1, "pairwise all-to-all", 4, lambda g: _judge_flat(g, "pairwise_all_to_all", True,
-                                                                      _pairwise_pattern, LATE),
+                                                                      pairwise_pattern, LATE),
                ("pairwise_all_to_all",)),
-    GradedTask(11, 2, "Bruck all-to-all", 4, lambda g: _judge_flat(g, "bruck_all_to_all", False, _bruck_pattern),
+    GradedTask(11, 2, "Bruck all-to-all", 4, lambda g: _judge_flat(g, "bruck_all_to_all", False, bruck_pattern),
                ("bruck_all_to_all",)),
     GradedTask(11, 3, "exchange of split sizes", 2, _judge_splits, ("exchange_splits",)),
     GradedTask(11, 4, "uneven all-to-all", 3, _judge_uneven, ("all_to_all_uneven",)),

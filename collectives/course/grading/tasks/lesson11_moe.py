@@ -135,6 +135,23 @@ def _topk_problem(made, r: int, p: int, got, dropped, seen) -> str | None:
                         "choices")
 
 
+def _topk_traffic(made, r: int, p: int, calls) -> str | None:
+    """No fewer elements sent than the kept rows for other ranks' experts and the results owed back."""
+    E = made[0][3]
+    home = lambda e: int(e) // (E // p)                                                  # noqa: E731
+    rows = 0
+    for s, m in enumerate(made):
+        slot = kept(m[1], E, m[4])
+        for e, fits in zip(m[1].reshape(-1), slot.reshape(-1)):
+            if fits >= 0 and ((s == r and home(e) != r) or (s != r and home(e) == r)):
+                rows += 1
+    sent = sum(c.numel for c in calls if c.kind == "send")
+    if sent < rows * HIDDEN:
+        return (f"sent {sent} elements, but the kept rows for other ranks' experts and the results owed back "
+                f"come to {rows * HIDDEN}: the rows travel as messages")
+    return None
+
+
 def _judge_topk(grading: Grading) -> Verdict:
     verdict = Verdict()
     for size in grading.sizes(*SIZES):
@@ -148,8 +165,9 @@ def _judge_topk(grading: Grading) -> Verdict:
                 outcome, got, dropped, seen = run.results[r][key]
                 if outcome_problem(where, outcome, verdict):
                     continue
-                problem = _topk_problem(made, r, size, got, dropped, seen) or messages_only(None, size, r,
-                                                                                           run.of(r, key))
+                problem = (_topk_problem(made, r, size, got, dropped, seen)
+                           or messages_only(None, size, r, run.of(r, key))
+                           or _topk_traffic(made, r, size, run.of(r, key)))
                 verdict.add(problem and f"{where}: {problem}")
         if verdict.not_written or verdict.problems:
             break
@@ -216,7 +234,10 @@ def _judge_balance(grading: Grading) -> Verdict:
                 outcome, loss, bias = run.results[r][key]
                 if outcome_problem(where, outcome, verdict):
                     continue
-                problem = _balance_problem(made, r, loss, bias) or messages_only(None, size, r, run.of(r, key))
+                sent = sum(c.numel for c in run.of(r, key) if c.kind == "send")
+                problem = (_balance_problem(made, r, loss, bias) or messages_only(None, size, r, run.of(r, key))
+                           or (f"sent {sent} elements: every rank's loads reach every rank only as messages"
+                               if size > 1 and sent < 4 else None))
                 verdict.add(problem and f"{where}: {problem}")
         if verdict.not_written or verdict.problems:
             break
