@@ -639,13 +639,14 @@ def test_the_dedup_benchmark_on_the_simulated_cluster_writes_its_record(tmp_path
     assert bench.main(["dedup", "--tokens", "32", "--hidden", "8", "--iters", "1", "--out", str(tmp_path)]) == 0
     record = json.loads((tmp_path / "bench-alltoall-dedup.json").read_text())
     rows = {r["name"]: r for r in record["rows"]}
-    assert set(rows) == {"flat", "dedup"} and all(r["verified"] for r in rows.values())
+    assert set(rows) == {"flat", "flat, linear", "dedup"} and all(r["verified"] for r in rows.values())
     assert rows["dedup"]["elements_across"] < rows["flat"]["elements_across"]
     assert all(r["model_seconds"] > 0 and r["seconds"] > 0 for r in rows.values())
     assert record["layout"] == [2, 2] and record["k"] == 4 and record["experts"] == 8
     assert record["meta"]["command"].startswith(".venv/bin/python -m collectives bench-alltoall dedup")
     page = json.loads((tmp_path / "11-alltoall-dedup.json").read_text())          # the site's record
-    assert [row[0] for row in page["table"]["rows"]] == ["flat", "dedup"] and page["meta"] == record["meta"]
+    assert [row[0] for row in page["table"]["rows"]] == ["flat", "flat, linear", "dedup"]
+    assert page["meta"] == record["meta"]
     assert {c["id"] for c in page["comparisons"]} == {"measured", "model"}
     assert not [name for name in our_namespaces() if f"-{os.getpid()}-" in name]      # this run's, torn down
 

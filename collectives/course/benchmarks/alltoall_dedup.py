@@ -6,7 +6,9 @@ tokens top-``k`` over ``--experts`` experts (a random router: nearly uniform, no
 dropped) and times, with the expert compute left out (each expert returns its rows):
 
 * ``flat`` -- :func:`collectives.alltoall.flat_dispatch` and ``flat_combine``: one row
-  per (token, choice) to the expert's rank, and back;
+  per (token, choice) to the expert's rank, and back, on the pairwise all-to-all (the
+  layer's own); ``flat, linear`` the same with every message posted at once, so that the
+  flat side is not held to one partner at a time;
 * ``dedup`` -- :func:`collectives.alltoall.dedup.dedup_dispatch` and ``dedup_combine``:
   one row per (token, machine) across, rail-aligned, forwarded and summed inside.
 
@@ -37,7 +39,7 @@ def two_tier(link: str, D: int, M: int) -> core_cost.TwoTier:
 
 
 def _dedup_in_rank(tokens: int, hidden: int, k: int, experts: int, layout: tuple[int, int], iters: int) -> dict:
-    from collectives.alltoall import dedup, flat_combine, flat_dispatch, make_router, route
+    from collectives.alltoall import dedup, flat_combine, flat_dispatch, linear_all_to_all, make_router, route
     r, p = dist.get_rank(), dist.get_world_size()
     D = layout[0]
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(r))
@@ -45,24 +47,25 @@ def _dedup_in_rank(tokens: int, hidden: int, k: int, experts: int, layout: tuple
     with torch.no_grad():
         routing = route(x, router, k, tokens * k)                      # dropless: capacity T·k
 
-        def flat():
-            rows, counts, state = flat_dispatch(x, routing, experts)
-            return rows, flat_combine(rows, routing, state, tokens)
+        def flat(algorithm=None):
+            rows, counts, state = flat_dispatch(x, routing, experts, None, algorithm)
+            return rows, flat_combine(rows, routing, state, tokens, None, algorithm)
 
         def deduplicated():
             rows, counts, state = dedup.dedup_dispatch(x, routing, experts, layout, r)
             return rows, dedup.dedup_combine(rows, state)
 
         results, rows = {}, []
-        for name, fn in (("flat", flat), ("dedup", deduplicated)):
+        for name, fn in (("flat", flat), ("flat, linear", lambda: flat(linear_all_to_all)), ("dedup", deduplicated)):
             with trace.recording() as t:
                 results[name] = fn()
             across = sum(e.numel for e in t if e.kind == "isend" and e.peer // D != r // D)
             times = timing.measure(fn, warmup=1, iters=iters)
             rows.append(dict(name=name, seconds=timing.median(times), times=times,
                              elements_across=int(timing.max_over_ranks(across))))
-        batches = torch.equal(results["flat"][0], results["dedup"][0])
-        combined = torch.allclose(results["flat"][1], results["dedup"][1], rtol=1e-5, atol=1e-5)
+        batches = all(torch.equal(results["flat"][0], results[n][0]) for n in ("flat, linear", "dedup"))
+        combined = all(torch.allclose(results["flat"][1], results[n][1], rtol=1e-5, atol=1e-5)
+                       for n in ("flat, linear", "dedup"))
         ok = timing.max_over_ranks(0.0 if batches and combined else 1.0) == 0.0
     for row in rows:
         row["verified"] = ok
@@ -84,10 +87,11 @@ def suite_dedup(args, argv) -> dict:
         row["model_seconds"] = cost.moe_seconds(args.tokens, row_bytes, args.k, args.experts, machine,
                                                 row["name"] == "dedup", meta_bytes)
     seconds = {row["name"]: row["seconds"] for row in result["rows"]}
+    seconds["flat"] = min(seconds["flat"], seconds["flat, linear"])          # the faster flat one is the baseline
     flat_rows, dedup_rows = cost.dedup_rows(args.k, args.experts, M)
     result.update(layout=[D, M], link=args.link, latency=QUEUE, tokens=args.tokens, hidden=args.hidden, k=args.k,
                   experts=args.experts, speedup=seconds["flat"] / seconds["dedup"],
-                  model_speedup=result["rows"][0]["model_seconds"] / result["rows"][1]["model_seconds"],
+                  model_speedup=result["rows"][0]["model_seconds"] / result["rows"][-1]["model_seconds"],
                   rows_across_per_token={"flat": flat_rows, "dedup": dedup_rows})
     return result
 
@@ -112,7 +116,8 @@ def site_record(raw: dict, folder) -> str:
     from pathlib import Path
 
     from ..site import claims
-    names = {"flat": "the flat dispatch + combine", "dedup": "the deduplicated dispatch + combine"}
+    names = {"flat": "the flat dispatch + combine", "flat, linear": "the flat one posted all at once",
+             "dedup": "the deduplicated dispatch + combine"}
     D, M = raw["layout"]
     record = claims.Record("11-alltoall-dedup", names=names, aliases={"dedup": ["deduplicated", "deduplication"]},
                            meta=raw["meta"], title="MoE dispatch + combine across machines: flat against deduplicated")
@@ -120,12 +125,13 @@ def site_record(raw: dict, folder) -> str:
     where = (f"{raw['tokens']} tokens of {raw['hidden']} fp32 per rank, top-{raw['k']} of {raw['experts']} "
              f"experts, {M} machines × {D} ranks, {raw['link']} links")
     record.times("measured", {n: rows[n]["seconds"] for n in names}, baseline="flat", where=where)
-    record.fact("model", f"The two-tier model predicts {raw['model_speedup']:.2f}× for the deduplicated "
-                f"dispatch + combine; measured {raw['speedup']:.2f}×.", model=raw["model_speedup"],
-                measured=raw["speedup"])
+    # the fact below compares the deduplicated one with the faster of the two flat ones
+    record.fact("model", f"Against the faster flat one, the two-tier model predicts {raw['model_speedup']:.2f}× "
+                f"for the deduplicated dispatch + combine; measured {raw['speedup']:.2f}×.",
+                model=raw["model_speedup"], measured=raw["speedup"])
     record.table = {"head": ["dispatch + combine", "measured", "model", "elements sent across per rank"],
                     "rows": [[n, timing.human_seconds(rows[n]["seconds"]),
                               timing.human_seconds(rows[n]["model_seconds"]), str(rows[n]["elements_across"])]
-                             for n in ("flat", "dedup")]}
+                             for n in ("flat", "flat, linear", "dedup")]}
     record.caption = record.text()
     return str(record.save(Path(folder) / "11-alltoall-dedup"))
