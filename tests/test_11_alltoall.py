@@ -408,6 +408,10 @@ def _no_silent_wrong_answers():
             if not torch.equal(got, _library(torch.empty(p, 2, dtype=torch.complex64), given.resolve_conj()
                                              .resolve_neg())):
                 wrong.append((name, "conj", given.is_conj(), given.is_neg()))
+        into = torch.zeros(p, 2, dtype=torch.complex64).conj()             # a conjugated output reads back right
+        call(into, z)
+        if not torch.equal(into.resolve_conj(), _library(torch.empty(p, 2, dtype=torch.complex64), z)):
+            wrong.append((name, "conj output"))
     errors = []
     # Bruck given an output of the wrong size (equal blocks): an error, as the others give
     for out_rows in (p, 4 * p):
