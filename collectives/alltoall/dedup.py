@@ -26,8 +26,8 @@ way, GPU to the same-index GPU of the target node, and forwards over NVLink).
 What it saves is bytes across: a token bound for k experts spread uniformly over M
 machines crosses k·(M − 1)/M times flat and (M − 1)·q times here, q the chance that one
 other machine holds at least one of its k experts
-(:func:`collectives.alltoall.cost.dedup_rows`). With k = 1 the two are equal -- a token has one expert, on one machine --
-and the forwarding inside is pure extra: nothing can win.
+(:func:`collectives.alltoall.cost.dedup_rows`). With k = 1 the two are equal -- a token
+has one expert, on one machine -- and the forwarding inside is pure extra: nothing can win.
 
 The experts see exactly the flat dispatch's batches, so their outputs are the same bit
 for bit; the combine adds the k terms machine by machine instead of choice by choice, a
