@@ -29,7 +29,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..core import ops, trace
 from .flat import pairwise_all_to_all
@@ -135,12 +134,13 @@ def assign_slots(expert: torch.Tensor, gate: torch.Tensor, num_experts: int, cap
     E, k = num_experts, expert.shape[1]
     taken = torch.zeros(E, dtype=torch.int64, device=expert.device)
     slot = torch.empty_like(expert)
-    for j in range(k):
-        onehot = F.one_hot(expert[:, j], E)
+    for j in range(k):                # no one_hot, no boolean indexing: nothing here waits for the GPU
+        onehot = torch.zeros(expert.shape[0], E, dtype=torch.int64, device=expert.device)
+        onehot.scatter_(1, expert[:, j:j + 1], 1)
         position = torch.cumsum(onehot, 0) - 1 + taken
         slot[:, j] = position.gather(1, expert[:, j:j + 1]).squeeze(1)
         taken += onehot.sum(0)
-    slot[slot >= capacity] = -1
+    slot = torch.where(slot >= capacity, -1, slot)
     return Routing(expert, gate, slot, torch.clamp(taken, max=capacity), capacity)
 
 
