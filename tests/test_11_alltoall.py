@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from collectives import launch, trace
+from collectives.core.cluster import unavailable_reason as cluster_reason
 from collectives.course.catalog import world_timeout
 from collectives.course.grading.tasks import Grading, lesson11
 
@@ -298,11 +299,11 @@ def test_the_cost_model_counts_bruck_blocks_and_a_finite_crossover():
 
 def test_the_judges_tell_linear_from_pairwise_and_pairwise_from_bruck():
     grading = Grading("collectives.alltoall", timeout=WORLD_TIMEOUT, world_size=3)
-    linear = lesson11._judge_flat(grading, "linear_all_to_all", True, lesson11._pairwise_pattern)
+    linear = lesson11._judge_flat(grading, "linear_all_to_all", True, lesson11.pairwise_pattern)
     assert linear.problems and "round 1" in linear.problems[0], linear.problems
     # at p = 3 Bruck's two messages are pairwise's (one block to rank + 1, one to rank + 2): four tells them apart
     grading = Grading("collectives.alltoall", timeout=WORLD_TIMEOUT, world_size=4)
-    pairwise = lesson11._judge_flat(grading, "pairwise_all_to_all", False, lesson11._bruck_pattern)
+    pairwise = lesson11._judge_flat(grading, "pairwise_all_to_all", False, lesson11.bruck_pattern)
     assert pairwise.problems and "round k sends the blocks whose bit k" in pairwise.problems[0], pairwise.problems
 
 
@@ -358,3 +359,339 @@ def test_the_host_suite_replays_each_calls_messages_and_compares_with_a_record(t
         ratio = again["ratios"][name]
         now = {r["name"]: r for r in again["rows"]}[name]
         assert ratio["host"] == pytest.approx(rows[name]["host_seconds"] / now["host_seconds"])
+
+
+def _moved_away(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A buffer whose storage then moves (``share_memory_`` gives it new memory, as a
+    ``resize_`` may) and a new tensor at the address it had: the case where an address alone
+    names the wrong memory. The old memory stays valid (numpy owns it), so the case is exact."""
+    array = values.numpy().copy()
+    planned = torch.from_numpy(array)
+    return planned, array
+
+
+def _no_silent_wrong_answers():
+    """Each call once gave a wrong answer and no error; each must now be right or raise."""
+    import collectives.alltoall as a2a
+    from collectives.alltoall import plan as plans
+    r, p = dist.get_rank(), dist.get_world_size()
+    plans.clear_plans()
+    wrong = []
+    rows = 2 * p
+    for name in ALGORITHMS + ("hierarchical_all_to_all",):
+        fn = getattr(a2a, name)
+        call = (lambda o, i, fn=fn: fn(o, i, layout=(2, p // 2))) if name.startswith("hier") else fn
+        # a planned input whose storage moved, a new tensor at its old address: the new one's data must go
+        x, array = _moved_away(_values(r, rows * 3, torch.int64).view(rows, 3))
+        out = torch.zeros(rows, 3, dtype=torch.int64)
+        call(out, x)
+        x.share_memory_()
+        array[:] = _values(r, rows * 3, torch.int64, salt=9).view(rows, 3).numpy()
+        fresh = torch.from_numpy(array)
+        call(out, fresh)
+        if not torch.equal(out, _library(torch.empty_like(fresh), fresh)):
+            wrong.append((name, "moved input"))
+        # the same with the output: the new tensor at its old address must be written
+        y, array = _moved_away(torch.zeros(rows, 3, dtype=torch.int64))
+        call(y, fresh)
+        y.share_memory_()
+        target = torch.from_numpy(array)
+        target.fill_(-1)
+        call(target, fresh)
+        if not torch.equal(target, _library(torch.empty_like(fresh), fresh)):
+            wrong.append((name, "moved output"))
+        # a lazily conjugated input, alone and after its unconjugated twin (the same addresses)
+        z = torch.complex(_values(r, 2 * p, torch.float32), _values(r, 2 * p, torch.float32, salt=3)).view(p, 2)
+        for given in (z.conj(), z, z.conj(), -z.conj()):
+            got = torch.zeros(p, 2, dtype=torch.complex64)
+            call(got, given)
+            if not torch.equal(got, _library(torch.empty(p, 2, dtype=torch.complex64), given.resolve_conj()
+                                             .resolve_neg())):
+                wrong.append((name, "conj", given.is_conj(), given.is_neg()))
+        into = torch.zeros(p, 2, dtype=torch.complex64).conj()             # a conjugated output reads back right
+        call(into, z)
+        if not torch.equal(into.resolve_conj(), _library(torch.empty(p, 2, dtype=torch.complex64), z)):
+            wrong.append((name, "conj output"))
+    errors = []
+    # Bruck given an output of the wrong size (equal blocks): an error, as the others give
+    for out_rows in (p, 4 * p):
+        try:
+            a2a.bruck_all_to_all(torch.empty(out_rows, 3), torch.zeros(2 * p, 3))
+            errors.append(None)
+        except ValueError as exc:
+            errors.append(str(exc))
+    # Bruck with rank 0 sending rank 1 five rows where rank 1 expects three: every rank raises
+    ins = [5 if (r, d) == (0, 1) else 3 for d in range(p)]
+    outs = [3] * p
+    try:
+        a2a.bruck_all_to_all(torch.empty(sum(outs), 2), torch.zeros(sum(ins), 2), outs, ins)
+        errors.append(None)
+    except ValueError as exc:
+        errors.append(str(exc))
+    after = torch.empty(p, 1)
+    a2a.bruck_all_to_all(after, torch.full((p, 1), float(r)))
+    return wrong, errors, after.view(-1).tolist()
+
+
+def test_moved_buffers_conjugates_wrong_sizes_and_mismatched_pairs_are_never_silent():
+    for wrong, errors, after in launch.run(_no_silent_wrong_answers, 4, timeout=WORLD_TIMEOUT):
+        assert wrong == []
+        assert all(errors), errors
+        assert "equal blocks need as many output rows as input rows, got 4 and 8" in errors[0]
+        assert "got 16 and 8" in errors[1]
+        assert "group rank 0 sends group rank 1 5 rows but rank 1 expects 3" in errors[2]
+        assert after == [0.0, 1.0, 2.0, 3.0]
+
+
+def _checked_mismatches():
+    """Check mode on: calls whose ranks disagree raise ArgumentMismatch on every rank."""
+    import collectives.alltoall as a2a
+    from collectives.core.checkmode import ArgumentMismatch
+    r, p = dist.get_rank(), dist.get_world_size()
+    calls = []
+    for name in ALGORITHMS:
+        fn = getattr(a2a, name)
+        ins = [5 if (r, d) == (0, 1) else 3 for d in range(p)]          # rank 1 expects 3 from rank 0
+        calls.append(lambda fn=fn, ins=ins: fn(torch.empty(3 * p, 2), torch.zeros(sum(ins), 2), [3] * p, ins))
+        dtype = torch.int32 if r == 2 else torch.float32                 # splits given, dtypes differ
+        calls.append(lambda fn=fn, dtype=dtype: fn(torch.empty(p, 2, dtype=dtype), torch.zeros(p, 2, dtype=dtype),
+                                                   [1] * p, [1] * p))
+        width = 3 if r == 1 else 2                                        # rows of different shapes
+        calls.append(lambda fn=fn, width=width: fn(torch.empty(p, width), torch.zeros(p, width), [1] * p, [1] * p))
+    layout = (2, 2) if r < 2 else (4, 1)
+    calls.append(lambda: a2a.hierarchical_all_to_all(torch.empty(p, 1), torch.zeros(p, 1), layout=layout))
+    errors = []
+    for call in calls:
+        try:
+            call()
+            errors.append(None)
+        except ArgumentMismatch as exc:
+            errors.append(str(exc))
+    after = torch.empty(p, 1)
+    a2a.pairwise_all_to_all(after, torch.full((p, 1), float(r)), [1] * p, [1] * p)
+    return errors, after.view(-1).tolist()
+
+
+def test_check_mode_compares_every_pair_dtype_row_shape_and_layout():
+    for errors, after in launch.run(_checked_mismatches, 4, check=True, timeout=WORLD_TIMEOUT):
+        assert all(errors), errors
+        for i in range(len(ALGORITHMS)):
+            pairs, dtypes, shapes = errors[3 * i: 3 * i + 3]
+            assert "rank 0 sends rank 1 5 rows but rank 1 expects 3 from rank 0" in pairs
+            assert "dtype float32 on ranks 0, 1, 3 vs int32 on rank 2" in dtypes
+            assert "rows of (2,) on ranks 0, 2, 3 vs (3,) on rank 1" in shapes
+        assert "layout (D=2, M=2) on ranks 0, 1 vs (D=4, M=1) on ranks 2, 3" in errors[-1]
+        assert after == [0.0, 1.0, 2.0, 3.0]
+
+
+def _dedup_against_flat(factor):
+    """Top-4 over 8 experts on 2 machines × 2: the deduplicating dispatch hands every expert
+    the flat dispatch's batch row for row, and the combines agree to rounding."""
+    from collectives.alltoall import dedup, flat_combine, flat_dispatch, make_expert, make_router, route, run_experts
+    from collectives.alltoall.moe import capacity_for
+    r = dist.get_rank()
+    H, F, E, T, k = 6, 5, 8, 12, 4
+    router = make_router(3, H, E).requires_grad_()
+    experts = [make_expert(3, r * 2 + e, H, F) for e in range(2)]
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(r)).requires_grad_()
+    target = torch.randn(T, H, generator=torch.Generator().manual_seed(10 + r))
+    capacity = T * k if factor is None else capacity_for(T, E, k, factor)
+    out, grads, batches, across = {}, {}, {}, {}
+    for name in ("flat", "dedup"):
+        routing = route(x, router, k, capacity)
+        with trace.recording() as t:                  # the dispatch's messages
+            if name == "flat":
+                rows, counts, state = flat_dispatch(x, routing, E)
+            else:
+                rows, counts, state = dedup.dedup_dispatch(x, routing, E, (2, 2), r)
+        y = run_experts(rows, counts, *zip(*experts))
+        result = flat_combine(y, routing, state, T) if name == "flat" else dedup.dedup_combine(y, state)
+        batches[name] = (rows.detach().clone(), counts)
+        # across: the other machine's ranks; the counts (1 or E/p = 2 integers per pair) left out
+        across[name] = [(e.peer, e.numel) for e in t if e.kind == "isend" and e.peer // 2 != r // 2 and e.numel > 2]
+        (result * target).sum().backward()
+        out[name] = result.detach()
+        grads[name] = (x.grad.clone(), router.grad.clone())
+        x.grad = router.grad = None
+    where = dedup.machines_needed(routing, 2, 2)
+    choices_across = int(((where >= 0) & (where != r // 2)).sum())
+    tokens_across = int(((where == 1 - r // 2).any(1)).sum())
+    (rows_f, counts_f), (rows_d, counts_d) = batches["flat"], batches["dedup"]
+    return dict(batches=torch.equal(rows_f, rows_d) and counts_f == counts_d,
+                out=torch.allclose(out["flat"], out["dedup"], rtol=1e-5, atol=1e-6),
+                grads=all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(grads["flat"], grads["dedup"])),
+                rail=all(peer % 2 == r % 2 for peer, _ in across["dedup"]),
+                rows_across={name: sum(n for _, n in msgs) for name, msgs in across.items()},
+                choices_across=choices_across, tokens_across=tokens_across, dropped=routing.dropped)
+
+
+def _dedup_cases():
+    return [_dedup_against_flat(factor) for factor in (None, 0.75)]
+
+
+def test_the_deduplicating_dispatch_hands_experts_the_flat_batches_and_sends_each_token_across_once():
+    H, k = 6, 4
+    worlds = launch.run(_dedup_cases, 4, timeout=WORLD_TIMEOUT)                  # dropless, then capacity 0.75
+    for case, factor in enumerate((None, 0.75)):
+        results = [world[case] for world in worlds]
+        for r, res in enumerate(results):
+            assert res["batches"] and res["out"] and res["grads"] and res["rail"], (factor, r, res)
+            # flat: a row per choice on the other machine; dedup: a row, its k gates and 2k integers per token
+            assert res["rows_across"]["flat"] == res["choices_across"] * H
+            assert res["rows_across"]["dedup"] == res["tokens_across"] * (H + k + 2 * k)
+            assert res["tokens_across"] < res["choices_across"]
+        assert (sum(r["dropped"] for r in results) > 0) == (factor is not None)
+
+
+def _train_ep(steps: int):
+    """A small MoE model (a dense layer, then the MoE layer) trained by expert parallelism:
+    dropless, the balancing loss, the balancing bias, node-limited routing, deduplicated
+    dispatch. Returns the losses, this rank's experts and the shared weights after training."""
+    from collectives.alltoall import MoELayer, balance
+    from collectives.ring import ring_all_reduce
+    r = dist.get_rank()
+    H, F, E, T = 6, 8, 8, 10
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(H, H).double()
+    layer = MoELayer(H, F, E, k=2, capacity_factor=None, seed=5, dedup=(2, 2), node_limit=1).double()
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(r), dtype=torch.float64)
+    target = torch.randn(T, H, generator=torch.Generator().manual_seed(20 + r), dtype=torch.float64)
+    shared = [dense.weight, dense.bias, layer.router]
+    losses = []
+    for _ in range(steps):
+        h = dense(x)
+        out = layer(h)
+        loss = ((out - target) ** 2).mean() + 0.01 * balance.load_balancing_loss(h, layer.router, layer.routing)
+        loss.backward()
+        for w in shared:                       # data parallel: the replicated weights' gradients summed
+            ring_all_reduce(w.grad)
+        with torch.no_grad():
+            for w in [*shared, *layer.w1, *layer.w2]:
+                w -= 0.1 * w.grad
+                w.grad = None
+        balance.update_bias(layer.logit_bias, balance.expert_load(layer.routing, E), 0.05)
+        losses.append(float(loss))
+    return (losses, [w.detach() for w in (*layer.w1, *layer.w2)], [w.detach() for w in shared],
+            layer.logit_bias.clone(), layer.first)
+
+
+def _train_twin(steps: int, p: int = 4):
+    from collectives.alltoall import balance, make_expert, make_router, moe_reference
+    H, F, E, T = 6, 8, 8, 10
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(H, H).double()
+    router = make_router(5, H, E).double().requires_grad_()
+    experts = [tuple(w.double().requires_grad_() for w in make_expert(5, e, H, F)) for e in range(E)]
+    bias = torch.zeros(E, dtype=torch.float64)
+    xs = [torch.randn(T, H, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in range(p)]
+    targets = [torch.randn(T, H, generator=torch.Generator().manual_seed(20 + s), dtype=torch.float64)
+               for s in range(p)]
+    losses = [[] for _ in range(p)]
+    for _ in range(steps):
+        hs = [dense(x) for x in xs]
+        routings = []
+        outs, _ = moe_reference(hs, [router] * p, experts, 2, None, bias, node_limit=1, machines=2,
+                                routings_out=routings)
+        per = [((o - t) ** 2).mean() + 0.01 * balance.load_balancing_loss(h, router, rt)
+               for o, t, h, rt in zip(outs, targets, hs, routings)]
+        sum(per).backward()
+        with torch.no_grad():
+            for w in [dense.weight, dense.bias, router, *[w for pair in experts for w in pair]]:
+                w -= 0.1 * w.grad
+                w.grad = None
+        load = sum(torch.bincount(rt.expert.reshape(-1), minlength=E) for rt in routings)
+        balance.update_bias(bias, load, 0.05)
+        for s in range(p):
+            losses[s].append(float(per[s].detach()))
+    return losses, experts, [dense.weight.detach(), dense.bias.detach(), router.detach()], bias
+
+
+def test_expert_parallel_training_equals_its_one_process_twin():
+    steps = 3
+    results = launch.run(_train_ep, 4, args=(steps,), timeout=WORLD_TIMEOUT)
+    losses, experts, shared, bias = _train_twin(steps)
+    close = lambda a, b: torch.allclose(a, b, rtol=1e-10, atol=1e-12)   # noqa: E731 - float64, sums reordered
+    for r, (my_losses, my_experts, my_shared, my_bias, first) in enumerate(results):
+        assert my_losses == pytest.approx(losses[r], rel=1e-10)
+        assert torch.equal(my_bias, bias) and bias.abs().sum() > 0          # the bias moved, alike everywhere
+        assert all(close(a, b) for a, b in zip(my_shared, shared))
+        twin = [experts[first + e][0] for e in range(2)] + [experts[first + e][1] for e in range(2)]
+        assert all(close(a, b.detach()) for a, b in zip(my_experts, twin))
+    assert losses[0][-1] != losses[0][0]
+
+
+def test_the_cost_model_says_when_deduplication_wins_and_that_top_1_cannot():
+    from collectives.alltoall import cost
+    from collectives.core.cost import AlphaBeta, TwoTier
+    assert cost.dedup_rows(1, 8, 2) == (0.5, 0.5)                       # one expert: one machine, nothing to share
+    flat, dedup = cost.dedup_rows(4, 8, 2)
+    assert flat == 2 and dedup == pytest.approx(1 - 1 / 70)              # C(4, 4)/C(8, 4): all four on the own machine
+    cluster = TwoTier(inside=AlphaBeta(5e-5, 1e-10), across=AlphaBeta(1e-4, 8e-9), machines=2, ranks_per_machine=2)
+    assert cost.moe_seconds(2048, 4096, 4, 8, cluster, True) < cost.moe_seconds(2048, 4096, 4, 8, cluster, False) / 1.5
+    assert cost.moe_seconds(2048, 4096, 1, 8, cluster, True) > cost.moe_seconds(2048, 4096, 1, 8, cluster, False)
+    # the flat all-to-all's α's across: D·(M − 1) per rank in series, its ranks at once
+    assert cost.flat_seconds(0, cluster) == pytest.approx(2 * 1e-4)
+
+
+@pytest.mark.skipif(cluster_reason() is not None, reason=cluster_reason() or "")
+def test_the_dedup_benchmark_on_the_simulated_cluster_writes_its_record(tmp_path):
+    import json
+    import os
+
+    from collectives.core.netns import our_namespaces
+    from collectives.course.benchmarks import alltoall as bench
+    assert bench.main(["dedup", "--tokens", "32", "--hidden", "8", "--iters", "1", "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "bench-alltoall-dedup.json").read_text())
+    rows = {r["name"]: r for r in record["rows"]}
+    assert set(rows) == {"flat", "flat, linear", "dedup"} and all(r["verified"] for r in rows.values())
+    assert rows["dedup"]["elements_across"] < rows["flat"]["elements_across"]
+    assert all(r["model_seconds"] > 0 and r["seconds"] > 0 for r in rows.values())
+    assert record["layout"] == [2, 2] and record["k"] == 4 and record["experts"] == 8
+    assert record["meta"]["command"].startswith(".venv/bin/python -m collectives bench-alltoall dedup")
+    page = json.loads((tmp_path / "11-alltoall-dedup.json").read_text())          # the site's record
+    assert [row[0] for row in page["table"]["rows"]] == ["flat", "flat, linear", "dedup"]
+    assert page["meta"] == record["meta"]
+    assert {c["id"] for c in page["comparisons"]} == {"measured", "model"}
+    assert not [name for name in our_namespaces() if f"-{os.getpid()}-" in name]      # this run's, torn down
+
+
+def _syncs_per_forward():
+    """The MoE layer's forward on GPUs under the sync debug mode: the host waits once (the counts)."""
+    import warnings
+
+    from collectives import ops
+    from collectives.alltoall import MoELayer
+    p = dist.get_world_size()
+    device = ops.rank_device()
+    layer = MoELayer(16, 32, 2 * p, k=2, seed=1).to(device)
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(dist.get_rank())).to(device)
+    with torch.no_grad():
+        layer(x)                                         # the first call makes its plans and connections
+        torch.cuda.synchronize(device)
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                layer(x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    return len(syncs), sorted(layer.timings), all(v > 0 for v in layer.timings.values())
+
+
+def _phases():
+    from collectives.alltoall import MoELayer
+    layer = MoELayer(6, 8, 4, k=2)
+    layer(torch.randn(5, 6))
+    return layer.timings
+
+
+def test_the_moe_layer_times_its_phases_without_stopping_the_host():
+    for timings in launch.run(_phases, 2, timeout=WORLD_TIMEOUT):
+        assert sorted(timings) == ["combine", "dispatch", "experts"] and all(v > 0 for v in timings.values())
+
+
+@pytest.mark.gpu
+def test_the_moe_layer_waits_for_the_gpu_once_per_forward():
+    for syncs, phases, positive in launch.run(_syncs_per_forward, 2, backend="nccl", timeout=120):
+        assert syncs == 1 and phases == ["combine", "dispatch", "experts"] and positive

@@ -8,18 +8,23 @@
 * :mod:`.hierarchical` -- across machines: gather inside, one message per machine pair
   across, scatter inside;
 * :mod:`.moe` -- a top-k router with capacity, dispatch and combine as autograd
-  all-to-alls, and the same layer in one process to check it against;
-* :mod:`.cost` -- the α–β cost of each, and Bruck's crossover;
+  all-to-alls, and the same layer in one process to check it against; :mod:`.layer`,
+  the layer made of them;
+* :mod:`.dedup` -- the MoE dispatch and combine that send a token across to a machine
+  once, however many of its experts live there;
+* :mod:`.balance` -- the load-balancing loss and the bias-based balancing without one;
+* :mod:`.cost` -- the α–β cost of each, Bruck's crossover, and the deduplication's saving;
 * :mod:`.plan` -- what a call works out once and reuses on the same buffers: blocks as
   views of the output, ranks, the ``P2POp`` lists.
 """
 
-from . import cost
+from . import balance, cost, dedup
+from .balance import balance_experts
 from .flat import bruck_all_to_all, check_all_to_all_args, linear_all_to_all, pairwise_all_to_all, pairwise_schedule
 from .hierarchical import carrier, hierarchical_all_to_all
+from .layer import MoELayer, PhaseTimer
 from .moe import (
     AllToAll,
-    MoELayer,
     Routing,
     all_to_all_autograd,
     capacity_for,
@@ -27,6 +32,10 @@ from .moe import (
     dispatch_order,
     exchange_counts,
     expert_forward,
+    flat_combine,
+    flat_dispatch,
+    run_experts,
+    topk_dispatch_combine,
     make_expert,
     make_router,
     moe_dispatch_combine,
@@ -39,4 +48,6 @@ __all__ = ["linear_all_to_all", "pairwise_all_to_all", "bruck_all_to_all", "chec
            "pairwise_schedule", "hierarchical_all_to_all", "carrier", "exchange_splits", "all_to_all_uneven",
            "AllToAll", "all_to_all_autograd", "moe_dispatch_combine", "MoELayer", "moe_reference", "Routing", "route",
            "capacity_for",
-           "dispatch_order", "combine", "expert_forward", "make_router", "make_expert", "exchange_counts", "cost"]
+           "dispatch_order", "combine", "expert_forward", "make_router", "make_expert", "exchange_counts", "cost",
+           "flat_dispatch", "flat_combine", "run_experts", "dedup", "balance", "PhaseTimer",
+           "topk_dispatch_combine", "balance_experts"]

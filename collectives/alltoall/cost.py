@@ -15,17 +15,23 @@ messages, and wins while (p − 1 − ⌈log2 p⌉)·α exceeds its extra bytes'
 (:func:`bruck_crossover`).
 
 Across machines (:class:`collectives.core.cost.TwoTier`, D ranks per machine sharing one
-link of M): the flat all-to-all puts D·D·(M − 1) blocks on each machine's link and as
-many messages; the hierarchical one the same bytes in M − 1 messages, plus two stages
-inside (:func:`hierarchical_seconds`).
+link of M): the flat all-to-all puts D·D·(M − 1) blocks on each machine's link, from D
+ranks sending at once, D·(M − 1) messages each; the hierarchical one the same bytes in
+M − 1 messages, plus two stages inside (:func:`hierarchical_seconds`).
+
+For an MoE dispatch the bytes across *can* shrink, because a token that chose several
+experts on one machine is the same row several times: :func:`dedup_rows` counts the rows
+per token that cross flat and deduplicated, :func:`moe_seconds` the dispatch + combine.
 """
 
 from __future__ import annotations
 
+import math
+
 from ..core.cost import AlphaBeta, Cost, TwoTier, log2_ceil
 
 __all__ = ["linear", "pairwise", "bruck", "bruck_blocks", "predict", "bruck_crossover",
-           "flat_seconds", "hierarchical_seconds", "MODELS"]
+           "flat_seconds", "hierarchical_seconds", "MODELS", "dedup_rows", "moe_seconds"]
 
 
 def linear(n: float, p: int) -> Cost:
@@ -69,11 +75,13 @@ def bruck_crossover(p: int, link: AlphaBeta) -> float:
 
 
 def flat_seconds(nbytes: float, machine: TwoTier) -> float:
-    """A flat all-to-all on a two-tier machine: the busier of each machine's shared link
-    (D·D·(M − 1) messages of b) and a rank's messages inside."""
+    """A flat all-to-all on a two-tier machine: the busier of each machine's shared link and
+    a rank's messages inside. Across, the D ranks of a machine send at once, each its
+    D·(M − 1) messages one after another: D·(M − 1) α's in series, and the link carries
+    all D·D·(M − 1) blocks' bytes."""
     D, M = machine.ranks_per_machine, machine.machines
     b = nbytes / machine.p
-    across = D * D * (M - 1) * machine.across.message(b) if M > 1 else 0.0
+    across = (D * (M - 1) * machine.across.alpha + D * D * (M - 1) * b * machine.across.beta) if M > 1 else 0.0
     inside = (D - 1) * machine.inside.message(b) if D > 1 else 0.0
     return max(across, inside)
 
@@ -91,3 +99,46 @@ def hierarchical_seconds(nbytes: float, machine: TwoTier) -> float:
     across = (M - 1) * machine.across.message(D * D * b) if M > 1 else 0.0
     inside_scatter = (M - 1) * machine.inside.message(D * b) if D > 1 else 0.0
     return inside_gather + across + inside_scatter
+
+
+def _none_of(k: int, E: int, on_machine: int) -> float:
+    """The chance that k distinct experts drawn uniformly from E miss a machine's ``on_machine``."""
+    if k > E - on_machine:
+        return 0.0
+    return math.comb(E - on_machine, k) / math.comb(E, k)
+
+
+def dedup_rows(k: int, E: int, M: int) -> tuple[float, float]:
+    """Rows one token sends across machines, (flat, deduplicated), with its k experts drawn
+    uniformly from E spread evenly over M machines and nothing dropped.
+
+    Flat: one row per choice on another machine, k·(M − 1)/M. Deduplicated: one row per
+    other machine holding at least one of its experts, (M − 1)·(1 − C(E − E/M, k)/C(E, k)).
+    The ratio is the k-duplication the deduplication removes; at k = 1 both are (M − 1)/M."""
+    flat = k * (M - 1) / M
+    dedup = (M - 1) * (1 - _none_of(k, E, E // M))
+    return flat, dedup
+
+
+def moe_seconds(tokens: int, row_bytes: float, k: int, E: int, machine: TwoTier, dedup: bool,
+                meta_bytes: float = 0.0) -> float:
+    """Dispatch + combine of ``tokens`` rows per rank, each ``row_bytes``, across a two-tier
+    machine (uniform routing, nothing dropped). Both directions cost the same (the combine
+    retraces the dispatch), so twice one direction:
+
+    * flat: each machine's link carries D·tokens·rows_flat rows, from D ranks each sending
+      D·(M − 1) messages; inside, the choices on the own machine;
+    * deduplicated: D·tokens·rows_dedup rows across (plus ``meta_bytes`` a row: gates,
+      experts, slots), one message from each rank to its rail peer on each other machine,
+      then inside every choice forwarded once more: k·tokens rows on the fast links.
+    The counts' exchange (p − 1 small messages per rank) is the same for both."""
+    D, M = machine.ranks_per_machine, machine.machines
+    flat_rows, dedup_rows_ = dedup_rows(k, E, M)
+    counts = (machine.p - 1) * machine.inside.alpha
+    if not dedup:
+        across = D * (M - 1) * machine.across.alpha + D * tokens * flat_rows * row_bytes * machine.across.beta
+        inside = (D - 1) * machine.inside.alpha + tokens * k / M * row_bytes * machine.inside.beta
+        return 2 * (counts + max(across, inside))
+    across = (M - 1) * machine.across.alpha + D * tokens * dedup_rows_ * (row_bytes + meta_bytes) * machine.across.beta
+    inside = (D - 1) * machine.inside.alpha + tokens * k * row_bytes * machine.inside.beta
+    return 2 * (2 * counts + across + inside)

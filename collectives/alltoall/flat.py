@@ -103,18 +103,29 @@ def pairwise_all_to_all(output: torch.Tensor, input: torch.Tensor, output_split_
     plan.stage_out(output)
 
 
-def _size_matrix(rows_in: list[int], equal: bool, group) -> list[list[int]]:
+def _size_matrix(rows_in: list[int], rows_out: list[int], equal: bool, group) -> list[list[int]]:
     """sizes[s][d]: rows rank s sends rank d. Equal blocks need no message; uneven ones are
-    all-gathered first (one small ring all-gather of p·p counts, lesson 4's)."""
+    all-gathered first (one small ring all-gather of p·2p counts, lesson 4's): what every
+    rank sends and what it expects, so that every rank sees a pair that disagrees -- a
+    sender of 5 rows to a receiver expecting 3 -- and all of them raise, nobody waits."""
     rank, p = ops.group_rank_and_size(group)
     if equal:
         return [rows_in[:] for _ in range(p)]
     from ..ring import ring_all_gather
-    gathered = torch.zeros(p * p, dtype=torch.int64, device=ops.rank_device())
+    gathered = torch.zeros(p * 2 * p, dtype=torch.int64, device=ops.rank_device())
     with trace.label("bruck: the size matrix"):
-        ring_all_gather(gathered, torch.tensor(rows_in, dtype=torch.int64, device=gathered.device), group=group)
+        ring_all_gather(gathered, torch.tensor(rows_in + rows_out, dtype=torch.int64, device=gathered.device),
+                        group=group)
     flat = gathered.tolist()
-    return [flat[s * p:(s + 1) * p] for s in range(p)]
+    sizes = [flat[s * 2 * p:s * 2 * p + p] for s in range(p)]
+    expects = [flat[s * 2 * p + p:(s + 1) * 2 * p] for s in range(p)]
+    wrong = [(s, d) for s in range(p) for d in range(p) if sizes[s][d] != expects[d][s]]
+    if wrong:
+        s, d = wrong[0]
+        raise ValueError(f"bruck_all_to_all: rank {rank}: group rank {s} sends group rank {d} {sizes[s][d]} rows "
+                         f"but rank {d} expects {expects[d][s]} (its output_split_sizes[{s}])"
+                         + (f", and {len(wrong) - 1} more pairs disagree" if len(wrong) > 1 else ""))
+    return sizes
 
 
 def bruck_all_to_all(output: torch.Tensor, input: torch.Tensor, output_split_sizes=None,
@@ -134,7 +145,7 @@ def bruck_all_to_all(output: torch.Tensor, input: torch.Tensor, output_split_siz
     equal = input_split_sizes is None and output_split_sizes is None
     rounds = plan.cache.get("bruck")
     if rounds is None:
-        rounds = _bruck_rounds(plan, _size_matrix(plan.src.rows, equal, group))
+        rounds = _bruck_rounds(plan, _size_matrix(plan.src.rows, plan.dst.rows, equal, group))
         if equal:                   # uneven: the other ranks' sizes may change from call to call
             plan.cache["bruck"] = rounds
     steps, final = rounds

@@ -1,5 +1,5 @@
 """Hierarchical all-to-all: gather inside a machine, one message per machine pair across,
-scatter inside (after DeepEP's two-hop dispatch between machines).
+scatter inside (a leader-based, two-level all-to-all).
 
 D ranks per machine on M machines, machine-major (:mod:`collectives.hierarchical.layout`,
 lesson 7's). A flat all-to-all sends D·D messages from every machine to every other one,
@@ -19,8 +19,16 @@ Across, the bytes are the flat version's -- all-to-all cannot send fewer -- but 
 M·(M − 1) messages instead of D²·M·(M − 1): the slow link pays α once per machine pair,
 carries one long stream instead of D² competing ones, and each message is D² times
 longer (past the size where a link reaches its bandwidth). The price: every block for
-another machine crosses the fast links twice more (gather and scatter).
+another machine crosses the fast links twice more (gather and scatter), and with one NIC
+per GPU only the carriers' NICs carry anything: M − 1 of a machine's D (one of D with two
+machines). Every byte still crosses -- an all-to-all's blocks are all different -- so on
+one link per machine it can win only the α's it saves.
 Cost (:func:`collectives.alltoall.cost.hierarchical_seconds`).
+
+This is *not* DeepEP's inter-node dispatch. DeepEP sends over RDMA from each GPU to the
+same-index GPU of the target node (every NIC busy), forwards inside over NVLink, and
+sends a token bound for several experts on one node across once: fewer bytes across,
+not only fewer messages. That dispatch is :mod:`collectives.alltoall.dedup`.
 """
 
 from __future__ import annotations
@@ -47,7 +55,8 @@ def hierarchical_all_to_all(output: torch.Tensor, input: torch.Tensor, group=Non
     The stages are worked out on the first call and reused (:mod:`.plan`).
     """
     plan = plan_for("hierarchical_all_to_all", output, input, None, None, group, extra=("layout", layout),
-                    check=lambda made: made.cache.update(hierarchical=_stages(made, resolve(layout, group))))
+                    check=lambda made: made.cache.update(hierarchical=_stages(made, resolve(layout, group))),
+                    agree=lambda: {"layout": _layout_text(layout, group)})
     if plan is None:
         return
     plan.stage_in(input)
@@ -60,6 +69,11 @@ def hierarchical_all_to_all(output: torch.Tensor, input: torch.Tensor, group=Non
         for to, frm in after:
             to.copy_(frm)
     plan.stage_out(output)
+
+
+def _layout_text(layout, group) -> str:
+    lay = resolve(layout, group)
+    return f"(D={lay.D}, M={lay.M})"
 
 
 def _stages(plan, lay) -> list:

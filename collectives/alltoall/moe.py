@@ -1,12 +1,12 @@
-"""A mixture-of-experts layer with dispatch and combine written as all-to-alls.
+"""Mixture-of-experts routing, and its dispatch and combine written as all-to-alls.
 
 Each rank holds T tokens and E/p of the E experts. A router scores every token against
 every expert and keeps its top k (GShard's top-2; Switch's top-1 is k = 1). Each expert
 takes at most C = ⌈capacity_factor · T · k / E⌉ tokens *from each rank*, first choices
 first, in token order; what does not fit is dropped (its contribution is zero, and
-counted). Then::
+counted). With C = T·k nothing is dropped (dropless, as DeepSeek-V3 trains). Then::
 
-    route      logits = x · W_router, gates = top-k of softmax       (every rank, its tokens)
+    route      logits = x · W_router; top k of logits + bias; gates = softmax at those k
     permute    the kept (token, choice) rows sorted by expert, then by slot
     counts     one all-to-all of E/p counts per pair: who receives how many rows per expert
     dispatch   all-to-all of the rows (uneven splits, sizes from the counts)
@@ -26,18 +26,17 @@ and gradients equal it bit for bit in fp32.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..core import ops, trace
 from .flat import pairwise_all_to_all
 
 __all__ = ["AllToAll", "all_to_all_autograd", "Routing", "capacity_for", "route", "dispatch_order",
            "combine", "expert_forward", "moe_dispatch_combine", "make_router", "make_expert", "exchange_counts",
-           "MoELayer", "moe_reference"]
+           "moe_reference", "flat_dispatch", "flat_combine", "run_experts", "limit_nodes", "assign_slots",
+           "topk_dispatch_combine"]
 
 
 class AllToAll(torch.autograd.Function):
@@ -66,12 +65,40 @@ def all_to_all_autograd(input, output_split_sizes, input_split_sizes, group=None
 
 @dataclass
 class Routing:
+    """A routing decision, on the tokens' device; its counts reach the host once (:meth:`host`)."""
+
     expert: torch.Tensor      # [T, k] expert of each choice
     gate: torch.Tensor        # [T, k] its weight (differentiable: the router learns through it)
     slot: torch.Tensor        # [T, k] position in the expert's buffer, −1 where dropped
-    counts: list[int]         # kept rows per expert, E of them
-    dropped: int              # (token, choice) pairs over capacity
+    kept: torch.Tensor        # [E] kept rows per expert, on the device
     capacity: int
+    _host: list | None = None
+
+    def host(self, *more: torch.Tensor) -> list[list[int]]:
+        """The kept rows per expert, then the dropped count, then each of ``more`` (integer
+        tensors on the same device), read in one device-to-host copy: a layer's one wait."""
+        parts = [self.kept, self.dropped_t.view(1), *(m.reshape(-1) for m in more)]
+        flat = torch.cat(parts).tolist()
+        out, at = [], 0
+        for part in parts:
+            out.append(flat[at:at + part.numel()])
+            at += part.numel()
+        self._host = out[:2]
+        return out
+
+    @property
+    def dropped_t(self) -> torch.Tensor:
+        return (self.slot < 0).sum().view(1).to(self.kept.dtype)
+
+    @property
+    def counts(self) -> list[int]:
+        """Kept rows per expert, E of them (read from the device on first use)."""
+        return (self._host or self.host())[0]
+
+    @property
+    def dropped(self) -> int:
+        """(token, choice) pairs over capacity."""
+        return (self._host or self.host())[1][0]
 
 
 def capacity_for(tokens: int, num_experts: int, k: int, factor: float) -> int:
@@ -79,43 +106,73 @@ def capacity_for(tokens: int, num_experts: int, k: int, factor: float) -> int:
     return math.ceil(factor * tokens * k / num_experts)
 
 
-def route(x: torch.Tensor, weight: torch.Tensor, k: int, capacity: int, bias=None) -> Routing:
-    """Top-k routing with a capacity: first choices take their slots before second choices."""
+def route(x: torch.Tensor, weight: torch.Tensor, k: int, capacity: int, bias=None, *,
+          node_limit: int | None = None, machines: int = 1) -> Routing:
+    """Top-k routing with a capacity: first choices take their slots before second choices.
+
+    ``bias`` (DeepSeek-V3's balancing bias) shifts which experts are chosen, not the gates:
+    a token chooses by logits + bias; its gates are the unbiased softmax at those experts. ``node_limit``
+    (DeepSeek-V3's node-limited routing): the experts split into ``machines`` equal groups,
+    and a token chooses only among the ``node_limit`` groups with the highest sums of their
+    best k/``machines`` scores. ``capacity = T·k`` keeps every choice (dropless)."""
     logits = x @ weight
-    if bias is not None:
-        logits = logits + bias
-    gate, expert = torch.softmax(logits, dim=-1).topk(k, dim=-1)
+    probs = torch.softmax(logits, dim=-1)
     E = weight.shape[1]
     with torch.no_grad():
-        taken = torch.zeros(E, dtype=torch.int64, device=x.device)
-        slot = torch.empty_like(expert)
-        for j in range(k):
-            onehot = F.one_hot(expert[:, j], E)
-            position = torch.cumsum(onehot, 0) - 1 + taken
-            slot[:, j] = position.gather(1, expert[:, j:j + 1]).squeeze(1)
-            taken += onehot.sum(0)
-        dropped = int((slot >= capacity).sum())
-        slot[slot >= capacity] = -1
-        counts = torch.clamp(taken, max=capacity).tolist()
-    return Routing(expert, gate, slot, counts, dropped, capacity)
+        score = logits if bias is None else logits + bias
+        if node_limit is not None and node_limit < machines:
+            score = limit_nodes(score, k, node_limit, machines)
+        expert = score.topk(k, dim=-1).indices
+    gate = probs.gather(1, expert)
+    return assign_slots(expert, gate, E, capacity)
+
+
+@torch.no_grad()
+def assign_slots(expert: torch.Tensor, gate: torch.Tensor, num_experts: int, capacity: int) -> Routing:
+    """Each choice's place in its expert's buffer: every token's first choice in token order,
+    then every second choice, ...; a choice past ``capacity`` is dropped (slot −1)."""
+    E, k = num_experts, expert.shape[1]
+    taken = torch.zeros(E, dtype=torch.int64, device=expert.device)
+    slot = torch.empty_like(expert)
+    for j in range(k):                # no one_hot, no boolean indexing: nothing here waits for the GPU
+        onehot = torch.zeros(expert.shape[0], E, dtype=torch.int64, device=expert.device)
+        onehot.scatter_(1, expert[:, j:j + 1], 1)
+        position = torch.cumsum(onehot, 0) - 1 + taken
+        slot[:, j] = position.gather(1, expert[:, j:j + 1]).squeeze(1)
+        taken += onehot.sum(0)
+    slot = torch.where(slot >= capacity, -1, slot)
+    return Routing(expert, gate, slot, torch.clamp(taken, max=capacity), capacity)
+
+
+def limit_nodes(score: torch.Tensor, k: int, node_limit: int, machines: int) -> torch.Tensor:
+    """``score`` with every expert outside each token's best ``node_limit`` machines set to −inf;
+    a machine's rank is the sum of its best ⌈k/machines⌉ scores."""
+    T, E = score.shape
+    per = score.view(T, machines, E // machines)
+    top = per.topk(min(max(1, -(-k // machines)), E // machines), dim=-1).values.sum(-1)     # [T, machines]
+    keep = torch.zeros(T, machines, dtype=torch.bool, device=score.device)
+    keep.scatter_(1, top.topk(node_limit, dim=-1).indices, True)
+    return score.masked_fill(~keep.repeat_interleave(E // machines, dim=1), float("-inf"))
 
 
 def dispatch_order(routing: Routing) -> torch.Tensor:
-    """Positions (t·k + j) of the kept choices, sorted by expert then slot: the send order."""
+    """Positions (t·k + j) of the kept choices, sorted by expert then slot: the send order.
+    Dropped choices sort last and are cut off at the kept count (known on the host)."""
     flat_slot = routing.slot.reshape(-1)
-    kept = torch.nonzero(flat_slot >= 0).squeeze(1)
-    key = routing.expert.reshape(-1)[kept] * max(routing.capacity, 1) + flat_slot[kept]
-    return kept[torch.argsort(key, stable=True)]
+    E = routing.kept.numel()
+    cap = max(routing.capacity, 1)
+    key = torch.where(flat_slot >= 0, routing.expert.reshape(-1) * cap + flat_slot, E * cap)
+    return torch.argsort(key, stable=True)[:sum(routing.counts)]
 
 
 def combine(returned: torch.Tensor, routing: Routing, order: torch.Tensor, tokens: int) -> torch.Tensor:
     """Un-permute: out[t] = Σ_j gate[t, j] · (the row choice j of token t came back with, or 0)."""
     k = routing.expert.shape[1]
+    H = returned.shape[1]
+    ys = returned.new_zeros((tokens * k, H)).index_copy(0, order, returned).view(tokens, k, H)
     out = None
     for j in range(k):
-        mine = (order % k) == j
-        y = returned.new_zeros((tokens, returned.shape[1])).index_copy(0, order[mine] // k, returned[mine])
-        term = routing.gate[:, j:j + 1] * y
+        term = routing.gate[:, j:j + 1] * ys[:, j]
         out = term if out is None else out + term
     return out
 
@@ -135,15 +192,19 @@ def make_expert(seed: int, expert: int, hidden: int, ffn: int) -> tuple[torch.Te
             torch.randn(ffn, hidden, generator=gen) / math.sqrt(ffn))
 
 
-def exchange_counts(counts: list[int], group=None) -> torch.Tensor:
-    """[p, E/p]: row s holds how many rows rank s sends to each of this rank's experts."""
+def exchange_counts(counts, group=None) -> torch.Tensor:
+    """[p, E/p]: row s holds how many rows rank s sends to each of this rank's experts.
+    ``counts``: a list (the result is on the CPU) or a device tensor (the result stays there:
+    no wait for the host)."""
     rank, p = ops.group_rank_and_size(group)
     device = ops.rank_device()
-    send = torch.tensor(counts, dtype=torch.int64, device=device)
+    on_device = isinstance(counts, torch.Tensor)
+    send = counts.to(device, torch.int64) if on_device else torch.tensor(counts, dtype=torch.int64, device=device)
     recv = torch.empty_like(send)
     with trace.label("moe: counts per expert"):
         pairwise_all_to_all(recv, send, group=group)
-    return recv.view(p, len(counts) // p).cpu()
+    recv = recv.view(p, send.numel() // p)
+    return recv if on_device else recv.cpu()
 
 
 def moe_dispatch_combine(x: torch.Tensor, expert_of: torch.Tensor, num_experts: int, expert_fn,
@@ -180,82 +241,65 @@ def moe_dispatch_combine(x: torch.Tensor, expert_of: torch.Tensor, num_experts: 
     return returned.index_select(0, torch.argsort(order))
 
 
-class MoELayer(torch.nn.Module):
-    """E experts spread over the group's ranks, E/p each; tokens dispatched by all-to-all.
+@dataclass
+class FlatState:
+    """What :func:`flat_combine` needs from :func:`flat_dispatch`."""
 
-    ``forward(x)`` takes this rank's [T, hidden] tokens and returns their [T, hidden]
-    outputs. After each call ``stats`` holds the dropped choices, the rows received per
-    local expert, and ``timings`` the seconds of dispatch, expert compute and combine.
-    """
+    order: torch.Tensor         # the kept choices (t·k + j) in send order
+    send: list[int]
+    recv: list[int]
+    recv_counts: torch.Tensor   # [p, E/p] rows from each source for each local expert
 
-    def __init__(self, hidden: int, ffn: int, num_experts: int, k: int = 2, capacity_factor: float = 1.25,
-                 group=None, seed: int = 0, algorithm=None):
-        super().__init__()
-        rank, p = ops.group_rank_and_size(group)
-        if num_experts % p or not 1 <= k <= num_experts:
-            raise ValueError(f"MoELayer: {num_experts} experts must split evenly over {p} ranks and "
-                             f"1 ≤ k ≤ experts (k={k})")
-        self.hidden, self.num_experts, self.k, self.factor = hidden, num_experts, k, capacity_factor
-        self.group, self.algorithm = group, algorithm or pairwise_all_to_all
-        self.local = num_experts // p
-        self.first = rank * self.local
-        self.router = torch.nn.Parameter(make_router(seed, hidden, num_experts))
-        weights = [make_expert(seed, self.first + e, hidden, ffn) for e in range(self.local)]
-        self.w1 = torch.nn.ParameterList([torch.nn.Parameter(w) for w, _ in weights])
-        self.w2 = torch.nn.ParameterList([torch.nn.Parameter(w) for _, w in weights])
-        self.register_buffer("logit_bias", torch.zeros(num_experts))
-        self.stats: dict = {}
-        self.timings: dict = {}
 
-    def _sync(self, x):
-        if x.is_cuda:
-            torch.cuda.synchronize(x.device)
-        return time.perf_counter()
+def flat_dispatch(x: torch.Tensor, routing: Routing, num_experts: int, group=None, algorithm=None):
+    """One row per kept (token, choice) to its expert's rank: the counts, then the rows.
+    Returns this rank's experts' rows (expert by expert, each in source order, then slot),
+    the rows per local expert, and the state :func:`flat_combine` needs."""
+    rank, p = ops.group_rank_and_size(group)
+    El = num_experts // p
+    k = routing.expert.shape[1]
+    recv_device = exchange_counts(routing.kept, group)                            # [p, El], on the device
+    recv_counts = torch.tensor(routing.host(recv_device)[2], dtype=torch.int64).view(p, El)   # the one wait
+    order = dispatch_order(routing)
+    send = [sum(routing.counts[q * El:(q + 1) * El]) for q in range(p)]
+    recv = recv_counts.sum(1).tolist()
+    with trace.label("moe: dispatch"):
+        received = all_to_all_autograd(x.index_select(0, order // k), recv, send, group, algorithm)
+    pieces = received.split(recv_counts.reshape(-1).tolist())
+    batch = [pieces[s * El + e] for e in range(El) for s in range(p)]
+    rows = torch.cat(batch) if batch else received
+    return rows, recv_counts.sum(0).tolist(), FlatState(order, send, recv, recv_counts)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.hidden \
-                or not x.is_floating_point():
-            raise ValueError(f"MoELayer: expected floating [tokens, {self.hidden}] tokens, got "
-                             f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
-        p, El = self.num_experts // self.local, self.local
-        t0 = self._sync(x)
-        routing = route(x, self.router, self.k, capacity_for(x.shape[0], self.num_experts, self.k, self.factor),
-                        self.logit_bias)
-        order = dispatch_order(routing)
-        send_rows = x.index_select(0, order // self.k)
-        recv_counts = exchange_counts(routing.counts, self.group)               # [p, El]
-        send_splits = [sum(routing.counts[q * El:(q + 1) * El]) for q in range(p)]
-        recv_splits = recv_counts.sum(1).tolist()
-        with trace.label("moe: dispatch"):
-            received = all_to_all_autograd(send_rows, recv_splits, send_splits, self.group, self.algorithm)
-        t1 = self._sync(x)
-        pieces = received.split(recv_counts.reshape(-1).tolist())
-        back = [None] * (p * El)
-        for e in range(El):
-            rows = torch.cat([pieces[s * El + e] for s in range(p)])
-            y = expert_forward(rows, self.w1[e], self.w2[e])
-            for s, part in enumerate(y.split(recv_counts[:, e].tolist())):
-                back[s * El + e] = part
-        back_rows = torch.cat(back) if back else received
-        t2 = self._sync(x)
-        with trace.label("moe: combine"):
-            returned = all_to_all_autograd(back_rows, send_splits, recv_splits, self.group, self.algorithm)
-        out = combine(returned, routing, order, x.shape[0])
-        t3 = self._sync(x)
-        self.stats = {"dropped": routing.dropped, "capacity": routing.capacity,
-                      "received_per_expert": recv_counts.sum(0).tolist(), "received": sum(recv_splits)}
-        self.timings = {"dispatch": t1 - t0, "experts": t2 - t1, "combine": t3 - t2}
-        return out
+
+def flat_combine(y: torch.Tensor, routing: Routing, state: FlatState, tokens: int, group=None,
+                 algorithm=None) -> torch.Tensor:
+    """The experts' outputs (in :func:`flat_dispatch`'s batch order) back, then
+    out[t] = Σ_j gate[t, j] · y_j[t], choice by choice."""
+    p, El = state.recv_counts.shape
+    parts = y.split(state.recv_counts.t().reshape(-1).tolist())                 # [expert][source]
+    back = [parts[e * p + s] for s in range(p) for e in range(El)]
+    with trace.label("moe: combine"):
+        returned = all_to_all_autograd(torch.cat(back) if back else y, state.send, state.recv, group, algorithm)
+    return combine(returned, routing, state.order, tokens)
+
+
+def run_experts(rows: torch.Tensor, counts: list[int], w1, w2) -> torch.Tensor:
+    """Each local expert once on its rows (``rows`` expert by expert, ``counts`` of each)."""
+    outs = [expert_forward(part, a, b) for part, a, b in zip(rows.split(counts), w1, w2)]
+    return torch.cat(outs) if outs else rows
 
 
 def moe_reference(xs: list[torch.Tensor], routers: list[torch.Tensor], experts: list[tuple], k: int,
-                  capacity_factor: float, bias=None) -> tuple[list[torch.Tensor], list[int]]:
+                  capacity_factor: float | None, bias=None, *, node_limit=None, machines: int = 1,
+                  routings_out: list | None = None) -> tuple[list[torch.Tensor], list[int]]:
     """The same MoE in one process: ``xs[r]`` and ``routers[r]`` are rank r's tokens and
-    router copy, ``experts[e] = (w1, w2)``. Returns every rank's output and its dropped count."""
+    router copy, ``experts[e] = (w1, w2)``. Returns every rank's output and its dropped count
+    (``routings_out``, if given, receives every rank's :class:`Routing`)."""
     p, E = len(xs), len(experts)
     routings, orders, sends = [], [], []
     for x, w in zip(xs, routers):
-        r = route(x, w, k, capacity_for(x.shape[0], E, k, capacity_factor), bias)
+        capacity = x.shape[0] * k if capacity_factor is None else capacity_for(x.shape[0], E, k, capacity_factor)
+        r = route(x, w, k, capacity, bias, node_limit=node_limit, machines=machines)
         order = dispatch_order(r)
         routings.append(r)
         orders.append(order)
@@ -266,4 +310,27 @@ def moe_reference(xs: list[torch.Tensor], routers: list[torch.Tensor], experts: 
         for s, part in enumerate(y.split([routings[s].counts[e] for s in range(p)])):
             outputs_by[s][e] = part
     outs = [combine(torch.cat(outputs_by[s]), routings[s], orders[s], xs[s].shape[0]) for s in range(p)]
+    if routings_out is not None:
+        routings_out.extend(routings)
     return outs, [r.dropped for r in routings]
+
+
+def topk_dispatch_combine(x: torch.Tensor, experts: torch.Tensor, gates: torch.Tensor, num_experts: int,
+                          capacity: int, expert_fn, group=None) -> tuple[torch.Tensor, int]:
+    """Top-k dispatch and combine with a capacity, given the routing (task 6's contract).
+
+    ``experts[t, j]``/``gates[t, j]``: choice j of token t and its weight. Each expert takes at
+    most ``capacity`` rows from this rank, first choices before second choices, in token order
+    (:func:`assign_slots`); the rest are dropped. Expert e's rank calls ``expert_fn(e, rows)``
+    once, on its rows from every source in source order (slot order within a source).
+    Returns ``(out, dropped)``: out[t] = Σ_j gates[t, j]·y_j[t] over the kept choices."""
+    rank, p = ops.group_rank_and_size(group)
+    if num_experts % p or experts.shape != gates.shape or experts.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_dispatch_combine: rank {rank}: experts and gates must be [tokens, k] and "
+                         f"{num_experts} experts split evenly over {p} ranks")
+    routing = assign_slots(experts, gates, num_experts, capacity)
+    rows, counts, state = flat_dispatch(x, routing, num_experts, group)
+    first = rank * (num_experts // p)
+    outs = [expert_fn(first + e, part) for e, part in enumerate(rows.split(counts))]
+    y = torch.cat(outs) if outs else rows
+    return flat_combine(y, routing, state, x.shape[0], group), routing.dropped

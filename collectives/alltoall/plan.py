@@ -41,18 +41,21 @@ def _is_split_list(value) -> bool:
         isinstance(v, int) and not isinstance(v, bool) for v in value)
 
 
-def check_all_to_all_args(output, input, output_split_sizes, input_split_sizes, group, what: str):
+def check_all_to_all_args(output, input, output_split_sizes, input_split_sizes, group, what: str,
+                          agree: dict | None = None):
     """Check an all-to-all's arguments before anything is sent; return ``(rows_out, rows_in)``,
     the block sizes along dim 0 (lists of p), or None for a rank outside ``group``.
 
     Everything checked here depends on this rank's arguments only, so a wrong call raises
-    on the rank that made it before any message leaves it.
+    on the rank that made it before any message leaves it. In check mode the ranks then
+    compare (:mod:`collectives.core.checkmode`): algorithm, dtype, the rows' shape, ``agree``
+    (a machine layout), and every pair's rows -- rank s's ``input_split_sizes[d]`` against
+    rank d's ``output_split_sizes[s]``.
     """
     for name, t in (("output", output), ("input", input)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if not ops.check_all_reduce_args(input, ReduceOp.SUM, group, what=what,
-                                     compare=output_split_sizes is None and input_split_sizes is None):
+    if not ops.check_all_reduce_args(input, ReduceOp.SUM, group, what=what, compare=False):
         return None
     rank, p = ops.group_rank_and_size(group)
     if output.dtype != input.dtype:
@@ -79,6 +82,13 @@ def check_all_to_all_args(output, input, output_split_sizes, input_split_sizes, 
             raise ValueError(f"{what}: rank {rank}: {name} {list(sizes)} add up to {sum(sizes)} rows, "
                              f"but the {name[:-12]} has {t.shape[0]}")
         splits.append(list(sizes))
+    if output_split_sizes is None and input_split_sizes is None and output.shape[0] != input.shape[0]:
+        raise ValueError(f"{what}: rank {rank}: equal blocks need as many output rows as input rows, got "
+                         f"{output.shape[0]} and {input.shape[0]}; pass both split lists for uneven blocks")
+    if ops.check_mode():
+        ops.compare_across_ranks(what, input, ReduceOp.SUM, group,
+                                 {"rows of": tuple(input.shape[1:]), **(agree or {})},
+                                 pairs=(splits[1], splits[0]))
     return splits[0], splits[1]
 
 
@@ -125,10 +135,10 @@ class Plan:
         self.rank, self.p = ops.group_rank_and_size(group)
         self.globals = [ops.global_rank(group, r) for r in range(self.p)]
         row_numel = math.prod(input.shape[1:])
-        self.staged_in = not input.is_contiguous()
-        self.staged_out = not output.is_contiguous()
-        src = ops.work_buffer(input) if self.staged_in else input.detach().view(-1)
-        dst = ops.work_buffer(output) if self.staged_out else output.detach().view(-1)
+        self.staged_in = not _plain(input)
+        self.staged_out = not _plain(output)
+        src = _staging(input) if self.staged_in else input.detach().view(-1)
+        dst = _staging(output) if self.staged_out else output.detach().view(-1)
         self.src = Blocks(alias(src, 0, src.numel()), rows_in, row_numel)
         self.dst = Blocks(alias(dst, 0, dst.numel()), rows_out, row_numel)
         self.cuda = src.is_cuda or dst.is_cuda
@@ -155,6 +165,19 @@ class Plan:
                 + [dist.P2POp(dist.isend, b, self.globals[r], group=g) for b, r in sends if b.numel()])
 
 
+def _plain(t: torch.Tensor) -> bool:
+    """Memory a block view can alias as it is: contiguous, no lazy conjugate or negation
+    (an alias made from the storage would drop the flag: ``x.conj()`` would arrive unconjugated)."""
+    return t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
+def _staging(t: torch.Tensor) -> torch.Tensor:
+    """A plain contiguous buffer of ``t``'s elements (filled by :meth:`Plan.stage_in`)."""
+    if t.is_conj() or t.is_neg():
+        return torch.empty(t.numel(), dtype=t.dtype, device=t.device)
+    return ops.work_buffer(t)
+
+
 def post(p2p: list) -> list:
     """Post a ``P2POp`` list in one ``batch_isend_irecv`` (one NCCL group on GPUs; on gloo,
     each in list order); return the handles to wait on."""
@@ -174,22 +197,32 @@ def _split_key(sizes):
     raise TypeError("not a list of ints")          # never cached: the check will say what is wrong
 
 
+def _memory(t: torch.Tensor) -> tuple:
+    """Which memory ``t`` is: its storage's identity (a plan's views keep the storage alive,
+    so no other storage can take its place while the plan exists), the storage's address and
+    size now (a ``resize_`` that moved it is a new buffer), where ``t`` starts in it, and the
+    lazy conjugate and negation bits (``x`` and ``x.conj()`` share every address)."""
+    storage = t.untyped_storage()
+    return (storage._cdata, storage.data_ptr(), storage.nbytes(), t.storage_offset(), t.is_conj(), t.is_neg())
+
+
 def _key(what, output, input, output_split_sizes, input_split_sizes, group, extra):
     if not (isinstance(output, torch.Tensor) and isinstance(input, torch.Tensor)):
         raise TypeError("not tensors")
-    return (what, output.data_ptr(), input.data_ptr(), output.shape, input.shape, output.stride(), input.stride(),
+    return (what, _memory(output), _memory(input), output.shape, input.shape, output.stride(), input.stride(),
             output.dtype, input.dtype, output.device, input.device, _split_key(output_split_sizes),
             _split_key(input_split_sizes), group, extra, dist.isend, dist.irecv)
 
 
 def plan_for(what: str, output, input, output_split_sizes, input_split_sizes, group, *, extra=None,
-             check=None) -> Plan | None:
+             check=None, agree: dict | None = None) -> Plan | None:
     """The plan of this call: the cached one when the same call was made before on the same
     buffers, else a new one, made after :func:`check_all_to_all_args`
     (and ``check(plan)``, for what an algorithm checks besides) have passed. None on a rank
-    outside ``group``: nothing to do. ``extra``: anything else the plan depends on (a layout).
+    outside ``group``: nothing to do. ``extra``: anything else the plan depends on (a layout);
+    ``agree``: what check mode compares besides (:func:`check_all_to_all_args`).
 
-    The key holds everything the checks and the plan depend on -- buffers' addresses,
+    The key holds everything the checks and the plan depend on -- buffers' storages,
     shapes, strides, dtypes, devices, this rank's splits, the group, ``extra``, and which
     ``isend`` is installed (a trace installed later must see the messages) -- so a call
     that finds its plan would pass the checks again."""
@@ -201,7 +234,8 @@ def plan_for(what: str, output, input, output_split_sizes, input_split_sizes, gr
     if plan is not None:
         trace.note_call(what)
         return plan
-    checked = check_all_to_all_args(output, input, output_split_sizes, input_split_sizes, group, what)
+    checked = check_all_to_all_args(output, input, output_split_sizes, input_split_sizes, group, what,
+                                    agree() if callable(agree) else agree)
     if checked is None:
         return None
     plan = Plan(output, input, checked[0], checked[1], group)

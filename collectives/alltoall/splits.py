@@ -12,9 +12,14 @@ know the size is zero)::
     rank 2 sends [0, 2, 2] rows                           rank 2 receives [1, 0, 2]
 
 The counts' all-to-all is a round of p − 1 tiny messages: pure latency, (p − 1)·α on
-the pairwise schedule, paid again on every call. Real systems hide it (DeepEP overlaps it
-with the router's last layer) or avoid it with a fixed capacity (GShard pads every block
-to the same size and sends padding instead).
+the pairwise schedule, paid again on every call, and the host must read the counts
+before it can size the output. Real systems pay it or avoid it. DeepEP's normal kernels
+(for training and prefill) exchange the counts on the GPU, then the CPU waits for them to
+size the receive buffers: a host synchronisation, so that mode cannot be captured in a
+CUDA graph. Its low-latency kernels (for decoding) skip the exchange: every receive buffer
+is sized for the worst case, so shapes are fixed and a graph can replay them, at the price
+of memory. GShard avoids it with a fixed capacity, padding every block to the same size
+and dropping what does not fit.
 """
 
 from __future__ import annotations

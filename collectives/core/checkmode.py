@@ -3,7 +3,9 @@
 With ``COLLECTIVES_CHECK=1`` (``launch.run(..., check=True)``; on in the exercise runner),
 every course algorithm describes its call -- algorithm, element count, dtype, op, group,
 device, and whatever else must agree (a layout, a density, a transport) -- and the ranks
-of the group compare the descriptions. Ranks that differ all raise
+of the group compare the descriptions. An all-to-all describes its pairs too (``pairs``):
+the rows it sends each rank and expects from each, so a sender of 5 rows meets a receiver
+expecting 3 in the check, not in the transport; its element count may differ by rank. Ranks that differ all raise
 :class:`ArgumentMismatch`, naming who differs and how, instead of meeting in the middle of
 the algorithm, where gloo aborts ("Received data size doesn't match expected size") or
 waits for a message that never comes. It is the course's ``TORCH_DISTRIBUTED_DEBUG=DETAIL``.
@@ -72,10 +74,12 @@ def _ranks_text(ranks) -> str:
     return ", ".join(map(str, ranks))
 
 
-def describe(what: str, tensor: torch.Tensor, op, group, agree: dict | None = None) -> dict[str, str]:
-    """The description ranks compare: what the algorithm needs to be the same everywhere."""
+def describe(what: str, tensor: torch.Tensor, op, group, agree: dict | None = None,
+             uneven: bool = False) -> dict[str, str]:
+    """The description ranks compare: what the algorithm needs to be the same everywhere
+    (``uneven``: the element count may differ by rank, the pairs say what must match)."""
     ranks = "the world" if group is None else "ranks " + _ranks_text(_ranks(group))
-    out = {"algorithm": what, "elements": str(tensor.numel()),
+    out = {"algorithm": what, "elements": "(by rank)" if uneven else str(tensor.numel()),
            "dtype": str(tensor.dtype).replace("torch.", ""), "op": getattr(op, "name", None) or str(op),
            "group": ranks, "device": tensor.device.type}
     for key, value in (agree or {}).items():
@@ -98,11 +102,14 @@ def _wait_for(store, keys: list[str], timeout: float, status: str) -> list[bool]
 
 
 def compare_across_ranks(what: str, tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
-                         agree: dict | None = None, timeout: float | None = None) -> None:
+                         agree: dict | None = None, timeout: float | None = None,
+                         pairs: tuple[list[int], list[int]] | None = None) -> None:
     """Raise :class:`ArgumentMismatch` on every rank of ``group`` unless all of them call
     ``what`` with the same description (:func:`describe`); a no-op outside check mode.
 
     ``agree``: further arguments that must be the same on every rank ({"layout": (2, 2)}).
+    ``pairs``: an all-to-all's ``(rows sent to each group rank, rows expected from each)``:
+    rank s's sends[d] must equal rank d's receives[s] for every pair.
     ``timeout``: seconds to wait for the other ranks (default ``COLLECTIVES_CHECK_TIMEOUT``,
     else 300); a rank that never comes is named in the error.
     """
@@ -115,7 +122,9 @@ def compare_across_ranks(what: str, tensor: torch.Tensor, op=ReduceOp.SUM, group
     key = (id(store), ranks)
     call = _calls.get(key, 0)
     _calls[key] = call + 1
-    mine = describe(what, tensor, op, group, agree)
+    mine = describe(what, tensor, op, group, agree, uneven=pairs is not None)
+    if pairs is not None:
+        mine["pairs"] = json.dumps([list(pairs[0]), list(pairs[1])])
     base = f"{PREFIX}/{'-'.join(map(str, ranks))}/{call}/"
     store.set(base + str(dist.get_rank()), json.dumps(mine))
     keys = [base + str(r) for r in ranks]
@@ -130,6 +139,9 @@ def compare_across_ranks(what: str, tensor: torch.Tensor, op=ReduceOp.SUM, group
                                "collective, or called them in another order (checked because COLLECTIVES_CHECK=1)")
     everyone = [json.loads(v) for v in store.multi_get(keys)]
     differences = []
+    if pairs is not None and all("pairs" in desc for desc in everyone):
+        differences += _pair_differences([json.loads(desc.pop("pairs")) for desc in everyone], ranks)
+        mine.pop("pairs")
     for field in mine:
         seen: dict[str, list[int]] = {}
         for rank, desc in zip(ranks, everyone):
@@ -140,3 +152,14 @@ def compare_across_ranks(what: str, tensor: torch.Tensor, op=ReduceOp.SUM, group
     if differences:   # one line: it is what a RankError's summary and a FAIL line show
         raise ArgumentMismatch(f"{what}: the ranks disagree on its arguments: " + "; ".join(differences)
                                + " (checked because COLLECTIVES_CHECK=1)")
+
+
+def _pair_differences(pairs: list, ranks) -> list[str]:
+    """Every pair (s, d) where rank s sends a number of rows rank d does not expect."""
+    out = []
+    for s, (sends, _) in enumerate(pairs):
+        for d, (_, receives) in enumerate(pairs):
+            if s < len(receives) and d < len(sends) and sends[d] != receives[s]:
+                out.append(f"rank {ranks[s]} sends rank {ranks[d]} {sends[d]} rows but rank {ranks[d]} "
+                           f"expects {receives[s]} from rank {ranks[s]}")
+    return out[:4] + ([f"{len(out) - 4} more pairs"] if len(out) > 4 else [])

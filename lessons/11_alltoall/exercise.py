@@ -1,6 +1,6 @@
 """Lesson 11 exercise: all-to-all, uneven splits, and a mixture-of-experts dispatch.
 
-Five functions, five tasks. Every all-to-all has ``dist.all_to_all_single``'s contract:
+Seven functions, seven tasks. Every all-to-all has ``dist.all_to_all_single``'s contract:
 blocks are cut along dim 0 (equal, or ``*_split_sizes`` rows each), rank r's output block s
 is rank s's input block r, any dtype, any world size (graded on 1 to 6 ranks: 3, 5 and 6
 are not powers of two), empty blocks allowed.
@@ -65,7 +65,8 @@ def pairwise_all_to_all(output: torch.Tensor, input: torch.Tensor, output_split_
     TODO:     copy your own block (block ``rank`` of input into block ``rank`` of output),
               then for k = 1 .. p − 1: send input block ``to`` and receive output block
               ``frm`` -- with p a power of two to = frm = rank XOR k; otherwise to = rank + k,
-              frm = rank − k (mod p). Finish a round (both messages) before the next.
+              frm = rank − k (mod p). Finish a round (both messages) before the next: the
+              grader starts one rank late and reads when each round was posted.
     APPROACH: work on contiguous buffers: ``input.contiguous()``, and for a non-contiguous
               output a contiguous temporary copied back at the end. ``blocks(...)`` gives
               the flat views. Skip empty blocks (both ends know their size).
@@ -149,6 +150,48 @@ def moe_dispatch_combine(x: torch.Tensor, expert_of: torch.Tensor, num_experts: 
     CALLS:    ops.group_rank_and_size
     """
     raise NotImplementedError("Lesson 11, task 5: moe_dispatch_combine")
+
+
+def topk_dispatch_combine(x: torch.Tensor, experts: torch.Tensor, gates: torch.Tensor, num_experts: int,
+                          capacity: int, expert_fn, group=None):
+    """Lesson 11, task 6: top-k dispatch and combine with a capacity; return ``(out, dropped)``.
+
+    TODO:     choice j of token t goes to expert ``experts[t, j]`` with weight ``gates[t, j]``.
+              Each expert takes at most ``capacity`` rows from this rank: every token's first
+              choice, in token order, takes its slot before any second choice, and so on;
+              choices past the capacity are dropped (count them). Dispatch the kept rows as in
+              task 5 (each expert's rows from every source in source order, slot order within
+              a source; ``expert_fn(e, rows)`` once per local expert), bring the results back
+              and return out[t] = Σ_j gates[t, j] · (result of choice j), kept choices only.
+    APPROACH: slots: for j in 0..k−1, for each token in order, slot = how many the expert
+              already took; then sort the kept (t, j) by (expert, slot) and go on as task 5.
+    EXAMPLE:  capacity 1, two tokens both choosing experts [0, 1] and [1, 0]: token 0's first
+              choice takes expert 0's slot, token 1's first choice expert 1's; both second
+              choices are dropped: dropped = 2.
+    HINT:     a dropped choice adds nothing to out[t]; ``index_add_`` sums by token.
+    CALLS:    ops.group_rank_and_size
+    """
+    raise NotImplementedError("Lesson 11, task 6: topk_dispatch_combine")
+
+
+def balance_experts(bias: torch.Tensor, expert: torch.Tensor, probs: torch.Tensor, gamma: float,
+                    group=None) -> torch.Tensor:
+    """Lesson 11, task 7: balance the experts, with a loss and with a bias.
+
+    TODO:     ``expert`` [T, k]: this rank's chosen experts; ``probs`` [T, E]: its router's
+              probabilities. Return the load-balancing loss of this rank's tokens,
+              E · Σ_e f_e · P_e, f_e the share of the T·k choices that went to expert e and
+              P_e the mean of ``probs[:, e]`` (a 0-d tensor). Then move ``bias`` in place:
+              bias[e] += gamma · sign(mean load − load[e]), where load[e] counts the choices
+              of expert e on EVERY rank of the group.
+    APPROACH: count with ``torch.bincount``; the loads of every rank arrive by messages
+              (your pairwise all-to-all can send each rank the same E counts).
+    EXAMPLE:  E = 4, loads [6, 2, 2, 2] over all ranks (mean 3): the bias moves by
+              [−γ, +γ, +γ, +γ]: the busy expert is chosen less next time.
+    HINT:     the loss is smallest, 1, when choices and probabilities are both uniform.
+    CALLS:    ops.group_rank_and_size, ops.rank_device
+    """
+    raise NotImplementedError("Lesson 11, task 7: balance_experts")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ command, commit, every row) under ``--out``:
   floor its messages alone cost (:mod:`.alltoall_host`);
 * ``moe`` -- the MoE layer's dispatch + combine time against its expert compute, and an
   imbalance sweep (routing from uniform to skewed): the tokens the busiest rank receives
-  and the step time the slowest rank sets.
+  and the step time the slowest rank sets;
+* ``dedup`` -- on the simulated cluster, the flat MoE dispatch + combine against the
+  node-deduplicating one, top-k, the model beside (:mod:`.alltoall_dedup`).
 
 ``--backend nccl`` runs ``local`` and ``moe`` on the GPUs (one rank per GPU).
 ``tools/lesson11_figures.py`` turns the records into the site's claims and figures.
@@ -32,19 +34,23 @@ import torch
 import torch.distributed as dist
 
 from ...core import cost as core_cost
-from ...core import launch, netns, ops, timing, trace
+from ...core import launch, ops, timing, trace
 from ..catalog import ROOT
+from .alltoall_dedup import add_arguments, site_record, two_tier
+from .alltoall_dedup import print_rows as print_dedup
 from .alltoall_host import FLAT, _algorithms, library_all_to_all, print_rows, suite_host  # noqa: F401
 
 DEFAULT_OUT = ROOT / "build" / "bench"
 QUEUE = "50ms"
 REPLAYED = "linear, replayed from a CUDA graph"
+LIBRARY_REPLAYED = "dist.all_to_all_single, replayed from a CUDA graph"
 
 
 def _time_in_rank(sizes: list[int], iters: int, names: list[str], layout=None) -> dict:
     """Every algorithm at every size: verified against the library once, then timed (max over ranks).
     On GPUs the linear all-to-all is also captured in a CUDA graph and replayed (:data:`REPLAYED`):
-    the same messages with the host's cost per call taken out, verified the same way."""
+    the same messages with the host's cost per call taken out, verified the same way; and so is
+    the library's (:data:`LIBRARY_REPLAYED`), so that replayed meets replayed as eager meets eager."""
     p = dist.get_world_size()
     device = ops.rank_device()
     fns = _algorithms(names, layout)
@@ -65,13 +71,16 @@ def _time_in_rank(sizes: list[int], iters: int, names: list[str], layout=None) -
             times = timing.measure(lambda: fn(out, x), warmup=1, iters=iters, device=device)
             rows.append(dict(name=name, nbytes=numel * 4, verified=verified, seconds=timing.median(times),
                              times=times, messages=messages))
-        if device.type == "cuda" and "linear" in fns:
-            replay = timing.capture_graph(lambda: fns["linear"](out, x), warm=2, device=device).replay
+        graphs = [(REPLAYED, fns.get("linear")), (LIBRARY_REPLAYED, fns.get("dist.all_to_all_single"))]
+        for label, fn in graphs if device.type == "cuda" else ():
+            if fn is None:
+                continue
+            replay = timing.capture_graph(lambda fn=fn: fn(out, x), warm=2, device=device).replay
             out.zero_()
             replay()
             verified = bool(torch.equal(out, expected))
             times = timing.measure(replay, warmup=1, iters=iters, device=device)
-            rows.append(dict(name=REPLAYED, nbytes=numel * 4, verified=verified, seconds=timing.median(times),
+            rows.append(dict(name=label, nbytes=numel * 4, verified=verified, seconds=timing.median(times),
                              times=times, messages=None))
             del replay
     return {"rows": rows, "world_size": p}
@@ -109,13 +118,6 @@ def suite_local(args, argv) -> dict:
                   measured_crossover=crossover([r["nbytes"] for r in result["rows"] if r["name"] == "pairwise"],
                                                measured["bruck"], measured["pairwise"]))
     return result
-
-
-def two_tier(link: str, D: int, M: int) -> core_cost.TwoTier:
-    """The model's view of the simulated cluster: loopback inside (lesson 7's), the shaped link across (α 100 µs)."""
-    from collectives.hierarchical.cost import DEFAULT_TIERS
-    across = core_cost.AlphaBeta(100e-6, 1 / netns.rate_bytes_per_second(link))
-    return core_cost.TwoTier(DEFAULT_TIERS.inside, across, M, D)
 
 
 def suite_cluster(args, argv) -> dict:
@@ -183,7 +185,12 @@ def suite_moe(args, argv) -> dict:
             "ffn": args.ffn, "k": 2, "experts": 2 * args.ranks}
 
 
-SUITES = {"local": suite_local, "cluster": suite_cluster, "moe": suite_moe, "host": suite_host}
+def suite_dedup(args, argv) -> dict:
+    from .alltoall_dedup import suite_dedup as run
+    return run(args, argv)
+
+
+SUITES = {"local": suite_local, "cluster": suite_cluster, "moe": suite_moe, "host": suite_host, "dedup": suite_dedup}
 
 
 def write(suite: str, argv: list[str], backend: str, result: dict, out: str | None) -> Path:
@@ -222,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=9, help="host: timed batches (median)")
     parser.add_argument("--before", default="", help="host: an earlier host record to compare with")
     parser.add_argument("--out", default="", help="folder for the JSON (default build/bench)")
+    add_arguments(parser)
     args = parser.parse_args(rest)
     if args.backend == "nccl":
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -230,6 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = result.get("rows", []) + [r for run in result.get("runs", []) for r in run["rows"]]
     if suite == "host":
         print_rows(result)
+        rows = []
+    if suite == "dedup":
+        print_dedup(result)
+        print(f"wrote {site_record(json.loads(path.read_text()), path.parent)}")
         rows = []
     for row in rows:
         if "nbytes" in row:

@@ -7,10 +7,14 @@ computes is taken as the answer. Returned tensors must be plain ``torch.Tensor``
 copied out in the rank; returned sizes are read as ints. Every call is held to messages
 only (no library collective, read from the tap), and one counted call per world to its
 design: the pairwise exchange's p − 1 rounds, one partner each way per round, in the
-schedule's order; Bruck's ⌈log2 p⌉ messages to rank + 2^k carrying the blocks whose bit
-k is set; the sizes' exchange one integer per pair; the uneven all-to-all the rows it
-owes and the counts, nothing more. The MoE task records what each expert was handed:
-every row routed to it, from every rank, in source order, in one call.
+schedule's order, each finished before the next is posted (one rank starts late: a round
+posted before the late rank's block arrived shows in the tap's clock); Bruck's ⌈log2 p⌉
+messages to rank + 2^k carrying the blocks whose bit k is set; the sizes' exchange one
+integer per pair; the uneven all-to-all the rows it owes and the counts, nothing more.
+The MoE task records what each expert was handed: every row routed to it, from every
+rank, in source order, in one call. A wrong output names the block and the rank whose
+data belongs there. Tasks 6 and 7 (top-k with a capacity, and balancing) are
+:mod:`.lesson11_moe`'s.
 """
 
 from __future__ import annotations
@@ -20,22 +24,28 @@ import torch
 from ... import verify
 from . import GradedTask
 from .allreduce import messages_only
+from .lesson11_messages import (
+    COUNTED,
+    COUNTED_ROWS,
+    COUNTED_WIDTH,
+    LATE,
+    bruck_pattern,
+    carried,
+    pairwise_pattern,
+    posted_early,
+)
+from .lesson11_moe import TASKS as MOE_TASKS
+from .lesson11_moe import own_tensor
+from .lesson11_moe import values as _values
 from .world import Grading, Probe, Verdict, outcome_problem, same
 
 HERE = __name__
 FLAT_SIZES = (1, 2, 3, 4, 5, 6)
 SIZES = (1, 2, 3, 4)
-COUNTED = "counted float32, 3 rows of 5 per block"
-COUNTED_ROWS, COUNTED_WIDTH = 3, 5
 MAX_PROBLEMS = 20
 
 
 # ---- inputs ---------------------------------------------------------------------------
-
-def _values(seed: int, numel: int, dtype) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF)
-    return torch.randint(-100, 100, (numel,), generator=gen).to(dtype)
-
 
 def public_splits(p: int, key: str) -> list[list[int]]:
     """``splits[s][d]``: rows rank s sends rank d in an uneven case of tasks 1 and 2; public (the
@@ -73,21 +83,17 @@ def _transpose(inputs: list[torch.Tensor], rows_in: list[list[int]], r: int) -> 
     return torch.cat([x.split(rows)[r] for x, rows in zip(inputs, rows_in)])
 
 
-def own_tensor(value) -> torch.Tensor | None:
-    """A copy of ``value`` if it is a plain tensor (no subclass of the student's), else None."""
-    if type(value) is not torch.Tensor:
-        return None
-    return value.detach().cpu().clone(memory_format=torch.contiguous_format)
-
-
 # ---- tasks 1 and 2: pairwise and Bruck ------------------------------------------------
 
-def probe_flat(probe: Probe, name: str, uneven: bool) -> dict:
+def probe_flat(probe: Probe, name: str, uneven: bool, late: float = 0.0) -> dict:
+    import time
     fn = probe.student(name)
     p, r = probe.size, probe.rank
     out = {}
     for case in flat_cases(p, uneven):
         key, dtype, rows, width, layout = case
+        if key == COUNTED and late and p >= 3 and r == p - 1:
+            time.sleep(late)
         x = _flat_input(case, p, r, probe.seed(key))
         pristine = x.clone()
         rows_out = [_rows_in(case, p, s)[r] for s in range(p)]
@@ -101,36 +107,30 @@ def probe_flat(probe: Probe, name: str, uneven: bool) -> dict:
     return out
 
 
-def _pairwise_pattern(case, p: int, rank: int, calls) -> str | None:
-    from ....alltoall.flat import pairwise_schedule
-    if case[0] != COUNTED or p == 1:
-        return None
-    msgs = [c for c in calls if c.kind in ("send", "recv") and c.numel]
-    if len(msgs) != 2 * (p - 1):
-        return f"made {len(msgs)} sends and receives, expected 2(p − 1) = {2 * (p - 1)}"
-    block = COUNTED_ROWS * COUNTED_WIDTH
-    for k, (to, frm) in enumerate(pairwise_schedule(rank, p), start=1):
-        got = {(c.kind, c.peer) for c in msgs[2 * (k - 1): 2 * k]}
-        if got != {("send", to), ("recv", frm)}:
-            return (f"round {k} {sorted(got)}, expected a send to {to} and a receive from {frm} "
-                    "(one partner each way per round, rounds in order)")
-    if any(c.numel != block for c in msgs):
-        return f"messages of {sorted({c.numel for c in msgs})} elements, expected one block ({block})"
-    return None
-
-
-def _bruck_pattern(case, p: int, rank: int, calls) -> str | None:
-    if case[0] != COUNTED or p == 1:
-        return None
-    sends = [c for c in calls if c.kind == "send" and c.numel]
-    rounds = (p - 1).bit_length()
-    expected = [((rank + (1 << k)) % p, sum(1 for i in range(p) if i >> k & 1) * COUNTED_ROWS * COUNTED_WIDTH)
-                for k in range(rounds)]
-    got = [(c.peer, c.numel) for c in sends]
-    if got != expected:
-        return (f"sent (rank, elements) {got}, expected {expected}: round k sends the blocks whose bit k "
-                "is set to rank + 2^k, packed in one message")
-    return None
+def block_problem(inputs: list[torch.Tensor], rows_in: list[list[int]], r: int, got) -> str | None:
+    """Rank r's output against the transpose, block by block: the first wrong block named with
+    the rank whose input block r belongs there, and what it holds instead."""
+    expected = _transpose(inputs, rows_in, r)
+    problem = same(expected, got)
+    if problem is None or not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+        return problem
+    rows_out = [rows[r] for rows in rows_in]
+    at = 0
+    for s, n in enumerate(rows_out):
+        want, have = expected[at:at + n], got[at:at + n]
+        if not torch.equal(want, have):
+            holds = "values no rank sent"
+            if bool((have == 55).all()):
+                holds = "the output's old contents: it was never written"
+            else:
+                for q, (x, rows) in enumerate(zip(inputs, rows_in)):
+                    for b, block in enumerate(x.split(rows)):
+                        if block.shape == have.shape and torch.equal(block, have):
+                            holds = f"rank {q}'s input block {b}"
+            return (f"output block {s} (rows {at}..{at + n - 1}) should hold rank {s}'s input block {r}, "
+                    f"but holds {holds}")
+        at += n
+    return problem
 
 
 def _flat_bytes(case, p: int, rank: int, calls, rows_in) -> str | None:
@@ -141,10 +141,10 @@ def _flat_bytes(case, p: int, rank: int, calls, rows_in) -> str | None:
     return None
 
 
-def _judge_flat(grading: Grading, name: str, uneven: bool, pattern) -> Verdict:
+def _judge_flat(grading: Grading, name: str, uneven: bool, pattern, late: float = 0.0) -> Verdict:
     verdict = Verdict()
     for size in grading.sizes(*FLAT_SIZES):
-        run = grading.world(f"{HERE}:probe_flat", size, name, uneven)
+        run = grading.world(f"{HERE}:probe_flat", size, name, uneven, late)
         for problem in run.problems():
             verdict.add(problem)
         for case in flat_cases(size, uneven):
@@ -157,11 +157,13 @@ def _judge_flat(grading: Grading, name: str, uneven: bool, pattern) -> Verdict:
                 if outcome_problem(where, outcome, verdict):
                     continue
                 calls = run.of(r, key)
-                problem = (same(_transpose(inputs, rows_in, r), got)
+                problem = (block_problem(inputs, rows_in, r, got)
                            or (None if untouched else "modified its input")
                            or messages_only(None, size, r, calls)
                            or _flat_bytes(case, size, r, calls, rows_in[r])
-                           or pattern(case, size, r, calls))
+                           or pattern(case, size, r, calls)
+                           or (carried(name, inputs, size, r, calls) if key == COUNTED else None)
+                           or (posted_early(run, size, r) if late and key == COUNTED else None))
                 verdict.add(problem and f"{where}: {problem}")
         if verdict.not_written or verdict.problems:
             break
@@ -215,12 +217,14 @@ def _judge_splits(grading: Grading) -> Verdict:
                 sends = [c for c in calls if c.kind == "send" and c.numel]
                 problem = None
                 if got != expected:
-                    problem = f"returned {got if got is not None else 'something else'}, expected {expected}"
+                    problem = (f"returned {got if got is not None else 'something else'}, expected {expected}: "
+                               f"result[s] is rank s's input_split_sizes[{r}]"
+                               + (" (these are this rank's own counts)" if got == counts[r] else ""))
                 problem = problem or messages_only(None, size, r, calls)
-                if problem is None and (len(sends) > size - 1 or any(c.numel != 1 for c in sends)
+                if problem is None and (len(sends) != size - 1 or any(c.numel != 1 for c in sends)
                                         or len({c.peer for c in sends}) != len(sends)):
                     problem = (f"sent {[(c.peer, c.numel) for c in sends]} (rank, elements): one count to each "
-                               "other rank is all an exchange of sizes needs")
+                               "other rank, no more and no fewer, is what an exchange of sizes sends")
                 verdict.add(problem and f"{where}: {problem}")
         if verdict.not_written or verdict.problems:
             break
@@ -244,11 +248,12 @@ def probe_uneven(probe: Probe) -> dict:
     for key, dtype, width in UNEVEN:
         x, splits = _uneven_input(key, dtype, width, probe.size, probe.seed(key))
         outcome = probe.call(key, fn, x, list(splits))
-        got, sizes = None, None
+        got, sizes, kinds = None, None, type(outcome.value).__name__
         if isinstance(outcome.value, tuple) and len(outcome.value) == 2:
             got, sizes = own_tensor(outcome.value[0]), _as_ints(outcome.value[1], probe.size)
+            kinds = f"({type(outcome.value[0]).__name__}, {type(outcome.value[1]).__name__})"
         outcome.value = None
-        out[key] = (outcome, got, sizes)
+        out[key] = (outcome, got, sizes, kinds)
     return out
 
 
@@ -262,17 +267,17 @@ def _judge_uneven(grading: Grading) -> Verdict:
             made = [_uneven_input(key, dtype, width, size, run.seed(s, key)) for s in range(size)]
             for r in range(size):
                 where = f"all_to_all_uneven, world of {size}, rank {r}, case {key}"
-                outcome, got, sizes = run.results[r][key]
+                outcome, got, sizes, kinds = run.results[r][key]
                 if outcome_problem(where, outcome, verdict):
                     continue
                 expected_sizes = [made[s][1][r] for s in range(size)]
                 calls = run.of(r, key)
                 problem = None
                 if got is None or sizes is None:
-                    problem = "returned something other than (a plain torch.Tensor, a list of p ints)"
+                    problem = f"returned {kinds}, expected (a plain torch.Tensor, a list of p ints)"
                 elif sizes != expected_sizes:
                     problem = f"returned output_split_sizes {sizes}, expected {expected_sizes}"
-                problem = (problem or same(_transpose([m[0] for m in made], [m[1] for m in made], r), got)
+                problem = (problem or block_problem([m[0] for m in made], [m[1] for m in made], r, got)
                            or messages_only(None, size, r, calls))
                 owed = sum(n for d, n in enumerate(made[r][1]) if d != r) * width
                 sent = sum(c.numel for c in calls if c.kind == "send")
@@ -342,12 +347,35 @@ def _judge_moe(grading: Grading) -> Verdict:
                 expected = torch.stack([_expert_value(int(e), row) for row, e in zip(x, expert_of)]) \
                     if x.shape[0] else x.clone()
                 problem = None if got is not None else "returned something other than a plain torch.Tensor"
-                problem = problem or same(expected, got) or _batches(seen, made, r, size, E) \
-                    or messages_only(None, size, r, run.of(r, key))
+                problem = problem or _unpermuted(expected, got) or _batches(seen, made, r, size, E) \
+                    or messages_only(None, size, r, run.of(r, key)) or _moe_traffic(made, r, size, E, run.of(r, key))
                 verdict.add(problem and f"{where}: {problem}")
         if verdict.not_written or verdict.problems:
             break
     return verdict
+
+
+def _moe_traffic(made, r: int, p: int, E: int, calls) -> str | None:
+    """No fewer elements sent than the rows for other ranks' experts and the results owed back."""
+    home = lambda e: int(e) // (E // p)                                                  # noqa: E731
+    out_rows = sum(1 for e in made[r][1] if home(e) != r)
+    back_rows = sum(1 for s, m in enumerate(made) if s != r for e in m[1] if home(e) == r)
+    owed = (out_rows + back_rows) * HIDDEN
+    sent = sum(c.numel for c in calls if c.kind == "send" and c.numel > E // p)
+    if sent < owed:
+        return (f"sent {sent} elements of rows, but the tokens for other ranks' experts and the results owed "
+                f"back come to {owed}: the rows travel as messages")
+    return None
+
+
+def _unpermuted(expected: torch.Tensor, got: torch.Tensor) -> str | None:
+    problem = same(expected, got)
+    if problem is None or got.shape != expected.shape or not expected.numel():
+        return problem
+    if sorted(map(tuple, expected.tolist())) == sorted(map(tuple, got.tolist())):
+        return ("every token's result came back, but into other tokens' rows: put each one in the row of "
+                "its token (un-permute with the inverse of the sort, argsort(order))")
+    return problem
 
 
 def _batches(seen, made, rank: int, p: int, E: int) -> str | None:
@@ -374,11 +402,12 @@ def _batches(seen, made, rank: int, p: int, E: int) -> str | None:
 
 TASKS = [
     GradedTask(11, 1, "pairwise all-to-all", 4, lambda g: _judge_flat(g, "pairwise_all_to_all", True,
-                                                                      _pairwise_pattern),
+                                                                      pairwise_pattern, LATE),
                ("pairwise_all_to_all",)),
-    GradedTask(11, 2, "Bruck all-to-all", 4, lambda g: _judge_flat(g, "bruck_all_to_all", False, _bruck_pattern),
+    GradedTask(11, 2, "Bruck all-to-all", 4, lambda g: _judge_flat(g, "bruck_all_to_all", False, bruck_pattern),
                ("bruck_all_to_all",)),
     GradedTask(11, 3, "exchange of split sizes", 2, _judge_splits, ("exchange_splits",)),
     GradedTask(11, 4, "uneven all-to-all", 3, _judge_uneven, ("all_to_all_uneven",)),
     GradedTask(11, 5, "MoE dispatch and combine", 5, _judge_moe, ("moe_dispatch_combine",)),
+    *MOE_TASKS,
 ]
