@@ -67,6 +67,7 @@ LESSONS = [
     Lesson(10, "sharded", "Sharded data parallel: ZeRO-1/2/3 and FSDP", "collectives.sharded"),
     Lesson(11, "alltoall", "All-to-all and mixture-of-experts dispatch", "collectives.alltoall"),
     Lesson(12, "symmetric", "Collectives without messages: shared and symmetric memory", "collectives.symmetric"),
+    Lesson(14, "pipeline", "Pipeline parallelism: GPipe, 1F1B, interleaved and zero-bubble", "collectives.pipeline"),
 ]
 
 

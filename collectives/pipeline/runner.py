@@ -1,0 +1,159 @@
+"""One runner for every schedule: steps in the list's order, activations and gradients as
+``isend``/``irecv`` messages, nothing else.
+
+Rank r holds the chunks ``r, r + p, ...`` (:class:`Pipeline`). A step of chunk c::
+
+    F(i, c):  x = micro-batch i (c = 0) or irecv from rank of c − 1    y = stage.forward(x)
+              c < C − 1: isend y to rank of c + 1       c = C − 1: keep (y − t_i)/m for B
+    B(i, c):  g = irecv from rank of c + 1 (c = C − 1: the kept loss gradient)
+              gx = stage.backward_input(g) if a W of (i, c) follows, else stage.backward(g)
+              c > 0: isend gx to rank of c − 1
+    W(i, c):  stage.backward_weight(i)
+
+Sends never wait: each ``isend``'s handle is kept and waited for only when the whole step
+is done (gloo's ``isend`` completes when the peer receives), so a rank only ever waits for
+a message its schedule consumes now -- the rule the simulator (:mod:`.simulate`) plays,
+which is why a schedule it passes cannot hang here. Every message
+carries a tag naming (micro-batch, chunk, direction), so an activation can never be taken
+for a gradient between the same two ranks (interleaved, p = 2: both flow both ways).
+
+Shapes are agreed once, at the first step: chunk 0's rank knows the micro-batch's shape,
+works out its output's with ``stage.output_shape`` and sends it on as a small int64 tensor
+(:func:`shape_message`); every later step allocates receive buffers from what it learned.
+
+Cost per micro-batch and boundary: one activation forward, one gradient back, each
+α + a·β for a = rows × width × element size; a step moves 2·m·a bytes across each cut.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..core import ops
+from .schedules import Step
+from .simulate import simulate, split_steps
+from .stage import Stage, loss_grad, loss_value
+
+SHAPE_SLOTS = 4      # [ndim, d0, d1, d2]: activations of up to three dimensions
+SHAPE_TAG = 1 << 20
+
+
+def shape_message(shape) -> torch.Tensor:
+    """The int64 tensor that tells the next stage an activation's shape: [ndim, d0, d1, d2]."""
+    if len(shape) > SHAPE_SLOTS - 1:
+        raise ValueError(f"an activation of {len(shape)} dimensions; at most {SHAPE_SLOTS - 1} travel")
+    return torch.tensor([len(shape), *shape] + [0] * (SHAPE_SLOTS - 1 - len(shape)), dtype=torch.int64)
+
+
+def shape_from(message: torch.Tensor) -> tuple[int, ...]:
+    ndim = int(message[0])
+    return tuple(int(d) for d in message[1:1 + ndim])
+
+
+def tag(mb: int, chunk: int, num_chunks: int, gradient: bool) -> int:
+    """The message tag of micro-batch ``mb``'s activation (or gradient) leaving ``chunk``."""
+    return 2 * (mb * num_chunks + chunk) + int(gradient)
+
+
+class Pipeline:
+    """One rank's part of a pipeline: its stages by chunk, and the runner of schedules.
+
+    ``stages``: ``{chunk: Stage}`` for the chunks this rank holds (``r, r + p, ...`` of
+    ``num_chunks``). :meth:`step` runs one training step; ``spans`` then holds each
+    step's (step, start, end) in ``time.perf_counter()`` seconds, the trace a timeline
+    is drawn from.
+    """
+
+    def __init__(self, stages: dict[int, Stage], num_chunks: int, group=None):
+        self.rank, self.p = ops.group_rank_and_size(group)
+        if num_chunks % self.p or sorted(stages) != list(range(self.rank, num_chunks, self.p)):
+            raise ValueError(f"rank {self.rank} of {self.p} holds chunks {list(range(self.rank, num_chunks, self.p))}"
+                             f" of {num_chunks}; got {sorted(stages)}")
+        self.stages, self.C, self.group = stages, num_chunks, group
+        self.in_shape: dict[int, tuple[int, ...]] = {}    # chunk -> its input's shape, agreed once
+        self.dtype: torch.dtype | None = None
+        self.spans: list[tuple[Step, float, float]] = []
+
+    def _peer(self, chunk: int) -> int:
+        return ops.global_rank(self.group, chunk % self.p)
+
+    def agree_shapes(self, first: torch.Tensor) -> None:
+        """Pass every chunk's input shape down the chunks, once: a chain of small messages."""
+        self.dtype = first.dtype
+        sends = []
+        for c in sorted(self.stages):
+            if c == 0:
+                self.in_shape[0] = tuple(first.shape)
+            else:
+                msg = torch.empty(SHAPE_SLOTS, dtype=torch.int64)
+                dist.recv(msg, self._peer(c - 1), group=self.group, tag=SHAPE_TAG + c)
+                self.in_shape[c] = shape_from(msg)
+            if c < self.C - 1:
+                out = shape_message(self.stages[c].output_shape(self.in_shape[c]))
+                sends.append(dist.isend(out, self._peer(c + 1), group=self.group, tag=SHAPE_TAG + c + 1))
+        for work in sends:
+            work.wait()
+
+    def step(self, schedule, micro_batches: list[torch.Tensor], targets: list[torch.Tensor] | None = None,
+             *, check: bool = True) -> list[float]:
+        """Run this rank's list of ``schedule`` (a list per rank, checked first with the
+        simulator: an invalid or deadlocking schedule is refused before any message).
+        ``micro_batches`` are read on chunk 0's rank, ``targets`` on the last chunk's; returns
+        the losses of the micro-batches whose last chunk is here."""
+        m = len(micro_batches)
+        if len(schedule) != self.p:
+            raise ValueError(f"a schedule for {len(schedule)} ranks, in a group of {self.p}")
+        if check:
+            simulate(schedule, m, num_chunks=self.C)
+        if not self.in_shape:
+            self.agree_shapes(micro_batches[0])
+        split = split_steps(schedule)
+        loss_grads: dict[int, torch.Tensor] = {}
+        losses: list[float] = []
+        self.spans = []
+        sends = []
+        for s in schedule[self.rank]:
+            stage, c, i = self.stages[s.chunk], s.chunk, s.mb
+            if s.kind == "F":
+                x = micro_batches[i] if c == 0 else self._recv(self.in_shape[c], c - 1, i, c - 1, False)
+                start = time.perf_counter()
+                y = stage.forward(x, i)
+                if c == self.C - 1:
+                    loss_grads[i] = loss_grad(y, targets[i], m)
+                    losses.append(loss_value(y, targets[i], m))
+                else:
+                    sends.append(dist.isend(y.contiguous(), self._peer(c + 1), group=self.group,
+                                            tag=tag(i, c, self.C, False)))
+            elif s.kind == "B":
+                if c == self.C - 1:
+                    g = loss_grads.pop(i)
+                else:
+                    g = self._recv(stage.output_shape(self.in_shape[c]), c + 1, i, c + 1, True)
+                start = time.perf_counter()
+                gx = stage.backward_input(g, i) if (i, c) in split else stage.backward(g, i)
+                if c > 0:
+                    sends.append(dist.isend(gx.contiguous(), self._peer(c - 1), group=self.group,
+                                            tag=tag(i, c, self.C, True)))
+            else:
+                start = time.perf_counter()
+                stage.backward_weight(i)
+            self.spans.append((s, start, time.perf_counter()))
+        for work in sends:
+            work.wait()
+        return losses
+
+    def _recv(self, shape, from_chunk: int, mb: int, chunk: int, gradient: bool) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=self.dtype)
+        dist.irecv(buf, self._peer(from_chunk), group=self.group, tag=tag(mb, chunk, self.C, gradient)).wait()
+        return buf
+
+
+def make_pipeline(layers, num_chunks: int, activation: str = "tanh", group=None) -> Pipeline:
+    """This rank's :class:`Pipeline` of ``layers`` cut into ``num_chunks`` chunks."""
+    from .stage import chunk_layers
+    rank, p = ops.group_rank_and_size(group)
+    stages = {c: Stage(chunk_layers(layers, num_chunks, c), activation) for c in range(rank, num_chunks, p)}
+    return Pipeline(stages, num_chunks, group)
