@@ -6,6 +6,8 @@
   interleaved 1F1B and ZB-H1;
 * :mod:`.simulate` -- every schedule played on paper first: complete, deadlock-free (a
   :class:`Deadlock` names the cycle), its timeline, bubble and memory;
+* :mod:`.basic` -- one stage per rank, as the exercise builds it: the forward pass with
+  its shapes agreed once, a GPipe step, and any rank's order of F, B and W run;
 * :mod:`.runner` -- one runner for every schedule: activations and gradients as tagged
   ``isend``/``irecv`` messages, shapes agreed once;
 * :mod:`.torch_pp` -- the same model and stages through ``torch.distributed.pipelining``;
@@ -14,6 +16,7 @@
 """
 
 from . import cost
+from .basic import gpipe_step, pipeline_forward, run_schedule
 from .runner import SHAPE_SLOTS, Pipeline, make_pipeline, shape_from, shape_message, tag
 from .schedules import (
     NAMES,
@@ -33,4 +36,5 @@ from .stage import Stage, as_module, chunk_layers, loss_grad, loss_value, make_l
 __all__ = ["Stage", "make_layers", "chunk_layers", "loss_grad", "loss_value", "as_module", "one_process",
            "Step", "gpipe", "one_f_one_b", "one_f_one_b_order", "interleaved_1f1b", "zb_h1", "zb_h1_order",
            "schedule", "from_orders", "NAMES", "simulate", "validate", "Deadlock", "InvalidSchedule", "Timeline",
-           "Pipeline", "make_pipeline", "shape_message", "shape_from", "tag", "SHAPE_SLOTS", "cost"]
+           "Pipeline", "make_pipeline", "pipeline_forward", "gpipe_step", "run_schedule", "shape_message",
+           "shape_from", "tag", "SHAPE_SLOTS", "cost"]

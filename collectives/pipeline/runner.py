@@ -34,8 +34,8 @@ import torch.distributed as dist
 
 from ..core import ops
 from .schedules import Step
-from .simulate import simulate, split_steps
-from .stage import Stage, loss_grad, loss_value
+from .simulate import simulate
+from .stage import Stage
 
 SHAPE_SLOTS = 4      # [ndim, d0, d1, d2]: activations of up to three dimensions
 SHAPE_TAG = 1 << 20
@@ -80,9 +80,11 @@ class Pipeline:
     def _peer(self, chunk: int) -> int:
         return ops.global_rank(self.group, chunk % self.p)
 
-    def agree_shapes(self, first: torch.Tensor) -> None:
-        """Pass every chunk's input shape down the chunks, once: a chain of small messages."""
-        self.dtype = first.dtype
+    def agree_shapes(self, first: torch.Tensor | None) -> None:
+        """Pass every chunk's input shape down the chunks, once: a chain of small messages.
+        ``first`` is a micro-batch on chunk 0's rank (None elsewhere); activations travel in
+        the weights' dtype."""
+        self.dtype = self.stages[min(self.stages)].weights[0][0].dtype
         sends = []
         for c in sorted(self.stages):
             if c == 0:
@@ -97,33 +99,37 @@ class Pipeline:
         for work in sends:
             work.wait()
 
-    def step(self, schedule, micro_batches: list[torch.Tensor], targets: list[torch.Tensor] | None = None,
-             *, check: bool = True) -> list[float]:
+    def step(self, schedule, micro_batches: list, targets: list | None = None, *, check: bool = True) -> list[float]:
         """Run this rank's list of ``schedule`` (a list per rank, checked first with the
         simulator: an invalid or deadlocking schedule is refused before any message).
-        ``micro_batches`` are read on chunk 0's rank, ``targets`` on the last chunk's; returns
-        the losses of the micro-batches whose last chunk is here."""
-        m = len(micro_batches)
+        ``micro_batches`` are read on chunk 0's rank, ``targets`` on the last chunk's (elsewhere
+        lists of m ``None``); returns the losses of the micro-batches whose last chunk is here."""
         if len(schedule) != self.p:
             raise ValueError(f"a schedule for {len(schedule)} ranks, in a group of {self.p}")
         if check:
-            simulate(schedule, m, num_chunks=self.C)
+            simulate(schedule, len(micro_batches), num_chunks=self.C)
+        return self.run(schedule[self.rank], micro_batches, targets)
+
+    def run(self, steps: list[Step], micro_batches: list, targets: list | None = None) -> list[float]:
+        """Run ``steps``, this rank's part of a schedule, unchecked. A B is the input gradient
+        alone when ``steps`` has a W for the same micro-batch and chunk (W runs on B's rank)."""
+        m = len(micro_batches)
         if not self.in_shape:
             self.agree_shapes(micro_batches[0])
-        split = split_steps(schedule)
+        split = {(s.mb, s.chunk) for s in steps if s.kind == "W"}
         loss_grads: dict[int, torch.Tensor] = {}
         losses: list[float] = []
         self.spans = []
         sends = []
-        for s in schedule[self.rank]:
+        for s in steps:
             stage, c, i = self.stages[s.chunk], s.chunk, s.mb
             if s.kind == "F":
                 x = micro_batches[i] if c == 0 else self._recv(self.in_shape[c], c - 1, i, c - 1, False)
                 start = time.perf_counter()
                 y = stage.forward(x, i)
                 if c == self.C - 1:
-                    loss_grads[i] = loss_grad(y, targets[i], m)
-                    losses.append(loss_value(y, targets[i], m))
+                    loss_grads[i] = stage.loss_grad(y, targets[i], m)
+                    losses.append(stage.loss_value(y, targets[i], m))
                 else:
                     sends.append(dist.isend(y.contiguous(), self._peer(c + 1), group=self.group,
                                             tag=tag(i, c, self.C, False)))

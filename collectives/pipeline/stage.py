@@ -79,6 +79,8 @@ class Stage:
     """
 
     def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]], activation: str = "tanh"):
+        if not layers:
+            raise ValueError("a stage needs at least one layer")
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation {activation!r} is not one of {ACTIVATIONS}")
         self.weights = [(w.detach().clone(), b.detach().clone()) for w, b in layers]
@@ -141,6 +143,13 @@ class Stage:
         self.backward_weight(mb)
         self.log[-2:] = [("BW", mb)]
         return g
+
+    def loss_grad(self, y: torch.Tensor, target: torch.Tensor, m: int) -> torch.Tensor:
+        """Where the last stage's B starts: :func:`loss_grad`."""
+        return loss_grad(y, target, m)
+
+    def loss_value(self, y: torch.Tensor, target: torch.Tensor, m: int) -> float:
+        return loss_value(y, target, m)
 
     def flat_grads(self) -> torch.Tensor:
         return torch.cat([t.reshape(-1) for pair in self.grads for t in pair]) if self.grads else torch.zeros(0)
