@@ -178,3 +178,19 @@ def test_every_schedule_equals_one_process_and_torch_bit_for_bit_on_2_ranks():
 
 def test_every_schedule_equals_one_process_with_its_messages_on_4_ranks():
     _check_world(launch.run(_world_checks, 4, args=(False,), timeout=WORLD_TIMEOUT), 4)
+
+
+def test_bench_pp_writes_a_record_with_its_environment_and_draws_the_timeline_from_it(tmp_path):
+    import json
+
+    from collectives.course.benchmarks import pipeline as bench
+    assert bench.main(["--quick", "--world", "2", "--no-torch", "--rounds", "1", "--out", str(tmp_path),
+                       "--img", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "14-pipeline-local.json").read_text())
+    assert {"device", "torch", "date", "command", "commit", "cpus", "load_average"} <= set(record["meta"])
+    rows = {r["name"]: r for r in record["rows_by_schedule"]}
+    assert set(rows) == {"gpipe", "1f1b", "interleaved", "zb-h1"}
+    assert rows["1f1b"]["peak_held"] == [[2], [1]] and rows["gpipe"]["peak_held"] == [[4], [4]]
+    assert rows["gpipe"]["formula"] == pytest.approx(cost.bubble_gpipe(2, 4))
+    figure = json.loads((tmp_path / "14-timeline.json").read_text())
+    assert figure["table"]["rows"][0][0] == "GPipe" and (tmp_path / "14-timeline.svg").exists()

@@ -14,6 +14,7 @@
   bench-sharded  lesson 10: step time and memory of ZeRO-1/2/3 against torch DDP and FSDP2 (--cluster, --backend nccl)
   bench-alltoall lesson 11: all-to-alls against dist.all_to_all_single (local, cluster), the MoE layer (moe)
   bench-symmetric lesson 12: one-shot and two-shot without messages against gloo/NCCL (--backend nccl)
+  bench-pp     lesson 14: pipeline schedules against their formulas and torch's pipelining (--cluster: against DP)
   diagnose     lesson 9: read every rank's flight recorder dump and name the culprit: diagnose DIR
   cluster      one torchrun per machine of a simulated cluster: cluster --machines 2 -- CMD...
   helpers      an exercise's helper sheet, written from the code: helpers --lesson 4
@@ -41,6 +42,7 @@ COMMANDS = {
     "bench-sharded": "collectives.course.benchmarks.sharded:main",
     "bench-alltoall": "collectives.course.benchmarks.alltoall:main",
     "bench-symmetric": "collectives.course.benchmarks.symmetric:main",
+    "bench-pp": "collectives.course.benchmarks.pipeline:main",
     "diagnose": "collectives.course.cli.diagnose:main",
     "cluster": "collectives.course.cli.cluster:main",
     "trace": "collectives.course.cli.trace:main",
