@@ -17,6 +17,9 @@ which is why a schedule it passes cannot hang here. Every message
 carries a tag naming (micro-batch, chunk, direction), so an activation can never be taken
 for a gradient between the same two ranks (interleaved, p = 2: both flow both ways).
 
+A second, visible step: the receive of the next step's message is posted before this step
+computes (``prefetch``), so it arrives while the rank works instead of after.
+
 Shapes are agreed once, at the first step: chunk 0's rank knows the micro-batch's shape,
 works out its output's with ``stage.output_shape`` and sends it on as a small int64 tensor
 (:func:`shape_message`); every later step allocates receive buffers from what it learned.
@@ -110,23 +113,43 @@ class Pipeline:
             simulate(schedule, len(micro_batches), num_chunks=self.C)
         return self.run(schedule[self.rank], micro_batches, targets)
 
-    def run(self, steps: list[Step], micro_batches: list, targets: list | None = None) -> list[float]:
+    def run(self, steps: list[Step], micro_batches: list, targets: list | None = None, *,
+            prefetch: bool = True) -> list[float]:
         """Run ``steps``, this rank's part of a schedule, unchecked. A B is the input gradient
-        alone when ``steps`` has a W for the same micro-batch and chunk (W runs on B's rank)."""
+        alone when ``steps`` has a W for the same micro-batch and chunk (W runs on B's rank).
+
+        ``prefetch``: post the receive of the next step's message before computing this step,
+        so it lands while this rank computes (a posted receive never blocks: no new deadlock).
+        """
         m = len(micro_batches)
         if not self.in_shape:
             self.agree_shapes(micro_batches[0])
         split = {(s.mb, s.chunk) for s in steps if s.kind == "W"}
         loss_grads: dict[int, torch.Tensor] = {}
         losses: list[float] = []
+        posted: dict[int, tuple] = {}
         self.spans = []
         sends = []
-        for s in steps:
+
+        def post(k: int) -> None:
+            if k < len(steps) and k not in posted:
+                wanted = self._incoming(steps[k])
+                if wanted is not None:
+                    shape, peer, message_tag = wanted
+                    buf = torch.empty(shape, dtype=self.dtype)
+                    posted[k] = (dist.irecv(buf, peer, group=self.group, tag=message_tag), buf)
+
+        for k, s in enumerate(steps):
             stage, c, i = self.stages[s.chunk], s.chunk, s.mb
+            post(k)
+            if prefetch:
+                post(k + 1)
+            if k in posted:
+                work, message = posted.pop(k)
+                work.wait()
+            start = time.perf_counter()
             if s.kind == "F":
-                x = micro_batches[i] if c == 0 else self._recv(self.in_shape[c], c - 1, i, c - 1, False)
-                start = time.perf_counter()
-                y = stage.forward(x, i)
+                y = stage.forward(micro_batches[i] if c == 0 else message, i)
                 if c == self.C - 1:
                     loss_grads[i] = stage.loss_grad(y, targets[i], m)
                     losses.append(stage.loss_value(y, targets[i], m))
@@ -134,27 +157,26 @@ class Pipeline:
                     sends.append(dist.isend(y.contiguous(), self._peer(c + 1), group=self.group,
                                             tag=tag(i, c, self.C, False)))
             elif s.kind == "B":
-                if c == self.C - 1:
-                    g = loss_grads.pop(i)
-                else:
-                    g = self._recv(stage.output_shape(self.in_shape[c]), c + 1, i, c + 1, True)
-                start = time.perf_counter()
+                g = loss_grads.pop(i) if c == self.C - 1 else message
                 gx = stage.backward_input(g, i) if (i, c) in split else stage.backward(g, i)
                 if c > 0:
                     sends.append(dist.isend(gx.contiguous(), self._peer(c - 1), group=self.group,
                                             tag=tag(i, c, self.C, True)))
             else:
-                start = time.perf_counter()
                 stage.backward_weight(i)
             self.spans.append((s, start, time.perf_counter()))
         for work in sends:
             work.wait()
         return losses
 
-    def _recv(self, shape, from_chunk: int, mb: int, chunk: int, gradient: bool) -> torch.Tensor:
-        buf = torch.empty(shape, dtype=self.dtype)
-        dist.irecv(buf, self._peer(from_chunk), group=self.group, tag=tag(mb, chunk, self.C, gradient)).wait()
-        return buf
+    def _incoming(self, s: Step):
+        """(shape, peer, tag) of the message step ``s`` consumes, or None."""
+        if s.kind == "F" and s.chunk > 0:
+            return self.in_shape[s.chunk], self._peer(s.chunk - 1), tag(s.mb, s.chunk - 1, self.C, False)
+        if s.kind == "B" and s.chunk < self.C - 1:
+            shape = self.stages[s.chunk].output_shape(self.in_shape[s.chunk])
+            return shape, self._peer(s.chunk + 1), tag(s.mb, s.chunk + 1, self.C, True)
+        return None
 
 
 def make_pipeline(layers, num_chunks: int, activation: str = "tanh", group=None) -> Pipeline:

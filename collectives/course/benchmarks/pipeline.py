@@ -194,3 +194,34 @@ def row_line(suite: str, row: dict) -> str:
     torch_part = f", torch {claims.human(row['torch_seconds'])}" if row["torch_seconds"] else ""
     return (f"{row['name']:12s} step {claims.human(row['seconds']):>9s}{torch_part}; bubble {row['bubble']:.3f} "
             f"(formula {row['formula']:.3f}); held {[max(h) for h in row['peak_held']]}")
+
+
+def tour_runner(nbytes: int) -> dict:
+    """The tour's row for lesson 14: one 1F1B step on the course's runner, its gradients checked
+    against torch's ``Schedule1F1B`` on the same stages bit for bit and timed against it; bytes
+    sent per rank from the trace against the design's (one activation forward and one gradient
+    back per micro-batch, and the shape once). ``nbytes``: what a middle stage sends per step."""
+    from ...core import timing, trace
+    warnings.filterwarnings("ignore")
+    r, p = dist.get_rank(), dist.get_world_size()
+    m, width = 4, 64
+    rows = max(1, nbytes // (2 * m * width * 4))
+    weights = make_layers(p, width, seed=0)
+    xs, ts = data(m, rows, width)
+    pipe, steps = make_pipeline(weights, p), schedule("1f1b", p, m)
+    theirs = TorchPipeline(weights, "1f1b", p, m)
+    batch, target = torch.cat(xs), torch.cat(ts)
+    with trace.recording() as t:
+        pipe.step(steps, xs, ts)
+    theirs.step(batch, target)
+    same = all(torch.equal(a, b) for got, want in zip(pipe.stages[r].grads, theirs.grads()[r])
+               for a, b in zip(got, want))
+    sent = timing.max_over_ranks(t.bytes_sent())
+    ours = timing.measure(lambda: pipe.step(steps, xs, ts, check=False), warmup=1, iters=3)
+    ref = timing.measure(lambda: theirs.step(batch, target), warmup=1, iters=3)
+    act = rows * width * 4
+    theory = 0 if p == 1 else (m if p == 2 else 2 * m) * act + 8 * 4
+    ok = bool(timing.max_over_ranks(0.0 if same else 1.0) == 0.0)
+    return dict(verified=ok, detail="" if ok else "gradients differ from torch's Schedule1F1B",
+                seconds=timing.median(ours), ref_seconds=timing.median(ref), nbytes=2 * m * act,
+                bytes_sent=sent, bytes_theory=theory, baseline="torch Schedule1F1B")
