@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from collectives import launch, trace
+from collectives.core import cluster
 from collectives.course.catalog import world_timeout
 from collectives.pipeline import (
     Deadlock,
@@ -168,6 +169,27 @@ def _check_world(results, p, m=4):
         assert out["refused"] == ["Deadlock", "ValueError"] and out["refused_msgs"] == 0
 
 
+def _one_rank():
+    import collectives.pipeline as pl
+    xs, ts = _data(4)
+    out = {}
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 3), ("zb-h1", 1)):
+        layers = pl.make_layers(6, 8, seed=3)
+        pipe = pl.make_pipeline(layers, v)
+        with trace.recording() as t:
+            losses = pipe.step(pl.schedule(name, 1, 4, v), xs, ts)
+        ref, ref_losses = pl.one_process(layers, xs, ts)
+        out[name] = (_mismatches(pipe, ref, 6 // v), losses == ref_losses, len(t.events))
+    return out
+
+
+def test_one_rank_runs_every_schedule_its_chunks_passing_activations_without_messages():
+    # p = 1: an interleaved rank holds consecutive chunks; gloo cannot send to itself, so
+    # the runner hands the activation over in memory
+    for name, (wrong, losses_ok, messages) in launch.run(_one_rank, 1, timeout=WORLD_TIMEOUT)[0].items():
+        assert wrong == [] and losses_ok and messages == 0, (name, wrong, losses_ok, messages)
+
+
 def test_every_schedule_equals_one_process_and_torch_bit_for_bit_on_2_ranks():
     results = launch.run(_world_checks, 2, args=(True,), timeout=WORLD_TIMEOUT)
     _check_world(results, 2)
@@ -194,3 +216,49 @@ def test_bench_pp_writes_a_record_with_its_environment_and_draws_the_timeline_fr
     assert rows["gpipe"]["formula"] == pytest.approx(cost.bubble_gpipe(2, 4))
     figure = json.loads((tmp_path / "14-timeline.json").read_text())
     assert figure["table"]["rows"][0][0] == "GPipe" and (tmp_path / "14-timeline.svg").exists()
+
+
+@pytest.mark.skipif(cluster.unavailable_reason() is not None, reason=str(cluster.unavailable_reason()))
+def test_bench_pp_cluster_sends_less_across_the_link_than_data_parallel_and_as_the_model_says(tmp_path):
+    import json
+
+    from collectives.course.benchmarks import pipeline as bench
+    assert bench.main(["--cluster", "--quick", "--rounds", "1", "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "14-pipeline-cluster.json").read_text())
+    assert record["max_grad_diff"] < 1e-5, "the pipeline's and data parallel's gradients agree"
+    rows = {r["name"]: r for r in record["rows_by_schedule"]}
+    assert rows["pp"]["bytes_across"] < rows["dp"]["bytes_across"]
+    # the gradients' bytes dominate data parallel's traffic: the model within packet headers
+    assert 0.9 < rows["dp"]["bytes_across"] / rows["dp"]["model_bytes"] < 1.4, rows["dp"]
+    assert rows["pp"]["bytes_across"] >= rows["pp"]["model_bytes"]
+    import os
+
+    left = [name for name in cluster.our_namespaces() if name.startswith(f"{cluster.PREFIX}-{os.getpid()}-")]
+    assert not left, f"the cluster's namespaces were not removed: {left}"
+
+
+def _gpu_checks():
+    import collectives.pipeline as pl
+    from collectives import ops
+    p, device, m = dist.get_world_size(), ops.rank_device(), 4
+    xs, ts = _data(m)
+    xs, ts = [x.to(device) for x in xs], [t.to(device) for t in ts]
+    worst = {}
+    for name, v in SCHEDULES:
+        C = p * v
+        layers = pl.make_layers(2 * C, 8, seed=3, device=device)
+        ref, _ = pl.one_process(layers, xs, ts)
+        pipe = pl.make_pipeline(layers, C)
+        pipe.step(pl.schedule(name, p, m, v), xs, ts)
+        per = len(layers) // C
+        worst[name] = max(float((a - b).abs().max()) for c, st in pipe.stages.items()
+                          for got, want in zip(st.grads, ref[c * per:(c + 1) * per]) for a, b in zip(got, want))
+    return worst
+
+
+@pytest.mark.gpu
+def test_every_schedule_equals_one_process_on_gpus_through_nccl():
+    # within float32 rounding: cuBLAS may choose another kernel for the same product
+    for worst in launch.run(_gpu_checks, 2, backend="nccl", timeout=WORLD_TIMEOUT,
+                            env={"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}):
+        assert all(w < 1e-5 for w in worst.values()), worst

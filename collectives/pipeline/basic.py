@@ -43,20 +43,20 @@ def pipeline_forward(stage: Stage, micro_batches: list, group=None) -> list[torc
     before it, and sends its own outputs on -- their shape first -- to the rank after it.
     """
     rank, p, prev, nxt = _neighbours(group)
-    dtype = stage.weights[0][0].dtype
+    dtype, device = stage.weights[0][0].dtype, stage.weights[0][0].device
     outputs, sends, shape = [], [], None
     for i, x in enumerate(micro_batches):
         if prev is not None:
             if shape is None:
-                msg = torch.empty(SHAPE_SLOTS, dtype=torch.int64)
+                msg = torch.empty(SHAPE_SLOTS, dtype=torch.int64, device=device)
                 dist.recv(msg, prev, group=group)
                 shape = shape_from(msg)
-            x = torch.empty(shape, dtype=dtype)
+            x = torch.empty(shape, dtype=dtype, device=device)
             dist.recv(x, prev, group=group)
         y = stage.forward(x, i)
         if nxt is not None:
             if i == 0:
-                sends.append(dist.isend(shape_message(y.shape), nxt, group=group))
+                sends.append(dist.isend(shape_message(y.shape, device), nxt, group=group))
             sends.append(dist.isend(y.contiguous(), nxt, group=group))
         outputs.append(y)
     for work in sends:

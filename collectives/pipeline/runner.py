@@ -44,11 +44,13 @@ SHAPE_SLOTS = 4      # [ndim, d0, d1, d2]: activations of up to three dimensions
 SHAPE_TAG = 1 << 20
 
 
-def shape_message(shape) -> torch.Tensor:
-    """The int64 tensor that tells the next stage an activation's shape: [ndim, d0, d1, d2]."""
+def shape_message(shape, device=None) -> torch.Tensor:
+    """The int64 tensor that tells the next stage an activation's shape: [ndim, d0, d1, d2]
+    (on ``device``: the activations' own, so that NCCL carries it too)."""
     if len(shape) > SHAPE_SLOTS - 1:
         raise ValueError(f"an activation of {len(shape)} dimensions; at most {SHAPE_SLOTS - 1} travel")
-    return torch.tensor([len(shape), *shape] + [0] * (SHAPE_SLOTS - 1 - len(shape)), dtype=torch.int64)
+    return torch.tensor([len(shape), *shape] + [0] * (SHAPE_SLOTS - 1 - len(shape)), dtype=torch.int64,
+                        device=device)
 
 
 def shape_from(message: torch.Tensor) -> tuple[int, ...]:
@@ -72,12 +74,14 @@ class Pipeline:
 
     def __init__(self, stages: dict[int, Stage], num_chunks: int, group=None):
         self.rank, self.p = ops.group_rank_and_size(group)
-        if num_chunks % self.p or sorted(stages) != list(range(self.rank, num_chunks, self.p)):
+        if num_chunks < self.p or num_chunks % self.p or sorted(stages) != list(range(self.rank, num_chunks, self.p)):
             raise ValueError(f"rank {self.rank} of {self.p} holds chunks {list(range(self.rank, num_chunks, self.p))}"
                              f" of {num_chunks}; got {sorted(stages)}")
         self.stages, self.C, self.group = stages, num_chunks, group
         self.in_shape: dict[int, tuple[int, ...]] = {}    # chunk -> its input's shape, agreed once
-        self.dtype: torch.dtype | None = None
+        first_weight = stages[min(stages)].weights[0][0]
+        self.dtype, self.device = first_weight.dtype, first_weight.device   # what activations travel as
+        self.synchronize = self.device.type == "cuda"     # spans of a GPU's work: wait for it first
         self.spans: list[tuple[Step, float, float]] = []
 
     def _peer(self, chunk: int) -> int:
@@ -86,18 +90,19 @@ class Pipeline:
     def agree_shapes(self, first: torch.Tensor | None) -> None:
         """Pass every chunk's input shape down the chunks, once: a chain of small messages.
         ``first`` is a micro-batch on chunk 0's rank (None elsewhere); activations travel in
-        the weights' dtype."""
-        self.dtype = self.stages[min(self.stages)].weights[0][0].dtype
+        the weights' dtype, on their device."""
         sends = []
         for c in sorted(self.stages):
             if c == 0:
                 self.in_shape[0] = tuple(first.shape)
+            elif (c - 1) % self.p == self.rank:       # one rank holds both chunks (p = 1): no message
+                self.in_shape[c] = self.stages[c - 1].output_shape(self.in_shape[c - 1])
             else:
-                msg = torch.empty(SHAPE_SLOTS, dtype=torch.int64)
+                msg = torch.empty(SHAPE_SLOTS, dtype=torch.int64, device=self.device)
                 dist.recv(msg, self._peer(c - 1), group=self.group, tag=SHAPE_TAG + c)
                 self.in_shape[c] = shape_from(msg)
-            if c < self.C - 1:
-                out = shape_message(self.stages[c].output_shape(self.in_shape[c]))
+            if c < self.C - 1 and (c + 1) % self.p != self.rank:
+                out = shape_message(self.stages[c].output_shape(self.in_shape[c]), self.device)
                 sends.append(dist.isend(out, self._peer(c + 1), group=self.group, tag=SHAPE_TAG + c + 1))
         for work in sends:
             work.wait()
@@ -128,16 +133,23 @@ class Pipeline:
         loss_grads: dict[int, torch.Tensor] = {}
         losses: list[float] = []
         posted: dict[int, tuple] = {}
+        mailbox: dict[int, torch.Tensor] = {}     # messages between two chunks of this rank (p = 1)
         self.spans = []
         sends = []
 
         def post(k: int) -> None:
             if k < len(steps) and k not in posted:
                 wanted = self._incoming(steps[k])
-                if wanted is not None:
+                if wanted is not None and wanted[1] is not None:
                     shape, peer, message_tag = wanted
-                    buf = torch.empty(shape, dtype=self.dtype)
+                    buf = torch.empty(shape, dtype=self.dtype, device=self.device)
                     posted[k] = (dist.irecv(buf, peer, group=self.group, tag=message_tag), buf)
+
+        def send(t: torch.Tensor, to_chunk: int, message_tag: int) -> None:
+            if to_chunk % self.p == self.rank:
+                mailbox[message_tag] = t
+            else:
+                sends.append(dist.isend(t.contiguous(), self._peer(to_chunk), group=self.group, tag=message_tag))
 
         for k, s in enumerate(steps):
             stage, c, i = self.stages[s.chunk], s.chunk, s.mb
@@ -147,6 +159,10 @@ class Pipeline:
             if k in posted:
                 work, message = posted.pop(k)
                 work.wait()
+            elif self._incoming(s) is not None:
+                message = mailbox.pop(self._incoming(s)[2])
+            if self.synchronize:
+                torch.cuda.synchronize(self.device)
             start = time.perf_counter()
             if s.kind == "F":
                 y = stage.forward(micro_batches[i] if c == 0 else message, i)
@@ -154,29 +170,31 @@ class Pipeline:
                     loss_grads[i] = stage.loss_grad(y, targets[i], m)
                     losses.append(stage.loss_value(y, targets[i], m))
                 else:
-                    sends.append(dist.isend(y.contiguous(), self._peer(c + 1), group=self.group,
-                                            tag=tag(i, c, self.C, False)))
+                    send(y, c + 1, tag(i, c, self.C, False))
             elif s.kind == "B":
                 g = loss_grads.pop(i) if c == self.C - 1 else message
                 gx = stage.backward_input(g, i) if (i, c) in split else stage.backward(g, i)
                 if c > 0:
-                    sends.append(dist.isend(gx.contiguous(), self._peer(c - 1), group=self.group,
-                                            tag=tag(i, c, self.C, True)))
+                    send(gx, c - 1, tag(i, c, self.C, True))
             else:
                 stage.backward_weight(i)
+            if self.synchronize:
+                torch.cuda.synchronize(self.device)
             self.spans.append((s, start, time.perf_counter()))
         for work in sends:
             work.wait()
         return losses
 
     def _incoming(self, s: Step):
-        """(shape, peer, tag) of the message step ``s`` consumes, or None."""
-        if s.kind == "F" and s.chunk > 0:
-            return self.in_shape[s.chunk], self._peer(s.chunk - 1), tag(s.mb, s.chunk - 1, self.C, False)
-        if s.kind == "B" and s.chunk < self.C - 1:
-            shape = self.stages[s.chunk].output_shape(self.in_shape[s.chunk])
-            return shape, self._peer(s.chunk + 1), tag(s.mb, s.chunk + 1, self.C, True)
-        return None
+        """(shape, peer, tag) of the message step ``s`` consumes (peer None: from this rank's
+        own other chunk), or None."""
+        src = s.chunk - 1 if s.kind == "F" and s.chunk > 0 else s.chunk + 1 if s.kind == "B" and \
+            s.chunk < self.C - 1 else None
+        if src is None:
+            return None
+        shape = self.in_shape[s.chunk] if s.kind == "F" else self.stages[s.chunk].output_shape(self.in_shape[s.chunk])
+        peer = None if src % self.p == self.rank else self._peer(src)
+        return shape, peer, tag(s.mb, src, self.C, s.kind == "B")
 
 
 def make_pipeline(layers, num_chunks: int, activation: str = "tanh", group=None) -> Pipeline:

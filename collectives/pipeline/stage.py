@@ -31,11 +31,12 @@ ACTIVATIONS = ("tanh", "relu")
 
 
 def make_layers(num_layers: int, width: int, seed: int = 0, dtype=torch.float32,
-                integer: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                integer: bool = False, device=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``num_layers`` pairs ``(W, b)`` of a ``width``-wide model, drawn from ``seed``.
 
     ``integer``: weights in {−1, 0, 1} and biases in {−2..2} (with ``relu`` and float64 every
     sum is exact, so gradients agree bit for bit in any order: what the grader uses).
+    ``device``: where they live (drawn on the CPU, so every device gets the same values).
     """
     gen = torch.Generator().manual_seed(seed)
     layers = []
@@ -46,7 +47,7 @@ def make_layers(num_layers: int, width: int, seed: int = 0, dtype=torch.float32,
         else:
             w = (torch.randn(width, width, generator=gen) / width ** 0.5).to(dtype)
             b = (torch.randn(width, generator=gen) * 0.1).to(dtype)
-        layers.append((w, b))
+        layers.append((w.to(device), b.to(device)) if device is not None else (w, b))
     return layers
 
 
@@ -160,7 +161,7 @@ def as_module(layers: list[tuple[torch.Tensor, torch.Tensor]], activation: str =
     and ``torch.distributed.pipelining`` run."""
     mods = []
     for w, b in layers:
-        lin = nn.Linear(w.shape[1], w.shape[0], dtype=w.dtype)
+        lin = nn.Linear(w.shape[1], w.shape[0], dtype=w.dtype, device=w.device)
         with torch.no_grad():
             lin.weight.copy_(w)
             lin.bias.copy_(b)

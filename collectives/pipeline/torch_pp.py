@@ -38,7 +38,8 @@ class TorchPipeline:
         self.rank, self.p, self.C, self.m = rank, p, num_chunks, m
         self.modules = {c: as_module(chunk_layers(layers, num_chunks, c), activation)
                         for c in range(rank, num_chunks, p)}
-        stages = [pipelining.PipelineStage(mod, c, num_chunks, torch.device("cpu"), group=group)
+        device = layers[0][0].device
+        stages = [pipelining.PipelineStage(mod, c, num_chunks, device, group=group)
                   for c, mod in self.modules.items()]
         cls = getattr(pipelining, TORCH_SCHEDULES[name])
         single = name in ("gpipe", "1f1b")

@@ -5,6 +5,7 @@ and against ``torch.distributed.pipelining``.
 
     .venv/bin/python -m collectives bench-pp                      # 4 local gloo ranks
     sudo .venv/bin/python -m collectives bench-pp --cluster       # 2 machines x 2 ranks, 1 Gbit/s
+    .venv/bin/python -m collectives bench-pp --backend nccl       # every GPU of this host
     .venv/bin/python -m collectives bench-pp --quick              # tiny sizes: tries the script
 
 One model of ``--layers`` equal layers (``--width`` square, tanh), cut into p stages (2p
@@ -20,9 +21,13 @@ rank held at most. The last round's spans are the timeline figure's.
 ``--cluster`` runs :mod:`.pipeline_cluster` instead: the pipeline across the slow link against
 data parallel across it.
 
-Writes ``docs/data/14-pipeline-<suite>.json`` (device, versions, date, command, commit, host
-cores and load, rows) and, with ``--img``, the page's figures and claims
-(:mod:`.pipeline_record`).
+On GPUs (``--backend nccl``) the timed rounds do not wait for the GPU between steps, as
+torch's schedules do not; one more step of each schedule, waiting after every F, B and W,
+gives the timeline and the bubble.
+
+Writes ``docs/data/14-pipeline-<suite>.json`` (suite ``local``, ``nccl`` or ``cluster``: device,
+versions, date, command, commit, host cores and load, rows) and, with ``--img``, the page's
+figures and claims (:mod:`.pipeline_record`).
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ...core import launch
+from ...core import launch, ops
 from ...pipeline import cost as pcost
 from ...pipeline import make_layers, make_pipeline, schedule
 from ...pipeline.torch_pp import TorchPipeline
@@ -59,8 +64,9 @@ def _zero(pipe) -> None:
 def _bench_in_rank(layers: int, width: int, rows: int, m: int, rounds: int, with_torch: bool) -> dict:
     warnings.filterwarnings("ignore")
     p = dist.get_world_size()
-    weights = make_layers(layers, width, seed=0)
-    xs, ts = data(m, rows, width)
+    device = ops.rank_device()              # its GPU under NCCL
+    weights = make_layers(layers, width, seed=0, device=device)
+    xs, ts = data(m, rows, width, device)
     ours, theirs = {}, {}
     for name in SCHEDULES:
         C = p * (V if name == "interleaved" else 1)
@@ -78,19 +84,31 @@ def _bench_in_rank(layers: int, width: int, rows: int, m: int, rounds: int, with
     contenders += [(f"torch:{n}", lambda n=n: theirs[n].step(batch, target)) for n in theirs]
     for _, fn in contenders:            # warm-up: shapes agreed, buffers made, torch's stages set up
         fn()
+    # on a GPU the timed rounds run as torch's do, without waiting for the GPU after every step;
+    # one more round per schedule, waiting, gives the timeline and the bubble
+    gpu = device.type == "cuda"
+    for pipe, _ in ours.values():
+        pipe.synchronize = False
     times = {key: [] for key, _ in contenders}
     busy = {n: [] for n in SCHEDULES}
     spans, windows = {}, {}
     for _ in range(rounds):
         for key, fn in contenders:
-            start, end = timed(fn)
+            start, end = timed(fn, device)
             times[key].append(end - start)
-            if key.startswith("ours:"):
+            if key.startswith("ours:") and not gpu:
                 name = key[5:]
                 pipe = ours[name][0]
                 busy[name].append((sum(e - s for _, s, e in pipe.spans), end - start))
                 spans[name] = [(st.kind, st.mb, st.chunk, s - start, e - start) for st, s, e in pipe.spans]
                 windows[name] = end - start
+    if gpu:
+        for name in SCHEDULES:
+            pipe = ours[name][0]
+            pipe.synchronize = True
+            start, end = timed(lambda n=name: run_ours(n), device)
+            busy[name].append((sum(e - s for _, s, e in pipe.spans), end - start))
+            spans[name] = [(st.kind, st.mb, st.chunk, s - start, e - start) for st, s, e in pipe.spans]
     steps = {n: {k: [e - s for kind, _, _, s, e in spans[n] if kind == k] for k in ("F", "B", "W")}
              for n in SCHEDULES}
     return dict(times=times, busy=busy, spans=spans, steps=steps,
@@ -132,16 +150,18 @@ def summarise(per_rank: list[dict], p: int, m: int) -> list[dict]:
 
 
 def run_local(args) -> dict:
-    p = args.world
+    p = torch.cuda.device_count() if args.backend == "nccl" else args.world
     per_rank = launch.run(_bench_in_rank, p, args=(args.layers, args.width, args.rows, args.m, args.rounds,
-                                                   not args.no_torch), timeout=1800)
-    return dict(world_size=p, layers=args.layers, width=args.width, rows=args.rows, m=args.m, v=V,
+                                                   not args.no_torch), backend=args.backend, timeout=1800,
+                          env={"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"})
+    return dict(world_size=p, backend=args.backend, layers=args.layers, width=args.width, rows=args.rows, m=args.m, v=V,
                 rounds=args.rounds, rows_by_schedule=summarise(per_rank, p, args.m))
 
 
 def write(suite: str, argv, result: dict, out: Path, img: Path | None) -> Path:
     from . import pipeline_record
-    meta = claims.environment(command=" ".join([".venv/bin/python -m collectives bench-pp", *argv]).strip(),
+    command = " ".join([".venv/bin/python -m collectives bench-pp", *argv]).strip()
+    meta = claims.environment(backend=result.get("backend", "gloo"), command=command,
                               commit=claims.commit())
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"14-pipeline-{suite}.json"
@@ -156,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=".venv/bin/python -m collectives bench-pp",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--world", type=int, default=4, help="local ranks (gloo), one stage each")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
+                        help="nccl: one rank per GPU of this host, the stages on the GPUs")
     parser.add_argument("--cluster", action="store_true", help="pipeline against data parallel across the "
                         "simulated cluster's slow link (needs root)")
     parser.add_argument("--machines", type=int, default=2)
@@ -173,13 +195,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.layers, args.width, args.rows, args.m, args.rounds = 8, 32, 4, 4, 2
+    if args.cluster and args.backend != "gloo":
+        parser.error("--cluster runs on gloo")
     if args.cluster:
         from . import pipeline_cluster
         result = pipeline_cluster.run(args)
         suite = "cluster"
     else:
         result = run_local(args)
-        suite = "local"
+        suite = "nccl" if args.backend == "nccl" else "local"
     path = write(suite, argv, result, Path(args.out), Path(args.img) if args.img else None)
     for row in result["rows_by_schedule"]:
         print(row_line(suite, row))

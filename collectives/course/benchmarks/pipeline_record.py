@@ -27,7 +27,9 @@ def figures(suite: str, result: dict, meta: dict, img: Path) -> list[Path]:
         record, fig = cluster_figure(result, meta)
         return [plots.save(fig, img / "14-cluster", record)]
     record, fig = timeline_figure(result, meta)
-    return [plots.save(fig, img / "14-timeline", record)]
+    name = "14-timeline-nccl" if suite == "nccl" else "14-timeline"
+    record.name = name
+    return [plots.save(fig, img / name, record)]
 
 
 def _kind(kind: str, mb: int, chunk: int, row: dict, spans_of_rank: list) -> str:
@@ -40,7 +42,8 @@ def _kind(kind: str, mb: int, chunk: int, row: dict, spans_of_rank: list) -> str
 def timeline_figure(result: dict, meta: dict):
     rows = result["rows_by_schedule"]
     p, m = result["world_size"], result["m"]
-    where = f"{p} ranks, {m} micro-batches, {result['layers']} layers of width {result['width']}"
+    ranks = f"{p} GPUs" if result.get("backend") == "nccl" else f"{p} ranks"
+    where = f"{ranks}, {m} micro-batches, {result['layers']} layers of width {result['width']}"
     record = claims.Record("14-timeline", names={"ours": "the course's runner", "torch": "torch's pipelining"},
                            aliases={"torch": ["torch.distributed.pipelining"]}, meta=meta,
                            title=f"bench-pp: one step of each schedule, {where}",
