@@ -116,6 +116,7 @@ def _world_checks(with_torch: bool):
                      "losses_ok": losses == ref_losses if C - 1 in pipe.stages
                      else losses == [],
                      "msgs": msgs, "again": again, "peak": [s.peak_held for s in pipe.stages.values()],
+                     "peak_bytes": sum(s.peak_bytes for s in pipe.stages.values()),
                      "log": [s.log for s in pipe.stages.values()]}
     # refused before any message: a deadlocking schedule, one for another world size
     orders = [one_f_one_b_order(p, m, p - 1 - q) for q in range(p)]
@@ -164,6 +165,8 @@ def _check_world(results, p, m=4):
             assert len(sends) == len(shapes) + len(acts) + len(grads), "nothing else is sent"
             assert all(x[2] != 4 for x in seen["again"]), "the shapes are agreed once, at the first step"
         assert out["1f1b"]["peak"] == [min(m, p - r)] and out["gpipe"]["peak"] == [m]
+        less = out["1f1b"]["peak_bytes"] < out["gpipe"]["peak_bytes"]
+        assert less if p - r < m else out["1f1b"]["peak_bytes"] == out["gpipe"]["peak_bytes"], (p, r)
         assert all(k == "BW" for log in out["1f1b"]["log"] for k, _ in log if k != "F")
         assert {k for log in out["zb-h1"]["log"] for k, _ in log} == {"F", "B", "W"}
         assert out["refused"] == ["Deadlock", "ValueError"] and out["refused_msgs"] == 0

@@ -76,7 +76,8 @@ class Stage:
     ``forward(x, mb)``, ``backward_input(grad_y, mb)``, ``backward_weight(mb)`` and
     ``backward(grad_y, mb)`` (B then W); ``grads`` holds the accumulated ``(dW, db)``
     per layer. ``log`` lists the steps run, ``(kind, mb)``; ``held``/``peak_held`` count
-    micro-batches whose activations are kept (from F until W).
+    micro-batches whose activations are kept (from F until W), ``held_bytes``/``peak_bytes``
+    the bytes of what is kept for them (layer inputs, then the gradients W needs).
     """
 
     def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]], activation: str = "tanh"):
@@ -91,6 +92,8 @@ class Stage:
         self._grads: dict[int, list[torch.Tensor]] = {}     # mb -> each layer's pre-activation grad
         self.log: list[tuple[str, int]] = []
         self.peak_held = 0
+        self.held_bytes = 0
+        self.peak_bytes = 0
 
     @property
     def held(self) -> int:
@@ -110,6 +113,7 @@ class Stage:
             kept.append(torch.tanh(z) if self.activation == "tanh" else torch.relu(z))
         self._inputs[mb] = kept
         self.peak_held = max(self.peak_held, self.held)
+        self._count(kept, +1)
         return kept[-1]
 
     def backward_input(self, grad_y: torch.Tensor, mb: int) -> torch.Tensor:
@@ -126,6 +130,8 @@ class Stage:
             g = pre.mm(self.weights[i][0])
         grads.reverse()
         self._grads[mb] = grads
+        self._count(kept[-1:], -1)          # the output was kept for B alone
+        self._count(grads, +1)
         return g
 
     def backward_weight(self, mb: int) -> None:
@@ -134,9 +140,14 @@ class Stage:
             raise RuntimeError(f"W of micro-batch {mb} before its B")
         self.log.append(("W", mb))
         kept, grads = self._inputs.pop(mb), self._grads.pop(mb)
+        self._count(kept[:-1] + grads, -1)
         for (dw, db), x, g in zip(self.grads, kept, grads):
             dw.add_(g.t().mm(x))
             db.add_(g.sum(0))
+
+    def _count(self, tensors, sign: int) -> None:
+        self.held_bytes += sign * sum(t.numel() * t.element_size() for t in tensors)
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
 
     def backward(self, grad_y: torch.Tensor, mb: int) -> torch.Tensor:
         """B and W at once: the plain backward of one micro-batch."""

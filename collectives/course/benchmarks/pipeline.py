@@ -112,7 +112,8 @@ def _bench_in_rank(layers: int, width: int, rows: int, m: int, rounds: int, with
     steps = {n: {k: [e - s for kind, _, _, s, e in spans[n] if kind == k] for k in ("F", "B", "W")}
              for n in SCHEDULES}
     return dict(times=times, busy=busy, spans=spans, steps=steps,
-                peak={n: [st.peak_held for st in ours[n][0].stages.values()] for n in SCHEDULES})
+                peak={n: [st.peak_held for st in ours[n][0].stages.values()] for n in SCHEDULES},
+                peak_bytes={n: sum(st.peak_bytes for st in ours[n][0].stages.values()) for n in SCHEDULES})
 
 
 def _median(values):
@@ -145,6 +146,7 @@ def summarise(per_rank: list[dict], p: int, m: int) -> list[dict]:
                          bubble=_median(bubbles), bubble_rounds=bubbles, formula=formula,
                          step_seconds={"F": f, "B": b, "W": w},
                          peak_held=[r["peak"][name] for r in per_rank],
+                         peak_bytes=[r["peak_bytes"][name] for r in per_rank],
                          spans=[r["spans"][name] for r in per_rank]))
     return rows
 

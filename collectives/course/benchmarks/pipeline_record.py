@@ -58,11 +58,12 @@ def timeline_figure(result: dict, meta: dict):
     record.fact("held", "Micro-batches held at most, rank 0 to the last: "
                 + "; ".join(f"{TITLES[r['name']]} {[max(h) for h in r['peak_held']]}" for r in rows) + ".",
                 held={r["name"]: [max(h) for h in r["peak_held"]] for r in rows})
-    head = ["schedule", "step", "torch's step", "bubble", "formula", "held, rank 0"]
+    head = ["schedule", "step", "torch's step", "bubble", "formula", "held, rank 0", "KiB held, rank 0"]
     record.table = {"head": head, "rows": [
         [TITLES[r["name"]], claims.human(r["seconds"]),
          claims.human(r["torch_seconds"]) if r.get("torch_seconds") else "",
-         f"{r['bubble']:.3f}", f"{r['formula']:.3f}", str(max(r["peak_held"][0]))] for r in rows]}
+         f"{r['bubble']:.3f}", f"{r['formula']:.3f}", str(max(r["peak_held"][0])),
+         f"{r['peak_bytes'][0] / 1024:.0f}" if r.get("peak_bytes") else ""] for r in rows]}
     record.caption = record.text("bubble")
     fig = plots._figure(7.5, 1.0 + 0.42 * p * len(rows))
     axes = fig.subplots(len(rows), 1, sharex=True)
