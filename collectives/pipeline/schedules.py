@@ -8,13 +8,14 @@ ranks and ``v`` chunks per rank there are ``C = p·v`` chunks; chunk ``c`` lives
 times. One runner (:mod:`.runner`) executes every schedule; the simulator
 (:mod:`.simulate`) checks it cannot deadlock before it runs.
 
-Picture, p = 4, m = 4, F and B of equal length (numbers are micro-batches)::
+Picture, p = 4, m = 4, each step one unit of time (numbers are micro-batches)::
 
     GPipe        rank 0  F0 F1 F2 F3 .  .  .  .  .  .  B0 B1 B2 B3
-                 rank 3  .  .  .  F0 F1 F2 F3 B0 B1 B2 B3
-    1F1B         rank 0  F0 F1 F2 F3 .  .  B0 .  B1 .  B2 .  B3      at most p − r in flight
-                 rank 3  .  .  .  F0 B0 F1 B1 F2 B2 F3 B3
-    ZB-H1        as 1F1B, with B the input gradient only and each W placed in a gap
+                 rank 3  .  .  .  F0 F1 F2 F3 B0 B1 B2 B3 .  .  .
+    1F1B         rank 0  F0 F1 F2 F3 .  .  .  B0 .  B1 .  B2 .  B3      at most p − r in flight
+                 rank 3  .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 .  .  .
+    ZB-H1        rank 0  F0 F1 F2 F3 .  .  .  B0 W0 B1 W1 B2 W2 B3 W3   B the input gradient alone,
+                 rank 3  .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 W0 W1 W2 W3   W's in the gaps
 
 Bubble (idle share of each rank's time, equal step times; t = F + B):
 
@@ -39,7 +40,7 @@ class Step(NamedTuple):
         return f"{self.kind}{self.mb}" + (f"@{self.chunk}" if self.chunk else "")
 
 
-Schedule = list  # list[list[Step]]: one list per rank
+Schedule = list  # list[list[Step]]: one list per rank (a name for the annotations below)
 
 
 def _check(p: int, m: int, v: int = 1) -> None:
