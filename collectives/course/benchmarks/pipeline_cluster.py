@@ -33,7 +33,7 @@ from ...pipeline import cost as pcost
 from .pipeline_world import data, timed
 
 ALPHA_ACROSS = 100e-6
-LABELS = {"pp": "pipeline, 1F1B", "dp": "data parallel, dist.all_reduce"}
+LABELS = {"pp": "pipeline (1F1B)", "dp": "data parallel (dist.all_reduce)"}
 
 
 def link_bytes() -> int:

@@ -124,6 +124,6 @@ def cluster_figure(result: dict, meta: dict):
     for ax in (ax1, ax2):
         ax.invert_yaxis()
         ax.tick_params(labelsize=9)
-        ax.legend(fontsize=9)
+        ax.legend(fontsize=9, loc="lower right")
     fig.suptitle(record.title, fontsize=9)
     return record, fig
