@@ -58,7 +58,8 @@ def impl(request, impl_kind) -> str:
 _GROUPS = {"test_notebooks.py": "site", "test_site.py": "site",
            "test_cluster.py": "cluster", "test_09_debugging.py": "cluster"}
 _CLUSTER_TESTS = {"test_on_the_simulated_cluster_with_the_layout_from_the_environment",
-                  "test_the_dedup_benchmark_on_the_simulated_cluster_writes_its_record"}
+                  "test_the_dedup_benchmark_on_the_simulated_cluster_writes_its_record",
+                  "test_bench_pp_cluster_sends_less_across_the_link_than_data_parallel_and_as_the_model_says"}
 
 
 def _group(item) -> str | None:

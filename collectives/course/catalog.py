@@ -68,6 +68,7 @@ LESSONS = [
     Lesson(11, "alltoall", "All-to-all and mixture-of-experts dispatch", "collectives.alltoall"),
     Lesson(12, "symmetric", "Collectives without messages: shared and symmetric memory", "collectives.symmetric"),
     Lesson(13, "tensor_parallel", "Tensor and sequence parallelism, ending in async TP", "collectives.tensor_parallel"),
+    Lesson(14, "pipeline", "Pipeline parallelism: GPipe, 1F1B, interleaved and zero-bubble", "collectives.pipeline"),
 ]
 
 

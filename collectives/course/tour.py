@@ -115,6 +115,9 @@ TOUR = [
     TourEntry(10, "ZeRO-3 step (vs DDP step)", target="collectives.sharded:FSDP",
               runner="collectives.course.benchmarks.sharded:tour_runner", loses="1.5× DDP's bytes, for 1/p the memory",
               wins="(noise: its step computes the same)"),
+    TourEntry(14, "1F1B pipeline step", target="collectives.pipeline:Pipeline",
+              runner="collectives.course.benchmarks.pipeline:tour_runner", loses="a Python loop of steps",
+              wins="the same messages and arithmetic"),
 ]
 
 

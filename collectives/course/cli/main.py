@@ -16,6 +16,7 @@
   bench-alltoall lesson 11: all-to-alls against dist.all_to_all_single (local, cluster), the MoE layer (moe)
   bench-symmetric lesson 12: one-shot and two-shot without messages against gloo/NCCL (--backend nccl)
   bench-tp     lesson 13: sequence-parallel MLP, sequential against async TP, DTensor and fused ops (--backend nccl)
+  bench-pp     lesson 14: pipeline schedules against their formulas and torch's pipelining (--cluster: against DP)
   diagnose     lesson 9: read every rank's flight recorder dump and name the culprit: diagnose DIR
   cluster      one torchrun per machine of a simulated cluster: cluster --machines 2 -- CMD...
   helpers      an exercise's helper sheet, written from the code: helpers --lesson 4
@@ -45,6 +46,7 @@ COMMANDS = {
     "bench-alltoall": "collectives.course.benchmarks.alltoall:main",
     "bench-symmetric": "collectives.course.benchmarks.symmetric:main",
     "bench-tp": "collectives.course.benchmarks.tp:main",
+    "bench-pp": "collectives.course.benchmarks.pipeline:main",
     "diagnose": "collectives.course.cli.diagnose:main",
     "cluster": "collectives.course.cli.cluster:main",
     "trace": "collectives.course.cli.trace:main",
