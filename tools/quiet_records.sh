@@ -19,40 +19,45 @@
 # puts them in place), its log into OUTDIR/PART.log, and one line "PART exit seconds" into
 # OUTDIR/status.tsv. OUTDIR/env.txt names the host: cores, load average, torch, root, iproute2.
 #
-# Wall times (seconds) on a quiet 16-core x86 host, torch 2.11 CPU, measured by this script (the
-# "s" column of --list; a part not yet timed shows its limit): split the parts into calls of
-# at most 9 minutes by adding them up.
+# Wall times (seconds, the third column; --list prints them): the parts without a cluster measured
+# on a quiet 16-core x86 host with torch 2.11 CPU (an NVIDIA H200 machine's CPUs, GPUs hidden);
+# all of them together take about 4 minutes. The cluster parts ("?") were not timed there: that
+# host had no iproute2. Each writes its time into OUTDIR/status.tsv; until then count each at its
+# limit, so that one call of at most 9 minutes runs the parts whose limits add up to 540 s.
+#
+# A host without iproute2 (ip, tc): on a machine that has it, `tools/quiet_records.sh --pack-iproute
+# DIR` copies ip, tc and their libraries into DIR; carry DIR there and set QUIET_TOOLS=DIR.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 # name | limit (s) | measured (s, "?" if not yet timed) | cluster? | commands (";"-separated)
 PARTS_TABLE='
-p2p            | 300 | ?   |         | $PY tools/draw_lesson_diagrams.py --measure
-ring-steps     | 300 | ?   |         | $PY tools/lesson04_figures.py --only steps --only pipelining
+p2p            |  60 | 6   |         | $PY tools/draw_lesson_diagrams.py --measure
+ring-steps     |  60 | 7   |         | $PY tools/lesson04_figures.py --only steps --only pipelining
 ring-sweep     | 540 | ?   | cluster | $PY tools/lesson04_figures.py --only sweep
-fused          | 400 | ?   |         | $PY tools/lesson05_figures.py
-ddp            | 400 | ?   |         | $PY tools/lesson06_figures.py
+fused          |  90 | 10  |         | $PY tools/lesson05_figures.py
+ddp            | 200 | 51  |         | $PY tools/lesson06_figures.py
 hier-sizes     | 540 | ?   | cluster | $PY -m collectives bench-hier sizes --sizes 64M --out docs/data/bench-hier; $PY -m collectives bench-hier sizes --sizes 64M --rails --out docs/data/bench-hier/rails; $PY tools/lesson07_figures.py --records docs/data/bench-hier
 hier-crossover | 540 | ?   | cluster | $PY -m collectives bench-hier crossover --out docs/data/bench-hier; $PY tools/lesson07_figures.py --records docs/data/bench-hier
 hier-machines  | 540 | ?   | cluster | $PY -m collectives bench-hier machines --out docs/data/bench-hier; $PY tools/lesson07_figures.py --records docs/data/bench-hier
 hier-inflight  | 540 | ?   | cluster | $PY -m collectives bench-hier inflight --out docs/data/bench-hier; $PY tools/lesson07_figures.py --records docs/data/bench-hier
 hier-train     | 540 | ?   | cluster | $PY -m collectives bench-hier train --out docs/data/bench-hier; $PY tools/lesson07_figures.py --records docs/data/bench-hier
-hier-host-cost | 540 | ?   | cluster | $PY -m collectives bench-hier host-cost --out docs/data/bench-hier/host-cost/after; $PY tools/lesson07_figures.py --records docs/data/bench-hier
-hier-figures   | 120 | ?   |         | $PY tools/lesson07_figures.py --records docs/data/bench-hier
+hier-host-cost |  90 | 12  |         | $PY -m collectives bench-hier host-cost --out docs/data/bench-hier/host-cost/after; $PY tools/lesson07_figures.py --records docs/data/bench-hier
+hier-figures   |  60 | 10  |         | $PY tools/lesson07_figures.py --records docs/data/bench-hier
 sparse-bench   | 540 | ?   | cluster | $PY -m collectives bench-sparse --cluster --iters 3 --sweep 0.001,0.01,0.05,0.1,0.25,0.5 --json docs/data/08-sparse-bench.json; $PY tools/lesson08_figures.py
 sparse-train   | 540 | ?   | cluster | $PY -m collectives bench-sparse-train --seeds 5 --publish
 sparse-cnn     | 540 | ?   | cluster | $PY -m collectives bench-sparse-train --plan cnn --seeds 5 --publish
-recorder       | 400 | ?   |         | $PY -m collectives bench-recorder --iters 100 --blocks 7 --snippet docs/snippets/bench-recorder.md --record docs/img
-fr-trace       | 120 | ?   |         | $PY tools/lesson09_fr_trace.py --record docs/img
-sharded        | 400 | ?   |         | $PY tools/lesson10_figures.py; $PY -m collectives bench-sharded --layers 8 --width 1024 --batch 64 --img docs/img
+recorder       |  90 | 10  |         | $PY -m collectives bench-recorder --iters 100 --blocks 7 --snippet docs/snippets/bench-recorder.md --record docs/img
+fr-trace       |  60 | 14  |         | $PY tools/lesson09_fr_trace.py --record docs/img
+sharded        | 150 | 28  |         | $PY tools/lesson10_figures.py; $PY -m collectives bench-sharded --layers 8 --width 1024 --batch 64 --img docs/img
 sharded-cluster| 540 | ?   | cluster | $PY -m collectives bench-sharded --cluster --img docs/img
-a2a-local      | 400 | ?   |         | $PY -m collectives bench-alltoall local --sizes 4K..16M --iters 5 --out docs/data/11-alltoall; $PY tools/lesson11_figures.py --records docs/data/11-alltoall
+a2a-local      |  60 | 10  |         | $PY -m collectives bench-alltoall local --sizes 4K..16M --iters 5 --out docs/data/11-alltoall; $PY tools/lesson11_figures.py --records docs/data/11-alltoall
 a2a-cluster    | 540 | ?   | cluster | $PY -m collectives bench-alltoall cluster --sizes 64K,1M,4M --iters 5 --out docs/data/11-alltoall; $PY tools/lesson11_figures.py --records docs/data/11-alltoall
-a2a-moe        | 400 | ?   |         | $PY -m collectives bench-alltoall moe --tokens 1024 --hidden 256 --ffn 1024 --skews 0,2,4,8 --factors 1.25,100 --iters 3 --out docs/data/11-alltoall; $PY tools/lesson11_figures.py --records docs/data/11-alltoall
-a2a-host       | 300 | ?   |         | $PY -m collectives bench-alltoall host --before docs/data/11-alltoall/bench-alltoall-host-before.json --out docs/data/11-alltoall; $PY tools/lesson11_figures.py --records docs/data/11-alltoall
-a2a-figures    | 120 | ?   |         | $PY tools/lesson11_figures.py --records docs/data/11-alltoall
-symmetric      | 400 | ?   |         | $PY -m collectives bench-symmetric --json docs/data/12-symmetric-cpu.json --record 12-bench-cpu
-bench          | 540 | ?   |         | $PY -m collectives bench --json docs/data/bench-cpu.json --out build/bench-cpu; $PY tools/bench_charts.py
+a2a-moe        |  60 | 10  |         | $PY -m collectives bench-alltoall moe --tokens 1024 --hidden 256 --ffn 1024 --skews 0,2,4,8 --factors 1.25,100 --iters 3 --out docs/data/11-alltoall; $PY tools/lesson11_figures.py --records docs/data/11-alltoall
+a2a-host       |  60 | 12  |         | $PY -m collectives bench-alltoall host --before docs/data/11-alltoall/bench-alltoall-host-before.json --out docs/data/11-alltoall; $PY tools/lesson11_figures.py --records docs/data/11-alltoall
+a2a-figures    |  60 | 5   |         | $PY tools/lesson11_figures.py --records docs/data/11-alltoall
+symmetric      | 120 | 18  |         | $PY -m collectives bench-symmetric --json docs/data/12-symmetric-cpu.json --record 12-bench-cpu
+bench          | 120 | 20  |         | $PY -m collectives bench --json docs/data/bench-cpu.json --out build/bench-cpu; $PY tools/bench_charts.py
 '
 field() { echo "$1" | cut -d'|' -f"$2" | sed 's/^ *//; s/ *$//'; }
 
@@ -62,6 +67,13 @@ if [ "${1:-}" = "--list" ] || [ "${1:-}" = "-l" ]; then
            "$(field "$row" 4)" "$(field "$row" 5)"
   done
   exit 0
+fi
+if [ "${1:-}" = "--pack-iproute" ] && [ -n "${2:-}" ]; then
+  mkdir -p "$2/bin" "$2/lib"
+  for exe in ip tc; do cp "$(command -v $exe)" "$2/bin/"; done
+  ldd "$2/bin/ip" "$2/bin/tc" | awk '$3 ~ /^\// {print $3}' | sort -u | grep -v -E '/libc\.so|/libm\.so|/ld-linux' \
+    | xargs -I{} cp -L {} "$2/lib/"
+  ls "$2/bin" "$2/lib"; exit 0
 fi
 if [ $# -lt 1 ] || [ "${1#-}" != "$1" ]; then
   echo "usage: tools/quiet_records.sh OUTDIR [PART...]   (tools/quiet_records.sh --list: the parts)" >&2
@@ -78,6 +90,10 @@ PY=${PYTHON:-.venv/bin/python}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 CUDA_VISIBLE_DEVICES=""
 export COLLECTIVES_COMMIT=${COLLECTIVES_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
+if [ -n "${QUIET_TOOLS:-}" ]; then   # ip and tc carried from another host (--pack-iproute)
+  QUIET_TOOLS=$(cd "$QUIET_TOOLS" && pwd)
+  export PATH="$QUIET_TOOLS/bin:$PATH" LD_LIBRARY_PATH="$QUIET_TOOLS/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
 SUDO=""
 [ "$(id -u)" = 0 ] || SUDO="sudo -E"
 
