@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from ...core import launch, nccl_memory, timing
 from .. import verify
-from ..site.claims import commit, environment
+from ..site.claims import commit, environment, host
 
 ALGORITHMS = {
     "naive_ring": "collectives.naive_ring:naive_ring_all_reduce",
@@ -358,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
                 registered_memory=backend == "nccl" and args.registered_memory,
                 device=(f"{args.world}× {torch.cuda.get_device_name(0)}" if backend == "nccl"
                         else environment("gloo")["device"]),
-                load_average_before=load, commit=commit())
+                load_average_before=load, commit=commit(), **host())
     document = json.dumps({"meta": meta, "rows": rows}, indent=1)
     (out / "allreduce.json").write_text(document)
     from ..site.plots import plot_busbw

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from ...core import cost, flight_recorder, launch, ops, timing, trace
 from .. import verify
-from ..site.claims import commit
+from ..site.claims import commit, host
 
 DEFAULT_SIZES = "4,4K,1M"
 
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                 blocks=args.blocks, host=platform.node(), cpus=os.cpu_count(),
                 device=(f"{args.world}× {torch.cuda.get_device_name(0)}" if backend == "nccl" else _cpu_name()),
                 nccl=".".join(map(str, torch.cuda.nccl.version())) if backend == "nccl" else None,
-                gpus=torch.cuda.device_count() if backend == "nccl" else 0, commit=commit())
+                gpus=torch.cuda.device_count() if backend == "nccl" else 0, commit=commit(), **host())
     record = {"meta": meta, "listener_seconds": result["listener"], "rows": result["rows"]}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -36,7 +36,9 @@ def _source_line(record: dict) -> str:
     date = str(meta.get("date", ""))[:10]
     versions = f"torch {meta.get('torch', '?')}" + (f", NCCL {meta['nccl']}" if meta.get("nccl") else "")
     commit = f", commit {meta['commit']}" if meta.get("commit") else ""
-    return (f"Recorded on a {meta.get('device', 'machine not recorded')}, {versions}, {date}{commit}: "
+    load = meta.get("load_average") or meta.get("load_average_before")
+    load = f" under a load average of {load[0]:g}" if isinstance(load, list) and load else ""
+    return (f"Recorded on a {meta.get('device', 'machine not recorded')}{load}, {versions}, {date}{commit}: "
             f"`{meta.get('command', '')}`.")
 
 
