@@ -351,9 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(command=".venv/bin/python -m collectives bench " + " ".join(argv if argv is not None else []),
-                date=started.isoformat(timespec="seconds"), torch=torch.__version__,
+                date=started.isoformat(timespec="seconds"),
                 backend=backend, world_size=args.world, dtype=args.dtype, iters=args.iters,
-                warmup=args.warmup, host=platform.node(), cpus=os.cpu_count(),
+                warmup=args.warmup, host=platform.node(),
                 nccl=".".join(map(str, torch.cuda.nccl.version())) if backend == "nccl" else None,
                 registered_memory=backend == "nccl" and args.registered_memory,
                 device=(f"{args.world}× {torch.cuda.get_device_name(0)}" if backend == "nccl"

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import platform
 import shutil
 import statistics
@@ -229,9 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"the recorder alone: {result['listener'] * 1e6:.2f} µs of CPU per call (posted, started, completed)")
     arguments = sys.argv[2:] if argv is None else argv
     meta = dict(command=".venv/bin/python -m collectives bench-recorder " + " ".join(arguments),
-                date=started.isoformat(timespec="seconds"), torch=torch.__version__,
+                date=started.isoformat(timespec="seconds"),
                 python=platform.python_version(), backend=backend, world_size=args.world, iters=args.iters,
-                blocks=args.blocks, host=platform.node(), cpus=os.cpu_count(),
+                blocks=args.blocks, host=platform.node(),
                 device=(f"{args.world}× {torch.cuda.get_device_name(0)}" if backend == "nccl" else _cpu_name()),
                 nccl=".".join(map(str, torch.cuda.nccl.version())) if backend == "nccl" else None,
                 gpus=torch.cuda.device_count() if backend == "nccl" else 0, commit=commit(), **host())

@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     render(rows, title)
     os.makedirs(args.out, exist_ok=True)
     meta = dict(world=args.world, count=args.count, numel=args.numel, backend=backend,
-                split_bytes=split, torch=torch.__version__, date=datetime.date.today().isoformat(),
+                split_bytes=split, date=datetime.date.today().isoformat(),
                 device=(torch.cuda.get_device_name(0) if backend == "nccl" else "cpu"),
                 wall_seconds=time.perf_counter() - start, **host())
     with open(os.path.join(args.out, "bench-fused.json"), "w") as f:
