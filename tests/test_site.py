@@ -355,3 +355,41 @@ def test_lab_sidebar_is_rebuilt_from_the_rendered_headings():
                '<code>isend</code>, <code>irecv</code>, <code>wait</code><a class="anchor-link" href="#x">¶</a></h2>')
     assert mkdocs_hooks.heading_anchors(content)[1] == (2, "3-immediates-isend-irecv-wait",
                                                         "3. Immediates: isend, irecv, wait")
+
+
+# --------------------------------------------------------------------------- measured sections
+
+def test_every_lessons_measured_section_is_tables_a_figure_and_a_paragraph():
+    problems = check_site.measured_problems()
+    assert not problems, "\n".join(problems)
+
+
+def test_a_measured_section_of_generated_sentences_aims_or_many_numbers_fails(tmp_path):
+    from collectives.course.site import claims, measured
+
+    img = tmp_path / "img"
+    img.mkdir()
+    record = claims.Record("07-x", names={"flat": "the flat ring", "hier": "the hierarchy"},
+                           meta={"command": "tools/x.py", "date": "2026-11-29", "device": "16-core host",
+                                 "torch": "2.11.0", "load_average": [0.2, 0.1, 0.1]}, title="Two rings")
+    record.times("one", {"flat": 0.8, "hier": 0.5}, baseline="flat", where="64 MiB, 2 × 2")
+    record.sweep("sweep", [1 << 20, 4 << 20], {"flat": [0.01, 0.04], "hier": [0.02, 0.03]})
+    record.fact("target", "The hierarchy ran at 1.6× the flat ring's speed (aim: at least 2×).")
+    record.caption = record.text("one")      # a caption that named the aim would fail too
+    record.image = "07-x.svg"
+    record.save(img / "07-x.json")
+    good = ("## Measured\n\n{{ figure: 07-x | tools/x.py }}\n\n{{ table: 07-x one }}\n\n"
+            "The hierarchy took {{ ratio: 07-x one flat hier }} the flat ring's time, "
+            "{{ value: 07-x sweep hier 4MiB }} at 4 MiB.\n\n## Key takeaways\n")
+    assert measured.problems(good, img) == []
+    shown = claims.expand(good, img=img)
+    # the table's cells are the record's values, its caption names hardware, load and command
+    assert "| The hierarchy | 500 ms | 0.62× |" in shown and "took 0.62× the flat ring's time, 30 ms" in shown
+    assert "16-core host under a load average of 0.2, torch 2.11.0, 2026-11-29: `tools/x.py`" in shown
+    bad = good.replace("{{ table: 07-x one }}", "{{ claim: 07-x one }} {{ claim: 07-x target }}\n\n"
+                       "{{ figure: 07-x | tools/x.py }}\n\nIt took 0.5 s, 0.8 s and 0.3 s, 0.5 s again.")
+    found = " | ".join(measured.problems(bad, img))
+    for what in ("2 figures", "generated sentences", "quotes 11 numbers", "0.5 s more than once", "aim"):
+        assert what in found, (what, found)
+    with pytest.raises(ValueError, match="no size 2MiB"):
+        claims.expand("{{ value: 07-x sweep hier 2MiB }}", img=img)

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ..catalog import ROOT
+from .tables import human  # noqa: F401  (part of this module's interface)
 from .claim_pages import (  # noqa: F401  (reading records and pages: part of this module's interface too)
     _BETTER_THAN,
     _CONDITION,
@@ -139,16 +140,6 @@ def environment(backend: str = "gloo", command: str | None = None, **extra) -> d
     meta.update(extra)
     return meta
 
-
-def human(seconds: float) -> str:
-    """Seconds as a reader wants them: 370 ms, 1.2 s, 85 µs."""
-    if seconds is None or not math.isfinite(seconds):
-        return "n/a"
-    if seconds < 1e-3:
-        return f"{seconds * 1e6:.3g} µs"
-    if seconds < 1:
-        return f"{seconds * 1e3:.3g} ms"
-    return f"{seconds:.3g} s"
 
 
 def _size(nbytes: float) -> str:
