@@ -140,18 +140,37 @@ def test_every_page_works_in_a_browser(request):
         pytest.skip(message)
     site, _ = request.getfixturevalue("built_site")  # built once, shared with the build test
     planted = _plant_a_wrong_player(site)
+    raw = _plant_raw_math(site)
     try:
         result = check_site.check(site, chromium)
     finally:
         shutil.rmtree(planted)
+        shutil.rmtree(raw)
         (site / "traces" / "wrong_ring.player.json").unlink()
     assert result.pages, "no pages were checked"
-    problems = [p for p in result.problems if not p.startswith(f"{planted.name}/")]
+    problems = [p for p in result.problems if not p.startswith((f"{planted.name}/", f"{raw.name}/"))]
     assert not problems, f"{len(problems)} problems:\n" + "\n".join(problems)
+    # math left as its source and a broken image are caught
+    shown = " | ".join(p for p in result.problems if p.startswith(f"{raw.name}/"))
+    for what in ("math shown as its source, not typeset", "ring costs $(p-1)", "(x + y", "image does not load"):
+        assert what in shown, (what, shown)
     # the check can fail: a player whose last step differs from the run's result is caught
     caught = [p for p in result.problems if p.startswith(f"{planted.name}/")]
     assert caught == [f"{planted.name}/: trace player 1 (wrong_ring): the last step is not the "
                       "all-reduce's result recorded with the run"]
+
+
+def _plant_raw_math(site):
+    """A page whose math reached the reader as source ($...$ and \\(...\\) in its text) and
+    whose image is missing: the browser check must report all three."""
+    page = site / "raw-math"
+    page.mkdir()
+    (page / "index.html").write_text(
+        '<!doctype html><html><head><meta charset="utf-8"><title>Raw math</title></head><body>'
+        '<article class="md-content__inner"><h1>Raw math</h1><p>The naive ring costs $(p-1) \\cdot n$ '
+        'bytes per rank.</p><p>Inline \\(x + y\\) left alone.</p><p><code>$HOME</code> is code.</p>'
+        '<img src="missing.png" alt="a figure"></article></body></html>')
+    return page
 
 
 def _plant_a_wrong_player(site):
@@ -393,3 +412,54 @@ def test_a_measured_section_of_generated_sentences_aims_or_many_numbers_fails(tm
         assert what in found, (what, found)
     with pytest.raises(ValueError, match="no size 2MiB"):
         claims.expand("{{ value: 07-x sweep hier 2MiB }}", img=img)
+
+
+# --------------------------------------------------------------------------- figures that read
+
+def _load_tool(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_figure_check_finds_overlapping_sticking_out_and_unfitting_labels():
+    from collectives.course.site import plots
+
+    fig = plots._figure(4, 2)
+    fig.set_layout_engine("none")               # no layout to make room for a label that sticks out
+    ax = fig.subplots()
+    ax.set_xlim(0, 1)
+    ax.set_ylim(-0.5, 0.5)
+    ax.barh(0, 0.05, left=0.1, height=0.5)
+    ax.text(0.12, 0, "a label wider than its bar", fontsize=9)       # written on a thin bar
+    ax.text(0.6, 0.3, "one", fontsize=9)
+    ax.text(0.61, 0.3, "two", fontsize=9)                           # on top of "one"
+    ax.text(0.95, -0.3, "past the right edge of the figure", fontsize=9)
+    found = " | ".join(plots.text_problems(fig))
+    for what in ("does not fit in the bar", "'one' overlaps 'two'", "sticks out of the figure"):
+        assert what in found, (what, found)
+    with pytest.raises(ValueError, match="labels that cannot be read"):
+        plots.check_readable(fig)
+
+
+def test_lesson_10s_timeline_and_lesson_12s_chart_read():
+    """The two figures a student could not read: the timeline's unit labels on thin bars and
+    side by side, and the GPU chart's long names in narrow cells."""
+    from collectives.course.site import claims, plots
+
+    events, t = [], 0.0                       # transfers of neighbouring units close together, thin bars
+    for unit in range(4):
+        events += [dict(what="all_gather", unit=unit, start=t, end=t + 0.0015),
+                   dict(what="forward", unit=unit, start=t + 0.0016, end=t + 0.0216)]
+        t += 0.0217
+    for unit in reversed(range(4)):
+        events += [dict(what="backward", unit=unit, start=t, end=t + 0.02),
+                   dict(what="all_gather", unit=unit, start=t + 0.0002, end=t + 0.0008),
+                   dict(what="all_gather", unit=unit, start=t + 0.0009, end=t + 0.0012),
+                   dict(what="reduce_scatter", unit=unit, start=t + 0.02, end=t + 0.0203)]
+        t += 0.0205
+    assert plots.text_problems(_load_tool("lesson10_figures").draw(events)) == []
+    record = claims.load("12-bench-gpu")
+    assert record is not None
+    assert plots.text_problems(_load_tool("lesson12_figures").draw(record)) == []
