@@ -463,3 +463,37 @@ def test_lesson_10s_timeline_and_lesson_12s_chart_read():
     record = claims.load("12-bench-gpu")
     assert record is not None
     assert plots.text_problems(_load_tool("lesson12_figures").draw(record)) == []
+
+
+# --------------------------------------------------------------------------- records from a quiet host
+
+def _what_ran(command: str) -> str:
+    """The script, or the collectives subcommand (and its suite), a record's command ran."""
+    words = command.replace("sudo ", "").split()
+    script = next((w for w in words if w.endswith(".py")), None)
+    if script:
+        return script
+    at = words.index("collectives") + 1
+    return "collectives " + " ".join(words[at:at + (2 if words[at] in ("bench-hier", "bench-alltoall") else 1)])
+
+
+def test_quiet_records_remakes_every_cpu_record_a_page_shows():
+    """tools/quiet_records.sh runs, among its parts, whatever made each CPU or simulated-cluster
+    record that a page places (GPU records come from the GPU lane)."""
+    from collectives.course.site import claims
+
+    script = (ROOT / "tools" / "quiet_records.sh").read_text(encoding="utf-8")
+    table = script.split("PARTS_TABLE='", 1)[1].split("'", 1)[0]
+    names = {name for page in (ROOT / "docs").rglob("*.md") if "snippets" not in page.parts
+             for _, name, _ in claims.placeholders(page.read_text(encoding="utf-8"))}
+    missing = []
+    for name in sorted(names):
+        record = claims.load(name)
+        if record is None or "NVIDIA" in record.get("meta", {}).get("device", "") \
+                or record.get("meta", {}).get("backend") == "nccl":
+            continue
+        for command in record["meta"]["command"].split(" (")[0].split(";"):   # " (before: ...)": a note
+            if not re.search(re.escape(_what_ran(command)) + r"(?![\w-])", table):
+                missing.append(f"{name}: {command.strip()}")
+    assert not missing, "records no part of quiet_records.sh remakes:\n" + "\n".join(missing)
+    assert "09-fr-trace" in names and "12-bench-cpu" in names

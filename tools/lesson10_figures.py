@@ -119,7 +119,7 @@ def draw(events: list[dict]):
             continue
         text.set_color("#222222")
         step = (ax.get_xlim()[1] - ax.get_xlim()[0]) / 60
-        spots = [(middle + k * step, row + dy, va) for k in range(0, 12)
+        spots = [(middle + k * step, row + dy, va) for k in range(0, 40)
                  for dy, va in ((BAR / 2 + 0.04, "bottom"), (-BAR / 2 - 0.04, "top"))]
         for x, y, va in spots:
             text.set_position((x, y))

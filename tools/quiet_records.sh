@@ -49,7 +49,7 @@ sparse-train   | 540 | ?   | cluster | $PY -m collectives bench-sparse-train --s
 sparse-cnn     | 540 | ?   | cluster | $PY -m collectives bench-sparse-train --plan cnn --seeds 5 --publish
 recorder       |  90 | 10  |         | $PY -m collectives bench-recorder --iters 100 --blocks 7 --snippet docs/snippets/bench-recorder.md --record docs/img
 fr-trace       |  60 | 14  |         | $PY tools/lesson09_fr_trace.py --record docs/img
-sharded        | 150 | 28  |         | $PY tools/lesson10_figures.py; $PY -m collectives bench-sharded --layers 8 --width 1024 --batch 64 --img docs/img
+sharded        | 150 | 28  |         | $PY -m collectives bench-sharded --layers 8 --width 1024 --batch 64 --img docs/img; $PY tools/lesson10_figures.py
 sharded-cluster| 540 | ?   | cluster | $PY -m collectives bench-sharded --cluster --img docs/img
 a2a-local      |  60 | 10  |         | $PY -m collectives bench-alltoall local --sizes 4K..16M --iters 5 --out docs/data/11-alltoall; $PY tools/lesson11_figures.py --records docs/data/11-alltoall
 a2a-cluster    | 540 | ?   | cluster | $PY -m collectives bench-alltoall cluster --sizes 64K,1M,4M --iters 5 --out docs/data/11-alltoall; $PY tools/lesson11_figures.py --records docs/data/11-alltoall
