@@ -136,3 +136,23 @@ def test_a_field_path_reads_keys_indices_matches_and_quoted_keys_with_dots():
     assert numbers.field(data, "steps[1].step") == "b"
     with pytest.raises(KeyError):           # unquoted, the dot splits the key
         numbers.field(data, "steps[step=a].data.12-bench.json.runs[1]")
+
+
+def test_every_benchmark_record_names_its_hosts_cores_and_load():
+    """Timings depend on the host: each benchmark that writes a JSON record puts
+    ``claims.host()`` (cores, load average, torch) into it, and a page's source line names
+    the load beside the device."""
+    from collectives.course.site import claim_pages, claims
+
+    made = claims.host()
+    assert made["cpus"] >= 1 and len(made["load_average"]) == 3 and made["torch"]
+    assert {"cpus", "load_average", "torch"} <= set(claims.environment())
+    writers = [p for p in (ROOT / "collectives" / "course" / "benchmarks").glob("*.py")
+               if "json.dump" in p.read_text(encoding="utf-8")]
+    assert len(writers) >= 10
+    silent = [p.name for p in writers if not any(call in p.read_text(encoding="utf-8")
+                                                 for call in ("host()", "environment("))]
+    assert not silent, f"records written without the host's cores and load: {silent}"
+    line = claim_pages._source_line({"meta": {"device": "16-core x86_64 host", "torch": "2.11.0",
+                                              "date": "2026-11-29", "command": "x", "load_average": [0.3, 1, 1]}})
+    assert "16-core x86_64 host under a load average of 0.3, torch 2.11.0" in line

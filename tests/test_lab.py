@@ -151,3 +151,28 @@ def test_lab_6s_timelines_and_sweeps_run_the_switchs_reducer():
     # with "reference" the same cells run the course's reducer (lab 6 runs so in the suite)
     assert bucketing_bench._reducer_class(Lab(6, "reference").target("BucketedReducer")) is \
         bucketing_bench.BucketedReducer
+
+
+# Tasks a lab runs inside another task of the student's: gather_layer inside forward_prefetch.
+INSIDE = {10: {"gather_layer": "forward_prefetch"}}
+
+
+@pytest.mark.parametrize("number", (10, 11))
+def test_the_lab_runs_the_students_code_for_every_task(number):
+    """Every task of lessons 10 and 11 is called through the lab's switch in some code cell
+    (or inside another task that is), so "exercise" shows the student's code at work."""
+    import inspect
+    import json
+
+    from collectives.course.catalog import lesson
+
+    item = lesson(number)
+    exercise = impl.load_module(str(item.exercise.relative_to(impl.ROOT)))
+    tasks = [k for k, v in vars(exercise).items() if inspect.isfunction(v) and v.__module__ == exercise.__name__
+             and re.match(rf"\s*Lesson {number}, task \d", v.__doc__ or "")]
+    assert len(tasks) >= 5
+    code = "\n".join("".join(c["source"]) for c in json.loads(item.notebook.read_text())["cells"]
+                     if c["cell_type"] == "code")
+    called = {t for t in tasks if re.search(rf"\blab\.{t}\b|\"{t}\"", code)}   # lab.name, or getattr(lab, "name")
+    called |= {t for t, outer in INSIDE.get(number, {}).items() if outer in called}
+    assert called == set(tasks), f"lab {number} never runs {sorted(set(tasks) - called)} through lab"

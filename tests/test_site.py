@@ -140,18 +140,37 @@ def test_every_page_works_in_a_browser(request):
         pytest.skip(message)
     site, _ = request.getfixturevalue("built_site")  # built once, shared with the build test
     planted = _plant_a_wrong_player(site)
+    raw = _plant_raw_math(site)
     try:
         result = check_site.check(site, chromium)
     finally:
         shutil.rmtree(planted)
+        shutil.rmtree(raw)
         (site / "traces" / "wrong_ring.player.json").unlink()
     assert result.pages, "no pages were checked"
-    problems = [p for p in result.problems if not p.startswith(f"{planted.name}/")]
+    problems = [p for p in result.problems if not p.startswith((f"{planted.name}/", f"{raw.name}/"))]
     assert not problems, f"{len(problems)} problems:\n" + "\n".join(problems)
+    # math left as its source and a broken image are caught
+    shown = " | ".join(p for p in result.problems if p.startswith(f"{raw.name}/"))
+    for what in ("math shown as its source, not typeset", "ring costs $(p-1)", "(x + y", "image does not load"):
+        assert what in shown, (what, shown)
     # the check can fail: a player whose last step differs from the run's result is caught
     caught = [p for p in result.problems if p.startswith(f"{planted.name}/")]
     assert caught == [f"{planted.name}/: trace player 1 (wrong_ring): the last step is not the "
                       "all-reduce's result recorded with the run"]
+
+
+def _plant_raw_math(site):
+    """A page whose math reached the reader as source ($...$ and \\(...\\) in its text) and
+    whose image is missing: the browser check must report all three."""
+    page = site / "raw-math"
+    page.mkdir()
+    (page / "index.html").write_text(
+        '<!doctype html><html><head><meta charset="utf-8"><title>Raw math</title></head><body>'
+        '<article class="md-content__inner"><h1>Raw math</h1><p>The naive ring costs $(p-1) \\cdot n$ '
+        'bytes per rank.</p><p>Inline \\(x + y\\) left alone.</p><p><code>$HOME</code> is code.</p>'
+        '<img src="missing.png" alt="a figure"></article></body></html>')
+    return page
 
 
 def _plant_a_wrong_player(site):
@@ -355,3 +374,126 @@ def test_lab_sidebar_is_rebuilt_from_the_rendered_headings():
                '<code>isend</code>, <code>irecv</code>, <code>wait</code><a class="anchor-link" href="#x">¶</a></h2>')
     assert mkdocs_hooks.heading_anchors(content)[1] == (2, "3-immediates-isend-irecv-wait",
                                                         "3. Immediates: isend, irecv, wait")
+
+
+# --------------------------------------------------------------------------- measured sections
+
+def test_every_lessons_measured_section_is_tables_a_figure_and_a_paragraph():
+    problems = check_site.measured_problems()
+    assert not problems, "\n".join(problems)
+
+
+def test_a_measured_section_of_generated_sentences_aims_or_many_numbers_fails(tmp_path):
+    from collectives.course.site import claims, measured
+
+    img = tmp_path / "img"
+    img.mkdir()
+    record = claims.Record("07-x", names={"flat": "the flat ring", "hier": "the hierarchy"},
+                           meta={"command": "tools/x.py", "date": "2026-11-29", "device": "16-core host",
+                                 "torch": "2.11.0", "load_average": [0.2, 0.1, 0.1]}, title="Two rings")
+    record.times("one", {"flat": 0.8, "hier": 0.5}, baseline="flat", where="64 MiB, 2 × 2")
+    record.sweep("sweep", [1 << 20, 4 << 20], {"flat": [0.01, 0.04], "hier": [0.02, 0.03]})
+    record.fact("target", "The hierarchy ran at 1.6× the flat ring's speed (aim: at least 2×).")
+    record.caption = record.text("one")      # a caption that named the aim would fail too
+    record.image = "07-x.svg"
+    record.save(img / "07-x.json")
+    good = ("## Measured\n\n{{ figure: 07-x | tools/x.py }}\n\n{{ table: 07-x one }}\n\n"
+            "The hierarchy took {{ ratio: 07-x one flat hier }} the flat ring's time, "
+            "{{ value: 07-x sweep hier 4MiB }} at 4 MiB.\n\n## Key takeaways\n")
+    assert measured.problems(good, img) == []
+    shown = claims.expand(good, img=img)
+    # the table's cells are the record's values, its caption names hardware, load and command
+    assert "| The hierarchy | 500 ms | 0.62× |" in shown and "took 0.62× the flat ring's time, 30 ms" in shown
+    assert "16-core host under a load average of 0.2, torch 2.11.0, 2026-11-29: `tools/x.py`" in shown
+    bad = good.replace("{{ table: 07-x one }}", "{{ claim: 07-x one }} {{ claim: 07-x target }}\n\n"
+                       "{{ figure: 07-x | tools/x.py }}\n\nIt took 0.5 s, 0.8 s and 0.3 s, 0.5 s again.")
+    found = " | ".join(measured.problems(bad, img))
+    for what in ("2 figures", "generated sentences", "quotes 11 numbers", "0.5 s more than once", "aim"):
+        assert what in found, (what, found)
+    with pytest.raises(ValueError, match="no size 2MiB"):
+        claims.expand("{{ value: 07-x sweep hier 2MiB }}", img=img)
+
+
+# --------------------------------------------------------------------------- figures that read
+
+def _load_tool(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_figure_check_finds_overlapping_sticking_out_and_unfitting_labels():
+    from collectives.course.site import plots
+
+    fig = plots._figure(4, 2)
+    fig.set_layout_engine("none")               # no layout to make room for a label that sticks out
+    ax = fig.subplots()
+    ax.set_xlim(0, 1)
+    ax.set_ylim(-0.5, 0.5)
+    ax.barh(0, 0.05, left=0.1, height=0.5)
+    ax.text(0.12, 0, "a label wider than its bar", fontsize=9)       # written on a thin bar
+    ax.text(0.6, 0.3, "one", fontsize=9)
+    ax.text(0.61, 0.3, "two", fontsize=9)                           # on top of "one"
+    ax.text(0.95, -0.3, "past the right edge of the figure", fontsize=9)
+    found = " | ".join(plots.text_problems(fig))
+    for what in ("does not fit in the bar", "'one' overlaps 'two'", "sticks out of the figure"):
+        assert what in found, (what, found)
+    with pytest.raises(ValueError, match="labels that cannot be read"):
+        plots.check_readable(fig)
+
+
+def test_lesson_10s_timeline_and_lesson_12s_chart_read():
+    """The two figures a student could not read: the timeline's unit labels on thin bars and
+    side by side, and the GPU chart's long names in narrow cells."""
+    from collectives.course.site import claims, plots
+
+    events, t = [], 0.0                       # transfers of neighbouring units close together, thin bars
+    for unit in range(4):
+        events += [dict(what="all_gather", unit=unit, start=t, end=t + 0.0015),
+                   dict(what="forward", unit=unit, start=t + 0.0016, end=t + 0.0216)]
+        t += 0.0217
+    for unit in reversed(range(4)):
+        events += [dict(what="backward", unit=unit, start=t, end=t + 0.02),
+                   dict(what="all_gather", unit=unit, start=t + 0.0002, end=t + 0.0008),
+                   dict(what="all_gather", unit=unit, start=t + 0.0009, end=t + 0.0012),
+                   dict(what="reduce_scatter", unit=unit, start=t + 0.02, end=t + 0.0203)]
+        t += 0.0205
+    assert plots.text_problems(_load_tool("lesson10_figures").draw(events)) == []
+    record = claims.load("12-bench-gpu")
+    assert record is not None
+    assert plots.text_problems(_load_tool("lesson12_figures").draw(record)) == []
+
+
+# --------------------------------------------------------------------------- records from a quiet host
+
+def _what_ran(command: str) -> str:
+    """The script, or the collectives subcommand (and its suite), a record's command ran."""
+    words = command.replace("sudo ", "").split()
+    script = next((w for w in words if w.endswith(".py")), None)
+    if script:
+        return script
+    at = words.index("collectives") + 1
+    return "collectives " + " ".join(words[at:at + (2 if words[at] in ("bench-hier", "bench-alltoall") else 1)])
+
+
+def test_quiet_records_remakes_every_cpu_record_a_page_shows():
+    """tools/quiet_records.sh runs, among its parts, whatever made each CPU or simulated-cluster
+    record that a page places (GPU records come from the GPU lane)."""
+    from collectives.course.site import claims
+
+    script = (ROOT / "tools" / "quiet_records.sh").read_text(encoding="utf-8")
+    table = script.split("PARTS_TABLE='", 1)[1].split("'", 1)[0]
+    names = {name for page in (ROOT / "docs").rglob("*.md") if "snippets" not in page.parts
+             for _, name, _ in claims.placeholders(page.read_text(encoding="utf-8"))}
+    missing = []
+    for name in sorted(names):
+        record = claims.load(name)
+        if record is None or "NVIDIA" in record.get("meta", {}).get("device", "") \
+                or record.get("meta", {}).get("backend") == "nccl":
+            continue
+        for command in record["meta"]["command"].split(" (")[0].split(";"):   # " (before: ...)": a note
+            if not re.search(re.escape(_what_ran(command)) + r"(?![\w-])", table):
+                missing.append(f"{name}: {command.strip()}")
+    assert not missing, "records no part of quiet_records.sh remakes:\n" + "\n".join(missing)
+    assert "09-fr-trace" in names and "12-bench-cpu" in names

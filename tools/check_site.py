@@ -59,7 +59,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from collectives.course.catalog import LESSONS  # noqa: E402
-from collectives.course.site import claims, labs, numbers  # noqa: E402
+from collectives.course.site import claims, labs, measured, numbers  # noqa: E402
 
 CHROMIUM_CANDIDATES = ("/usr/bin/chromium", "chromium", "chromium-browser", "google-chrome")
 CHROMIUM_FLAGS = [
@@ -234,6 +234,17 @@ async () => {
     // math: every formula typeset by MathJax, none left as \( ... \) text
     math: article.querySelectorAll(".arithmatex").length,
     mathUntypeset: [...article.querySelectorAll(".arithmatex")].filter(m => !m.querySelector("mjx-container")).length,
+    // math a reader sees as source: $...$ or \( left in the text (outside code and outputs)
+    rawMath: (() => {
+      const walk = document.createTreeWalker(article, NodeFilter.SHOW_TEXT), out = [];
+      for (let n = walk.nextNode(); n && out.length < 5; n = walk.nextNode()) {
+        const p = n.parentElement;
+        if (!p || p.closest("pre, code, script, style, mjx-container, .arithmatex, .jp-OutputArea")) continue;
+        const m = n.textContent.match(/\$(?=\S)[^$\n]*?\S\$|\$\$|\\\(|\\\[/);
+        if (m) out.push(n.textContent.slice(Math.max(0, m.index - 20), m.index + 40).trim());
+      }
+      return out;
+    })(),
   };
 }
 """
@@ -280,6 +291,8 @@ def check_lesson_page(item, seen: dict, base: str) -> list[str]:
         problems.append(f"lesson {item.nn}: no 'Check your understanding' questions")
     if not seen["math"]:
         problems.append(f"lesson {item.nn}: no typeset formula (cost formulas are math: $...$)")
+    for aim in re.findall(measured.AIMS, seen["text"]):
+        problems.append(f"lesson {item.nn}: an aim or target shows ({aim!r}): targets live on the benchmarks page")
     notebook_url = urljoin(base, f"notebooks/{item.notebook.stem}/")
     if not any(link.split("#")[0] == notebook_url for link in seen["links"]):
         problems.append(f"lesson {item.nn}: no link to its lab notebook {item.notebook.name}")
@@ -493,9 +506,24 @@ def claim_problems(docs: Path = DOCS, notebooks: Path | None = None) -> list[str
                                                        "", markdown))
         for stray in re.findall(r"\{\{[^}]*\}\}", understood):
             problems.append(f"{rel}: {stray} is not a placeholder the build understands "
-                            "(figure:, claim:, table:, records:, if:, unless:, end; names and ids are [\\w.-]+)")
+                            "(figure:, claim:, table:, value:, ratio:, records:, if:, unless:, end; "
+                            "names and ids are [\\w.-]+)")
         for kind, name, claim_id in claims.placeholders(markdown):
             record = records.get(name)
+            if kind in ("figure", "claim") and claim_id and " " in claim_id:
+                problems.append(f"{rel}: {{{{ {kind}: {name} {claim_id} }}}} is not a placeholder the build "
+                                "understands (ids are [\\w.-]+, without spaces)")
+                continue
+            if kind in ("table", "value", "ratio") and record is not None:
+                try:
+                    words = (claim_id or "").split()
+                    shown = (claims.expand(f"{{{{ {kind}: {name} {claim_id or ''} }}}}",
+                                           img=img) if kind != "table" or words else "x")
+                    if not shown.strip():
+                        problems.append(f"{rel}: {{{{ table: {name} {claim_id} }}}} shows nothing: "
+                                        "no such comparison of times or sweep in the record")
+                except (ValueError, KeyError, IndexError, ZeroDivisionError) as exc:
+                    problems.append(f"{rel}: {{{{ {kind}: {name} {claim_id} }}}}: {exc}")
             if kind == "figure" and not re.search(r"\{\{\s*figure:\s*" + re.escape(name) + r"\s*\|", markdown):
                 problems.append(f"{rel}: {{{{ figure: {name} }}}} does not name the command that draws it "
                                 f"({{{{ figure: {name} | COMMAND }}}})")
@@ -526,6 +554,18 @@ def claim_problems(docs: Path = DOCS, notebooks: Path | None = None) -> list[str
             if cell["cell_type"] == "markdown":
                 problems += [f"notebooks/{notebook.name}, cell {i + 1}: {p}"
                              for p in claims.contradictions("".join(cell["source"]), mine)]
+    return problems
+
+
+def measured_problems(docs: Path = DOCS) -> list[str]:
+    """Every lesson page's **Measured** section: one compact table per record, at most one
+    figure, a paragraph of at most three numbers, no aims (:mod:`collectives.course.site.measured`)."""
+    problems = []
+    for item in LESSONS:
+        page = docs / "lessons" / item.page.name
+        if page.exists() and item.number not in LESSONS_PENDING_REWRITE:
+            problems += [f"lessons/{page.name}: {p}" for p in
+                         measured.problems(page.read_text(encoding="utf-8"), docs / "img", f"lessons/{page.name}")]
     return problems
 
 
@@ -788,6 +828,8 @@ async def _check_content(context, base: str, path: str, seen: dict) -> list[str]
         problems.append(f"wider than its column at {VIEWPORT['width']} px: {what}")
     if seen["mathUntypeset"]:
         problems.append(f"{seen['mathUntypeset']} of {seen['math']} formulas not typeset (MathJax)")
+    for raw in seen["rawMath"]:
+        problems.append(f"math shown as its source, not typeset: {raw!r}")
     for img in seen["images"]:
         if not img["ok"]:
             problems.append(f"image does not load: {img['src']}")
@@ -863,6 +905,7 @@ def check(site: Path | None = None, chromium: str | None = None, jobs: int = 4) 
         pages = browse(Path(site), exe, jobs=jobs)
         pages.append(PageResult("(claims and records)", problems=claim_problems()))
         pages.append(PageResult("(hand-written numbers)", problems=numbers.problems()))
+        pages.append(PageResult("(measured sections)", problems=measured_problems()))
         return SiteResult(pages, build_seconds, time.perf_counter() - start)
 
 

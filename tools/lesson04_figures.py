@@ -196,7 +196,7 @@ def draw_sweep(out: Path, machines: int, link: str, sizes: list[int], iters: int
                            f"{p} ranks, one per simulated machine, {link} links: measured and α–β–γ model")
     print(plots.save(fig, out / "04-model-vs-measured", record))
     winners = plots.plot_winners(sizes, {"measured": {a: measured[a] for a in ALGOS}, "model": model},
-                                 f"the fastest algorithm at each size, p = {p}, {link} links")
+                                 f"the fastest algorithm at each size, p = {p}, {link} links", names=NAMES)
     strip = claims.Record("04-winners", names=NAMES, aliases=ALIASES, meta=meta,
                           title="The fastest algorithm at each size, measured and predicted")
     strip.sweep("measured", sizes, {a: measured[a] for a in ALGOS}, label="measured")

@@ -123,6 +123,7 @@ def _meta(recs: list[dict], machines: str) -> dict:
             "torch": first["versions"]["torch"], "python": first["versions"].get("python", ""),
             "commit": first["versions"].get("commit"),
             "backend": "gloo", "cpus": first["machine"]["cores"], "date": max(r["date"] for r in recs),
+            "load_average": first["machine"].get("load_average"),
             "command": "; ".join(r["command"] for r in recs),
             "drawn_by": ".venv/bin/python tools/lesson07_figures.py --records docs/data/bench-hier"}
 

@@ -77,19 +77,57 @@ def overlaps(events: list[dict]) -> dict:
     return out
 
 
+ROWS = {"forward": 3, "backward": 2, "all_gather": 1, "reduce_scatter": 0}
+COLOURS = {"forward": "#4c72b0", "backward": "#55a868", "all_gather": "#dd8452", "reduce_scatter": "#c44e52"}
+BAR = 0.5          # a bar's height, in rows: a label that does not fit on it goes above or below
+
+
+def _clashes(box, others) -> bool:
+    return any(min(box.x1, o.x1) - max(box.x0, o.x0) > 0 and min(box.y1, o.y1) - max(box.y0, o.y0) > 0
+               for o in others)
+
+
 def draw(events: list[dict]):
+    """Each unit's forward and backward, each transfer of the side thread, as bars labelled
+    with the unit: on the bar in white where the label fits, else in black beside it -- above
+    the bar, below it, or further along the row, wherever it meets no other label or bar."""
     t0 = min(e["start"] for e in events)
-    fig = plots._figure(7.5, 2.6)
+    end = max(e["end"] for e in events) - t0
+    fig = plots._figure(7.5, 3.0)
     ax = fig.subplots()
-    rows = {"forward": 3, "backward": 2, "all_gather": 1, "reduce_scatter": 0}
-    colours = {"forward": "#4c72b0", "backward": "#55a868", "all_gather": "#dd8452", "reduce_scatter": "#c44e52"}
-    for e in events:
+    ax.set_xlim(0, end * 1e3 * 1.04)
+    ax.set_ylim(-0.7, 3.7)
+    bars = []
+    for e in sorted(events, key=lambda e: e["start"]):
         x0, width = (e["start"] - t0) * 1e3, max((e["end"] - e["start"]) * 1e3, 0.4)
-        ax.broken_barh([(x0, width)], (rows[e["what"]] - 0.4, 0.8), color=colours[e["what"]])
-        ax.text(x0 + 0.3, rows[e["what"]], str(e["unit"]), fontsize=9, va="center", color="white")
-    ax.set_yticks(list(rows.values()), [k.replace("_", "-") for k in rows], fontsize=9)
+        bar = ax.barh(ROWS[e["what"]], width, left=x0, height=BAR, color=COLOURS[e["what"]])[0]
+        bars.append((e, bar))
+    ax.set_yticks(list(ROWS.values()), [k.replace("_", "-") for k in ROWS], fontsize=9)
     ax.set_xlabel("ms since the step began (rank 0 of 2, gloo)", fontsize=9)
     ax.tick_params(labelsize=9)
+    renderer = plots.renderer(fig)
+    taken = [bar.get_window_extent(renderer) for _, bar in bars]
+    labels = []
+    for e, bar in bars:
+        row, cell = ROWS[e["what"]], bar.get_window_extent(renderer)
+        middle = bar.get_x() + bar.get_width() / 2
+        text = ax.text(middle, row, str(e["unit"]), fontsize=9, ha="center", va="center", color="white",
+                       fontweight="bold")
+        box = text.get_window_extent(renderer)
+        if cell.x0 + 1 <= box.x0 and box.x1 <= cell.x1 - 1 and not _clashes(box, labels):
+            labels.append(box)
+            continue
+        text.set_color("#222222")
+        step = (ax.get_xlim()[1] - ax.get_xlim()[0]) / 60
+        spots = [(middle + k * step, row + dy, va) for k in range(0, 40)
+                 for dy, va in ((BAR / 2 + 0.04, "bottom"), (-BAR / 2 - 0.04, "top"))]
+        for x, y, va in spots:
+            text.set_position((x, y))
+            text.set_va(va)
+            box = text.get_window_extent(renderer)
+            if not _clashes(box, labels + taken):
+                break
+        labels.append(text.get_window_extent(renderer))
     return fig
 
 

@@ -278,6 +278,30 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
     return "\n".join(lines) + tail
 
 
+# A lab's markdown reaches the page through nbconvert, which leaves $...$ as text; the site's
+# MathJax typesets only what arithmatex marks (docs/javascripts/mathjax-config.js).
+_VERBATIM = re.compile(r"(<(pre|code|script|style|textarea)\b.*?</\2>)", re.S | re.I)
+_DISPLAY_MATH = re.compile(r"\$\$(.+?)\$\$", re.S)
+_INLINE_MATH = re.compile(r"(?<![\\$\w])\$(?=\S)([^$\n]+?)(?<=\S)\$(?![\w$])")
+
+
+def lab_math(content: str) -> str:
+    """``$...$`` and ``$$...$$`` in a rendered notebook's text (never in code, output or
+    scripts) marked for MathJax as arithmatex marks a page's math."""
+    def text(part: str) -> str:
+        part = _DISPLAY_MATH.sub(lambda m: f'<span class="arithmatex">\\[{m.group(1)}\\]</span>', part)
+        return _INLINE_MATH.sub(lambda m: f'<span class="arithmatex">\\({m.group(1)}\\)</span>', part)
+    out = []
+    for i, chunk in enumerate(_VERBATIM.split(content)):
+        if i % 3 == 2:            # the group's tag name
+            continue
+        if i % 3 == 1:            # <pre>, <code>, <script>...: as they are
+            out.append(chunk)
+            continue
+        out += [p if p.startswith("<") else text(p) for p in re.split(r"(<[^>]*>)", chunk)]
+    return "".join(out)
+
+
 def on_page_content(content: str, page, config, files) -> str:
     if 'class="trace-player"' in content:
         content = _players_on(content, page)
@@ -285,6 +309,7 @@ def on_page_content(content: str, page, config, files) -> str:
     item = notebooks.get(page.file.src_uri)
     if item is None:
         return content
+    content = lab_math(content)
     # rendered from the executed copy: from here on the page's file is the clean notebook
     # again, which mkdocs-jupyter copies beside the page for download
     page.file.abs_src_path = getattr(page.file, "clean_src_path", page.file.abs_src_path)

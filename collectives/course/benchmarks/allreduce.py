@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from ...core import launch, nccl_memory, timing
 from .. import verify
-from ..site.claims import commit, environment
+from ..site.claims import commit, environment, host
 
 ALGORITHMS = {
     "naive_ring": "collectives.naive_ring:naive_ring_all_reduce",
@@ -351,14 +351,14 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(command=".venv/bin/python -m collectives bench " + " ".join(argv if argv is not None else []),
-                date=started.isoformat(timespec="seconds"), torch=torch.__version__,
+                date=started.isoformat(timespec="seconds"),
                 backend=backend, world_size=args.world, dtype=args.dtype, iters=args.iters,
-                warmup=args.warmup, host=platform.node(), cpus=os.cpu_count(),
+                warmup=args.warmup, host=platform.node(),
                 nccl=".".join(map(str, torch.cuda.nccl.version())) if backend == "nccl" else None,
                 registered_memory=backend == "nccl" and args.registered_memory,
                 device=(f"{args.world}× {torch.cuda.get_device_name(0)}" if backend == "nccl"
                         else environment("gloo")["device"]),
-                load_average_before=load, commit=commit())
+                load_average_before=load, commit=commit(), **host())
     document = json.dumps({"meta": meta, "rows": rows}, indent=1)
     (out / "allreduce.json").write_text(document)
     from ..site.plots import plot_busbw

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from ...bucketing import BucketedReducer, make_model
 from ...core import launch, timing, trace
 from .. import verify
+from ..site.claims import host
 
 VARIANTS = ("bucketed reducer", "torch DDP", "per-gradient after backward")
 EXERCISE = "bucketed reducer (exercise)"     # --impl exercise: the student's BucketedReducer
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(path, "w") as f:
         json.dump(dict(config=cfg, result=result, paired=paired_ratios(result["times"]),
                        median={v: timing.median(xs) for v, xs in result["times"].items()},
-                       torch=torch.__version__, python=platform.python_version(),
+                       python=platform.python_version(), **host(),
                        date=datetime.datetime.now().isoformat(timespec="seconds"),
                        command=".venv/bin/python -m collectives bench-ddp "
                        + " ".join(argv if argv is not None else sys.argv[1:])),

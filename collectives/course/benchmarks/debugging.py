@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import platform
 import shutil
 import statistics
@@ -36,7 +35,7 @@ import torch.distributed as dist
 
 from ...core import cost, flight_recorder, launch, ops, timing, trace
 from .. import verify
-from ..site.claims import commit
+from ..site.claims import commit, host
 
 DEFAULT_SIZES = "4,4K,1M"
 
@@ -229,12 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"the recorder alone: {result['listener'] * 1e6:.2f} µs of CPU per call (posted, started, completed)")
     arguments = sys.argv[2:] if argv is None else argv
     meta = dict(command=".venv/bin/python -m collectives bench-recorder " + " ".join(arguments),
-                date=started.isoformat(timespec="seconds"), torch=torch.__version__,
+                date=started.isoformat(timespec="seconds"),
                 python=platform.python_version(), backend=backend, world_size=args.world, iters=args.iters,
-                blocks=args.blocks, host=platform.node(), cpus=os.cpu_count(),
+                blocks=args.blocks, host=platform.node(),
                 device=(f"{args.world}× {torch.cuda.get_device_name(0)}" if backend == "nccl" else _cpu_name()),
                 nccl=".".join(map(str, torch.cuda.nccl.version())) if backend == "nccl" else None,
-                gpus=torch.cuda.device_count() if backend == "nccl" else 0, commit=commit())
+                gpus=torch.cuda.device_count() if backend == "nccl" else 0, commit=commit(), **host())
     record = {"meta": meta, "listener_seconds": result["listener"], "rows": result["rows"]}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

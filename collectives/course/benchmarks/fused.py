@@ -46,6 +46,7 @@ from ...core import cost, launch, ops, timing, trace
 from ...core.ops import ReduceOp
 from ...fused import FastFusedAllReducer, fused_all_reduce
 from .. import verify
+from ..site.claims import host
 
 
 def _cases(count: int, numel: int, split_bytes: int, cuda: bool = False):
@@ -343,9 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     render(rows, title)
     os.makedirs(args.out, exist_ok=True)
     meta = dict(world=args.world, count=args.count, numel=args.numel, backend=backend,
-                split_bytes=split, torch=torch.__version__, date=datetime.date.today().isoformat(),
+                split_bytes=split, date=datetime.date.today().isoformat(),
                 device=(torch.cuda.get_device_name(0) if backend == "nccl" else "cpu"),
-                wall_seconds=time.perf_counter() - start)
+                wall_seconds=time.perf_counter() - start, **host())
     with open(os.path.join(args.out, "bench-fused.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     plot(rows, title, os.path.join(args.out, "bench-fused.png"))

@@ -32,7 +32,8 @@ def machine() -> dict:
         cpu = names[0] if names else cpu
     except OSError:
         pass
-    out = {"cpu": cpu, "cores": os.cpu_count(), "host": platform.node()}
+    from ..site.claims import host
+    out = {"cpu": cpu, "cores": os.cpu_count(), "host": platform.node(), **host()}
     if torch.cuda.is_available():
         out["gpu"] = f"{torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}"
     return out

@@ -46,7 +46,7 @@ from ...sparse import cost, keep_count, sparse_all_reduce, time_selection, topk_
 from ...sparse.profile import measure_compute
 from ...sparse.split import balanced_bounds, split_sum_
 from ..impl import resolve
-from ..site.claims import commit
+from ..site.claims import commit, host
 
 # The model and the tables live in .sparse_report; importable from here too.
 from .sparse_report import _print, _select_seconds, measured_crossover, model_crossover, model_link, model_seconds  # noqa: F401
@@ -272,8 +272,7 @@ def main(argv: list[str] | None = None) -> int:
              else "NVLink (NCCL)" if backend == "nccl" else "loopback")
     results["device"] = _device(backend)
     command = ".venv/bin/python -m collectives bench-sparse " + " ".join(argv if argv is not None else sys.argv[1:])
-    results.update(command=command, commit=commit(),
-                   torch=torch.__version__, python=sys.version.split()[0],
+    results.update(command=command, commit=commit(), **host(), python=sys.version.split()[0],
                    date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
     t0 = time.time()
     for i, kind in enumerate(k for k in args.gradients.split(",") if k):

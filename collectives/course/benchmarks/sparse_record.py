@@ -44,7 +44,8 @@ def _meta(json_record: dict, drawn_by: str) -> dict:
         device = f"{m.group(2)}-core x86 host ({m.group(1)})"
     return {"command": json_record["command"], "date": str(json_record["date"]).replace(" UTC", ""),
             "device": device, "torch": json_record["torch"], "python": json_record.get("python", ""),
-            "backend": "gloo", "commit": json_record.get("commit"), "drawn_by": drawn_by}
+            "backend": "gloo", "commit": json_record.get("commit"), "drawn_by": drawn_by,
+            "cpus": json_record.get("cpus"), "load_average": json_record.get("load_average")}
 
 
 def _legible(fig):

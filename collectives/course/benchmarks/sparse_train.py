@@ -45,7 +45,7 @@ import torch.distributed as dist
 from ...core import launch, netns
 from ...sparse import lab
 from ..catalog import ROOT
-from ..site.claims import commit
+from ..site.claims import commit, host
 from .sparse_record import HEADLINE, headline, plot_convergence, plot_time_to_accuracy
 
 
@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     model, optimizer, _, _ = PLANS[args.plan][0]
     record = dict(command=".venv/bin/python -m collectives bench-sparse-train " + " ".join(argv if argv is not None
                                                                                  else sys.argv[1:]),
-                  device=machine(), torch=torch.__version__, python=platform.python_version(), commit=commit(),
+                  device=machine(), **host(), python=platform.python_version(), commit=commit(),
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
                   settings=settings, plan=args.plan, headline=f"{model}/{optimizer}", links={}, summary={},
                   winner={})

@@ -166,7 +166,7 @@ def _gpu_record(result: dict, name: str):
                                            for i, n in enumerate(sizes)]}
     eager = {d: {k: v for k, v in runs[d].items() if not k.startswith("graph_")} for d in runs}
     fig = plots.plot_winners(sizes, eager, title=f"{result['world']} GPUs: the fastest all-reduce at each size "
-                             "(each launched from Python)")
+                             "(each launched from Python)", names=NAMES)
     return fig, record
 
 

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Iterable
 
 from ..catalog import ROOT
+from . import tables
+from .tables import source_line as _source_line
 
 IMG = ROOT / "docs" / "img"
 
@@ -31,14 +33,6 @@ def load(name: str, img: Path | None = None) -> dict | None:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-def _source_line(record: dict) -> str:
-    meta = record.get("meta", {})
-    date = str(meta.get("date", ""))[:10]
-    versions = f"torch {meta.get('torch', '?')}" + (f", NCCL {meta['nccl']}" if meta.get("nccl") else "")
-    commit = f", commit {meta['commit']}" if meta.get("commit") else ""
-    return (f"Recorded on a {meta.get('device', 'machine not recorded')}, {versions}, {date}{commit}: "
-            f"`{meta.get('command', '')}`.")
-
 
 def expectation(name: str, img: Path | None = None) -> str:
     """What the lesson's recorded run of figure ``name`` showed, for a lab's "what to
@@ -52,8 +46,11 @@ def expectation(name: str, img: Path | None = None) -> str:
 
 # {{ if: NAME }} ... {{ end }}: shown only with the record; {{ unless: NAME }} ... {{ end }}: only without
 _CONDITION = re.compile(r"\{\{\s*(if|unless):\s*([\w.-]+)\s*\}\}(.*?)\{\{\s*end\s*\}\}", re.S)
-# {{ figure: NAME | COMMAND }}  {{ claim: NAME ID }}  {{ table: NAME }}
-_PLACEHOLDER = re.compile(r"\{\{\s*(figure|claim|table):\s*([\w.-]+)\s*(?:\|\s*(.*?)\s*|([\w.-]+)\s*)?\}\}")
+# {{ figure: NAME | COMMAND }}  {{ claim: NAME ID }}  {{ table: NAME [ID [a,b]] }}
+# {{ value: NAME ID KEY [SIZE] }}  {{ ratio: NAME ID A B [SIZE] }}  (tables.py)
+_PLACEHOLDER = re.compile(r"\{\{\s*(figure|claim|table|value|ratio):\s*([\w.-]+)\s*"
+                          r"(?:\|\s*(.*?)\s*|([\w.-]+(?:[ \t]+[\w.,-]+)*)\s*)?\}\}")
+CAPTION_WORDS = 60      # a longer caption shows the figure's title: its numbers are in the tables
 
 
 def expand(markdown: str, img_url: str = "../img", img: Path | None = None) -> str:
@@ -77,17 +74,25 @@ def expand(markdown: str, img_url: str = "../img", img: Path | None = None) -> s
             if record is None or not record.get("image"):
                 return (f"*The figure of this section is drawn by `{command or 'its figure script'}` "
                         "from a recorded run; no recorded run is in this build yet.*")
+            said = record["caption"]
+            if len(said.split()) > CAPTION_WORDS and record.get("title"):
+                said = record["title"].rstrip(".") + "."
             return (f"![{record.get('alt') or record.get('title') or name}]({img_url}/{record['image']})\n\n"
-                    f"*{record['caption']}* {_source_line(record)}")
+                    f"*{said}* {_source_line(record)}")
         if record is None:
             return ""
+        words = (claim_id or "").split()
         if kind == "claim":
             for c in record.get("comparisons", []):
                 if c["id"] == claim_id:
                     return c["text"]
             return ""
-        table = record.get("table")
-        return "\n".join(_table_lines(table)) if table else ""
+        if kind == "value":
+            return tables.value(record, words[0], words[1:])
+        if kind == "ratio":
+            return tables.ratio(record, words[0], words[1:])
+        series = words[1].split(",") if len(words) > 1 else None
+        return tables.table_markdown(record, words[0] if words else None, series)
     return _PLACEHOLDER.sub(replace, _CONDITION.sub(condition, expand_records(markdown)))
 
 

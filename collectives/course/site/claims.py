@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ..catalog import ROOT
+from .tables import human  # noqa: F401  (part of this module's interface)
 from .claim_pages import (  # noqa: F401  (reading records and pages: part of this module's interface too)
     _BETTER_THAN,
     _CONDITION,
@@ -49,7 +50,7 @@ from .claim_pages import (  # noqa: F401  (reading records and pages: part of th
     sentences,
 )
 
-__all__ = ["IMG", "Record", "environment", "load", "expand", "contradictions", "compare_line",
+__all__ = ["IMG", "Record", "environment", "host", "load", "expand", "contradictions", "compare_line",
            "winners_line", "crossover", "expectation", "human"]
 
 VERSION = 1
@@ -104,6 +105,20 @@ def commit() -> str:
     return head + ("+dirty" if head and dirty else "")
 
 
+def host() -> dict:
+    """The host a timing ran on, for every benchmark's record: ``cpus`` (its cores),
+    ``load_average`` (1, 5 and 15 minutes, read when the record is made: a loaded host says
+    so) and ``torch``. A page names both beside the numbers (:func:`expand`)."""
+    import torch
+
+    out = {"cpus": os.cpu_count() or 1, "torch": torch.__version__}
+    try:
+        out["load_average"] = [round(x, 1) for x in os.getloadavg()]
+    except (OSError, AttributeError):
+        pass
+    return out
+
+
 def environment(backend: str = "gloo", command: str | None = None, **extra) -> dict:
     """Where and how a measurement was made: the record's ``meta``.
 
@@ -121,23 +136,10 @@ def environment(backend: str = "gloo", command: str | None = None, **extra) -> d
         count = torch.cuda.device_count()
         meta["device"] = f"{count}x {torch.cuda.get_device_name(0)}"
         meta["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-    try:
-        meta["load_average"] = [round(x, 1) for x in os.getloadavg()]
-    except OSError:
-        pass
+    meta.update(host())
     meta.update(extra)
     return meta
 
-
-def human(seconds: float) -> str:
-    """Seconds as a reader wants them: 370 ms, 1.2 s, 85 µs."""
-    if seconds is None or not math.isfinite(seconds):
-        return "n/a"
-    if seconds < 1e-3:
-        return f"{seconds * 1e6:.3g} µs"
-    if seconds < 1:
-        return f"{seconds * 1e3:.3g} ms"
-    return f"{seconds:.3g} s"
 
 
 def _size(nbytes: float) -> str:

@@ -42,8 +42,74 @@ def check_legible(fig) -> None:
         raise ValueError(f"text under {MIN_FONT_PT} pt is unreadable on the site: {shown}")
 
 
+def renderer(fig):
+    """``fig`` drawn once, and the renderer that drew it: where each text and bar landed."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    if not hasattr(fig.canvas, "get_renderer"):
+        FigureCanvasAgg(fig)
+    fig.canvas.draw()
+    return fig.canvas.get_renderer()
+
+
+def text_problems(fig) -> list[str]:
+    """What makes a label of ``fig`` unreadable once drawn: two texts whose boxes overlap,
+    a text that sticks out of the figure, and a label written on a bar (its anchor inside a
+    rectangle of the same axes) that does not fit inside that bar."""
+    from matplotlib.patches import Rectangle
+    from matplotlib.text import Text
+
+    drawn = renderer(fig)
+    unseen = set()                     # tick labels of ticks outside the view: kept, never drawn
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            lo, hi = sorted(axis.get_view_interval())
+            slack = (hi - lo) * 1e-9
+            shown = ax.axison and axis.get_visible()          # axis("off"): no tick is drawn
+            for tick in axis.get_major_ticks() + axis.get_minor_ticks():
+                if not shown or not tick.get_visible() or not lo - slack <= tick.get_loc() <= hi + slack:
+                    unseen |= {id(tick.label1), id(tick.label2)}
+    texts = [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip() and id(t) not in unseen]
+    boxes = [(t, t.get_window_extent(drawn)) for t in texts]
+    problems, frame = [], fig.bbox
+    for t, b in boxes:
+        if b.x0 < frame.x0 - 1 or b.x1 > frame.x1 + 1 or b.y0 < frame.y0 - 1 or b.y1 > frame.y1 + 1:
+            problems.append(f"{t.get_text()[:30]!r} sticks out of the figure")
+    for i, (t, b) in enumerate(boxes):
+        for u, c in boxes[i + 1:]:
+            w = min(b.x1, c.x1) - max(b.x0, c.x0)
+            h = min(b.y1, c.y1) - max(b.y0, c.y0)
+            if w > 1 and h > 1:
+                problems.append(f"{t.get_text()[:30]!r} overlaps {u.get_text()[:30]!r}")
+    for ax in fig.axes:
+        bars = [p for p in ax.patches if isinstance(p, Rectangle) and p.get_visible()]
+        for t in ax.texts:
+            if not (t.get_visible() and t.get_text().strip()):
+                continue
+            anchor = ax.transData.transform(t.get_position())
+            box = t.get_window_extent(drawn)
+            for bar in bars:
+                cell = bar.get_window_extent(drawn)
+                inside = cell.x0 + 1 < anchor[0] < cell.x1 - 1 and cell.y0 + 1 < anchor[1] < cell.y1 - 1
+                if inside and (box.x0 < cell.x0 - 1 or box.x1 > cell.x1 + 1
+                                               or box.y0 < cell.y0 - 1 or box.y1 > cell.y1 + 1):
+                    problems.append(f"{t.get_text()[:30]!r} does not fit in the bar it is written on")
+                    break
+    return list(dict.fromkeys(problems))
+
+
+def check_readable(fig) -> None:
+    """Raise ``ValueError`` when text of ``fig`` is too small (:func:`check_legible`), or
+    overlaps, sticks out or is clipped (:func:`text_problems`)."""
+    check_legible(fig)
+    problems = text_problems(fig)
+    if problems:
+        raise ValueError("labels that cannot be read: " + "; ".join(problems[:6]))
+
+
 def save(fig, path, record=None):
-    """Save ``fig`` as ``PATH.svg`` (text checked to be 9 pt or more) and, with a
+    """Save ``fig`` as ``PATH.svg`` (text checked to be 9 pt or more, none overlapping another,
+    sticking out of the figure or out of the bar it labels) and, with a
     :class:`~collectives.course.site.claims.Record`, the record as ``PATH.json`` beside it:
     the image and the comparisons it shows are written together. Returns the image path."""
     from pathlib import Path
@@ -53,7 +119,7 @@ def save(fig, path, record=None):
     path = Path(path)
     image = path.with_suffix(".svg")
     image.parent.mkdir(parents=True, exist_ok=True)
-    check_legible(fig)
+    check_readable(fig)
     with matplotlib.rc_context({"svg.hashsalt": image.stem, "svg.fonttype": "path"}):
         fig.savefig(image, format="svg", metadata={"Date": None})
     if record is not None:
@@ -179,6 +245,7 @@ def draw_steps(traces: Iterable, title: str = "", *, columns: int = 4, max_round
         where = _tree_positions(p)
     else:
         where = {r: (math.sin(2 * math.pi * r / p), math.cos(2 * math.pi * r / p)) for r in range(p)}
+    arrow_labels = []
     for i, ax in enumerate(axes.flat):
         ax.set_xlim(-1.55, 1.55)
         ax.set_ylim(-1.55, 1.55)
@@ -207,15 +274,36 @@ def draw_steps(traces: Iterable, title: str = "", *, columns: int = 4, max_round
                              for m in same)
             # label on the outer side of the arc, a little nearer the sender than the middle,
             # so that the labels of crossing arrows do not pile up in the centre
-            mx, my = x0 + 0.3 * (x1 - x0), y0 + 0.3 * (y1 - y0)
             dx, dy = x1 - x0, y1 - y0
             norm = math.hypot(dx, dy) or 1.0
             ox, oy = dy / norm * 0.22, -dx / norm * 0.22
-            ax.text(mx + ox, my + oy, text, ha="center", va="center", fontsize=9,
-                    color="tab:blue")
+            spots = [(x0 + f * dx + side * ox, y0 + f * dy + side * oy)
+                     for side in (1, -1) for f in (0.3, 0.45, 0.2, 0.6)]
+            label = ax.text(*spots[0], text, ha="center", va="center", fontsize=9, color="tab:blue")
+            arrow_labels.append((label, spots))
     if title:
         fig.suptitle("\n".join(lines), fontsize=11)
+    _spread(fig, arrow_labels)
     return fig
+
+
+def _spread(fig, labels: list) -> None:
+    """Move each arrow's label to the first of its spots where it overlaps no label placed
+    before it (the first spot when none is free)."""
+    if not labels:
+        return
+    drawn = renderer(fig)
+    placed = []
+    for label, spots in labels:
+        for spot in spots:
+            label.set_position(spot)
+            box = label.get_window_extent(drawn)
+            if not any(min(box.x1, o.x1) - max(box.x0, o.x0) > 0 and min(box.y1, o.y1) - max(box.y0, o.y0) > 0
+                       for o in placed):
+                break
+        else:
+            label.set_position(spots[0])
+        placed.append(label.get_window_extent(drawn))
 
 
 def _circle(xy, radius):
@@ -355,19 +443,29 @@ def plot_busbw(rows: Sequence[dict], title: str = ""):
     return fig
 
 
-def plot_winners(sizes: Sequence[int], rows: dict[str, dict[str, Sequence[float]]], title: str = ""):
+def plot_winners(sizes: Sequence[int], rows: dict[str, dict[str, Sequence[float]]], title: str = "",
+                 names: dict[str, str] | None = None):
     """Which algorithm is fastest at each size: one strip per row of ``rows``
-    (e.g. ``{"measured": {algo: times}, "α–β model": {algo: times}}``)."""
-    fig = _figure(max(7, 1.5 + 0.85 * len(sizes)), 0.8 + 0.55 * len(rows))
+    (e.g. ``{"measured": {algo: times}, "α–β model": {algo: times}}``). Each cell holds the
+    winner's number and the legend below names it (``names``: key -> what to call it)."""
+    names = names or {}
+    every = list(dict.fromkeys(n for times in rows.values() for n in times))
+    colours = {name: f"C{i % 10}" for i, name in enumerate(every)}
+    winners = list(dict.fromkeys(min(times, key=lambda n: times[n][i])
+                                 for times in rows.values() for i in range(len(sizes))))
+    fig = _figure(max(7, 1.5 + 0.85 * len(sizes)), 1.2 + 0.55 * len(rows) + 0.25 * -(-len(winners) // 3))
     ax = fig.subplots()
-    names = list(dict.fromkeys(n for times in rows.values() for n in times))
-    colours = {name: f"C{i % 10}" for i, name in enumerate(names)}
+    number = {name: k + 1 for k, name in enumerate(winners)}     # a cell holds a number; the legend, the name
     for y, (row_name, times) in enumerate(rows.items()):
         for i, size in enumerate(sizes):
             best = min(times, key=lambda n: times[n][i])
             ax.barh(y, 1, left=i, color=colours[best], edgecolor="white")
-            ax.text(i + 0.5, y, best.replace("_", "\n"), ha="center", va="center", fontsize=9,
-                    rotation=0, color="white")
+            ax.text(i + 0.5, y, str(number[best]), ha="center", va="center", fontsize=10,
+                    fontweight="bold", color="white")
+    from matplotlib.patches import Patch
+    fig.legend(handles=[Patch(color=colours[n], label=f"{number[n]}  {names.get(n, n.replace('_', ' '))}")
+                        for n in winners],
+               fontsize=9, loc="outside lower center", ncols=min(3, len(winners)), frameon=False)
     from ...core.timing import human_bytes
     ax.set_yticks(range(len(rows)), list(rows))
     ax.set_xticks([i + 0.5 for i in range(len(sizes))],
