@@ -605,6 +605,11 @@ def _gpu_algorithms_on_a_cpu_stand_in():
         torch_two_shot(buf, n)
         wrong += [f"one-shot n={n}"] * (not torch.equal(out, expected))
         wrong += [f"two-shot n={n}"] * (not torch.equal(buf.buffer, expected))
+    try:
+        torch_one_shot(buf, 8, buf.buffer[4:])          # out in the own buffer, which peers read: refused
+        wrong.append("out aliasing the own buffer was not refused")
+    except ValueError as exc:
+        wrong += [] if "out overlaps this rank's own symmetric buffer" in str(exc) else [str(exc)]
     return wrong
 
 
@@ -688,9 +693,26 @@ def test_the_triton_kernels_build_each_launch_once_and_keep_no_tensor_of_the_cal
         ta.two_shot(handle, 64, torch.float32, gather="load", barrier="serial")
         assert len(two.jit_calls) == 2 and two.jit_calls[1][2]["PARALLEL"] is False
         # only the barriers that hand over data are ordered, unless every one is asked for
-        assert two.jit_calls[0][2]["LEAN"] is True and one.jit_calls[0][2]["LEAN"] is True
+        assert two.jit_calls[0][2]["ORDER_ALL"] is False and one.jit_calls[0][2]["ORDER_ALL"] is False
         ta.two_shot(handle, 64, torch.float32, gather="load", fences="all")
-        assert len(two.jit_calls) == 3 and two.jit_calls[2][2]["LEAN"] is False
+        assert len(two.jit_calls) == 3 and two.jit_calls[2][2]["ORDER_ALL"] is True
+        # the plan bakes in the rank and the world size: a handle of the same pointers on another rank
+        # (or world) gets its own plan, never this one's
+        for other in (types.SimpleNamespace(buffer_ptrs_dev=1000, signal_pad_ptrs_dev=2000, rank=0, world_size=2),
+                      types.SimpleNamespace(buffer_ptrs_dev=1000, signal_pad_ptrs_dev=2000, rank=1, world_size=4)):
+            ta.two_shot(other, 64, torch.float32, gather="load", fences="all")
+            assert (two.jit_calls[-1][2]["RANK"], two.jit_calls[-1][2]["WORLD"]) == (other.rank, other.world_size)
+        assert len(two.jit_calls) == 5
+        # the kernel's words start after torch's barrier channels 0 and 1: 2 · p words fewer for programs
+        with pytest.raises(ValueError, match="after torch's barrier channels 0 and 1"):
+            ta.one_shot(handle, 64, torch.float32, torch.zeros(64), programs=1023)
+        # out inside this rank's own symmetric buffer (its peers read it meanwhile) is refused
+        own = torch.zeros(64)
+        placed = types.SimpleNamespace(buffer_ptrs_dev=1000, signal_pad_ptrs_dev=2000, rank=1, world_size=2,
+                                       buffer_ptrs=[0, own.data_ptr()], buffer_size=256)
+        with pytest.raises(ValueError, match="out overlaps this rank's own symmetric buffer"):
+            ta.one_shot(placed, 64, torch.float32, own[8:])
+        ta.one_shot(placed, 64, torch.float32, torch.zeros(64))     # elsewhere: launched
         for name, value in (("barrier", "spin"), ("fences", "some")):     # both switches refuse what they lack
             for bad in (lambda: ta.two_shot(handle, 64, torch.float32, **{name: value}),
                         lambda: ta.one_shot(handle, 64, torch.float32, torch.zeros(64), **{name: value})):
