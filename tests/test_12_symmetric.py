@@ -631,6 +631,7 @@ def test_on_gpus_every_algorithm_matches_nccl_bit_for_bit():
             mine = {k: v for k, v in per.items() if not k.startswith("symm_")}   # torch's may refuse a size
             assert mine and all(v is True for v in mine.values()), f"rank {rank}, {dtype}: {per}"
             assert all(v is not False for v in per.values()), f"rank {rank}, {dtype}: a wrong value: {per}"
+            assert "nccl_symmetric" in per or any("NCCL window" in s for s in result["skipped"]), result
 
 
 def _fake_triton():
@@ -734,3 +735,43 @@ def test_the_triton_kernels_build_each_launch_once_and_keep_no_tensor_of_the_cal
         for name in names:
             if hasattr(package, name.rsplit(".", 1)[1]):
                 delattr(package, name.rsplit(".", 1)[1])
+
+
+# ---- the GPU benchmark's rule, where no GPU is needed ----------------------------------------
+
+def test_the_gpu_benchmark_refuses_what_the_rule_lacks_and_degrades_clearly_without_nccl_windows(tmp_path):
+    import types
+
+    from collectives.course.benchmarks import symmetric_gpu as bench
+    from collectives.course.benchmarks import symmetric_record
+
+    with pytest.raises(ValueError, match="launch must be one of"):
+        bench.gpu_rank([4096], ["float32"], 3, "replayed-for-one-side")
+    with pytest.raises(ValueError, match="inputs must be one of"):
+        bench.contenders(16, torch.float32, "untimed")
+    # NCCL's symmetric kernels: where torch cannot register a window the contender is skipped, with why
+    lacking = types.SimpleNamespace(_get_backend=lambda device: types.SimpleNamespace())
+    assert bench.nccl_window(16, torch.float32, lacking) == (None, "NCCL window registration (no mem_allocator / "
+                                                             "register_mem_pool in this torch)")
+
+    class Refusing:               # torch 2.11 built against an NCCL without the allocator raises on the lookup
+        @property
+        def mem_allocator(self):
+            raise RuntimeError("NCCL mem allocator is not supported in this NCCL version")
+    tensor, why = bench.nccl_window(16, torch.float32, types.SimpleNamespace(_get_backend=lambda device: Refusing()))
+    assert tensor is None and "not supported in this NCCL version" in why
+    # copied inputs: a contender in symmetric memory copies the caller's tensor in and the result out, timed
+    buffer, src = torch.zeros(8), torch.arange(8.0)
+    bench._copied(buffer, src, lambda n: buffer[:n].mul_(2), False)(5)
+    assert src.tolist() == [0, 2, 4, 6, 8, 5, 6, 7] and buffer[:5].tolist() == [0, 2, 4, 6, 8]
+    # the record says how every contender was launched and what was counted, and sets no aims
+    result = {"backend": "nccl", "world": 2, "sizes": [4096, 1 << 20], "iters": 3, "launch": "graph",
+              "inputs": "copied", "rule": "docs/benchmarks.md#the-rule-for-fair-gpu-comparisons", "checked": {},
+              "skipped": ["NCCL window registration (...)"], "meta": {"command": "test"},
+              "runs": {"bfloat16": {"nccl": [2e-5, 4e-5], "triton_two_shot_store": [1e-5, 3e-5],
+                                    "symm_two_shot": [1e-5, 3e-5]}},
+              "spread": {"bfloat16": {"nccl": [[1e-5, 3e-5], [3e-5, 5e-5]]}}}
+    saved = json.loads(symmetric_record.save_record(result, "12-rule", tmp_path).with_suffix(".json").read_text())
+    text = json.dumps(saved)
+    assert '"launch": "graph"' in text and '"inputs": "copied"' in text and "the-rule-for-fair" in text
+    assert "aim" not in text.lower(), "a record of measurements names no aims"
