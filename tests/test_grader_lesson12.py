@@ -29,6 +29,12 @@ NAMED = {
         3: "passed 1 barriers, expected 2: the gather must wait until every chunk is reduced",
     },
 }
+# cheat fixtures (issue classes of lesson 12) -> task -> what the failure must say
+CHEATS = {
+    "lesson12_cheat_functional_collectives": {2: "bytes through system calls during the call",
+                                              3: "bytes through system calls during the call"},
+    "lesson12_cheat_nap_once_frozen_clock": {1: "before the last rank entered"},
+}
 
 
 @pytest.mark.parametrize("name", NAMED)
@@ -45,6 +51,20 @@ def test_every_natural_mistake_fails_its_task_with_a_message_naming_it(name, tmp
         assert words in result, f"{name}: task {task}'s message does not name the mistake: {result}"
 
 
+@pytest.mark.parametrize("name", CHEATS)
+def test_every_cheat_scores_zero_and_says_why(name, tmp_path, monkeypatch):
+    student = tmp_path / name
+    shutil.copytree(ROOT / "lessons", student)
+    shutil.copy(MISTAKES / f"{name}.py", student / lesson(12).exercise.parent.name / "exercise.py")
+    monkeypatch.setenv("COLLECTIVES_EXERCISE_DIR", str(student))
+    _, _, scores = grading.grade([12], "exercise", tasks=sorted(CHEATS[name]))
+    got = {s.task: (s.earned, s.result) for s in scores}
+    for task, words in CHEATS[name].items():
+        earned, result = got[task]
+        assert earned == 0, f"{name}: task {task} scored {earned}: {result}"
+        assert words in result, f"{name}: task {task}: {result}"
+
+
 def test_every_mistake_fixture_is_listed():
     on_disk = {p.stem for p in MISTAKES.glob("lesson12_*.py")}
-    assert on_disk == set(NAMED), on_disk ^ set(NAMED)
+    assert on_disk == set(NAMED) | set(CHEATS), on_disk ^ (set(NAMED) | set(CHEATS))
