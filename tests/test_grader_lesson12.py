@@ -34,6 +34,7 @@ CHEATS = {
     "lesson12_cheat_functional_collectives": {2: "bytes through system calls during the call",
                                               3: "bytes through system calls during the call"},
     "lesson12_cheat_nap_once_frozen_clock": {1: "before the last rank entered"},
+    "lesson12_cheat_answer_cache_and_mock_any": {2: "one_shot_all_reduce, world of", 3: "began None calls"},
 }
 
 

@@ -281,7 +281,7 @@ def probe_all_reduce(probe: Probe, name: str, cases: list[Case]) -> dict:
         tensor, base = inputs.pop(case.name)
         extra = {} if case.group is None else {"group": groups[case.group]}
         ws = spaces[case.group]
-        epoch, calls = ws.epoch, ws.calls
+        epoch, calls = _plain(ws.epoch), _plain(ws.calls)
         measured, box = _measured(fn)
         measured.__name__ = name
         outcome = probe.call(case.name, measured, tensor, op=case.op, **extra)
@@ -290,14 +290,14 @@ def probe_all_reduce(probe: Probe, name: str, cases: list[Case]) -> dict:
         record = CaseRecord(outcome, output if type(output) is torch.Tensor else None)
         if base is not None and case.layout == "strided":
             record.gaps_ok = not bool((base[1::2] != verify.SENTINEL).any())
-        own = None
-        if _plain(ws.calls) == calls + 1 and case.numel:
+        own, barriers, began = None, _plain(ws.epoch), _plain(ws.calls)
+        known = None not in (epoch, calls, barriers, began)
+        if known and began == calls + 1 and case.numel:
             lo, hi = chunk_bounds(case.numel, ws.size)[ws.rank]
-            own = ws.slot((ws.calls - 1) % 2 if ws.two_buffers else 0, ws.rank, case.dtype,
+            own = ws.slot((began - 1) % 2 if ws.two_buffers else 0, ws.rank, case.dtype,
                           case.numel)[lo:hi].clone()
-        barriers, began = _plain(ws.epoch), _plain(ws.calls)
-        records[case.name] = {"record": record, "barriers": None if barriers is None else barriers - epoch,
-                              "calls": None if began is None else began - calls, "own_chunk": own,
+        records[case.name] = {"record": record, "barriers": barriers - epoch if known else None,
+                              "calls": began - calls if known else None, "own_chunk": own,
                               "written": box.get("written", -1), "nbytes": tensor.numel() * tensor.element_size()}
     return records
 
