@@ -181,6 +181,16 @@ def check_rank(dtypes: list[str], capacity: int = 1 << 22, exercise: bool = Fals
     for dtype_name in dtypes:
         dtype = DTYPES[dtype_name]
         runs, skipped, src = contenders(capacity, dtype)
+        if gpu.triton_available():      # the serial barrier too: its data-carrying barrier must order the block
+            from ...symmetric import triton_allreduce as ta
+            serial = gpu.SymmetricBuffer(capacity, dtype)
+            for fences in ta.FENCES:
+                runs[f"triton_one_shot_serial_{fences}"] = _copied(
+                    serial.buffer, src, lambda n, f=fences: ta.one_shot(serial.handle, n, dtype, src, barrier="serial",
+                                                                        fences=f), True)
+                runs[f"triton_two_shot_serial_{fences}"] = _copied(
+                    serial.buffer, src, lambda n, f=fences: ta.two_shot(serial.handle, n, dtype, gather="load",
+                                                                        barrier="serial", fences=f), False)
         if exercise:
             from ..impl import resolve
             theirs = resolve(EXERCISE)
