@@ -775,3 +775,33 @@ def test_the_gpu_benchmark_refuses_what_the_rule_lacks_and_degrades_clearly_with
     text = json.dumps(saved)
     assert '"launch": "graph"' in text and '"inputs": "copied"' in text and "the-rule-for-fair" in text
     assert "aim" not in text.lower(), "a record of measurements names no aims"
+
+
+def _no_proc_for_peers():
+    """Rank 1 cannot open rank 0's /proc path (as in another process namespace): the
+    rendezvous is made again by name, and works; no name is left afterwards."""
+    import os
+
+    module = sys.modules["collectives.symmetric.workspace"]
+    made = []
+    mkstemp = module.tempfile.mkstemp
+
+    def recorded(*args, **kwargs):
+        fd, path = mkstemp(*args, **kwargs)
+        made.append(path)
+        return fd, path
+    module.tempfile.mkstemp = recorded
+    if dist.get_rank() == 1:
+        real = module.SharedWorkspace._open
+        module.SharedWorkspace._open = staticmethod(
+            lambda path, device, inode: -1 if path.startswith("/proc/") else real(path, device, inode))
+    ws = SharedWorkspace(None, 4096)
+    x = torch.full((8,), 1 + dist.get_rank(), dtype=torch.int64)
+    one_shot_all_reduce(x, workspace=ws)
+    return x.tolist(), len(made), [p for p in made if os.path.exists(p)]
+
+
+def test_a_peer_that_cannot_reach_rank_0s_proc_gets_the_segment_by_name():
+    (values_0, made, left), (values_1, _, _) = launch.run(_no_proc_for_peers, 2, timeout=WORLD_TIMEOUT)
+    assert values_0 == values_1 == [3] * 8
+    assert made == 2 and left == [], (made, left)        # the /proc attempt, then the named one: both gone

@@ -27,11 +27,12 @@ may still read it, since the caller will write its next input there (``closing``
 Setting the segment up is the only part with messages: group rank 0 creates the file and
 removes its name at once, keeping it open; it broadcasts where its open file can be reached
 (``/proc/<pid>/fd/<fd>``, with the file's device and inode, so a peer knows it opened the
-same file) and the slots' size; every rank opens it and all-gathers what it asked for; if
-they agree, every rank maps it. The name lives for a few microseconds of rank 0's own code,
-so nothing is left in ``/dev/shm`` however the world ends, a rank killed included (where
-there is no ``/proc``, the name lives until every rank has opened it, and every error on
-the way removes it). Every all-reduce after that moves its data through the mapping alone.
+same file); every rank opens it and all-gathers what it asked for; if they agree, every
+rank maps it. The name lives for a few microseconds of rank 0's own code, so nothing is
+left in ``/dev/shm`` however the world ends, a rank killed included. (Where a rank cannot
+reach another process's ``/proc``, the rendezvous is made again with the name kept until
+every rank has opened the file; every error on the way removes it, a kill may not.) Every
+all-reduce after that moves its data through the mapping alone.
 
 Each rank's flag line has room for more than its flag: before each call a rank writes
 there what it passes (bytes, dtype, op), and after the first barrier every rank compares
@@ -122,17 +123,23 @@ class SharedWorkspace:
 
     def _rendezvous(self, total: int, home: bool) -> torch.Tensor:
         """Group rank 0 makes the file (zeroed: every flag starts at 0); every rank opens it,
-        they agree on its layout, and every rank maps it."""
-        fd, path, own = -1, None, None
+        they agree on its layout, and every rank maps it. First through ``/proc`` (the name
+        removed at once); where a peer cannot open that, again with the name kept until every
+        rank has opened the file, and removed on every way out."""
+        segment = self._attempt(total, home, named=not os.path.isdir("/proc/self/fd"))
+        return segment if segment is not None else self._attempt(total, home, named=True)
+
+    def _attempt(self, total: int, home: bool, named: bool) -> torch.Tensor | None:
+        """One rendezvous; None (on every rank) where a rank could not open ``/proc``'s path."""
+        fd, own = -1, None
         where = torch.zeros(512, dtype=torch.uint8)
         try:
             if self.rank == 0:
                 fd, path = tempfile.mkstemp(prefix="collectives-shm-", dir=SHM_DIR)
-                if os.path.isdir(f"/proc/{os.getpid()}/fd"):
-                    os.unlink(path)                  # at once: reachable from now on only while we hold fd
-                    path, own = f"/proc/{os.getpid()}/fd/{fd}", path
-                else:
-                    own = path                       # no /proc: the name lives until every rank has opened it
+                own = path                           # the name lives until every rank has opened the file ...
+                if not named:
+                    os.unlink(path)                  # ... or not at all: reachable while we hold fd
+                    path, own = f"/proc/{os.getpid()}/fd/{fd}", None
                 os.ftruncate(fd, total)
                 stat = os.fstat(fd)
                 text = json.dumps([path, stat.st_dev, stat.st_ino]).encode()
@@ -147,7 +154,10 @@ class SharedWorkspace:
                 asked[self.rank] = torch.tensor([self.capacity if mine >= 0 else -1, int(home)])
                 asked = asked.to(ops.rank_device())
                 dist.all_reduce(asked, group=self.group)     # an all-gather: each rank filled its own row
-                self._agree_on_layout(asked.cpu().tolist())
+                asked = asked.cpu().tolist()
+                if not named and any(cap < 0 for cap, _ in asked):
+                    return None                      # a peer cannot reach our /proc: by name, then
+                self._agree_on_layout(asked)
                 return torch.from_file(f"/proc/self/fd/{mine}" if os.path.isdir("/proc/self/fd") else path,
                                        shared=True, size=total, dtype=torch.uint8)
             finally:
