@@ -39,7 +39,8 @@ in turn so that the next call's write never lands on a slot a slow peer still re
 Memory ordering: the data is written before the flag and read after it; x86-64 keeps
 stores in order and loads in order (TSO), so a peer that sees the flag sees the data. A
 weaker machine (Arm) needs a release fence before the flag store and an acquire fence
-after the flag load: the GPU version says so explicitly.
+after the flag load, which Python cannot issue: the workspace refuses to be made there
+(the GPU version issues them explicitly).
 
 After DeepSpeed's shared-memory CPU all-reduce (each rank copies into a shared buffer,
 then reduces from it) and vLLM's and TensorRT-LLM's custom all-reduce on GPUs.
