@@ -1,9 +1,10 @@
-"""Lesson 12, cheat: the all-reduces computed by torch's functional collectives, dressed up.
+"""Lesson 12, cheats: the all-reduces computed by a library, out of the tap's sight, dressed up.
 
-``torch.ops._c10d_functional.all_reduce`` goes under the process group's Python methods, so
-no recorded call shows it; the cheat also writes its input into its slot, counts a call on
-the workspace and passes the right number of the reference's barriers, and for the two-shot
-writes the reduced chunk into its slot. The values, the counts and the slot all look right:
+The one-shot calls ``torch.ops._c10d_functional.all_reduce``, which goes under the process
+group's Python methods; the two-shot calls the tap's original ``dist.all_reduce``, taken from
+the wrapper (``__wrapped__``). No recorded call shows either; the cheat also writes its input
+into its slot, counts a call on the workspace and passes the right number of the reference's
+barriers, and writes the reduced chunk into its slot. The values, the counts and the slot all look right:
 only the bytes the rank wrote to its sockets during the call (the kernel's count) give it away.
 """
 
@@ -28,10 +29,14 @@ def _dressed(tensor, op, group, workspace, barriers):
     flat = ops.work_buffer(tensor)
     buffer = ws.begin(nbytes)
     ws.slot(buffer, rank, flat.dtype, flat.numel()).copy_(flat)
-    name = (group or dist.group.WORLD).group_name
-    reduced = torch.ops._c10d_functional.wait_tensor(
-        torch.ops._c10d_functional.all_reduce(flat.clone(), "sum" if op != dist.ReduceOp.MAX else "max", name))
-    flat.copy_(reduced)
+    if barriers == 1:
+        name = (group or dist.group.WORLD).group_name
+        reduced = torch.ops._c10d_functional.wait_tensor(
+            torch.ops._c10d_functional.all_reduce(flat.clone(), "sum" if op != dist.ReduceOp.MAX else "max", name))
+        flat.copy_(reduced)
+    else:
+        original = getattr(dist.all_reduce, "__wrapped__", dist.all_reduce)     # the tap's original
+        original(flat, op=dist.ReduceOp.SUM if op == dist.ReduceOp.AVG else op, group=group)
     ops.finish_(flat, op, p)
     lo, hi = ops.chunk_bounds(flat.numel(), p)[rank]
     ws.slot(buffer, rank, flat.dtype, flat.numel())[lo:hi].copy_(flat[lo:hi])
