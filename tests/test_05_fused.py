@@ -159,7 +159,52 @@ def _reference_checks():
     _check(results, "repeated list", repeated_list_reuses_its_plan_until_its_memory_changes)
     _check(results, "training loop", lambda: _training_loop(torch.device("cpu")))
     _check(results, "mis-ordered", lambda: _mis_ordered_reducers_are_caught(rank))
+    _check(results, "bound handle", lambda: _bound_handle_is_recognised_without_looking_at_its_tensors(rank))
     return results
+
+
+def _bound_handle_is_recognised_without_looking_at_its_tensors(rank):
+    """bind() returns the list as an immutable handle: passed back, no tensor is looked at
+    (KnownList.matches is never called); another list, or a handle of an earlier bind, is
+    checked tensor by tensor; under check mode a bound tensor moved out of the buffer is refused."""
+    from collectives import fused
+    from collectives.core import checkmode
+    from collectives.fused import reuse
+
+    looked = []
+    matches = reuse.KnownList.matches
+    reuse.KnownList.matches = lambda self, tensors: looked.append(len(tensors)) or matches(self, tensors)
+    try:
+        reducer = fused.FastFusedAllReducer(THRESHOLD, BUFFER, torch.device("cpu"))
+        tensors = [torch.zeros(n) for n in (200, 3000, 100, 7)] + [torch.zeros(3) for _ in range(500)]
+        bound = reducer.bind(tensors)
+        assert isinstance(bound, tuple) and list(bound) == tensors and bound[0] is tensors[0], type(bound)
+        for seed in range(3):
+            for t in bound:
+                t.copy_(_values(t.shape, t.dtype, ReduceOp.SUM, rank, seed))
+            expected = [verify.reference_all_reduce(t) for t in bound]
+            reducer.all_reduce(bound).wait()
+            _compare_all(expected, bound, f"the bound handle, call {seed + 1}")
+        assert looked == [], f"the bound handle's tensors were looked at: {looked}"
+        reducer.all_reduce(list(bound)).wait()            # another list of the same tensors: checked
+        assert looked == [len(tensors)], looked
+        again = reducer.bind([torch.zeros(5), torch.zeros(6)])
+        for t in bound:                                   # the old handle: an ordinary list now, still right
+            t.copy_(_values(t.shape, t.dtype, ReduceOp.SUM, rank, 7))
+        expected = [verify.reference_all_reduce(t) for t in bound]
+        reducer.all_reduce(bound).wait()
+        _compare_all(expected, bound, "an earlier bind's handle")
+        again[1].data = torch.zeros(6)                    # moved out of the buffer behind the reducer's back
+        checkmode._enabled = True
+        try:
+            reducer.all_reduce(again).wait()
+            raise AssertionError("a bound tensor moved out of its buffer was not refused in check mode")
+        except ValueError as exc:
+            assert "bound tensor(s) [1] no longer live where bind() put them" in str(exc), exc
+        finally:
+            checkmode._forget()
+    finally:
+        reuse.KnownList.matches = matches
 
 
 def _training_loop(device):
@@ -296,6 +341,10 @@ def test_float16_overflow_is_all_reduced_again_in_float32(reference_extras):
 
 def test_bound_tensors_are_reduced_in_place_without_copies(reference_extras):
     _assert_ok(reference_extras, "bind")
+
+
+def test_the_handle_bind_returns_is_recognised_without_a_pass_over_its_tensors(reference_extras):
+    _assert_ok(reference_extras, "bound handle")
 
 
 def test_a_repeated_list_reuses_its_plan_and_is_replanned_when_its_memory_changes(reference_extras):

@@ -298,6 +298,175 @@ def test_the_model_puts_the_one_shot_first_for_small_tensors_and_the_two_shot_fo
     assert fitted.omega == pytest.approx(1e-10, rel=1e-3)
 
 
+# ---- the promises: a timeout that fires, nothing left behind, mismatches refused ----------
+
+class _Clock:
+    """A clock that only moves when the barrier naps: a 30 s wait in a few milliseconds."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.now += seconds
+
+
+def test_a_barrier_whose_peer_never_comes_gives_up_at_its_timeout_naming_it_and_the_epochs(monkeypatch):
+    from collectives.symmetric import shared
+
+    clock = _Clock()
+    monkeypatch.setattr(shared, "time", clock)
+    monkeypatch.setattr(shared.os, "sched_yield", lambda: None)
+    ws = SharedWorkspace.__new__(SharedWorkspace)          # one rank's view of a world of 3, no world needed
+    ws.rank, ws.size, ws.epoch, ws.epochs, ws.timeout, ws.pause = 0, 3, 4, True, 30.0, None
+    ws.flags = torch.tensor([4, 4, 3])                     # rank 2 sits one barrier behind
+    with pytest.raises(BarrierTimeout) as caught:
+        shared.flag_barrier(ws)                            # the naps grow, but never past 1 ms
+    message = str(caught.value)
+    assert 30.0 <= clock.now < 31.0, clock.now
+    assert "rank 0 waited 30.0 s" in message and "group rank(s) [1, 2] never arrived" in message, message
+    assert "the epochs the flags hold: rank 0: 5, rank 1: 4, rank 2: 3" in message, message
+
+
+def _die_in_the_rendezvous(shm_dir: str, dying: int, marker: str):
+    """Every rank makes a workspace in ``shm_dir``; rank ``dying`` is killed (SIGKILL) in the
+    rendezvous's first message -- rank 1 only once rank 0 is in it too."""
+    import os
+    import signal
+
+    module = sys.modules["collectives.symmetric.workspace"]     # the module, not the function it exports
+    module.SHM_DIR = shm_dir
+    original = dist.broadcast
+
+    def broadcast(*args, **kwargs):
+        if dist.get_rank() == dying:
+            if dying == 1:
+                _wait_for(lambda: Path(marker).exists())
+            os.kill(os.getpid(), signal.SIGKILL)
+        Path(marker).touch()
+        return original(*args, **kwargs)
+    dist.broadcast = broadcast
+    SharedWorkspace(None, 4096)
+
+
+@pytest.mark.parametrize("dying", [0, 1])
+def test_a_rank_killed_in_the_rendezvous_leaves_nothing_in_shared_memory(tmp_path, dying):
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    with pytest.raises(launch.RankError):
+        launch.run(_die_in_the_rendezvous, 2, args=(str(shm), dying, str(tmp_path / "in")), timeout=WORLD_TIMEOUT)
+    assert list(shm.iterdir()) == [], "a segment outlived its world"
+
+
+def _disagreements():
+    rank = dist.get_rank()
+    errors = []
+    ws = SharedWorkspace(None, 4096)
+    for tensor in (torch.ones(8 if rank == 0 else 4), torch.ones(4, dtype=torch.float32 if rank == 0 else torch.int32)):
+        for fn in ALGORITHMS:
+            try:
+                fn(tensor, workspace=ws)
+            except ValueError as exc:
+                errors.append(str(exc))
+    try:
+        fn(torch.ones(4), op=dist.ReduceOp.SUM if rank == 0 else dist.ReduceOp.MAX, workspace=ws)
+    except ValueError as exc:
+        errors.append(str(exc))
+    try:
+        SharedWorkspace(None, 64 if rank == 0 else 128)
+    except ValueError as exc:
+        errors.append(str(exc))
+    after = torch.full((5,), 1 + rank)                       # and the workspace still works
+    one_shot_all_reduce(after, workspace=ws)
+    return errors, after.tolist()
+
+
+def test_ranks_that_pass_different_sizes_dtypes_ops_or_capacities_all_raise_instead_of_reducing_garbage():
+    for rank, (errors, after) in enumerate(launch.run(_disagreements, 2, timeout=WORLD_TIMEOUT)):
+        assert len(errors) == 6, errors
+        assert all("the ranks passed different tensors or ops" in e for e in errors[:5]), errors
+        assert "rank 0: 32 bytes of torch.float32" in errors[0] and "rank 1: 16 bytes" in errors[0], errors[0]
+        assert ("rank 1: 16 bytes of another dtype" if rank == 0 else "rank 0: 16 bytes of another dtype") in errors[2]
+        assert "another op or algorithm" in errors[4], errors[4]
+        assert "same capacity" in errors[5] and "rank 1: slots of 128 bytes" in errors[5], errors[5]
+        assert after == [3] * 5
+
+
+def _two_worlds(store_path: str):
+    """A world of 3, then -- in the same processes -- a world of ranks 0 and 1 alone."""
+    rank = dist.get_rank()
+    first = torch.full((4,), 10 ** rank, dtype=torch.int64)
+    one_shot_all_reduce(first)                                 # the world's cached workspace
+    dist.destroy_process_group()
+    if rank == 2:
+        return first.tolist(), None, None
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    size = workspace(None, 32).size                            # not the old world's, of 3 ranks
+    second = torch.full((4,), 10 ** rank, dtype=torch.int64)
+    two_shot_all_reduce(second)
+    return first.tolist(), size, second.tolist()
+
+
+def test_a_new_world_in_the_same_process_gets_a_new_workspace(tmp_path):
+    results = launch.run(_two_worlds, 3, args=(str(tmp_path / "store"),), timeout=WORLD_TIMEOUT)
+    assert [first for first, _, _ in results] == [[111] * 4] * 3
+    assert [(size, second) for _, size, second in results] == [(2, [11] * 4), (2, [11] * 4), (None, None)]
+
+
+def _two_threads():
+    import threading
+
+    rank = dist.get_rank()
+    results = {0: [], 1: []}
+
+    def calls(thread):
+        for k in range(40):
+            x = torch.full((999,), 1 if thread == 0 else 1000, dtype=torch.int64)
+            two_shot_all_reduce(x)              # calls pair in the order each rank takes them
+            results[thread].append(sorted(set(x.tolist())))
+    threads = [threading.Thread(target=calls, args=(t,)) for t in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return rank, results
+
+
+def test_two_threads_of_one_rank_take_turns_and_never_tear_a_result():
+    for rank, results in launch.run(_two_threads, 2, timeout=WORLD_TIMEOUT):
+        for thread, got in results.items():
+            assert len(got) == 40
+            torn = [values for values in got if values not in ([2], [1001], [2000])]
+            assert not torn, f"rank {rank}, thread {thread}: {len(torn)} torn results, e.g. {torn[0]}"
+
+
+def test_a_workspace_refuses_a_processor_that_may_reorder_stores(monkeypatch):
+    module = sys.modules["collectives.symmetric.workspace"]
+    monkeypatch.setattr(module.platform, "machine", lambda: "aarch64")
+    with pytest.raises(RuntimeError, match=r"aarch64.*x86-64 keeping them in order \(TSO\)"):
+        SharedWorkspace(None, 64)                         # refused before any message: no world needed
+
+
+def _five_ranks_agree():
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randn(10_001, generator=g) * 1e3
+    one, two = x.clone(), x.clone()
+    one_shot_all_reduce(one)
+    two_shot_all_reduce(two)
+    return one.view(torch.int32), two.view(torch.int32)
+
+
+def test_from_five_ranks_every_rank_still_agrees_bit_for_bit_and_the_page_says_exactly_that():
+    results = launch.run(_five_ranks_agree, 5, timeout=WORLD_TIMEOUT)
+    for one, two in results:
+        assert torch.equal(one, results[0][0]) and torch.equal(two, results[0][1])   # each algorithm: one answer
+    page = (Path(__file__).parents[1] / "docs" / "lessons" / "12-symmetric.md").read_text()
+    assert "Every rank reduces in rank order" not in page
+    assert "never from one rank to another" in page
+
+
 # ---- the benchmark, and the GPU half's import safety ----------------------------------------
 
 def test_a_tiny_cpu_benchmark_checks_every_algorithm_and_writes_its_times_and_record(tmp_path, capsys):
@@ -436,6 +605,11 @@ def _gpu_algorithms_on_a_cpu_stand_in():
         torch_two_shot(buf, n)
         wrong += [f"one-shot n={n}"] * (not torch.equal(out, expected))
         wrong += [f"two-shot n={n}"] * (not torch.equal(buf.buffer, expected))
+    try:
+        torch_one_shot(buf, 8, buf.buffer[4:])          # out in the own buffer, which peers read: refused
+        wrong.append("out aliasing the own buffer was not refused")
+    except ValueError as exc:
+        wrong += [] if "out overlaps this rank's own symmetric buffer" in str(exc) else [str(exc)]
     return wrong
 
 
@@ -457,6 +631,7 @@ def test_on_gpus_every_algorithm_matches_nccl_bit_for_bit():
             mine = {k: v for k, v in per.items() if not k.startswith("symm_")}   # torch's may refuse a size
             assert mine and all(v is True for v in mine.values()), f"rank {rank}, {dtype}: {per}"
             assert all(v is not False for v in per.values()), f"rank {rank}, {dtype}: a wrong value: {per}"
+            assert "nccl_symmetric" in per or any("NCCL window" in s for s in result["skipped"]), result
 
 
 def _fake_triton():
@@ -519,9 +694,26 @@ def test_the_triton_kernels_build_each_launch_once_and_keep_no_tensor_of_the_cal
         ta.two_shot(handle, 64, torch.float32, gather="load", barrier="serial")
         assert len(two.jit_calls) == 2 and two.jit_calls[1][2]["PARALLEL"] is False
         # only the barriers that hand over data are ordered, unless every one is asked for
-        assert two.jit_calls[0][2]["LEAN"] is True and one.jit_calls[0][2]["LEAN"] is True
+        assert two.jit_calls[0][2]["ORDER_ALL"] is False and one.jit_calls[0][2]["ORDER_ALL"] is False
         ta.two_shot(handle, 64, torch.float32, gather="load", fences="all")
-        assert len(two.jit_calls) == 3 and two.jit_calls[2][2]["LEAN"] is False
+        assert len(two.jit_calls) == 3 and two.jit_calls[2][2]["ORDER_ALL"] is True
+        # the plan bakes in the rank and the world size: a handle of the same pointers on another rank
+        # (or world) gets its own plan, never this one's
+        for other in (types.SimpleNamespace(buffer_ptrs_dev=1000, signal_pad_ptrs_dev=2000, rank=0, world_size=2),
+                      types.SimpleNamespace(buffer_ptrs_dev=1000, signal_pad_ptrs_dev=2000, rank=1, world_size=4)):
+            ta.two_shot(other, 64, torch.float32, gather="load", fences="all")
+            assert (two.jit_calls[-1][2]["RANK"], two.jit_calls[-1][2]["WORLD"]) == (other.rank, other.world_size)
+        assert len(two.jit_calls) == 5
+        # the kernel's words start after torch's barrier channels 0 and 1: 2 · p words fewer for programs
+        with pytest.raises(ValueError, match="after torch's barrier channels 0 and 1"):
+            ta.one_shot(handle, 64, torch.float32, torch.zeros(64), programs=1023)
+        # out inside this rank's own symmetric buffer (its peers read it meanwhile) is refused
+        own = torch.zeros(64)
+        placed = types.SimpleNamespace(buffer_ptrs_dev=1000, signal_pad_ptrs_dev=2000, rank=1, world_size=2,
+                                       buffer_ptrs=[0, own.data_ptr()], buffer_size=256)
+        with pytest.raises(ValueError, match="out overlaps this rank's own symmetric buffer"):
+            ta.one_shot(placed, 64, torch.float32, own[8:])
+        ta.one_shot(placed, 64, torch.float32, torch.zeros(64))     # elsewhere: launched
         for name, value in (("barrier", "spin"), ("fences", "some")):     # both switches refuse what they lack
             for bad in (lambda: ta.two_shot(handle, 64, torch.float32, **{name: value}),
                         lambda: ta.one_shot(handle, 64, torch.float32, torch.zeros(64), **{name: value})):
@@ -543,3 +735,73 @@ def test_the_triton_kernels_build_each_launch_once_and_keep_no_tensor_of_the_cal
         for name in names:
             if hasattr(package, name.rsplit(".", 1)[1]):
                 delattr(package, name.rsplit(".", 1)[1])
+
+
+# ---- the GPU benchmark's rule, where no GPU is needed ----------------------------------------
+
+def test_the_gpu_benchmark_refuses_what_the_rule_lacks_and_degrades_clearly_without_nccl_windows(tmp_path):
+    import types
+
+    from collectives.course.benchmarks import symmetric_gpu as bench
+    from collectives.course.benchmarks import symmetric_record
+
+    with pytest.raises(ValueError, match="launch must be one of"):
+        bench.gpu_rank([4096], ["float32"], 3, "replayed-for-one-side")
+    with pytest.raises(ValueError, match="inputs must be one of"):
+        bench.contenders(16, torch.float32, "untimed")
+    # NCCL's symmetric kernels: where torch cannot register a window the contender is skipped, with why
+    lacking = types.SimpleNamespace(_get_backend=lambda device: types.SimpleNamespace())
+    assert bench.nccl_window(16, torch.float32, lacking) == (None, "NCCL window registration (no mem_allocator / "
+                                                             "register_mem_pool in this torch)")
+
+    class Refusing:               # torch 2.11 built against an NCCL without the allocator raises on the lookup
+        @property
+        def mem_allocator(self):
+            raise RuntimeError("NCCL mem allocator is not supported in this NCCL version")
+    tensor, why = bench.nccl_window(16, torch.float32, types.SimpleNamespace(_get_backend=lambda device: Refusing()))
+    assert tensor is None and "not supported in this NCCL version" in why
+    # copied inputs: a contender in symmetric memory copies the caller's tensor in and the result out, timed
+    buffer, src = torch.zeros(8), torch.arange(8.0)
+    bench._copied(buffer, src, lambda n: buffer[:n].mul_(2), False)(5)
+    assert src.tolist() == [0, 2, 4, 6, 8, 5, 6, 7] and buffer[:5].tolist() == [0, 2, 4, 6, 8]
+    # the record says how every contender was launched and what was counted, and sets no aims
+    result = {"backend": "nccl", "world": 2, "sizes": [4096, 1 << 20], "iters": 3, "launch": "graph",
+              "inputs": "copied", "rule": "docs/benchmarks.md#the-rule-for-fair-gpu-comparisons", "checked": {},
+              "skipped": ["NCCL window registration (...)"], "meta": {"command": "test"},
+              "runs": {"bfloat16": {"nccl": [2e-5, 4e-5], "triton_two_shot_store": [1e-5, 3e-5],
+                                    "symm_two_shot": [1e-5, 3e-5]}},
+              "spread": {"bfloat16": {"nccl": [[1e-5, 3e-5], [3e-5, 5e-5]]}}}
+    saved = json.loads(symmetric_record.save_record(result, "12-rule", tmp_path).with_suffix(".json").read_text())
+    text = json.dumps(saved)
+    assert '"launch": "graph"' in text and '"inputs": "copied"' in text and "the-rule-for-fair" in text
+    assert "aim" not in text.lower(), "a record of measurements names no aims"
+
+
+def _no_proc_for_peers():
+    """Rank 1 cannot open rank 0's /proc path (as in another process namespace): the
+    rendezvous is made again by name, and works; no name is left afterwards."""
+    import os
+
+    module = sys.modules["collectives.symmetric.workspace"]
+    made = []
+    mkstemp = module.tempfile.mkstemp
+
+    def recorded(*args, **kwargs):
+        fd, path = mkstemp(*args, **kwargs)
+        made.append(path)
+        return fd, path
+    module.tempfile.mkstemp = recorded
+    if dist.get_rank() == 1:
+        real = module.SharedWorkspace._open
+        module.SharedWorkspace._open = staticmethod(
+            lambda path, device, inode: -1 if path.startswith("/proc/") else real(path, device, inode))
+    ws = SharedWorkspace(None, 4096)
+    x = torch.full((8,), 1 + dist.get_rank(), dtype=torch.int64)
+    one_shot_all_reduce(x, workspace=ws)
+    return x.tolist(), len(made), [p for p in made if os.path.exists(p)]
+
+
+def test_a_peer_that_cannot_reach_rank_0s_proc_gets_the_segment_by_name():
+    (values_0, made, left), (values_1, _, _) = launch.run(_no_proc_for_peers, 2, timeout=WORLD_TIMEOUT)
+    assert values_0 == values_1 == [3] * 8
+    assert made == 2 and left == [], (made, left)        # the /proc attempt, then the named one: both gone

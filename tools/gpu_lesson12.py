@@ -16,7 +16,11 @@ command and git commit:
 * ``12-gpu-checks.json``: the lesson's plain-torch and Triton one-shot and two-shot, and
   torch's ``symm_mem`` ops, each against ``dist.all_reduce`` (NCCL) bit for bit on
   integer-valued data, bf16 and fp32, sizes 1, 1001, 4099 and 1 Mi + 3;
-* ``12-bench-gpu.json``: ``bench-symmetric --backend nccl``'s times, 4 KiB to 1 GiB;
+* ``12-bench-gpu.json``: ``bench-symmetric --backend nccl``'s times, 4 KiB to 1 GiB, under the
+  rule for fair GPU comparisons (``docs/benchmarks.md``): every contender launched the same way
+  (``--launch eager``, the default, or ``graph``: then the record is ``12-bench-gpu-graph``),
+  NCCL called untraced, the copies into and out of symmetric memory timed (``--inputs copied``,
+  the default, or ``resident``);
 * ``12-bench-gpu.svg`` and the record beside it (``12-bench-gpu.json`` in DIR/img): who
   wins where; copy it into docs/img for the lesson page.
 """
@@ -47,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world", type=int, default=None, help="GPUs to use (default: all)")
     parser.add_argument("--quick", action="store_true", help="sizes 4 KiB to 16 MiB only")
     parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--launch", choices=("eager", "graph"), default="eager",
+                        help="every contender issued from Python, or every one replayed from a CUDA graph")
+    parser.add_argument("--inputs", choices=("copied", "resident"), default="copied",
+                        help="time the copies into and out of symmetric memory, or start with inputs in place")
     parser.add_argument("--exercise", action="store_true",
                         help="also check lessons/12_symmetric/exercise.py's triton_one_shot (task 4)")
     args = parser.parse_args(argv)
@@ -70,9 +78,11 @@ def main(argv: list[str] | None = None) -> int:
               if ok is not True and (not name.startswith(("symm_", "exercise_")) or ok is False)]
 
     sizes = "4K,16K,64K,256K,1M,4M,16M" if args.quick else "4K,16K,64K,256K,1M,4M,16M,64M,256M,1G"
+    name = "12-bench-gpu" + ("-graph" if args.launch == "graph" else "") + ("-resident" if args.inputs == "resident"
+                                                                             else "")
     bench.main(["--backend", "nccl", "--world", str(world), "--sizes", sizes, "--dtypes", args.dtypes,
-                "--json", str(args.out / "12-bench-gpu.json"), "--record", "12-bench-gpu",
-                "--img", str(args.out / "img")])
+                "--launch", args.launch, "--inputs", args.inputs,
+                "--json", str(args.out / f"{name}.json"), "--record", name, "--img", str(args.out / "img")])
     if failed:
         print("FAILED against NCCL: " + ", ".join(failed))
         return 1

@@ -15,7 +15,9 @@ mechanics of :mod:`collectives.fused.reuse`:
    scatter per tensor length (:class:`~collectives.fused.reuse.HostRows`);
 4. **no copies at all**: :meth:`~FastFusedAllReducer.bind` moves the tensors into the
    buffers, and :meth:`~FastFusedAllReducer.bind_grads` keeps a model's gradients there
-   whatever ``optimizer.zero_grad()`` does.
+   whatever ``optimizer.zero_grad()`` does. Both return a :class:`BoundList`: passed back
+   to ``all_reduce`` it is recognised by identity alone, one comparison whatever the
+   number of tensors (a tuple: nothing can be put in or taken out of it).
 
 A known list holds its tensors by weak reference: the reducer keeps no gradient alive.
 A gradient freed by ``zero_grad()`` (``set_to_none=True``, the default) comes back next
@@ -32,11 +34,20 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from ..core import ops, streams, trace
+from ..core import checkmode, ops, streams, trace
 from ..core.ops import ReduceOp
 from .layout import DEFAULT_BUFFER_BYTES, DEFAULT_THRESHOLD_BYTES, _wire_op
 from .reducer import _CACHE_LIMIT, FusedAllReducer, _Flight, _Prepared
 from .reuse import HostRows, KnownList, StepGraphs, move_into_arenas
+
+
+class BoundList(tuple):
+    """The tensors :meth:`FastFusedAllReducer.bind` moved into the reducer's buffers, as
+    one immutable list. ``reducer.all_reduce(bound)`` with the object ``bind`` returned is
+    recognised in O(1): the reducer compares the object, not its 1000 tensors. A later
+    ``bind`` makes a new one; an old one is then an ordinary list (checked tensor by tensor).
+    A bound tensor must stay where ``bind`` put it (no ``t.data = ...``, ``set_`` or
+    ``resize_``): with ``COLLECTIVES_CHECK=1`` every call checks that it did."""
 
 
 class FastFusedAllReducer(FusedAllReducer):
@@ -64,6 +75,23 @@ class FastFusedAllReducer(FusedAllReducer):
         self._grad_hooks: list = []
 
     # -- 1. recognising a list ---------------------------------------------------------
+    @torch.no_grad()
+    def all_reduce(self, tensors: Sequence[torch.Tensor]) -> "FastFusedAllReducer":
+        """:meth:`FusedAllReducer.all_reduce`; the :class:`BoundList` that :meth:`bind`
+        returned is recognised by identity, without looking at its tensors."""
+        bound = self._bound
+        if bound is None or tensors is not bound.handle or not self._member:
+            return super().all_reduce(tensors)
+        if self._inflight:
+            self.wait()
+        if checkmode.enabled() and not bound.matches(bound.handle):
+            moved = [i for i, (t, ptr) in enumerate(zip(bound.handle, bound.data_ptrs)) if t.data_ptr() != ptr]
+            raise ValueError(f"fused all_reduce: bound tensor(s) {moved[:8]} no longer live where bind() put "
+                             "them (t.data = ..., set_ or resize_); bind the list again")
+        self._known = bound
+        self._issue(bound.plan, bound.listed)
+        return self
+
     def _prepare(self, tensors: list[torch.Tensor]) -> _Prepared:
         """Found in O(1) Python calls when the list is the bound one or the last one seen."""
         self._known = None
@@ -146,7 +174,7 @@ class FastFusedAllReducer(FusedAllReducer):
             work = dist.all_reduce(arena, op=_wire_op(self.op), group=self.group, async_op=True)
         self._inflight.append(_Flight(work, arena, [], None, False))
 
-    def bind(self, tensors: Sequence[torch.Tensor]) -> None:
+    def bind(self, tensors: Sequence[torch.Tensor]) -> BoundList:
         """Move the fused tensors of ``tensors`` into memory of their own, so later calls copy nothing.
 
         The cheapest copy is the one not made. Each tensor under the threshold is re-pointed
@@ -155,8 +183,10 @@ class FastFusedAllReducer(FusedAllReducer):
         same list reads and writes them in place -- no copy-in, no copy-back. (DDP's
         ``gradient_as_bucket_view`` and Megatron's contiguous gradient buffer do the same.)
 
-        Calls with exactly these tensor objects, still where ``bind`` put them, take that path;
-        any other list (or a tensor re-pointed since) is copied as usual. Do not ``resize_``
+        Returns the tensors as a :class:`BoundList`: ``all_reduce`` of that very object is
+        recognised in O(1). Calls with another list of exactly these tensor objects, still
+        where ``bind`` put them, take the same path after a check of every tensor; any other
+        list (or a tensor re-pointed since) is copied as usual. Do not ``resize_``
         a bound tensor. The tensors must be contiguous and own their memory (not views),
         and ``compress_fp16`` cannot be on (a float32 tensor cannot live in a float16 buffer).
         The reducer holds the buffers, not the tensors: a bound tensor that is freed leaves
@@ -172,8 +202,11 @@ class FastFusedAllReducer(FusedAllReducer):
         arenas = move_into_arenas(prep.layout.buckets, tensors, self.device)
         self._bound = KnownList.of(tensors, prep, hold=True)
         self._bound.arenas = arenas
+        self._bound.handle = BoundList(tensors)
+        self._bound.listed = tensors               # the list _issue indexes, made once
+        return self._bound.handle
 
-    def bind_grads(self, parameters: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    def bind_grads(self, parameters: Iterable[torch.Tensor]) -> BoundList:
         """Keep the gradients of ``parameters`` in the reducer's buffers, step after step.
 
         A standard training loop frees its gradients every step (``optimizer.zero_grad()``
@@ -189,7 +222,8 @@ class FastFusedAllReducer(FusedAllReducer):
         Parameters that do not require a gradient are left out. As with DDP without
         ``find_unused_parameters``, each bound parameter must get a gradient every step:
         after ``zero_grad()`` one that backward did not reach has ``.grad`` None, which
-        ``all_reduce`` refuses.
+        ``all_reduce`` refuses. Returns the bound gradients as a :class:`BoundList`: pass
+        it to ``all_reduce`` every step and the list is recognised in O(1).
         """
         params = [p for p in parameters if p.requires_grad]
         grads = []
@@ -198,12 +232,12 @@ class FastFusedAllReducer(FusedAllReducer):
             if p.grad is not None:
                 grad.copy_(p.grad)
             grads.append(grad)
-        self.bind(grads)
+        bound = self.bind(grads)
         for p, grad in zip(params, grads):
             p.grad = grad
             self._grad_hooks.append(p.register_post_accumulate_grad_hook(
                 functools.partial(_keep_grad_in, grad)))
-        return grads
+        return bound
 
 
 def _keep_grad_in(bound: torch.Tensor, param: torch.Tensor) -> None:

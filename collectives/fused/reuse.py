@@ -1,11 +1,11 @@
 """Lesson 5, part 3: the mechanics of the fast path -- what a training loop's second call need not do again.
 
 A training loop hands the fused all-reducer the same tensors every step. On a GPU that
-matters more than the bytes: for 1000 tensors of 16 KiB, planning the list costs several
-hundred µs of host time, a ``torch.cat`` 0.3 ms and a ``_foreach_copy_`` 0.45 ms, while the
-flat all-reduce of the same 16 MiB takes 0.2 ms in all (H200; ``tools/gpu_fused_profile.py``).
-The work is per tensor, on the host; the GPU moves the bytes in microseconds. Three ways
-to stop paying it every step, used by :class:`collectives.fused.fast.FastFusedAllReducer`:
+matters more than the bytes: for 1000 small tensors, planning the list, a ``torch.cat`` and
+a ``_foreach_copy_`` each cost the host about as long as the flat all-reduce of the same
+bytes takes (``tools/gpu_fused_profile.py`` times each piece). The work is per tensor, on
+the host; the GPU moves the bytes in microseconds. Ways to stop paying it every step, used
+by :class:`collectives.fused.fast.FastFusedAllReducer`:
 
 * :class:`KnownList` -- recognise a list seen before (same tensor objects, same memory)
   in two C-level passes, and reuse its plan;
@@ -17,8 +17,7 @@ to stop paying it every step, used by :class:`collectives.fused.fast.FastFusedAl
   three streams give is kept;
 * :class:`HostRows` -- on a CPU, where copying 1000 small tensors costs per tensor, not
   per byte: read the tensors' memory as rows of one array and copy each row length in one
-  gather (in) and one scatter (back), at ``memcpy`` speed -- 0.2 ms each way for 1000
-  tensors of 4000 bytes, against 0.5 ms for ``torch.cat`` or a loop of NumPy copies;
+  gather (in) and one scatter (back), at ``memcpy`` speed rather than a call per tensor;
 * :func:`move_into_arenas` -- make the copies unnecessary: the tensors are re-pointed into
   the fused buffer itself (``FastFusedAllReducer.bind``), as DDP's ``gradient_as_bucket_view``
   and Megatron-LM's contiguous gradient buffer do.
@@ -53,6 +52,8 @@ class KnownList:
         self.graph: Any = None          # its recorded step (a CUDA graph), once there is one
         self.host_rows: dict = {}       # CPU: bucket -> HostRows.of(), or None
         self.arenas: list | None = None  # bound lists: per bucket, the memory its tensors live in
+        self.handle: tuple | None = None  # bound lists: the object bind() returned (recognised by identity)
+        self.listed: list | None = None   # bound lists: the tensors as the list a call indexes
         self.data_ptrs = list(map(torch.Tensor.data_ptr, tensors))
         self._held = list(tensors) if hold else None
         alive = self._alive = [True]    # cleared when any tensor of a weakly held list is freed
@@ -78,10 +79,9 @@ class KnownList:
         of the list is still alive and the ids are the same (two live objects never share an
         id). A tensor given new memory (``t.data = ...``, ``set_``) no longer matches; one
         reshaped in place (``resize_``) to the same address would, so the reducer asks
-        callers not to. For 1000 tensors, on an H200's host: the identity pass about 15 µs
-        held, 30 µs by id (ids are new integers); the pointers 55 µs -- one C call per tensor
-        each, the floor of this check. (torch's C++ loop for the pointers,
-        ``torch._C._tensors_data_ptrs_at_indices_equal``, measured slower: 84 µs.)
+        callers not to. Both passes are one C call per tensor: for 1000 tensors tens of
+        microseconds of host time per call, which the bound list's handle
+        (:class:`~collectives.fused.fast.BoundList`) does without.
         """
         if len(tensors) != len(self.ids):
             return False

@@ -82,7 +82,12 @@ def _enable(symm_mem, group_name: str) -> None:
 
 
 def torch_one_shot(buf: SymmetricBuffer, numel: int, out: torch.Tensor) -> torch.Tensor:
-    """``out[:numel]`` <- Σ over ranks of their buffers' first ``numel`` elements (rank order)."""
+    """``out[:numel]`` <- Σ over ranks of their buffers' first ``numel`` elements (rank order).
+    ``out`` must not overlap this rank's buffer, which the peers read meanwhile."""
+    own, start = buf.buffer.data_ptr(), out.data_ptr()
+    if start < own + buf.buffer.numel() * buf.buffer.element_size() and own < start + numel * out.element_size():
+        raise ValueError(f"torch_one_shot on rank {buf.rank}: out overlaps this rank's own symmetric buffer, which "
+                         "its peers read while the sums are written; pass a tensor outside symmetric memory")
     buf.handle.barrier(channel=0)                 # every rank's input is in its buffer
     acc = out[:numel]
     acc.copy_(buf.peers[0][:numel])

@@ -28,15 +28,19 @@ The one-shot reads p − 1 whole tensors and combines them all, but synchronises
 two-shot reads and combines a ring's worth (2(p − 1)/p·n) but synchronises twice. Small
 tensors: the one-shot; large ones: the two-shot (:mod:`collectives.symmetric.cost`).
 
-Every rank combines in rank order 0, 1, ..., p − 1, so every rank ends with the same bits
--- a floating-point sum depends on its order, and ``dist.all_reduce`` promises equal results.
+Every rank runs the same reduction over the same slots, so every rank ends with the same
+bits -- a floating-point sum depends on its order, and ``dist.all_reduce`` promises equal
+results on every rank. Up to four ranks that order is rank order, 0, 1, ..., p − 1; from
+five, torch's reduction over the slot axis groups the rows differently (the bits may then
+differ from a plain loop's, by a rounding, but never from rank to rank).
 
 The guards (see :mod:`~collectives.symmetric.workspace`): epoch flags, and two buffers used
 in turn so that the next call's write never lands on a slot a slow peer still reads.
 Memory ordering: the data is written before the flag and read after it; x86-64 keeps
 stores in order and loads in order (TSO), so a peer that sees the flag sees the data. A
 weaker machine (Arm) needs a release fence before the flag store and an acquire fence
-after the flag load: the GPU version says so explicitly.
+after the flag load, which Python cannot issue: the workspace refuses to be made there
+(the GPU version issues them explicitly).
 
 After DeepSpeed's shared-memory CPU all-reduce (each rank copies into a shared buffer,
 then reduces from it) and vLLM's and TensorRT-LLM's custom all-reduce on GPUs.
@@ -58,6 +62,7 @@ __all__ = ["flag_barrier", "one_shot_all_reduce", "two_shot_all_reduce", "reduce
 SPINS = 16          # looks at the flags with a yield in between, before napping
 NAP = 5e-6          # the first nap (s); it doubles every 16 naps ...
 MAX_NAP = 1e-3      # ... up to 1 ms
+DOUBLINGS = 8       # 5 µs · 2 ** 8 > 1 ms: the exponent stops growing here (a float cannot hold 2 ** 1024)
 
 
 def flag_barrier(ws: SharedWorkspace) -> None:
@@ -86,7 +91,7 @@ def flag_barrier(ws: SharedWorkspace) -> None:
         if spins < SPINS:
             os.sched_yield()               # a peer is probably a moment away: look again soon
         else:                              # more ranks than cores: give the core to the ones working
-            time.sleep(min(NAP * 2 ** ((spins - SPINS) // 16), MAX_NAP))
+            time.sleep(min(NAP * 2 ** min((spins - SPINS) // 16, DOUBLINGS), MAX_NAP))
         if spins % 64 == 0 and time.monotonic() - started > ws.timeout:
             raise ws.timed_out(time.monotonic() - started, target)
     if not ws.epochs:
@@ -98,10 +103,12 @@ def reduce_rows_(out: torch.Tensor, rows: torch.Tensor, op) -> torch.Tensor:
 
     The plain loop -- ``out.copy_(rows[0])``, then ``ops.combine_(out, rows[j], op)`` for
     j = 1 .. p − 1 -- reads the running result back p − 1 times; torch's reduction over the
-    slot axis reads each slot once and writes ``out`` once, in the same row order (for
-    float32 and float64 the same bits as the loop; bfloat16 and float16 are accumulated in
-    float32 and rounded once). Every rank runs the same reduction on the same slots, so
-    every rank ends with the same bits. AVG is summed here and divided by :func:`ops.finish_`.
+    slot axis reads each slot once and writes ``out`` once. Up to four rows it adds them in
+    row order (float32 and float64: the loop's bits); from five rows it groups them
+    otherwise, and a float sum may differ from the loop's by a rounding. bfloat16 and
+    float16 are accumulated in float32 and rounded once. Every rank runs the same reduction
+    on the same slots, so every rank ends with the same bits, whatever p.
+    AVG is summed here and divided by :func:`ops.finish_`.
     """
     if op in (ReduceOp.SUM, ReduceOp.AVG):
         return torch.sum(rows, 0, dtype=out.dtype, out=out)
@@ -152,13 +159,15 @@ def one_shot_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, *,
     if ready is None:
         return
     rank, p, flat, ws = ready
-    n, dtype = flat.numel(), flat.dtype
-    buffer = ws.begin(n * flat.element_size())
-    ws.slot(buffer, rank, dtype, n).copy_(flat)       # 1. publish our input
-    flag_barrier(ws)                                  # 2. every slot is written
-    ws.pause_at("read")
-    reduce_rows_(flat, ws.rows(buffer, dtype, 0, n), op)   # 3. reduce slots 0 .. p-1, in that order
-    ops.finish_(flat, op, p)
+    with ws.lock:                                     # one call at a time on this rank's workspace
+        n, dtype = flat.numel(), flat.dtype
+        buffer = ws.begin(n * flat.element_size(), dtype, op, "one_shot_all_reduce")
+        ws.slot(buffer, rank, dtype, n).copy_(flat)   # 1. publish our input
+        flag_barrier(ws)                              # 2. every slot is written
+        ws.agree("one_shot_all_reduce", dtype, op)    #    (every rank passed the same: else all raise)
+        ws.pause_at("read")
+        reduce_rows_(flat, ws.rows(buffer, dtype, 0, n), op)   # 3. reduce slots 0 .. p-1
+        ops.finish_(flat, op, p)
     _finish(tensor, flat)
 
 
@@ -166,9 +175,9 @@ def two_shot_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, *,
                         workspace: SharedWorkspace | None = None) -> None:
     """All-reduce ``tensor`` in place: reduce-scatter by reading, then all-gather by reading.
 
-    Rank r reduces chunk r (``ops.chunk_bounds``) of every slot, in rank order, and writes
-    the result into chunk r of its own slot; after a second barrier every rank copies
-    chunk j out of slot j. Two barriers, no message.
+    Rank r reduces chunk r (``ops.chunk_bounds``) of every slot (the same reduction on
+    every rank) and writes the result into chunk r of its own slot; after a second
+    barrier every rank copies chunk j out of slot j. Two barriers, no message.
 
     A tensor that is this rank's home in ``workspace`` (:meth:`SharedWorkspace.home`, on
     every rank) is reduced where it lives: no copy in, and a third barrier before returning.
@@ -177,14 +186,21 @@ def two_shot_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, *,
     if ready is None:
         return
     rank, p, flat, ws = ready
-    if ws.holds(flat):
-        _two_shot_at_home(flat, op, rank, p, ws)
-        return
+    with ws.lock:                                     # one call at a time on this rank's workspace
+        if ws.holds(flat):
+            _two_shot_at_home(flat, op, rank, p, ws)
+        else:
+            _two_shot(flat, op, rank, p, ws)
+    _finish(tensor, flat)
+
+
+def _two_shot(flat: torch.Tensor, op, rank: int, p: int, ws: SharedWorkspace) -> None:
     n, dtype = flat.numel(), flat.dtype
-    buffer = ws.begin(n * flat.element_size())
+    buffer = ws.begin(n * flat.element_size(), dtype, op, "two_shot_all_reduce")
     slots = [ws.slot(buffer, r, dtype, n) for r in range(p)]
     slots[rank].copy_(flat)                           # 1. publish our input
     flag_barrier(ws)                                  # 2. every slot is written
+    ws.agree("two_shot_all_reduce", dtype, op)
     ws.pause_at("read")
     bounds = ops.chunk_bounds(n, p)
     lo, hi = bounds[rank]
@@ -197,7 +213,6 @@ def two_shot_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, *,
     for peer, (a, b) in enumerate(bounds):            # 5. gather the others' chunks
         if peer != rank:
             flat[a:b].copy_(slots[peer][a:b])
-    _finish(tensor, flat)
 
 
 def _two_shot_at_home(home: torch.Tensor, op, rank: int, p: int, ws: SharedWorkspace) -> None:
@@ -209,7 +224,9 @@ def _two_shot_at_home(home: torch.Tensor, op, rank: int, p: int, ws: SharedWorks
     nobody reads our home until our next call's first barrier (``ws.closing``, the guard).
     """
     n, dtype = home.numel(), home.dtype
+    ws.begin(n * home.element_size(), dtype, op, "two_shot_all_reduce")   # what it passes, for agree()
     flag_barrier(ws)                                  # 1. every home holds its rank's input
+    ws.agree("two_shot_all_reduce", dtype, op)
     ws.pause_at("read")
     bounds = ops.chunk_bounds(n, p)
     lo, hi = bounds[rank]

@@ -45,18 +45,17 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_barrier import blockwise_barrier
+from .triton_barrier import RESERVED, blockwise_barrier
 from .triton_launch import Launcher, int_shape
 
 __all__ = ["one_shot", "two_shot", "BLOCK_BYTES", "MAX_BLOCKS", "WARPS", "GATHERS", "BARRIERS", "FENCES"]
 
-# The shape measured best of six on 2× NVIDIA H200 at 256 MiB of bf16 (tools/gpu_probe.py triton;
-# docs/data/gpu/lesson12-shapes-2x-h200.json): more programs, each with more loads in flight.
-# A block is so many bytes, not elements: counted in elements, fp32 had half bf16's programs
-# for the same bytes, and on four GPUs took 1.27x torch's time at 4 MiB where bf16 took 1.02x
-# (docs/data/gpu/figures/lesson12-4x-h200-block-elements.json, at a30758c).
+# The launch shape: the best of six measured on 2x NVIDIA H200 (tools/gpu_probe.py triton; the
+# record docs/data/gpu/lesson12-shapes-2x-h200.json). A block is so many bytes, not elements, so
+# that every dtype gets as many programs for the same bytes (the record
+# docs/data/gpu/figures/lesson12-4x-h200-block-elements.json compares the two).
 BLOCK_BYTES = 16384   # bytes per load of one program: 8192 elements of bf16, 4096 of fp32
-MAX_BLOCKS = 128      # programs at most: 128 · p words of the signal pad (p ≤ 8: 4 KiB of 9 KiB)
+MAX_BLOCKS = 128      # programs at most: (128 + 2) · p words of the signal pad (p ≤ 8: about 4 KiB)
 WARPS = 16            # warps per program: 512 threads, 32 bytes each per load
 
 
@@ -84,24 +83,24 @@ def _sum_of_peers(buffer_ptrs, offsets, mask, ELEMENT: tl.constexpr, ACC: tl.con
 @triton.jit
 def _one_shot_kernel(buffer_ptrs, signal_pad_ptrs, out_ptr, numel,
                      RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, ELEMENT: tl.constexpr,
-                     ACC: tl.constexpr, PARALLEL: tl.constexpr, LEAN: tl.constexpr):
+                     ACC: tl.constexpr, PARALLEL: tl.constexpr, ORDER_ALL: tl.constexpr):
     program, programs = tl.program_id(0), tl.num_programs(0)
-    blockwise_barrier(signal_pad_ptrs, program, RANK, WORLD, PARALLEL, not LEAN)   # peers have started
+    blockwise_barrier(signal_pad_ptrs, program, RANK, WORLD, PARALLEL, ORDER_ALL)   # peers have started
     for start in range(program * BLOCK, numel, programs * BLOCK):
         offsets = start + tl.arange(0, BLOCK)
         mask = offsets < numel
         acc = _sum_of_peers(buffer_ptrs, offsets, mask, ELEMENT, ACC, WORLD, BLOCK)
         tl.store(out_ptr + offsets, acc.to(ELEMENT), mask=mask)
-    blockwise_barrier(signal_pad_ptrs, program, RANK, WORLD, PARALLEL, not LEAN)   # nobody reads any more
+    blockwise_barrier(signal_pad_ptrs, program, RANK, WORLD, PARALLEL, ORDER_ALL)   # nobody reads any more
 
 
 @triton.jit
 def _two_shot_kernel(buffer_ptrs, signal_pad_ptrs, numel, chunk,
                      RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, ELEMENT: tl.constexpr,
-                     ACC: tl.constexpr, PARALLEL: tl.constexpr, LEAN: tl.constexpr):
+                     ACC: tl.constexpr, PARALLEL: tl.constexpr, ORDER_ALL: tl.constexpr):
     program, programs = tl.program_id(0), tl.num_programs(0)
     own = _peer(buffer_ptrs, RANK, ELEMENT)
-    blockwise_barrier(signal_pad_ptrs, program, RANK, WORLD, PARALLEL, not LEAN)
+    blockwise_barrier(signal_pad_ptrs, program, RANK, WORLD, PARALLEL, ORDER_ALL)
     lo = RANK * chunk
     for start in range(program * BLOCK, chunk, programs * BLOCK):        # reduce our chunk, in place
         offsets = lo + start + tl.arange(0, BLOCK)
@@ -116,15 +115,15 @@ def _two_shot_kernel(buffer_ptrs, signal_pad_ptrs, numel, chunk,
                 offsets = peer * chunk + start + tl.arange(0, BLOCK)
                 mask = (offsets < (peer + 1) * chunk) & (offsets < numel)
                 tl.store(own + offsets, tl.load(theirs + offsets, mask=mask), mask=mask)
-    blockwise_barrier(signal_pad_ptrs, program, RANK, WORLD, PARALLEL, not LEAN)
+    blockwise_barrier(signal_pad_ptrs, program, RANK, WORLD, PARALLEL, ORDER_ALL)
 
 
 @triton.jit
 def _two_shot_store_kernel(buffer_ptrs, signal_pad_ptrs, numel, chunk,
                            RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, ELEMENT: tl.constexpr,
-                           ACC: tl.constexpr, PARALLEL: tl.constexpr, LEAN: tl.constexpr):
+                           ACC: tl.constexpr, PARALLEL: tl.constexpr, ORDER_ALL: tl.constexpr):
     program, programs = tl.program_id(0), tl.num_programs(0)
-    blockwise_barrier(signal_pad_ptrs, program, RANK, WORLD, PARALLEL, not LEAN)
+    blockwise_barrier(signal_pad_ptrs, program, RANK, WORLD, PARALLEL, ORDER_ALL)
     lo = RANK * chunk
     for start in range(program * BLOCK, chunk, programs * BLOCK):
         offsets = lo + start + tl.arange(0, BLOCK)
@@ -167,9 +166,10 @@ def _grid(work: int, block: int, programs: int, world: int) -> tuple[int]:
     if not (block > 0 and block & (block - 1) == 0):
         raise ValueError(f"block must be a power of two, got {block}")
     words = _pad_words()
-    if programs < 1 or programs * world > words:
-        raise ValueError(f"programs must be 1 .. {words // world} at world size {world} "
-                         f"(the signal pad has {words} words, one per program and rank), got {programs}")
+    if programs < 1 or (programs + RESERVED) * world > words:
+        raise ValueError(f"programs must be 1 .. {words // world - RESERVED} at world size {world} (the signal "
+                         f"pad has {words} words: one per program and rank, after torch's barrier channels 0 and "
+                         f"1), got {programs}")
     return (max(1, min(programs, triton.cdiv(work, block))),)
 
 
@@ -178,6 +178,26 @@ def _pad_words() -> int:
     from torch.distributed import _symmetric_memory as symm_mem
 
     return symm_mem.get_signal_pad_size() // 4 if hasattr(symm_mem, "get_signal_pad_size") else 2048
+
+
+def _device() -> int:
+    """The current CUDA device's index. ``torch._C._cuda_getDevice`` is torch's own C++ getter,
+    called without building Python objects (this runs on every launch); where a torch lacks
+    it, the public ``torch.cuda.current_device()``."""
+    getter = getattr(torch._C, "_cuda_getDevice", None)
+    return getter() if getter is not None else torch.cuda.current_device()
+
+
+def refuse_alias(handle, out: torch.Tensor, numel: int, dtype: torch.dtype) -> None:
+    """``out`` must not overlap this rank's own symmetric buffer: peers read that buffer
+    while the kernel stores the sums into ``out``, so they would read sums, not inputs."""
+    ptrs, size = getattr(handle, "buffer_ptrs", None), getattr(handle, "buffer_size", None)
+    if ptrs is None or size is None:
+        return                          # a handle that does not say where its buffer is
+    own, start = int(ptrs[handle.rank]), out.data_ptr()
+    if start < own + size and own < start + numel * dtype.itemsize:
+        raise ValueError(f"one_shot on rank {handle.rank}: out overlaps this rank's own symmetric buffer, which "
+                         "its peers read while the kernel writes out; pass a tensor outside symmetric memory")
 
 
 _PLANS: dict = {}       # (pointers, rank, world, device, call) -> the launch's arguments, worked out once
@@ -201,22 +221,24 @@ def one_shot(handle, numel: int, dtype: torch.dtype, out: torch.Tensor, *, block
     most ``programs`` programs of ``warps`` warps, each taking ``block`` elements at a time
     (default: :data:`BLOCK_BYTES` of them).
     ``barrier``: how a block meets its peers (:mod:`.triton_barrier`; :data:`BARRIERS`): one
-    thread per peer unless asked (the serial handshake grows with p and made small calls
-    slower on four GPUs: ``tools/gpu_probe.py barrier``). ``fences``: :data:`FENCES` --
+    thread per peer unless asked (the serial handshake's round trips add up with p;
+    ``tools/gpu_probe.py barrier`` times both). ``fences``: :data:`FENCES` --
     release and acquire only at the barriers that hand peers what this kernel wrote
     (``"needed"``), or at every barrier (``"all"``, to measure what they cost).
     A call's launch arguments are worked out once and looked up after (keyed by the handle's
-    pointers and every argument, so nothing stale can match)."""
+    pointers, its rank and world size, and every argument, so nothing stale can match).
+    ``out`` overlapping this rank's own symmetric buffer is refused (:func:`refuse_alias`)."""
     _check("barrier", barrier, BARRIERS)
     _check("fences", fences, FENCES)
     ptrs = handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev
-    key = ("one", ptrs, torch._C._cuda_getDevice(), numel, dtype, out.data_ptr(), block, programs, warps, barrier,
-           fences)
+    key = ("one", ptrs, handle.rank, handle.world_size, _device(), numel, dtype, out.data_ptr(), block, programs,
+           warps, barrier, fences)
 
     def make():     # no tensor kept here: a cached plan must not keep ``out`` alive
+        refuse_alias(handle, out, numel, dtype)
         elements = _block(block, dtype)
         constexprs = dict(RANK=handle.rank, WORLD=handle.world_size, BLOCK=elements, **_types(dtype),
-                          PARALLEL=barrier == "parallel", LEAN=fences == "needed")
+                          PARALLEL=barrier == "parallel", ORDER_ALL=fences == "all")
         shape = (dtype, tuple(constexprs.values()), int_shape(numel), out.data_ptr() % 16 == 0, out.device.index,
                  *ptrs)
         return _grid(numel, elements, programs, handle.world_size), shape, constexprs
@@ -232,19 +254,20 @@ def two_shot(handle, numel: int, dtype: torch.dtype, *, gather: str = "store", b
     in place: a reduce-scatter by loads, then an all-gather -- by loads (``gather="load"``:
     every rank reads the others' reduced chunks; three barriers) or by stores
     (``"store"``, the default: every rank writes its reduced chunk into every rank's buffer;
-    two barriers; faster on four GPUs, even on two: ``docs/benchmarks.md``). One launch
+    two barriers; a store over NVLink is posted, where a load is a round trip). One launch
     (``block``, ``programs``, ``warps``, ``barrier``, ``fences``: as :func:`one_shot`)."""
     _check("gather", gather, GATHERS)
     _check("barrier", barrier, BARRIERS)
     _check("fences", fences, FENCES)
     ptrs = handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev
-    key = ("two", ptrs, torch._C._cuda_getDevice(), numel, dtype, gather, block, programs, warps, barrier, fences)
+    key = ("two", ptrs, handle.rank, handle.world_size, _device(), numel, dtype, gather, block, programs, warps,
+           barrier, fences)
 
     def make():
         chunk = triton.cdiv(numel, handle.world_size)
         elements = _block(block, dtype)
         constexprs = dict(RANK=handle.rank, WORLD=handle.world_size, BLOCK=elements, **_types(dtype),
-                          PARALLEL=barrier == "parallel", LEAN=fences == "needed")
+                          PARALLEL=barrier == "parallel", ORDER_ALL=fences == "all")
         shape = (dtype, tuple(constexprs.values()), int_shape(numel), int_shape(chunk), *ptrs)
         return (_grid(chunk, elements, programs, handle.world_size), shape, (*ptrs, numel, chunk), constexprs, warps)
     (_TWO_SHOT if gather == "load" else _TWO_SHOT_STORE).launch(*_plan(key, make), shape=key)

@@ -3,26 +3,26 @@
 ``kernel[grid](*args)`` goes through Triton's JIT dispatch on every call: it binds the
 arguments, works out how each one specialises the kernel (an integer equal to 1 or a
 multiple of 16, a pointer aligned to 16 bytes), looks the compiled kernel up, then launches
-it. Measured on 2× NVIDIA H200 (``tools/gpu_probe.py triton``, the record
-``docs/data/gpu/lesson12-shapes-2x-h200.json``), that Python took several times as long as
-the one-shot kernel itself ran at 64 KiB, and longer than torch's ``symm_mem`` op (C++) took
-to issue: at small sizes the launch, not NVLink, set the pace.
+it. At small sizes that Python costs the host longer than the one-shot kernel runs (the
+record ``docs/data/gpu/lesson12-shapes-2x-h200.json``, from ``tools/gpu_probe.py triton``):
+the launch, not NVLink, would set the pace.
 
 :class:`Launcher` pays for the dispatch once per *shape* -- the grid and every property the
 specialisation depends on -- and keeps the compiled kernel it returns; later calls of the
-same shape hand the arguments straight to the compiled kernel's launcher. If this Triton's
-compiled kernels take their arguments differently (the call raises before anything is
-launched) it goes back to the JIT for good; while a launch hook is installed (a profiler),
-each launch goes through the JIT, which calls it. ``counts`` says how many launches went
-each way and ``why`` the last reason for the JIT; ``bench-symmetric --backend nccl``
-records both with the host's time per call.
+same shape hand the arguments straight to the compiled kernel's launcher. That launcher
+(``compiled.run`` with its ``function`` and ``packed_metadata``) is Triton's own, not a
+public API: if this Triton's compiled kernels take their arguments differently (the call
+raises before anything is launched) the launcher goes back to the JIT for good, and while
+a launch hook is installed (a profiler), each launch goes through the JIT, which calls it.
+``counts`` says how many launches went each way and ``why`` the last reason for the JIT;
+``bench-symmetric --backend nccl`` records both with the host's time per call.
 
-Two things made the direct path pay off, both found by measuring one launch piece by piece
-(``tools/gpu_probe.py launch``, its record ``docs/data/gpu/launch-probe-2x-h200.json``):
-Triton 3.4 and later keep an empty chain of launch hooks where earlier versions kept None,
-which read as "a profiler is listening" and sent every launch back through the JIT; and
-``torch.cuda.current_stream()`` costs as much as the launch, so the stream is read from
-torch's C++ as Triton's own dispatch does. The callers (:mod:`.triton_allreduce`) also work
+Two details keep the direct path direct (``tools/gpu_probe.py launch`` times a launch piece
+by piece; its record is ``docs/data/gpu/launch-probe-2x-h200.json``): Triton 3.4 and later
+keep an empty chain of launch hooks where earlier versions kept None, and an empty chain is
+no hook; and the stream is read from torch's C++, as Triton's own dispatch does, because
+``torch.cuda.current_stream()`` builds a Python object that costs about as much as the
+launch (the public call is the fallback). The callers (:mod:`.triton_allreduce`) also work
 out each call's launch arguments once. vLLM's and TensorRT-LLM's custom all-reduces avoid
 the question another way: they run inside CUDA graphs, where a replay issues every kernel
 at once.
@@ -72,10 +72,11 @@ def _current_stream() -> int:
     """The current CUDA stream's handle, as Triton's own dispatch reads it: straight from
     torch's C++ (``torch.cuda.current_stream()`` builds a Python stream object first, which
     costs the host about as much as the launch itself: ``tools/gpu_probe.py launch``)."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is None:
-        return torch.cuda.current_stream().cuda_stream
-    return raw(torch._C._cuda_getDevice())
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)      # torch's own getter, not public API
+    device = getattr(torch._C, "_cuda_getDevice", None)
+    if raw is None or device is None:
+        return torch.cuda.current_stream().cuda_stream                 # the public route
+    return raw(device())
 
 
 class Launcher:
@@ -103,7 +104,7 @@ class Launcher:
         if compiled is not None and _hooks_installed():
             self.why, compiled = "a launch hook is installed (a profiler): the JIT calls it", None
         if compiled is not None:
-            try:
+            try:         # Triton's own launcher, not a public API: any refusal falls back to the JIT below
                 compiled.run(grid[0], 1, 1, _current_stream(), compiled.function,
                              compiled.packed_metadata, None, None, None, *args, *constexprs.values())
                 self.counts["direct"] += 1

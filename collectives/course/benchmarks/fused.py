@@ -87,7 +87,7 @@ def _cases(count: int, numel: int, split_bytes: int, cuda: bool = False):
                                           device=ts[0].device, double_buffer=double, graphs=graphs)
             if bind:
                 ts = [t.clone() for t in ts]   # bind re-points them: keep the others' tensors apart
-                reducer.bind(ts)
+                ts = reducer.bind(ts)          # its handle: recognised in O(1), not tensor by tensor
             return lambda: (reducer.all_reduce(ts), reducer.wait())
         return setup
 

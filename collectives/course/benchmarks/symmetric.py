@@ -16,9 +16,12 @@ put beside the measured ones.
 
 On GPUs (``--backend nccl``, one process per GPU): the lesson's Triton one-shot and
 two-shot, its plain-torch versions and torch's own ``symm_mem`` one-shot and two-shot
-against NCCL's ``all_reduce``, bf16 and fp32, 4 KiB to 1 GiB, CUDA events
-(:mod:`collectives.course.benchmarks.symmetric_gpu`). Never NVLink multicast: the
-variables that keep it off are set before anything initialises.
+against NCCL's ``all_reduce`` (and NCCL's symmetric kernels where torch can register a
+window), bf16 and fp32, 4 KiB to 1 GiB, under the course's rule for GPU comparisons
+(:mod:`collectives.course.benchmarks.symmetric_gpu`; ``--launch eager|graph``, every
+contender the same way; ``--inputs copied|resident``). Never NVLink multicast: the
+variables that keep it off are set before anything initialises -- so NCCL's own best
+algorithm on NVSwitch machines (NVLS) is off too, in every number this measures.
 
 ``--json PATH`` writes every time with device, versions, date, command and commit;
 ``--record NAME`` draws the chart of who wins where and writes the record the lesson page
@@ -121,6 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default=None, help=f"sizes in bytes (default {CPU_SIZES}; GPUs 4K..1G)")
     parser.add_argument("--dtypes", default="bfloat16,float32", help="GPUs only: dtypes to time")
     parser.add_argument("--iters", type=int, default=100, help="runs per batch up to 64 KiB (fewer above)")
+    parser.add_argument("--launch", choices=("eager", "graph"), default="eager",
+                        help="GPUs only: every contender issued from Python, or every one replayed from a CUDA graph")
+    parser.add_argument("--inputs", choices=("copied", "resident"), default="copied",
+                        help="GPUs only: time the copies into and out of symmetric memory, or give every "
+                             "contender its input where it reads it")
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--json", type=Path, default=None, help="write the times, with their meta, here")
     parser.add_argument("--record", default=None, help="draw docs/img/NAME.svg and write its record NAME.json")

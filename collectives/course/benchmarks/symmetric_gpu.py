@@ -2,27 +2,38 @@
 
 One process per GPU (spawned by :func:`collectives.core.launch.run`), NVLink multicast off
 in every one of them (:func:`collectives.symmetric.gpu.no_multicast`, before CUDA starts).
-Per dtype, each algorithm has a buffer of the largest size of its own -- a plain tensor
-for NCCL, symmetric memory for the others, one allocation each, so no two of them share a
-signal pad -- and the data is already where the algorithm reads it (the caller of a
-symmetric-memory all-reduce writes its tensor into the buffer; that copy is not timed):
+The contenders, each an all-reduce of the same tensor, each on a buffer of its own (no two
+share a signal pad):
 
-* ``nccl``: ``dist.all_reduce`` in place;
+* ``nccl``: NCCL's ``all_reduce`` in place, called directly (``distributed_c10d.all_reduce``:
+  not through the course's trace, which wraps the public ``dist.all_reduce``);
+* ``nccl_symmetric``: the same call on a buffer registered with NCCL as a symmetric window,
+  where NCCL runs its own symmetric-memory kernels -- where this torch exposes the
+  registration (:func:`nccl_window`; else it is listed under ``skipped``, with why);
 * ``symm_one_shot``, ``symm_two_shot``: ``torch.ops.symm_mem.one_shot_all_reduce`` and
   ``two_shot_all_reduce_`` (loads from peers' buffers; not the multicast (multimem) variants);
 * ``triton_one_shot``, ``triton_two_shot``, ``triton_two_shot_store``: the lesson's kernels
-  (:mod:`collectives.symmetric.triton_allreduce`; the last gathers by stores), where
-  Triton is installed;
-* ``torch_one_shot``, ``torch_two_shot``: the lesson's plain-torch versions
-  (:mod:`collectives.symmetric.gpu`).
+  (:mod:`collectives.symmetric.triton_allreduce`), where Triton is installed;
+* ``torch_one_shot``, ``torch_two_shot``: the lesson's plain-torch versions.
 
-Every algorithm is checked against NCCL bit for bit on integer-valued data first (sizes
-that do not divide by p included). Times: CUDA events around runs issued back to back
-(:func:`collectives.core.timing.measure_back_to_back`), the slowest rank's, the median of
-:data:`ROUNDS` batches. The rounds interleave the algorithms -- each round times every one
-once, in turn -- so that a drift of the machine's pace (a shared host, a clock) falls on all
-of them alike, not on whichever was timed then: at ten microseconds a call, drift is as large
-as the differences measured.
+The run follows the course's rule for GPU comparisons (``docs/benchmarks.md``):
+
+* **launched the same way**: ``launch="eager"`` issues every contender from Python;
+  ``launch="graph"`` captures every contender, NCCL included, in a CUDA graph per size and
+  replays it. A run is one or the other, never a mix;
+* **the same work**: ``inputs="copied"`` (the default) times, for every contender, an
+  all-reduce of one ordinary tensor in place -- a contender that works in symmetric memory
+  copies the tensor in and the result back out, inside the timed call, as a caller must;
+  ``inputs="resident"`` gives every contender its input already where it reads it, NCCL's
+  in its tensor, and times the all-reduce alone;
+* **untraced**: NCCL is called directly, and no contender goes through the trace;
+* **CUDA events** around runs issued back to back (:func:`collectives.core.timing.measure_back_to_back`),
+  the slowest rank's; the median, and the spread (lowest, highest), of :data:`ROUNDS`
+  batches, the rounds interleaving the contenders -- each round times every one once, in
+  turn -- so that a drift of the machine's pace falls on all of them alike.
+
+Every contender is checked against NCCL bit for bit on integer-valued data first (sizes that
+do not divide by p included), as the in-place all-reduce of an ordinary tensor.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ import statistics
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 from ...core import launch, timing
 from ...symmetric import gpu
@@ -38,103 +50,123 @@ from ...symmetric import gpu
 GPU_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M,1G"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 CHECK_SIZES = (1, 1001, 4099, (1 << 20) + 3)
-ROUNDS = 5          # batches per algorithm and size, interleaved across the algorithms
+ROUNDS = 5          # batches per contender and size, interleaved across the contenders
+LAUNCHES = ("eager", "graph")
+INPUTS = ("copied", "resident")
 
 
-class Replayed:
-    """``run(n)`` captured in a CUDA graph once per ``n`` (:func:`~collectives.core.timing.capture_graph`)
-    and replayed: the kernel's own time, with no launch from Python (as vLLM runs its custom
-    all-reduce). The warm run before the capture changes ``buffer``'s first ``n`` elements;
-    they are put back as they were."""
+def nccl_window(capacity: int, dtype: torch.dtype, group) -> tuple[torch.Tensor | None, str | None]:
+    """A tensor of ``capacity`` elements in memory NCCL registered as a symmetric window on
+    every rank (torch's NCCL memory pool, registered with ``symm=True``): NCCL's all-reduce on
+    it runs NCCL's symmetric kernels. ``(None, why)`` where this torch does not offer it."""
+    try:
+        backend = group._get_backend(torch.device("cuda"))    # the NCCL process group behind ``group``
+        allocator, register = getattr(backend, "mem_allocator", None), getattr(backend, "register_mem_pool", None)
+        if allocator is None or register is None or not hasattr(torch.cuda, "MemPool"):
+            return None, "NCCL window registration (no mem_allocator / register_mem_pool in this torch)"
+        pool = torch.cuda.MemPool(allocator)
+        with torch.cuda.use_mem_pool(pool):
+            tensor = torch.zeros(capacity, dtype=dtype, device="cuda")
+        try:
+            register(pool, symm=True)
+        except TypeError:
+            return None, "NCCL window registration (register_mem_pool takes no symm= in this torch)"
+        tensor._collectives_pool = pool      # the pool lives as long as the tensor
+        return tensor, None
+    except (AttributeError, RuntimeError) as exc:
+        return None, f"NCCL window registration ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
 
-    def __init__(self, run, buffer: torch.Tensor):
-        self.run, self.buffer, self.graphs = run, buffer, {}
 
-    def __call__(self, n: int):
-        graph = self.graphs.get(n)
-        if graph is None:
-            saved = self.buffer[:n].clone()
-            graph = self.graphs[n] = timing.capture_graph(lambda: self.run(n), device=self.buffer.device)
-            self.buffer[:n].copy_(saved)         # the warm run changed it; the capture did not run
-        graph.replay()
+def _copied(buffer: torch.Tensor, src: torch.Tensor, kernel, out_is_src: bool):
+    """``run(n)``: ``src[:n]`` into ``buffer``, ``kernel(n)``, and (unless the kernel writes
+    ``src`` itself) the result back from ``buffer``: an in-place all-reduce of ``src``."""
+    def run(n: int):
+        buffer[:n].copy_(src[:n])
+        kernel(n)
+        if not out_is_src:
+            src[:n].copy_(buffer[:n])
+    return run
 
 
-def _algorithms(capacity: int, dtype: torch.dtype) -> tuple[dict, list[str], dict, torch.Tensor]:
-    """name -> run(numel), each on a buffer of its own; what could not run here; each
-    algorithm's buffer (where its input goes); the one-shots' output."""
-    group = dist.group.WORLD
-    plain = torch.zeros(capacity, dtype=dtype, device="cuda")
-    algos = {"nccl": lambda n: dist.all_reduce(plain[:n])}
-    skipped = []
+def contenders(capacity: int, dtype: torch.dtype, inputs: str = "copied") -> tuple[dict, list[str], torch.Tensor]:
+    """name -> run(numel), each on a buffer of its own; what could not run here (and why);
+    the ordinary tensor every contender all-reduces in place (``inputs="copied"``)."""
+    if inputs not in INPUTS:
+        raise ValueError(f"inputs must be one of {INPUTS}, got {inputs!r}")
+    group, copied = dist.group.WORLD, inputs == "copied"
+    src = torch.zeros(capacity, dtype=dtype, device="cuda")
+    out = src if copied else torch.zeros(capacity, dtype=dtype, device="cuda")
+    runs, skipped = {"nccl": lambda n: c10d.all_reduce(src[:n])}, []
+    window, why = nccl_window(capacity, dtype, group)
+    if window is None:
+        skipped.append(why)
+    else:
+        nccl_in_window = lambda n: c10d.all_reduce(window[:n])                      # noqa: E731
+        runs["nccl_symmetric"] = _copied(window, src, nccl_in_window, False) if copied else nccl_in_window
     torch_ops = gpu.symm_mem_ops()
     if torch_ops:
         theirs = gpu.SymmetricBuffer(capacity, dtype, group)
         theirs.buffer.zero_()
         if "one_shot_all_reduce" in torch_ops:
-            algos["symm_one_shot"] = lambda n: torch_ops["one_shot_all_reduce"](theirs.buffer[:n], "sum",
-                                                                              theirs.group_name)
+            op = torch_ops["one_shot_all_reduce"]
+            one = lambda n: op(theirs.buffer[:n], "sum", theirs.group_name)                   # noqa: E731
+            into_src = lambda n: src[:n].copy_(one(n))                                        # noqa: E731
+            runs["symm_one_shot"] = _copied(theirs.buffer, src, into_src, True) if copied else one
         if "two_shot_all_reduce_" in torch_ops:
-            algos["symm_two_shot"] = lambda n: torch_ops["two_shot_all_reduce_"](theirs.buffer[:n], "sum",
-                                                                               theirs.group_name)
+            op2 = torch_ops["two_shot_all_reduce_"]
+            two = lambda n: op2(theirs.buffer[:n], "sum", theirs.group_name)                  # noqa: E731
+            runs["symm_two_shot"] = _copied(theirs.buffer, src, two, False) if copied else two
     else:
         skipped.append("torch.ops.symm_mem (not in this torch)")
-    out = torch.zeros(capacity, dtype=dtype, device="cuda")
     if gpu.triton_available():
-        from ...symmetric import triton_allreduce
+        from ...symmetric import triton_allreduce as ta
         lesson = gpu.SymmetricBuffer(capacity, dtype, group)
         lesson.buffer.zero_()
-        algos["triton_one_shot"] = lambda n: triton_allreduce.one_shot(lesson.handle, n, dtype, out)
-        algos["triton_two_shot"] = lambda n: triton_allreduce.two_shot(lesson.handle, n, dtype, gather="load")
-        algos["triton_two_shot_store"] = lambda n: triton_allreduce.two_shot(lesson.handle, n, dtype, gather="store")
-        algos["graph_triton_one_shot"] = Replayed(algos["triton_one_shot"], lesson.buffer)
-        algos["graph_triton_two_shot"] = Replayed(algos["triton_two_shot"], lesson.buffer)
+        kernels = {"triton_one_shot": (lambda n: ta.one_shot(lesson.handle, n, dtype, out), True),
+                   "triton_two_shot": (lambda n: ta.two_shot(lesson.handle, n, dtype, gather="load"), False),
+                   "triton_two_shot_store": (lambda n: ta.two_shot(lesson.handle, n, dtype, gather="store"), False)}
+        for name, (kernel, writes_out) in kernels.items():
+            runs[name] = _copied(lesson.buffer, src, kernel, writes_out) if copied else kernel
     else:
         skipped.append("the Triton kernels (Triton not installed)")
-    plain_torch = gpu.SymmetricBuffer(capacity, dtype, group)
-    plain_torch.buffer.zero_()
-    algos["torch_one_shot"] = lambda n: gpu.torch_one_shot(plain_torch, n, out)
-    algos["torch_two_shot"] = lambda n: gpu.torch_two_shot(plain_torch, n)
-    buffers = {"nccl": plain, "symm_one_shot": theirs.buffer if torch_ops else None,
-               "symm_two_shot": theirs.buffer if torch_ops else None,
-               "triton_one_shot": lesson.buffer if "triton_one_shot" in algos else None,
-               "triton_two_shot": lesson.buffer if "triton_two_shot" in algos else None,
-               "triton_two_shot_store": lesson.buffer if "triton_two_shot" in algos else None,
-               "graph_triton_one_shot": lesson.buffer if "triton_one_shot" in algos else None,
-               "graph_triton_two_shot": lesson.buffer if "triton_two_shot" in algos else None,
-               "torch_one_shot": plain_torch.buffer, "torch_two_shot": plain_torch.buffer}
-    return algos, skipped, buffers, out
+    plain = gpu.SymmetricBuffer(capacity, dtype, group)
+    plain.buffer.zero_()
+    mine = {"torch_one_shot": (lambda n: gpu.torch_one_shot(plain, n, out), True),
+            "torch_two_shot": (lambda n: gpu.torch_two_shot(plain, n), False)}
+    for name, (kernel, writes_out) in mine.items():
+        runs[name] = _copied(plain.buffer, src, kernel, writes_out) if copied else kernel
+    return runs, skipped, src
 
 
-def _check(algos: dict, buffers: dict, out: torch.Tensor, dtype: torch.dtype) -> dict[str, object]:
-    """Each algorithm against NCCL's all_reduce, bit for bit, on small integers (exact in bf16):
-    True, False, or the error it raised (the same on every rank: it depends on the size only)."""
+def check(runs: dict, src: torch.Tensor, dtype: torch.dtype) -> dict[str, object]:
+    """Each contender (made with ``inputs="copied"``) against NCCL's all_reduce, bit for bit
+    on small integers (exact in bf16): True, False, or the error it raised (the same on
+    every rank: it depends on the size only)."""
     rank = dist.get_rank()
     ok: dict[str, object] = {}
-    for name, run in algos.items():
+    for name, run in runs.items():
         if name == "nccl":
             continue
         good: object = True
         for n in CHECK_SIZES:
             values = ((torch.arange(n, device="cuda") * (rank + 3)) % 7 + rank).to(dtype)
             expected = values.clone()
-            dist.all_reduce(expected)
-            buffers[name][:n].copy_(values)
+            c10d.all_reduce(expected)
+            src[:n].copy_(values)
             torch.cuda.synchronize()
-            dist.barrier()
+            c10d.barrier()
             try:
-                result = run(n)
+                run(n)
                 torch.cuda.synchronize()
             except Exception as exc:  # noqa: BLE001 - reported: torch's ops refuse some sizes
                 good = f"n={n}: raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                 break
-            got = result if name == "symm_one_shot" else out[:n] if name.endswith("one_shot") else buffers[name][:n]
-            if not torch.equal(got[:n], expected):
+            if not torch.equal(src[:n], expected):
                 good = False
                 break
         ok[name] = good
-        buffers[name].zero_()
         torch.cuda.synchronize()
-        dist.barrier()
+        c10d.barrier()
     return ok
 
 
@@ -142,52 +174,87 @@ EXERCISE = "lessons/12_symmetric/exercise.py:triton_one_shot"
 
 
 def check_rank(dtypes: list[str], capacity: int = 1 << 22, exercise: bool = False) -> dict:
-    """Only the checks (``tools/gpu_lesson12.py``): every algorithm against NCCL, per dtype;
+    """Only the checks (``tools/gpu_lesson12.py``): every contender against NCCL, per dtype;
     with ``exercise``, the exercise's optional Triton one-shot too (task 4), where written."""
     torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     checked, skipped = {}, []
     for dtype_name in dtypes:
         dtype = DTYPES[dtype_name]
-        algos, skipped, buffers, out = _algorithms(capacity, dtype)
+        runs, skipped, src = contenders(capacity, dtype)
+        if gpu.triton_available():      # the serial barrier too: its data-carrying barrier must order the block
+            from ...symmetric import triton_allreduce as ta
+            serial = gpu.SymmetricBuffer(capacity, dtype)
+            for fences in ta.FENCES:
+                runs[f"triton_one_shot_serial_{fences}"] = _copied(
+                    serial.buffer, src, lambda n, f=fences: ta.one_shot(serial.handle, n, dtype, src, barrier="serial",
+                                                                        fences=f), True)
+                runs[f"triton_two_shot_serial_{fences}"] = _copied(
+                    serial.buffer, src, lambda n, f=fences: ta.two_shot(serial.handle, n, dtype, gather="load",
+                                                                        barrier="serial", fences=f), False)
         if exercise:
             from ..impl import resolve
             theirs = resolve(EXERCISE)
             mine = gpu.SymmetricBuffer(capacity, dtype)
-            algos["exercise_triton_one_shot"] = lambda n: theirs(mine.handle, n, dtype, out)
-            buffers["exercise_triton_one_shot"] = mine.buffer
-        checked[dtype_name] = _check(algos, buffers, out, dtype)
+            runs["exercise_triton_one_shot"] = _copied(mine.buffer, src, lambda n: theirs(mine.handle, n, dtype, src),
+                                                       True)
+        checked[dtype_name] = check(runs, src, dtype)
     return {"checked": checked, "skipped": skipped}
 
 
-def gpu_rank(sizes: list[int], dtypes: list[str], iters: int) -> dict:
+class Replayed:
+    """``run(n)`` captured in a CUDA graph once per ``n`` (:func:`~collectives.core.timing.capture_graph`)
+    and replayed: with ``launch="graph"`` every contender is timed this way."""
+
+    def __init__(self, run):
+        self.run, self.graphs = run, {}
+
+    def __call__(self, n: int):
+        graph = self.graphs.get(n)
+        if graph is None:
+            graph = self.graphs[n] = timing.capture_graph(lambda: self.run(n), device=torch.device("cuda"))
+        graph.replay()
+
+
+def gpu_rank(sizes: list[int], dtypes: list[str], iters: int, launch_mode: str = "eager",
+             inputs: str = "copied") -> dict:
+    if launch_mode not in LAUNCHES:
+        raise ValueError(f"launch must be one of {LAUNCHES}, got {launch_mode!r}")
     torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
-    runs, checked, skipped, host = {}, {}, [], {}
+    runs, spreads, checked, skipped, host = {}, {}, {}, [], {}
     for dtype_name in dtypes:
         dtype = DTYPES[dtype_name]
         size = torch.empty(0, dtype=dtype).element_size()
-        algos, skipped, buffers, out = _algorithms(max(sizes) // size, dtype)
-        checked[dtype_name] = _check(algos, buffers, out, dtype)
-        times = {name: [] for name in algos}
+        checking, skipped, src = contenders(max(max(sizes) // size, max(CHECK_SIZES)), dtype)
+        checked[dtype_name] = check(checking, src, dtype)
+        del checking
+        timed, _, _ = contenders(max(sizes) // size, dtype, inputs)
+        if launch_mode == "eager":
+            host[dtype_name] = {name: timing.measure_issue(lambda run=run: run(sizes[0] // size), barrier=True)
+                                for name, run in timed.items()}
+        else:
+            timed = {name: Replayed(run) for name, run in timed.items()}
+        times = {name: [] for name in timed}
+        spread = {name: [] for name in timed}
         for nbytes in sizes:
             n = nbytes // size
             batch = max(3, iters if nbytes <= 1 << 20 else iters // 10 if nbytes <= 64 << 20 else 3)
-            samples: dict[str, list[float]] = {name: [] for name in algos}
+            samples: dict[str, list[float]] = {name: [] for name in timed}
             for _ in range(ROUNDS):
-                for name, run in list(algos.items()):
+                for name, run in list(timed.items()):
                     try:
                         samples[name].append(timing.measure_back_to_back(lambda: run(n), iters=batch,
                                                                          device=torch.device("cuda")))
                     except RuntimeError as exc:   # the same on every rank (it depends on the size): dropped whole
                         skipped.append(f"{name} ({dtype_name}): raised at {nbytes} bytes: {str(exc).splitlines()[0]}")
-                        del algos[name], times[name], samples[name]
-            for name in algos:
+                        del timed[name], times[name], samples[name], spread[name]
+            for name in timed:
                 times[name].append(statistics.median(samples[name]))
-        runs[dtype_name] = times
-        host[dtype_name] = {name: timing.measure_issue(lambda run=run: run(sizes[0] // size), barrier=True)
-                            for name, run in algos.items() if not name.startswith("graph_")}
-        del algos, buffers, out
+                spread[name].append([min(samples[name]), max(samples[name])])
+        runs[dtype_name], spreads[dtype_name] = times, spread
+        del timed, src
         torch.cuda.empty_cache()
-    return {"runs": runs, "checked": checked, "skipped": skipped, "host": host, "launcher": _launcher_counts()}
+    return {"runs": runs, "spread": spreads, "checked": checked, "skipped": skipped, "host": host,
+            "launcher": _launcher_counts()}
 
 
 def _launcher_counts() -> dict:
@@ -207,8 +274,12 @@ def run_gpu(args) -> dict:
         raise SystemExit("bench-symmetric --backend nccl needs at least 2 GPUs")
     sizes = timing.parse_sizes(args.sizes or GPU_SIZES)
     dtypes = [d for d in args.dtypes.split(",") if d]
-    results = launch.run(gpu_rank, world, args=(sizes, dtypes, args.iters), backend="nccl", timeout=args.timeout,
-                         env=dict(gpu.NO_MULTICAST))
+    launch_mode, inputs = getattr(args, "launch", "eager"), getattr(args, "inputs", "copied")
+    env = dict(gpu.NO_MULTICAST, **(timing.graph_env() if launch_mode == "graph" else {}))
+    results = launch.run(gpu_rank, world, args=(sizes, dtypes, args.iters, launch_mode, inputs), backend="nccl",
+                         timeout=args.timeout, env=env)
     first = results[0]
-    return {"backend": "nccl", "world": world, "sizes": sizes, "runs": first["runs"], "checked": first["checked"],
-            "skipped": first["skipped"], "iters": args.iters, "host": first["host"], "launcher": first["launcher"]}
+    return {"backend": "nccl", "world": world, "sizes": sizes, "runs": first["runs"], "spread": first["spread"],
+            "checked": first["checked"], "skipped": first["skipped"], "iters": args.iters, "host": first["host"],
+            "launcher": first["launcher"], "launch": launch_mode, "inputs": inputs,
+            "rule": "docs/benchmarks.md#the-rule-for-fair-gpu-comparisons"}

@@ -33,8 +33,7 @@ NAMES = {"gloo": "gloo's all_reduce", "nccl": "NCCL's all_reduce", "ring": "the 
          "triton_one_shot": "the lesson's Triton one-shot", "triton_two_shot": "the lesson's Triton two-shot",
          "torch_one_shot": "the plain-torch one-shot", "torch_two_shot": "the plain-torch two-shot",
          "symm_one_shot": "torch's symm_mem one-shot", "symm_two_shot": "torch's symm_mem two-shot",
-         "graph_triton_one_shot": "the lesson's Triton one-shot, replayed from a CUDA graph",
-         "graph_triton_two_shot": "the lesson's Triton two-shot, replayed from a CUDA graph",
+         "nccl_symmetric": "NCCL's all_reduce on a symmetric window (its symmetric kernels)",
          "triton_two_shot_store": "the lesson's Triton two-shot, gathering by stores"}
 BASELINES = ("gloo", "nccl")
 
@@ -152,40 +151,29 @@ def _gpu_record(result: dict, name: str):
                            title=f"All-reduce on {result['world']} GPUs without multicast: who wins where",
                            meta=dict(result["meta"], ranks=result["world"], iters=result["iters"],
                                      checked=result["checked"], host_seconds=result.get("host", {}),
-                                     launcher=result.get("launcher", {})))
+                                     launcher=result.get("launcher", {}), launch=result.get("launch"),
+                                     inputs=result.get("inputs"), rule=result.get("rule"),
+                                     spread=result.get("spread", {}), skipped=result.get("skipped", [])))
     for dtype, times in runs.items():
         record.sweep(f"measured-{dtype}", sizes, times, label=f"measured, {dtype}")
         for n in (64 << 10, 1 << 20, 16 << 20, 256 << 20):
             for algo in ("triton_two_shot", "symm_two_shot"):
                 _speedup_fact(record, result, dtype, algo, n)
         _targets(record, sizes, dtype, times)
-        _launch_fact(record, sizes, dtype, times)
     head = ["size"] + [f"{NAMES[k]} ({d})" for d in runs for k in runs[d]]
     record.table = {"head": head, "rows": [[timing.human_bytes(n)] + [claims.human(runs[d][k][i])
                                                                       for d in runs for k in runs[d]]
                                            for i, n in enumerate(sizes)]}
-    eager = {d: {k: v for k, v in runs[d].items() if not k.startswith("graph_")} for d in runs}
-    fig = plots.plot_winners(sizes, eager, title=f"{result['world']} GPUs: the fastest all-reduce at each size "
-                             "(each launched from Python)", names=NAMES)
+    how = "each replayed from a CUDA graph" if result.get("launch") == "graph" else "each launched from Python"
+    fig = plots.plot_winners(sizes, runs, title=f"{result['world']} GPUs: the fastest all-reduce at each size ({how})",
+                             names=NAMES)
     return fig, record
 
 
-def _launch_fact(record, sizes: list[int], dtype: str, times: dict) -> None:
-    """What launching from Python costs the Triton kernels at the smallest size: their time
-    launched one by one against the same kernel replayed from a CUDA graph."""
-    from ..site import claims
-
-    for algo in ("triton_one_shot", "triton_two_shot"):
-        if algo in times and f"graph_{algo}" in times:
-            launched, replayed = times[algo][0], times[f"graph_{algo}"][0]
-            record.fact(f"launch-{algo}-{dtype}", f"{dtype}, {timing.human_bytes(sizes[0])}: {NAMES[algo]} took "
-                        f"{claims.human(launched)} launched from Python and {claims.human(replayed)} replayed "
-                        f"from a CUDA graph ({launched / replayed:.1f}×).", launched=launched, replayed=replayed)
-
-
 def _targets(record, sizes: list[int], dtype: str, times: dict) -> None:
-    """The lesson's aims for its Triton two-shot, read off the run: at least 2× NCCL's speed
-    up to 1 MiB, 0.9× at 256 MiB, and within 1.2× of torch's symm_mem two-shot everywhere."""
+    """The lesson's Triton two-shot against NCCL up to 1 MiB and at 256 MiB, and against
+    torch's symm_mem two-shot at every size, read off the run (the facts' ids keep the
+    names the page quotes them by)."""
     for algo, tag in (("triton_two_shot", ""), ("triton_two_shot_store", "-store")):
         mine = times.get(algo)
         if mine is None:
@@ -193,16 +181,16 @@ def _targets(record, sizes: list[int], dtype: str, times: dict) -> None:
         small = [times["nccl"][i] / mine[i] for i, n in enumerate(sizes) if n <= 1 << 20]
         if small:
             record.fact(f"target-small-{dtype}{tag}", f"{dtype}, up to 1 MiB: {NAMES[algo]} ran at "
-                        f"{min(small):.2f}× to {max(small):.2f}× NCCL's speed (aim: at least 2×).", lowest=min(small))
+                        f"{min(small):.2f}× to {max(small):.2f}× NCCL's speed.", lowest=min(small))
         if 256 << 20 in sizes:
             i = sizes.index(256 << 20)
             ratio = times["nccl"][i] / mine[i]
             record.fact(f"target-256M-{dtype}{tag}", f"{dtype}, 256 MiB: {NAMES[algo]} ran at {ratio:.2f}× "
-                        "NCCL's speed (aim: at least 0.9×).", ratio=ratio)
+                        "NCCL's speed.", ratio=ratio)
         if "symm_two_shot" in times:
             worst = max(mine[i] / times["symm_two_shot"][i] for i in range(len(sizes)))
             record.fact(f"target-symm-{dtype}{tag}", f"{dtype}: {NAMES[algo]} took at most {worst:.2f}× the "
-                        "time of torch's symm_mem two-shot at any size (aim: within 1.2×).", worst=worst)
+                        "time of torch's symm_mem two-shot at any size.", worst=worst)
 
 
 def save_record(result: dict, name: str, img: Path | None = None) -> Path:
