@@ -180,12 +180,15 @@ def _world_checks(with_torch: bool):
     if with_torch:
         import warnings
         warnings.filterwarnings("ignore")
-        from collectives.pipeline.torch_pp import torch_step
+        from collectives.pipeline.torch_pp import TorchPipeline
         for name, v in SCHEDULES:
             C = p * v
             layers = pl.make_layers(2 * C, 8, seed=3)
             ref, _ = pl.one_process(layers, xs, ts)
-            got = torch_step(layers, name, C, xs, ts)
+            theirs = TorchPipeline(layers, name, C, len(xs))
+            theirs.step(torch.cat(xs), torch.cat(ts))
+            got = theirs.grads()
+            out["torch spans " + name] = sorted((k, i, c) for k, i, c, s, e in theirs.spans if s <= e)
             per = len(layers) // C
             out["torch " + name] = [c for c, gs in got.items()
                                     if not all(torch.equal(a, b) for g, w in zip(gs, ref[c * per:(c + 1) * per])
@@ -244,9 +247,13 @@ def test_one_rank_runs_every_schedule_its_chunks_passing_activations_without_mes
 def test_every_schedule_equals_one_process_and_torch_bit_for_bit_on_2_ranks():
     results = launch.run(_world_checks, 2, args=(True,), timeout=WORLD_TIMEOUT)
     _check_world(results, 2)
-    for out in results:
-        for name, _ in SCHEDULES:
+    for r, out in enumerate(results):
+        for name, v in SCHEDULES:
             assert out["torch " + name] == [], f"torch's {name} differs on chunks {out['torch ' + name]}"
+            # torch's steps are timed as the runner's: each F and B (W too, split) once per micro-batch and chunk
+            kinds = "BFW" if name == "zb-h1" else "BF"
+            assert out["torch spans " + name] == sorted((k, i, c) for k in kinds for i in range(4)
+                                                        for c in range(r, 2 * v, 2)), (r, name)
 
 
 def test_every_schedule_equals_one_process_with_its_messages_on_4_ranks():
@@ -265,6 +272,11 @@ def test_bench_pp_writes_a_record_with_its_environment_and_draws_the_timeline_fr
     assert set(rows) == {"gpipe", "1f1b", "interleaved", "zb-h1"}
     assert rows["1f1b"]["peak_held"] == [[2], [1]] and rows["gpipe"]["peak_held"] == [[4], [4]]
     assert rows["gpipe"]["formula"] == pytest.approx(cost.bubble_gpipe(2, 4))
+    for row in rows.values():       # the last round's bubble is its trace's, its model the simulator's with its costs
+        assert row["bubble_rounds"][-1] == pytest.approx(measure.bubble(row["spans"]))
+        sched = schedule(row["name"], 2, 4, row["v"])
+        assert row["model_rounds"][-1] == pytest.approx(measure.predict(sched, 4, row["spans"], 2 * row["v"]))
+        assert row["torch_bubble"] is None and len(row["unit_seconds"]) == 2
     figure = json.loads((tmp_path / "14-timeline.json").read_text())
     assert figure["table"]["rows"][0][0] == "GPipe" and (tmp_path / "14-timeline.svg").exists()
 
