@@ -177,6 +177,7 @@ def summarise(per_rank: list[dict], p: int, m: int) -> list[dict]:
                          formula=pcost.bubble(name, p, m, v),
                          torch_bubble=_median(torch_bubbles),
                          unit_seconds=units, message_seconds=measure.message_time(last, C),
+                         torch_unit_seconds=measure.unit_times(torch_rounds[-1], v) if torch_bubbles else None,
                          overhead_seconds=measure.overhead(last, C),
                          peak_held=[r["peak"][name] for r in per_rank],
                          peak_bytes=[r["peak_bytes"][name] for r in per_rank],
