@@ -15,11 +15,11 @@ on torch's own schedule of the same name with the same stages, in interleaved ro
 round runs every contender once, so a slow moment of the host hits them all alike). Each
 rank's computing thread is pinned to a core of its own (``--no-pin`` leaves it): equal stages
 should run at equal speeds. Each row: the median step time over the rounds and its spread
-(min, max); the bubble, one definition for all (:func:`.measure.bubble`: the ranks' idle
+(min, max); the bubble, one definition for all (``collectives.pipeline.measure.bubble``: the ranks' idle
 share between a step's first start and its last end, from the spans), on the course's runner
 and on torch's schedule; beside it the bubble the simulator plays with that step's measured
 costs -- each rank's own F, B and W, the message time and the gap between steps
-(:func:`.measure.explain`) -- and the textbook formula's (equal stages, equal unit steps, free
+(``measure.explain``) -- and the textbook formula's (equal stages, equal unit steps, free
 messages); the micro-batches each rank held at most. The timed steps skip the schedule's
 check (done once, in the warm-up). The last round's spans are the timeline figure's.
 
@@ -150,8 +150,8 @@ def _median(values):
 
 def summarise(per_rank: list[dict], p: int, m: int) -> list[dict]:
     """One row per schedule from every rank's measurements: step times, and per round the
-    bubble read from the trace (:func:`.measure.bubble`) beside what the simulator plays with
-    that round's measured costs (:func:`.measure.explain`), the medians over the rounds."""
+    bubble read from the trace (``measure.bubble``) beside what the simulator plays with
+    that round's measured costs (``measure.explain``), the medians over the rounds."""
     rows = []
     for name in SCHEDULES:
         v = V if name == "interleaved" else 1
@@ -257,7 +257,9 @@ def row_line(suite: str, row: dict) -> str:
     torch_bubble = f", torch's {row['torch_bubble']:.3f}" if row.get("torch_bubble") is not None else ""
     return (f"{row['name']:12s} step {claims.human(row['seconds']):>9s}{torch_part}; bubble {row['bubble']:.3f}"
             f"{torch_bubble} (measured costs {row['model']:.3f}, textbook {row['formula']:.3f}); "
-            f"held {[max(h) for h in row['peak_held']]}")
+            f"held {[max(h) for h in row['peak_held']]}; F per rank "
+            f"{[round(u['F'] * 1e3, 2) for u in row['unit_seconds']]} ms, a message "
+            f"{row['message_seconds'] * 1e6:.0f} µs")
 
 
 def tour_runner(nbytes: int) -> dict:
