@@ -23,6 +23,7 @@ from collectives.pipeline import (
     cost,
     from_orders,
     interleaved_1f1b,
+    measure,
     one_f_one_b_order,
     schedule,
     simulate,
@@ -41,6 +42,53 @@ def test_simulated_bubbles_equal_the_formulas(p, m):
         timeline = simulate(schedule(name, p, m, v), m)
         assert timeline.bubble() == pytest.approx(cost.bubble(name, p, m, v)), name
     assert simulate(schedule("zb-h1", p, m), m).bubble() <= simulate(schedule("1f1b", p, m), m).bubble() / 2
+
+
+def test_the_bubble_of_a_trace_is_the_ranks_idle_share_between_first_start_and_last_end():
+    # rank 0 busy 0-1 and 4.5-6.5, rank 1 busy 1.5-2.5 and 2.5-4: 5.5 of 2 × 6.5 busy
+    trace = [[("F", 0, 0, 0.0, 1.0), ("B", 0, 0, 4.5, 6.5)], [("F", 0, 1, 1.5, 2.5), ("B", 0, 1, 2.5, 4.0)]]
+    assert measure.bubble(trace) == pytest.approx(7.5 / 13)
+    shifted = [[(k, i, c, s + 7, e + 7) for k, i, c, s, e in rank] for rank in trace]
+    assert measure.bubble(shifted) == pytest.approx(7.5 / 13)
+    assert measure.message_time(trace, 2) == pytest.approx(0.5)     # both messages: 1.0 -> 1.5, 4.0 -> 4.5
+    assert measure.overhead(trace, 2) == pytest.approx(0.0)         # rank 1's B0 follows its F0 at once
+    assert measure.unit_times(trace) == [{"F": 1.0, "BW": 2.0}, {"F": 1.0, "BW": 1.5}]
+
+
+def test_stages_of_different_speeds_pace_gpipe_at_the_slowest():
+    # a flow of m equal jobs through stages of times t_r ends after Σ t_r + (m − 1)·max t_r
+    p, m = 3, 5
+    costs = [{"F": 1.0, "BW": 2.0}, {"F": 1.5, "BW": 3.0}, {"F": 1.2, "BW": 2.2}]
+    timeline = simulate(schedule("gpipe", p, m), m, costs)
+    assert timeline.makespan == pytest.approx(3.7 + 4 * 1.5 + 7.2 + 4 * 3.0)
+    busy = sum(m * (c["F"] + c["BW"]) for c in costs)
+    assert timeline.bubble() == pytest.approx(1 - busy / (p * timeline.makespan))
+    with pytest.raises(ValueError, match="2 ranks' costs"):
+        simulate(schedule("gpipe", p, m), m, costs[:2])
+
+
+@pytest.mark.parametrize("name,v", SCHEDULES)
+def test_measured_costs_read_back_from_a_trace_predict_its_bubble(name, v):
+    p, m = 4, 8
+    sched = schedule(name, p, m, v)
+    costs = [{"F": 1.0 + 0.3 * r, "B": 1.1 + 0.2 * r, "W": 0.9 + 0.1 * r} for r in range(p)]
+    for c in costs:
+        c["BW"] = c["B"] + c["W"]
+    played = simulate(sched, m, costs, message=0.05, overhead=0.02)
+    trace = played.spans
+    assert measure.bubble(trace) == pytest.approx(played.bubble())
+    assert measure.message_time(trace, p * v) == pytest.approx(0.05)
+    assert measure.overhead(trace, p * v) == pytest.approx(0.02)
+    split = name == "zb-h1"
+    for got, want in zip(measure.unit_times(trace, v), costs):
+        assert got == pytest.approx({k: want[k] for k in (("F", "B", "W") if split else ("F", "BW"))})
+    parts = measure.explain(sched, m, trace, p * v)
+    assert parts["model"] == pytest.approx(parts["measured"])
+    assert parts["stages"] < parts["model"]               # the messages and gaps idle the ranks too
+    # equal stages of unit steps, messages free: the textbook formula
+    unit = simulate(sched, m).spans
+    assert measure.predict(sched, m, unit, p * v, uniform=True, messages=False) == pytest.approx(
+        cost.bubble(name, p, m, v))
 
 
 def test_1f1b_holds_p_minus_r_and_gpipe_holds_m():
@@ -132,12 +180,15 @@ def _world_checks(with_torch: bool):
     if with_torch:
         import warnings
         warnings.filterwarnings("ignore")
-        from collectives.pipeline.torch_pp import torch_step
+        from collectives.pipeline.torch_pp import TorchPipeline
         for name, v in SCHEDULES:
             C = p * v
             layers = pl.make_layers(2 * C, 8, seed=3)
             ref, _ = pl.one_process(layers, xs, ts)
-            got = torch_step(layers, name, C, xs, ts)
+            theirs = TorchPipeline(layers, name, C, len(xs))
+            theirs.step(torch.cat(xs), torch.cat(ts))
+            got = theirs.grads()
+            out["torch spans " + name] = sorted((k, i, c) for k, i, c, s, e in theirs.spans if s <= e)
             per = len(layers) // C
             out["torch " + name] = [c for c, gs in got.items()
                                     if not all(torch.equal(a, b) for g, w in zip(gs, ref[c * per:(c + 1) * per])
@@ -196,9 +247,13 @@ def test_one_rank_runs_every_schedule_its_chunks_passing_activations_without_mes
 def test_every_schedule_equals_one_process_and_torch_bit_for_bit_on_2_ranks():
     results = launch.run(_world_checks, 2, args=(True,), timeout=WORLD_TIMEOUT)
     _check_world(results, 2)
-    for out in results:
-        for name, _ in SCHEDULES:
+    for r, out in enumerate(results):
+        for name, v in SCHEDULES:
             assert out["torch " + name] == [], f"torch's {name} differs on chunks {out['torch ' + name]}"
+            # torch's steps are timed as the runner's: each F and B (W too, split) once per micro-batch and chunk
+            kinds = "BFW" if name == "zb-h1" else "BF"
+            assert out["torch spans " + name] == sorted((k, i, c) for k in kinds for i in range(4)
+                                                        for c in range(r, 2 * v, 2)), (r, name)
 
 
 def test_every_schedule_equals_one_process_with_its_messages_on_4_ranks():
@@ -217,6 +272,11 @@ def test_bench_pp_writes_a_record_with_its_environment_and_draws_the_timeline_fr
     assert set(rows) == {"gpipe", "1f1b", "interleaved", "zb-h1"}
     assert rows["1f1b"]["peak_held"] == [[2], [1]] and rows["gpipe"]["peak_held"] == [[4], [4]]
     assert rows["gpipe"]["formula"] == pytest.approx(cost.bubble_gpipe(2, 4))
+    for row in rows.values():       # the last round's bubble is its trace's, its model the simulator's with its costs
+        assert row["bubble_rounds"][-1] == pytest.approx(measure.bubble(row["spans"]))
+        sched = schedule(row["name"], 2, 4, row["v"])
+        assert row["model_rounds"][-1] == pytest.approx(measure.predict(sched, 4, row["spans"], 2 * row["v"]))
+        assert row["torch_bubble"] is None and len(row["unit_seconds"]) == 2
     figure = json.loads((tmp_path / "14-timeline.json").read_text())
     assert figure["table"]["rows"][0][0] == "GPipe" and (tmp_path / "14-timeline.svg").exists()
 

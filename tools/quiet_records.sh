@@ -58,6 +58,8 @@ a2a-host       |  60 | 12  |         | $PY -m collectives bench-alltoall host --
 a2a-figures    |  60 | 5   |         | $PY tools/lesson11_figures.py --records docs/data/11-alltoall
 symmetric      | 120 | 18  |         | $PY -m collectives bench-symmetric --json docs/data/12-symmetric-cpu.json --record 12-bench-cpu
 bench          | 120 | 20  |         | $PY -m collectives bench --json docs/data/bench-cpu.json --out build/bench-cpu; $PY tools/bench_charts.py
+pipeline       |  60 | ?   |         | $PY -m collectives bench-pp --img docs/img
+pipeline-cluster| 540 | ?  | cluster | $PY -m collectives bench-pp --cluster --img docs/img
 '
 field() { echo "$1" | cut -d'|' -f"$2" | sed 's/^ *//; s/ *$//'; }
 

@@ -30,6 +30,7 @@ from .schedules import (
     zb_h1,
     zb_h1_order,
 )
+from . import measure
 from .simulate import Deadlock, InvalidSchedule, Timeline, simulate, validate
 from .stage import Stage, as_module, chunk_layers, loss_grad, loss_value, make_layers, one_process
 
@@ -37,4 +38,4 @@ __all__ = ["Stage", "make_layers", "chunk_layers", "loss_grad", "loss_value", "a
            "Step", "gpipe", "one_f_one_b", "one_f_one_b_order", "interleaved_1f1b", "zb_h1", "zb_h1_order",
            "schedule", "from_orders", "NAMES", "simulate", "validate", "Deadlock", "InvalidSchedule", "Timeline",
            "Pipeline", "make_pipeline", "pipeline_forward", "gpipe_step", "run_schedule", "shape_message",
-           "shape_from", "tag", "SHAPE_SLOTS", "cost"]
+           "shape_from", "tag", "SHAPE_SLOTS", "cost", "measure"]

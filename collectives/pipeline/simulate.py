@@ -112,12 +112,20 @@ class Timeline:
         return 1 - sum(self.busy(r) for r in range(len(self.spans))) / total if total else 0.0
 
 
-def simulate(schedule, m: int, costs: dict | None = None, message: float = 0.0,
-             num_chunks: int | None = None) -> Timeline:
+def simulate(schedule, m: int, costs: dict | list | None = None, message: float = 0.0,
+             num_chunks: int | None = None, overhead: float = 0.0) -> Timeline:
     """Play ``schedule`` (validated first); raise :class:`Deadlock` with the cycle if it cannot
-    finish, else return its :class:`Timeline` under ``costs`` (default: F = B = W = 1)."""
+    finish, else return its :class:`Timeline` under ``costs`` (default: F = B = W = 1).
+
+    ``costs``: one dict of a whole stage's step times for every rank, or a list of them, one
+    per rank (stages that run at different speeds); ``message``: the time from a step's end
+    to the start of the step that consumes its message; ``overhead``: the time a rank takes
+    between two steps when it waits for nothing."""
     C = validate(schedule, m, num_chunks)
-    costs = {**UNIT, **(costs or {})}
+    per_rank = costs if isinstance(costs, list) else [costs] * len(schedule)
+    if len(per_rank) != len(schedule):
+        raise ValueError(f"{len(per_rank)} ranks' costs for a schedule of {len(schedule)} ranks")
+    rank_costs = [{**UNIT, **(c or {})} for c in per_rank]
     split = split_steps(schedule)
     p = len(schedule)
     done: dict[Step, float] = {}
@@ -134,8 +142,9 @@ def simulate(schedule, m: int, costs: dict | None = None, message: float = 0.0,
                 if dep is not None and dep not in done:
                     break
                 kind = "BW" if s.kind == "B" and (s.mb, s.chunk) not in split else s.kind
-                start = max(clock[r], done[dep] + message if dep is not None else 0.0)
-                end = start + costs[kind] / (C // p)
+                start = max(clock[r] + (overhead if at[r] else 0.0),
+                            done[dep] + message if dep is not None else 0.0)
+                end = start + rank_costs[r][kind] / (C // p)
                 done[Step(s.kind, s.mb, s.chunk)] = end
                 clock[r] = end
                 spans[r].append((s, start, end))

@@ -7,9 +7,15 @@ ZB-H1) -- and returns the gradients per chunk. Torch cuts the batch into the mic
 itself (along dim 0); the loss is the one the course's stages start from: its gradient
 with respect to the output is ``(y − t)/m`` exactly, and ``scale_grads=False`` leaves the
 sum of the micro-batches' gradients as it is.
+
+``spans``: after a step, each F, B and W torch's stages ran, ``(kind, mb, chunk, start, end)``
+in ``time.perf_counter()`` seconds -- the runner's trace, so the same bubble is read from both
+(:mod:`.measure`); a B that is the whole backward is a ``B`` with no ``W``.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -45,8 +51,26 @@ class TorchPipeline:
         single = name in ("gpipe", "1f1b")
         self.schedule = cls(stages[0] if single else stages, n_microbatches=m, loss_fn=surrogate_loss(m),
                             scale_grads=False)
+        self.spans: list[tuple[str, int, int, float, float]] = []
+        for stage, c in zip(stages, self.modules):
+            self._time(stage, c)
+
+    def _time(self, stage, chunk: int) -> None:
+        """Record each F, B and W of ``stage``: its methods, wrapped on the instance."""
+        def wrap(kind: str, method):
+            def timed(*args, **kwargs):
+                start = time.perf_counter()
+                out = method(*args, **kwargs)
+                mb = args[0] if args else kwargs.get("fwd_chunk_id", kwargs.get("bwd_chunk_id", -1))
+                self.spans.append((kind, int(mb), chunk, start, time.perf_counter()))
+                return out
+            return timed
+        stage.forward_one_chunk = wrap("F", stage.forward_one_chunk)
+        stage.backward_one_chunk = wrap("B", stage.backward_one_chunk)
+        stage.backward_weight_one_chunk = wrap("W", stage.backward_weight_one_chunk)
 
     def step(self, batch: torch.Tensor | None, target: torch.Tensor | None) -> None:
+        self.spans = []
         for mod in self.modules.values():
             mod.zero_grad(set_to_none=True)
         holds_first, holds_last = 0 in self.modules, self.C - 1 in self.modules

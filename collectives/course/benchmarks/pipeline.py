@@ -13,10 +13,15 @@ chunks for the interleaved schedule), ``--m`` micro-batches of ``--rows`` rows. 
 schedule -- GPipe, 1F1B, interleaved 1F1B (v = 2), ZB-H1 -- runs on the course's runner and
 on torch's own schedule of the same name with the same stages, in interleaved rounds (each
 round runs every contender once, so a slow moment of the host hits them all alike). Each
-row: the median step time over the rounds and its spread (min, max), the measured bubble
-(every rank's idle share between the step's first start and its last end, from the runner's
-spans), the formula's bubble with the measured F, B and W times, and the micro-batches each
-rank held at most. The last round's spans are the timeline figure's.
+rank's computing thread is pinned to a core of its own (``--no-pin`` leaves it): equal stages
+should run at equal speeds. Each row: the median step time over the rounds and its spread
+(min, max); the bubble, one definition for all (``collectives.pipeline.measure.bubble``: the ranks' idle
+share between a step's first start and its last end, from the spans), on the course's runner
+and on torch's schedule; beside it the bubble the simulator plays with that step's measured
+costs -- each rank's own F, B and W, the message time and the gap between steps
+(``measure.explain``) -- and the textbook formula's (equal stages, equal unit steps, free
+messages); the micro-batches each rank held at most. The timed steps skip the schedule's
+check (done once, in the warm-up). The last round's spans are the timeline figure's.
 
 ``--cluster`` runs :mod:`.pipeline_cluster` instead: the pipeline across the slow link against
 data parallel across it.
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import warnings
 from pathlib import Path
@@ -43,7 +49,7 @@ import torch.distributed as dist
 
 from ...core import launch, ops
 from ...pipeline import cost as pcost
-from ...pipeline import make_layers, make_pipeline, schedule
+from ...pipeline import make_layers, make_pipeline, measure, schedule
 from ...pipeline.torch_pp import TorchPipeline
 from ..catalog import ROOT
 from ..site import claims
@@ -61,10 +67,31 @@ def _zero(pipe) -> None:
             db.zero_()
 
 
-def _bench_in_rank(layers: int, width: int, rows: int, m: int, rounds: int, with_torch: bool) -> dict:
+def _pin(rank: int, p: int) -> list[int]:
+    """Pin this rank's computing thread to a core of its own (one per physical core where
+    the host says which CPUs share one), so that equal stages run at equal speed; the
+    threads gloo started before stay free. Returns the CPUs, [] when there are too few."""
+    allowed = sorted(os.sched_getaffinity(0))
+    cores: dict[str, int] = {}
+    for cpu in allowed:
+        try:
+            key = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip()
+        except OSError:
+            key = str(cpu)
+        cores.setdefault(key, cpu)
+    first = list(cores.values()) if len(cores) >= p else allowed
+    if len(first) < p:
+        return []
+    os.sched_setaffinity(0, {first[rank]})
+    return [first[rank]]
+
+
+def _bench_in_rank(layers: int, width: int, rows: int, m: int, rounds: int, with_torch: bool,
+                   pin: bool = True) -> dict:
     warnings.filterwarnings("ignore")
-    p = dist.get_world_size()
+    rank, p = dist.get_rank(), dist.get_world_size()
     device = ops.rank_device()              # its GPU under NCCL
+    cpus = _pin(rank, p) if pin and device.type == "cpu" else []
     weights = make_layers(layers, width, seed=0, device=device)
     xs, ts = data(m, rows, width, device)
     ours, theirs = {}, {}
@@ -75,14 +102,16 @@ def _bench_in_rank(layers: int, width: int, rows: int, m: int, rounds: int, with
             theirs[name] = TorchPipeline(weights, name, C, m)
     batch, target = torch.cat(xs), torch.cat(ts)
 
-    def run_ours(name):
+    def run_ours(name, check=False):
         pipe, steps = ours[name]
         _zero(pipe)
-        pipe.step(steps, xs, ts)
+        pipe.step(steps, xs, ts, check=check)
 
     contenders = [(f"ours:{n}", lambda n=n: run_ours(n)) for n in SCHEDULES]
     contenders += [(f"torch:{n}", lambda n=n: theirs[n].step(batch, target)) for n in theirs]
-    for _, fn in contenders:            # warm-up: shapes agreed, buffers made, torch's stages set up
+    for name in SCHEDULES:              # warm-up: each schedule checked once, shapes agreed, buffers made
+        run_ours(name, check=True)
+    for key, fn in contenders[len(SCHEDULES):]:
         fn()
     # on a GPU the timed rounds run as torch's do, without waiting for the GPU after every step;
     # one more round per schedule, waiting, gives the timeline and the bubble
@@ -90,28 +119,27 @@ def _bench_in_rank(layers: int, width: int, rows: int, m: int, rounds: int, with
     for pipe, _ in ours.values():
         pipe.synchronize = False
     times = {key: [] for key, _ in contenders}
-    busy = {n: [] for n in SCHEDULES}
-    spans, windows = {}, {}
+    traces = {key: [] for key, _ in contenders}     # per round, this rank's spans from the step's start
+
+    def spans_of(key):
+        if key.startswith("ours:"):
+            return [(st.kind, st.mb, st.chunk, s, e) for st, s, e in ours[key[5:]][0].spans]
+        return list(theirs[key[6:]].spans)
+
     for _ in range(rounds):
         for key, fn in contenders:
             start, end = timed(fn, device)
             times[key].append(end - start)
-            if key.startswith("ours:") and not gpu:
-                name = key[5:]
-                pipe = ours[name][0]
-                busy[name].append((sum(e - s for _, s, e in pipe.spans), end - start))
-                spans[name] = [(st.kind, st.mb, st.chunk, s - start, e - start) for st, s, e in pipe.spans]
-                windows[name] = end - start
+            if not gpu:
+                traces[key].append([(k, i, c, s - start, e - start) for k, i, c, s, e in spans_of(key)])
     if gpu:
         for name in SCHEDULES:
             pipe = ours[name][0]
             pipe.synchronize = True
             start, end = timed(lambda n=name: run_ours(n), device)
-            busy[name].append((sum(e - s for _, s, e in pipe.spans), end - start))
-            spans[name] = [(st.kind, st.mb, st.chunk, s - start, e - start) for st, s, e in pipe.spans]
-    steps = {n: {k: [e - s for kind, _, _, s, e in spans[n] if kind == k] for k in ("F", "B", "W")}
-             for n in SCHEDULES}
-    return dict(times=times, busy=busy, spans=spans, steps=steps,
+            spans = spans_of(f"ours:{name}")
+            traces[f"ours:{name}"].append([(k, i, c, s - start, e - start) for k, i, c, s, e in spans])
+    return dict(times=times, traces=traces, cpus=cpus,
                 peak={n: [st.peak_held for st in ours[n][0].stages.values()] for n in SCHEDULES},
                 peak_bytes={n: sum(st.peak_bytes for st in ours[n][0].stages.values()) for n in SCHEDULES})
 
@@ -121,43 +149,50 @@ def _median(values):
 
 
 def summarise(per_rank: list[dict], p: int, m: int) -> list[dict]:
-    """One row per schedule from every rank's measurements."""
+    """One row per schedule from every rank's measurements: step times, and per round the
+    bubble read from the trace (``measure.bubble``) beside what the simulator plays with
+    that round's measured costs (``measure.explain``), the medians over the rounds."""
     rows = []
     for name in SCHEDULES:
         v = V if name == "interleaved" else 1
+        C = p * v
+        sched = schedule(name, p, m, v)
         ours_t = per_rank[0]["times"][f"ours:{name}"]
         torch_t = per_rank[0]["times"].get(f"torch:{name}")
-        # the bubble of each round: 1 − Σ busy / (p · window); the median over rounds
-        rounds = len(per_rank[0]["busy"][name])
-        bubbles = [1 - sum(r["busy"][name][k][0] for r in per_rank) / (p * per_rank[0]["busy"][name][k][1])
-                   for k in range(rounds)]
-        # F, B and W of one micro-batch on a whole stage (a chunk is 1/v of it), the medians over ranks
-        f = v * (_median([x for r in per_rank for x in r["steps"][name]["F"]]) or 0.0)
-        backs = [x for r in per_rank for x in r["steps"][name]["B"]]
-        b = v * (_median(backs) or 0.0)
-        w = v * (_median([x for r in per_rank for x in r["steps"][name]["W"]]) or 0.0)
-        if name == "zb-h1":
-            formula = pcost.bubble_zb_h1(p, m, f, b, w)
-        else:
-            formula = pcost.bubble(name, p, m, v)
+        rounds = [[r["traces"][f"ours:{name}"][k] for r in per_rank]
+                  for k in range(len(per_rank[0]["traces"][f"ours:{name}"]))]
+        parts = [measure.explain(sched, m, trace, C) for trace in rounds]
+        torch_rounds = [[r["traces"][f"torch:{name}"][k] for r in per_rank]
+                        for k in range(len(per_rank[0]["traces"].get(f"torch:{name}", [])))]
+        torch_bubbles = [measure.bubble(trace) for trace in torch_rounds if all(trace)]
+        last = rounds[-1]
+        units = measure.unit_times(last, v)
         rows.append(dict(name=name, v=v, seconds=_median(ours_t), spread=[min(ours_t), max(ours_t)],
                          torch_seconds=_median(torch_t) if torch_t else None,
                          torch_spread=[min(torch_t), max(torch_t)] if torch_t else None,
-                         bubble=_median(bubbles), bubble_rounds=bubbles, formula=formula,
-                         step_seconds={"F": f, "B": b, "W": w},
+                         bubble=_median([x["measured"] for x in parts]),
+                         bubble_rounds=[x["measured"] for x in parts],
+                         model=_median([x["model"] for x in parts]), model_rounds=[x["model"] for x in parts],
+                         model_parts={k: _median([x[k] for x in parts]) for k in ("fill", "stages", "model")},
+                         formula=pcost.bubble(name, p, m, v),
+                         torch_bubble=_median(torch_bubbles),
+                         unit_seconds=units, message_seconds=measure.message_time(last, C),
+                         torch_unit_seconds=measure.unit_times(torch_rounds[-1], v) if torch_bubbles else None,
+                         overhead_seconds=measure.overhead(last, C),
                          peak_held=[r["peak"][name] for r in per_rank],
                          peak_bytes=[r["peak_bytes"][name] for r in per_rank],
-                         spans=[r["spans"][name] for r in per_rank]))
+                         spans=last, torch_spans=torch_rounds[-1] if torch_rounds else None))
     return rows
 
 
 def run_local(args) -> dict:
     p = torch.cuda.device_count() if args.backend == "nccl" else args.world
     per_rank = launch.run(_bench_in_rank, p, args=(args.layers, args.width, args.rows, args.m, args.rounds,
-                                                   not args.no_torch), backend=args.backend, timeout=1800,
-                          env={"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"})
+                                                   not args.no_torch, not args.no_pin), backend=args.backend,
+                          timeout=1800, env={"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"})
     return dict(world_size=p, backend=args.backend, layers=args.layers, width=args.width, rows=args.rows, m=args.m, v=V,
-                rounds=args.rounds, rows_by_schedule=summarise(per_rank, p, args.m))
+                rounds=args.rounds, cpus=[r["cpus"] for r in per_rank],
+                rows_by_schedule=summarise(per_rank, p, args.m))
 
 
 def write(suite: str, argv, result: dict, out: Path, img: Path | None) -> Path:
@@ -191,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--m", type=int, default=8, help="micro-batches per step")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (median and spread)")
     parser.add_argument("--no-torch", action="store_true", help="leave out torch's schedules")
+    parser.add_argument("--no-pin", action="store_true", help="leave each rank's thread where the OS puts it")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 2 rounds: to try the script")
     parser.add_argument("--out", default=str(DATA), help="folder of the JSON record (default docs/data)")
     parser.add_argument("--img", default="", help="folder of the page's figures and claims (e.g. docs/img)")
@@ -218,8 +254,12 @@ def row_line(suite: str, row: dict) -> str:
         return (f"{row['label']:26s} step {claims.human(row['seconds']):>9s} (model {claims.human(row['model'])}), "
                 f"across {row['bytes_across'] / 2**20:8.2f} MiB (model {row['model_bytes'] / 2**20:.2f} MiB)")
     torch_part = f", torch {claims.human(row['torch_seconds'])}" if row["torch_seconds"] else ""
-    return (f"{row['name']:12s} step {claims.human(row['seconds']):>9s}{torch_part}; bubble {row['bubble']:.3f} "
-            f"(formula {row['formula']:.3f}); held {[max(h) for h in row['peak_held']]}")
+    torch_bubble = f", torch's {row['torch_bubble']:.3f}" if row.get("torch_bubble") is not None else ""
+    return (f"{row['name']:12s} step {claims.human(row['seconds']):>9s}{torch_part}; bubble {row['bubble']:.3f}"
+            f"{torch_bubble} (measured costs {row['model']:.3f}, textbook {row['formula']:.3f}); "
+            f"held {[max(h) for h in row['peak_held']]}; F per rank "
+            f"{[round(u['F'] * 1e3, 2) for u in row['unit_seconds']]} ms, a message "
+            f"{row['message_seconds'] * 1e6:.0f} µs")
 
 
 def tour_runner(nbytes: int) -> dict:

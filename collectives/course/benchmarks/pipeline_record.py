@@ -2,8 +2,8 @@
 
 * ``14-timeline`` (local suite): every schedule's last measured step, one lane per rank, F, B
   and W as bars on one time axis; its record holds the table (step time of the course's
-  runner and of torch's schedule, measured bubble against the formula's, micro-batches held)
-  and one comparison per schedule;
+  runner and of torch's schedule, the bubble measured on both, the simulator's with the measured
+  costs and the textbook formula's, micro-batches held) and one comparison per schedule;
 * ``14-cluster`` (cluster suite): step time and bytes across the slow link of the pipeline
   and of data parallel, each beside the cost model's prediction.
 
@@ -52,18 +52,35 @@ def timeline_figure(result: dict, meta: dict):
         if row.get("torch_seconds"):
             record.times(row["name"], {"ours": row["seconds"], "torch": row["torch_seconds"]}, baseline="torch",
                          where=f"{TITLES[row['name']]}, {where}")
-    record.fact("bubble", "Measured bubble (idle share of the ranks' time) against the formula's: "
-                + "; ".join(f"{TITLES[r['name']]} {r['bubble']:.3f} against {r['formula']:.3f}" for r in rows) + ".",
-                measured={r["name"]: r["bubble"] for r in rows}, formula={r["name"]: r["formula"] for r in rows})
+    record.fact("bubble", "Bubble (the ranks' idle share of a step, read from its trace) measured, then as the "
+                "simulator plays the schedule with that step's measured costs -- each rank's F, B and W, the message "
+                "time -- then the textbook formula's (equal stages, free messages): "
+                + "; ".join(f"{TITLES[r['name']]} {r['bubble']:.3f}, {r['model']:.3f}, {r['formula']:.3f}"
+                            for r in rows) + ".",
+                measured={r["name"]: r["bubble"] for r in rows}, model={r["name"]: r["model"] for r in rows},
+                formula={r["name"]: r["formula"] for r in rows},
+                torch={r["name"]: r["torch_bubble"] for r in rows if r.get("torch_bubble") is not None})
+    one = next(r for r in rows if r["name"] == "1f1b")
+    forward = [u["F"] for u in one["unit_seconds"]]
+    record.fact("stages", "In the last 1F1B step the stages' forward took "
+                + ", ".join(claims.human(f) for f in forward) + " (rank 0 to the last; equal layers), a message "
+                + claims.human(one["message_seconds"]) + f"; equal stages of those costs would idle "
+                f"{one['model_parts']['fill']:.3f} of the step, these {one['model_parts']['stages']:.3f}.",
+                forward=forward, slowest=max(forward) / min(forward), message=one["message_seconds"],
+                fill=one["model_parts"]["fill"], stages=one["model_parts"]["stages"])
     record.fact("held", "Micro-batches held at most, rank 0 to the last: "
                 + "; ".join(f"{TITLES[r['name']]} {[max(h) for h in r['peak_held']]}" for r in rows) + ".",
                 held={r["name"]: [max(h) for h in r["peak_held"]] for r in rows})
-    head = ["schedule", "step", "torch's step", "bubble", "formula", "held, rank 0", "KiB held, rank 0"]
+
+    def share(x):
+        return "" if x is None else f"{x:.2f}"
+    head = ["schedule", "step", "torch's step", "bubble", "torch's bubble", "with measured costs", "textbook",
+            "held, rank 0"]
     record.table = {"head": head, "rows": [
         [TITLES[r["name"]], claims.human(r["seconds"]),
          claims.human(r["torch_seconds"]) if r.get("torch_seconds") else "",
-         f"{r['bubble']:.3f}", f"{r['formula']:.3f}", str(max(r["peak_held"][0])),
-         f"{r['peak_bytes'][0] / 1024:.0f}" if r.get("peak_bytes") else ""] for r in rows]}
+         share(r["bubble"]), share(r.get("torch_bubble")), share(r["model"]), share(r["formula"]),
+         str(max(r["peak_held"][0]))] for r in rows]}
     record.caption = record.text("bubble")
     fig = plots._figure(7.5, 1.0 + 0.42 * p * len(rows))
     axes = fig.subplots(len(rows), 1, sharex=True)
@@ -75,7 +92,8 @@ def timeline_figure(result: dict, meta: dict):
                         edgecolor="white", linewidth=0.4)
         ax.set_yticks(range(p), [f"rank {r}" for r in range(p)], fontsize=9)
         ax.invert_yaxis()
-        ax.set_title(f"{TITLES[row['name']]}: bubble {row['bubble']:.2f} (formula {row['formula']:.2f})",
+        ax.set_title(f"{TITLES[row['name']]}: bubble {row['bubble']:.2f}; with the measured costs "
+                     f"{row['model']:.2f}; textbook {row['formula']:.2f}",
                      fontsize=9, loc="left")
         ax.tick_params(labelsize=9)
     axes[-1].set_xlabel("milliseconds from the step's start", fontsize=9)

@@ -150,13 +150,15 @@ def value(record: dict, comp_id: str, args: list[str]) -> str:
 
 FORMATS = {"time": human, "us": lambda x: human(x * 1e-6), "size": _size, "count": lambda x: f"{x:g}",
            "ratio": lambda x: f"{x:.2g}×" if x < 10 else f"{x:.0f}×", "rate": lambda x: f"{x / 1e9:.3g} GB/s",
-           "bandwidth": lambda x: f"{1 / x / 1e9:.3g} GB/s"}      # 1/β from β (seconds per byte)
+           "bandwidth": lambda x: f"{1 / x / 1e9:.3g} GB/s",      # 1/β from β (seconds per byte)
+           "share": lambda x: f"{x:.2f}"}
 
 
 def _fact(c: dict, args: list[str]) -> str:
     """``{{ value: NAME ID FIELD FORMAT }}`` of a fact: FIELD (``a.b`` for a nested one) read
     from the comparison and written as a ``time`` (seconds), ``us``, ``size``, ``ratio``,
-    ``rate`` (bytes per second), ``bandwidth`` (1/β from seconds per byte) or ``count``."""
+    ``rate`` (bytes per second), ``bandwidth`` (1/β from seconds per byte), ``share`` (a fraction,
+    0.37) or ``count``."""
     if len(args) != 2 or args[1] not in FORMATS:
         raise ValueError(f"fact {c['id']}: write FIELD FORMAT, FORMAT one of {sorted(FORMATS)}")
     data = c
