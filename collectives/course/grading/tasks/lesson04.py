@@ -16,7 +16,7 @@ from ....core import trace
 from ....core.ops import ReduceOp, chunk_bounds
 from ... import verify
 from ...verify import Case
-from . import GradedTask
+from . import P2P, GradedTask
 from .allreduce import (
     carried_result,
     expected_output,
@@ -26,6 +26,7 @@ from .allreduce import (
     probe_cases,
     ring_pattern,
 )
+from .evidence import carries_blocks
 from .world import Grading, Probe, Run, Verdict, outcome_problem, same
 
 HERE = __name__
@@ -145,6 +146,8 @@ def _judge_halves(grading: Grading, reduce: bool) -> Verdict:
                     problem = "modified its input"
                 if problem is None:
                     problem = _p_minus_1_chunks(run.of(r, _key(case)), numel, p, ranks[(i + 1) % p])
+                if problem is None:
+                    problem = _carried(run.of(r, _key(case)), case, inputs, i, reduce)
                 verdict.add(problem and f"{where}: {problem}")
         if verdict.not_written or len(verdict.problems) > 20:
             break
@@ -166,6 +169,22 @@ def _p_minus_1_chunks(calls, n: int, p: int, right: int) -> str | None:
     if any(c.numel not in (n // p, -(-n // p)) for c in sends):
         return f"sent messages of {sorted({c.numel for c in sends})} elements, expected chunks of ⌊n/p⌋ or ⌈n/p⌉"
     return None
+
+
+def _carried(calls, case, inputs: list[torch.Tensor], i: int, reduce: bool) -> str | None:
+    """Each message carries a block of the ring's: a chunk of an input (the all-gather), or a
+    chunk reduced over a run of consecutive ranks ending at the sender (the reduce-scatter)."""
+    numel, dtype, op, *_ = case
+    p = len(inputs)
+    bounds = chunk_bounds(numel, p)
+    if not reduce:
+        return carries_blocks(calls, [x[lo:hi] for x, (lo, hi) in zip(inputs, bounds)], "a chunk of the inputs")
+    if op == ReduceOp.PRODUCT or dtype in (torch.float16, torch.bfloat16):
+        return None                       # partial products and half sums round by order: not compared
+    base = ReduceOp.SUM if op == ReduceOp.AVG else op
+    blocks = [expected_output(Case(hi - lo, dtype, base), [inputs[(i - k) % p][lo:hi] for k in range(length)])
+              for lo, hi in bounds for length in range(1, p)]
+    return carries_blocks(calls, blocks, "a chunk reduced over the ranks before it in the ring")
 
 
 # ---- tasks 3 to 7: the all-reduces ------------------------------------------------------
@@ -346,13 +365,13 @@ def _rival(name: str, kind: str):
 
 
 TASKS = [
-    GradedTask(4, 1, "ring reduce-scatter", 3, lambda g: _judge_halves(g, True), ("ring_reduce_scatter",)),
-    GradedTask(4, 2, "ring all-gather", 3, lambda g: _judge_halves(g, False), ("ring_all_gather",)),
-    GradedTask(4, 3, "ring all-reduce", 5, _ring, ("ring_all_reduce",)),
-    GradedTask(4, 4, "pipelined ring", 4, _pipelined, ("pipelined_ring_all_reduce",)),
+    GradedTask(4, 1, "ring reduce-scatter", 3, lambda g: _judge_halves(g, True), ("ring_reduce_scatter",), routes=P2P),
+    GradedTask(4, 2, "ring all-gather", 3, lambda g: _judge_halves(g, False), ("ring_all_gather",), routes=P2P),
+    GradedTask(4, 3, "ring all-reduce", 5, _ring, ("ring_all_reduce",), routes=P2P),
+    GradedTask(4, 4, "pipelined ring", 4, _pipelined, ("pipelined_ring_all_reduce",), routes=P2P),
     GradedTask(4, 5, "recursive doubling", 3, _rival("recursive_doubling_all_reduce", "recursive doubling"),
-               ("recursive_doubling_all_reduce",)),
+               ("recursive_doubling_all_reduce",), routes=P2P),
     GradedTask(4, 6, "halving-doubling", 4, _rival("halving_doubling_all_reduce", "halving-doubling"),
-               ("halving_doubling_all_reduce",)),
-    GradedTask(4, 7, "binary tree", 3, _rival("tree_all_reduce", "tree"), ("tree_all_reduce",)),
+               ("halving_doubling_all_reduce",), routes=P2P),
+    GradedTask(4, 7, "binary tree", 3, _rival("tree_all_reduce", "tree"), ("tree_all_reduce",), routes=P2P),
 ]
