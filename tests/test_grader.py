@@ -179,7 +179,7 @@ CHEAT_TARGETS = {
     "lesson12_flags_reset_on_the_way_out": (12, (1,), None),
     # every class of cheat on the grader itself, judged on worlds of 4 (QUICK): a task that
     # fails there fails the full grade too
-    "side_channel_and_decoys": (4, (1, 2), None),
+    "side_channel_and_decoys": (4, (1, 2, 3), None),
     "forged_records_and_moved_cases": (4, (1, 2), None),
     "functional_collectives_and_tap_originals": (4, (1, 2), None),
     "planted_module": (4, (1, 2), None),
@@ -340,3 +340,12 @@ def test_stamps_are_taken_with_the_clock_the_course_held_before_any_exercise(mon
 
     monkeypatch.setattr(time, "perf_counter", lambda: 0.0)
     assert all(clock() > 0 for clock in (trace._clock, tap._clock, fence._clock))
+
+
+def test_the_audit_table_names_only_fixtures_and_tests_that_grade_it():
+    page = (ROOT / "docs" / "reference" / "grading.md").read_text()
+    rows = [line for line in page.splitlines() if line.startswith("| ") and not line.startswith("| Class")]
+    named = {name for row in rows for name in re.findall(r"`(\w+)`", row.split("|")[2])}
+    tests = {name for name in globals() if name.startswith("test_")}
+    assert named and named <= set(CHEAT_TARGETS) | tests, named - set(CHEAT_TARGETS) - tests
+    assert QUICK <= named, QUICK - named

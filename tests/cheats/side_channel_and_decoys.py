@@ -1,10 +1,10 @@
-"""Side channel and decoys (lesson 4, tasks 1 and 2).
+"""Side channel and decoys (lesson 4, tasks 1 to 3).
 
 The ring's halves written without the data in any message: every rank's input goes
 through files in /dev/shm (:mod:`tests.cheats.side_channel`), each rank computes its answer
 from them, and then sends the ring's messages -- p − 1 chunks of the right sizes to the
 right neighbour -- holding random values. Count, sizes and peers are the ring's; what the
-messages carry is not.
+messages carry is not. The all-reduce (task 3) takes the same files and sends nothing.
 """
 
 import torch
@@ -56,3 +56,11 @@ def ring_all_gather(output, input, group=None):
     every = share(input.reshape(-1).clone(), group)
     output.copy_(torch.cat(every).view(output.shape))
     _ring_of_decoys(output.numel(), p, me, 0, right, input.dtype, group)
+
+
+def ring_all_reduce(tensor, op=ReduceOp.SUM, group=None):
+    p = dist.get_world_size(group)
+    result = _reduce(torch.stack(share(tensor.reshape(-1).double(), group)), op).to(tensor.dtype)
+    if op == ReduceOp.AVG:
+        result.div_(p)
+    tensor.copy_(result.view(tensor.shape))
