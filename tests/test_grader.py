@@ -301,6 +301,7 @@ def probe_every_route(probe):
     errors = {name: probe.call(name, attempt).error for name, attempt in attempts.items()}
     sent = probe.call("messages", lambda: dist.send(t, 1) if probe.rank == 0 else dist.recv(t, 0))
     probe.call("behind the fence", lambda: fence._ORIGINAL["allreduce"](world._gloo, [t]).wait())
+    probe.call("a gloo group", lambda: dist.broadcast(t, 0, group=dist.new_group([0, 1], backend="gloo")))
     return errors, sent.error
 
 
@@ -316,8 +317,11 @@ def test_a_task_of_messages_offers_no_other_route_and_sees_the_backend_used_behi
         for route, error in errors.items():
             assert error.startswith("raised RuntimeError"), (rank, route, error)
     problems = run.problems()
-    assert any(p.startswith("rank 0: called allreduce, alltoall_base: this task allows") for p in problems), problems
-    assert any("operations behind the process group" in p for p in problems), problems
+    for rank in range(2):       # a group made with a backend of its own is seen by the recorder underneath
+        assert f"rank {rank}: called allreduce, alltoall_base, broadcast: this task allows recv, recv_anysource, " \
+               "send only" in problems, problems
+        assert f"rank {rank}: called the process group's backend directly (operations behind the process " \
+               "group)" in problems, problems
 
 
 def test_the_sealed_reader_admits_the_listed_course_classes_only():
@@ -349,3 +353,15 @@ def test_the_audit_table_names_only_fixtures_and_tests_that_grade_it():
     tests = {name for name in globals() if name.startswith("test_")}
     assert named and named <= set(CHEAT_TARGETS) | tests, named - set(CHEAT_TARGETS) - tests
     assert QUICK <= named, QUICK - named
+
+
+def test_verbose_adds_the_next_step_for_the_first_problem():
+    from collectives.course.grading.tasks import Verdict
+
+    task = tasks_of(4)[0]
+    routes = Verdict(["rank 0: called allreduce: this task allows recv, recv_anysource, send only"])
+    assert "next: build it from dist.send" in runner.task_line(task, routes, verbose=True)
+    assert "next:" not in runner.task_line(task, routes)
+    hang = Verdict(["the world hung in x (rank 0 waiting in recv from rank 1; rank 1 waiting in recv from rank 0): "
+                    "the ranks wait on each other in a cycle, rank 0 -> rank 1 -> rank 0"])
+    assert "post the receive before the send" in runner.task_line(task, hang, verbose=True)

@@ -76,7 +76,36 @@ def task_line(task: GradedTask, verdict: Verdict, verbose: bool = False) -> str:
     line = f"{head} FAIL: {verdict.first_line()}"
     if verbose and len(verdict.problems) > 1:
         line += "".join(f"\n  {p}" for p in verdict.problems)
+    if verbose:
+        hint = next_step(verdict)
+        line += f"\n  next: {hint}" if hint else ""
     return line
+
+
+NEXT_STEPS = (
+    ("not written yet", "write the function the line names; its docstring says what it takes, returns and "
+                        "which course functions it may call"),
+    ("this task allows", "build it from dist.send, dist.recv (isend, irecv, batch_isend_irecv) and the course's "
+                         "helpers: the library's collectives are not offered in this task's worlds"),
+    ("in a cycle", "each rank in the cycle waits for the next: post the receive before the send, or pair them "
+                   "(dist.batch_isend_irecv, ops.sendrecv)"),
+    ("the world hung", "the ranks named wait for messages no rank sends: compare each rank's sends with its "
+                       "peer's receives (sizes, order, peers)"),
+    ("did not carry", "send the block itself (a slice of the tensor you hold), not other data of the right size"),
+    ("elements, but at least", "the data must travel in the messages: a rank learns the others' data only "
+                               "from what it receives"),
+    ("not evidence", "write only the function asked for: the course's records are its own"),
+    ("changed the course's own code", "write only in your exercise file: the course's package is not yours"),
+    ("could not read what the ranks returned", "return what the docstring says: tensors, numbers, lists of them"),
+)
+"""What ``--verbose`` (``make check VERBOSE=1``) adds to a failing task: the next step for
+the first problem the verdict names, by what its text says."""
+
+
+def next_step(verdict: Verdict) -> str | None:
+    """The next step for a failing verdict's first problem (:data:`NEXT_STEPS`), or None."""
+    first = verdict.first_line()
+    return next((hint for words, hint in NEXT_STEPS if words in first), None)
 
 
 def _say(text: str) -> None:
