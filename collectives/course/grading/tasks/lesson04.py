@@ -264,7 +264,7 @@ def _ring_task_pattern(pipelined: bool):
 
 
 def _judge_all_reduce(grading: Grading, name: str, sizes, cases_for, pattern, *,
-                      counted=None, timed: bool = False) -> Verdict:
+                      counted=None, timed: bool = False, content=None) -> Verdict:
     verdict = Verdict()
     kwargs = {"pieces": PIECES} if name == "pipelined_ring_all_reduce" else None
     for size in grading.sizes(*sizes):
@@ -273,7 +273,8 @@ def _judge_all_reduce(grading: Grading, name: str, sizes, cases_for, pattern, *,
                             "timed" if timed and size >= 3 else None)
         timing = [r.get("timed") for r in run.results]
         run.results = [r["records"] for r in run.results]
-        judge_cases(run, cases, verdict, what=name, pattern=pattern)
+        judge_cases(run, cases, verdict, what=name, pattern=pattern if content is None else
+                    (lambda case, p, i, calls, run=run: pattern(case, p, i, calls) or content(run, case, i, calls)))
         if timed and size >= 3 and not verdict.problems and not verdict.not_written:
             verdict.add(_overlap_problem(timing, size))
         if counted is not None and not verdict.problems and not verdict.not_written:
@@ -303,6 +304,26 @@ def _overlap_problem(timing, p: int) -> str | None:
             return (f"pipelined_ring_all_reduce, world of {p}, rank {rank}: every reduce-scatter step waited "
                     "for all its pieces before sending the first piece on: nothing is pipelined")
     return None
+
+
+CONTENT_N = 4096     # calls up to this size have every message's content checked
+
+
+def _ring_content(run: Run, case: Case, i: int, calls) -> str | None:
+    """Each message of the ring carries a chunk reduced over a run of consecutive ranks ending
+    at the sender (the reduce-scatter) or a chunk of the result (the all-gather)."""
+    if case.numel > CONTENT_N or case.values != "int" or case.op == ReduceOp.PRODUCT \
+            or case.dtype in (torch.float16, torch.bfloat16):
+        return None
+    ranks = list(case.group) if case.group is not None else list(range(run.size))
+    p = len(ranks)
+    inputs = [verify.make_values(case, j, run.secrets[r]) for j, r in enumerate(ranks)]
+    bounds = chunk_bounds(case.numel, p)
+    base = ReduceOp.SUM if case.op == ReduceOp.AVG else case.op
+    result = expected_output(case, inputs)
+    blocks = [expected_output(Case(hi - lo, case.dtype, base), [inputs[(i - k) % p][lo:hi] for k in range(length)])
+              for lo, hi in bounds for length in range(1, p)] + [result[lo:hi] for lo, hi in bounds]
+    return carries_blocks(calls, blocks, "a chunk reduced over the ranks before it, or a chunk of the result")
 
 
 def _counted_ring(run: Run, rank: int, p: int) -> str | None:
@@ -350,7 +371,7 @@ def _rival_pattern(kind: str):
 
 def _ring(grading: Grading) -> Verdict:
     return _judge_all_reduce(grading, "ring_all_reduce", RING_SIZES, ring_cases, _ring_task_pattern(False),
-                             counted=_counted_ring)
+                             counted=_counted_ring, content=_ring_content)
 
 
 def _pipelined(grading: Grading) -> Verdict:
