@@ -14,6 +14,12 @@ student's code cannot edit it (:mod:`~collectives.course.grading.tasks.tap`). No
 a rank is trusted as a verdict. A task is judged on its own function and the earlier
 tasks' only, so a partial solution scores exactly its solved tasks.
 
+A task also says which routes its worlds offer (``routes``: :data:`P2P` for a task built
+from messages, :data:`ANY` where the library's collectives are the design): every call
+is recorded by the process group of a graded world (:mod:`~collectives.course.grading.
+tasks.fence`), and :func:`run_task` fails a task whose worlds recorded a call outside its
+routes, whatever its judge checks.
+
 The modules ``lessonNN`` hold each lesson's probes and judges.
 """
 

@@ -173,8 +173,10 @@ class Run:
         return self.calls[rank].get(key, [])
 
     def problems(self) -> list[str]:
-        """What no graded code may do, whatever the task: reach the store, the backend
-        under the process group, or cut its record short."""
+        """What no graded code may do, whatever the task: call outside the task's routes,
+        reach the store or the backend under the process group, cut its record short, forge
+        it, move a case's window, or write into the course's tree. :func:`~collectives.course.
+        grading.tasks.run_task` adds these to every task's verdict."""
         out = list(self.tampered)
         for rank in range(self.size):
             every = [c for calls in self.calls[rank].values() for c in calls] + self.loose[rank]
