@@ -177,11 +177,17 @@ def main(argv: list[str] | None = None) -> int:
                                 "exercises": folder or None, "impl": args.impl, "earned": 0, "total": None,
                                 "world": args.world, "error": what, "tasks": []})
                 code = 1
+            _write_json(args.json, records)      # after each folder: what was graded stays written
     finally:
-        if args.json:
-            with open(args.json, "w", encoding="utf-8") as f:
-                json.dump(records, f, indent=1, ensure_ascii=False)
+        _write_json(args.json, records)
     return code
+
+
+def _write_json(path: str, records: list[dict]) -> None:
+    if path:
+        with open(path + ".part", "w", encoding="utf-8") as f:
+            json.dump(records, f, indent=1, ensure_ascii=False)
+        os.replace(path + ".part", path)
 
 
 def _grade_one(args, records: list[dict], folder: str) -> int:
