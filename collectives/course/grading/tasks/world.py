@@ -123,10 +123,11 @@ def probe_rank(probe_target: str, spec: str, args: tuple, routes: frozenset | No
     return resolve(probe_target)(probe, *args)
 
 
-def tree_state(root: str = PACKAGE_DIR) -> dict[str, tuple[int, int]]:
-    """Every file and folder of the course's package: (size, modification time), by path.
-    Taken before and after each graded world: a rank that wrote, moved or removed anything
-    in the grader's own code is seen, whatever it wrote."""
+def tree_state(root: str = PACKAGE_DIR) -> dict[str, tuple[int, ...]]:
+    """Every file and folder of the course's package: (inode, size, modification time,
+    change time), by path -- the change time no process can set back. Taken before and
+    after each graded world: a rank that wrote, moved or removed anything in the grader's
+    own code is seen, whatever it wrote."""
     state = {}
     for folder, dirs, files in os.walk(root):
         for name in [folder] + [os.path.join(folder, f) for f in files]:
@@ -134,7 +135,7 @@ def tree_state(root: str = PACKAGE_DIR) -> dict[str, tuple[int, int]]:
                 st = os.stat(name)
             except OSError:
                 continue
-            state[name] = (st.st_size, st.st_mtime_ns)
+            state[name] = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     return state
 
 
