@@ -365,3 +365,26 @@ def test_verbose_adds_the_next_step_for_the_first_problem():
     hang = Verdict(["the world hung in x (rank 0 waiting in recv from rank 1; rank 1 waiting in recv from rank 0): "
                     "the ranks wait on each other in a cycle, rank 0 -> rank 1 -> rank 0"])
     assert "post the receive before the send" in runner.task_line(task, hang, verbose=True)
+
+
+def test_a_ring_message_must_carry_a_block_or_piece_of_the_ring_not_one_of_its_size():
+    import torch
+
+    from collectives.core.ops import chunk_bounds
+    from collectives.course import verify
+    from collectives.course.grading.tasks import lesson04
+    from collectives.course.grading.tasks.tap import Call, fingerprint
+    from collectives.course.grading.tasks.world import Run
+
+    p, case = 3, verify.Case(lesson04.PIPELINE_N)
+    run = Run(p, [11, 22, 33], [], [{}] * p, [[]] * p)
+    inputs = [verify.make_values(case, r, run.secrets[r]) for r in range(p)]
+    lo, hi = chunk_bounds(case.numel, p)[0]
+    piece = (inputs[0][lo:hi] + inputs[2][lo:hi])[: (hi - lo) // 2]      # rank 0 forwards half of chunk 0's partial
+
+    def send(values):
+        return Call("send", 1, values.numel(), "float32", 0.0, fingerprint(values), (0, 1, 2))
+    assert lesson04._pipelined_content(run, case, 0, [send(piece)]) is None
+    decoy = send(torch.randint(-100, 100, (piece.numel(),)).float())
+    problem = lesson04._pipelined_content(run, case, 0, [decoy])
+    assert "did not carry a chunk reduced over the ranks before it" in problem, problem

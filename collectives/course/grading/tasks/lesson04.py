@@ -309,9 +309,10 @@ def _overlap_problem(timing, p: int) -> str | None:
 CONTENT_N = 4096     # calls up to this size have every message's content checked
 
 
-def _ring_content(run: Run, case: Case, i: int, calls) -> str | None:
+def _ring_content(run: Run, case: Case, i: int, calls, pieces: int = 1) -> str | None:
     """Each message of the ring carries a chunk reduced over a run of consecutive ranks ending
-    at the sender (the reduce-scatter) or a chunk of the result (the all-gather)."""
+    at the sender (the reduce-scatter) or a chunk of the result (the all-gather); with
+    ``pieces``, one of the chunk's 1 to ``pieces`` nearly equal pieces."""
     if case.numel > CONTENT_N or case.values != "int" or case.op == ReduceOp.PRODUCT \
             or case.dtype in (torch.float16, torch.bfloat16):
         return None
@@ -323,7 +324,16 @@ def _ring_content(run: Run, case: Case, i: int, calls) -> str | None:
     result = expected_output(case, inputs)
     blocks = [expected_output(Case(hi - lo, case.dtype, base), [inputs[(i - k) % p][lo:hi] for k in range(length)])
               for lo, hi in bounds for length in range(1, p)] + [result[lo:hi] for lo, hi in bounds]
-    return carries_blocks(calls, blocks, "a chunk reduced over the ranks before it, or a chunk of the result")
+    blocks = [b[lo:hi] for b in blocks for k in range(1, pieces + 1) for lo, hi in chunk_bounds(b.numel(), k)]
+    return carries_blocks(calls, blocks, "a chunk reduced over the ranks before it, or a chunk of the result"
+                          + (" (or a piece of one)" if pieces > 1 else ""))
+
+
+def _pipelined_content(run: Run, case: Case, i: int, calls) -> str | None:
+    """The counted call's messages: pieces of the ring's chunks (:func:`_ring_content`)."""
+    if case.numel != PIPELINE_N or case.group is not None or case.op != ReduceOp.SUM:
+        return None
+    return _ring_content(run, case, i, calls, PIECES)
 
 
 def _counted_ring(run: Run, rank: int, p: int) -> str | None:
@@ -376,7 +386,8 @@ def _ring(grading: Grading) -> Verdict:
 
 def _pipelined(grading: Grading) -> Verdict:
     return _judge_all_reduce(grading, "pipelined_ring_all_reduce", RING_SIZES,
-                             lambda p: ring_cases(p, pipelined=True), _ring_task_pattern(True), timed=True)
+                             lambda p: ring_cases(p, pipelined=True), _ring_task_pattern(True), timed=True,
+                             content=_pipelined_content)
 
 
 def _rival(name: str, kind: str):
