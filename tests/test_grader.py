@@ -388,3 +388,14 @@ def test_a_ring_message_must_carry_a_block_or_piece_of_the_ring_not_one_of_its_s
     decoy = send(torch.randint(-100, 100, (piece.numel(),)).float())
     problem = lesson04._pipelined_content(run, case, 0, [decoy])
     assert "did not carry a chunk reduced over the ranks before it" in problem, problem
+
+
+def test_traffic_is_bounded_both_ways():
+    from collectives.course.grading.tasks.evidence import traffic_within
+    from collectives.course.grading.tasks.tap import Call
+
+    def sends(*sizes):
+        return [Call("send", 1, n, "float32", 0.0, 0.0, (0, 1)) for n in sizes]
+    assert traffic_within(sends(3, 3), 6, 6) is None
+    assert "at least 6 must leave this rank" in traffic_within(sends(3), 6, 6)
+    assert "more than the 6 this algorithm sends" in traffic_within(sends(3, 3, 12), 6, 6)

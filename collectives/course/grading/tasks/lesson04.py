@@ -26,7 +26,7 @@ from .allreduce import (
     probe_cases,
     ring_pattern,
 )
-from .evidence import carries_blocks
+from .evidence import carries_blocks, traffic_within
 from .world import Grading, Probe, Run, Verdict, outcome_problem, same
 
 HERE = __name__
@@ -168,7 +168,8 @@ def _p_minus_1_chunks(calls, n: int, p: int, right: int) -> str | None:
         return f"sent {len(sends)} messages, expected p − 1 = {p - 1}"
     if any(c.numel not in (n // p, -(-n // p)) for c in sends):
         return f"sent messages of {sorted({c.numel for c in sends})} elements, expected chunks of ⌊n/p⌋ or ⌈n/p⌉"
-    return None
+    # every chunk but one leaves the rank: n less one chunk, no fewer elements and no more
+    return traffic_within(calls, n - -(-n // p), n - n // p) if n >= p else None
 
 
 def _carried(calls, case, inputs: list[torch.Tensor], i: int, reduce: bool) -> str | None:
