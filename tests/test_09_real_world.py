@@ -347,3 +347,38 @@ def test_every_field_is_judged_and_a_failure_names_fields_seed_and_a_replay(tmp_
     replayed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                               env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert replayed.returncode == 0 and "Missing(group=" in replayed.stdout, replayed.stderr
+
+
+# ---- what the analyzer may claim -------------------------------------------------------------------
+
+def test_with_a_dump_missing_nothing_is_claimed_of_that_rank_and_the_finding_names_it():
+    from collectives.debugging import LAB
+
+    dumps = copy.deepcopy(dumps_for(LAB["straggler"]))       # 4 ranks; every rank waits in its last call
+    for d in dumps:
+        d["entries"][-1]["state"] = "started"
+    assert "the transport does not move" in diagnose(dumps)[0].text
+    found = diagnose([d for d in dumps if d["rank"] != 2])
+    missing = [f for f in found if f.kind == "missing dump"]
+    assert [f.ranks for f in missing] == [(2,)], found
+    stuck = next(f for f in found if f.kind == "stuck")
+    assert "every rank" not in stuck.text and "transport" not in stuck.text, stuck.text
+    assert "rank 2 left no dump, so whether it entered is not known" in stuck.text, stuck.text
+
+
+@pytest.mark.parametrize("spread_ms, reported", [(20, False), (1, True)])
+def test_a_straggler_stands_out_from_the_runs_own_noise(spread_ms, reported):
+    # rank 1 enters every collective of a healthy run 29 ms after the others: a straggler
+    # when the others enter together, noise when they are 20 ms apart themselves
+    from collectives.debugging.dumps import collective_entries, groups
+
+    dumps = copy.deepcopy(dumps_for(LAB_MORE["uneven"]))     # 3 ranks, 4 collectives of the world
+    world = next(g for g in groups(dumps) if len(g[1]) == 3)
+    calls = {d["rank"]: collective_entries(d, world) for d in dumps}
+    start = min(e["time_created_ns"] for c in calls.values() for e in c.values())
+    for seq in sorted(calls[0]):
+        t = start + seq * 10**9
+        for rank, offset in ((0, 0), (2, spread_ms), (1, spread_ms + 29)):
+            calls[rank][seq]["time_created_ns"] = t + offset * 10**6
+    stragglers = [f for f in diagnose(dumps) if f.kind == "straggler"]
+    assert [f.ranks for f in stragglers] == ([(1,)] if reported else []), stragglers

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import re
 import shutil
@@ -176,7 +177,17 @@ CHEAT_TARGETS = {
     "lesson11_library_all_to_all": (11, (1, 2, 3, 4, 5), None),
     "lesson12_all_reduce_in_disguise": (12, (2, 3), 1),
     "lesson12_flags_reset_on_the_way_out": (12, (1,), None),
+    # every class of cheat on the grader itself, judged on worlds of 4 (QUICK): a task that
+    # fails there fails the full grade too
+    "side_channel_and_decoys": (4, (1, 2, 3), None),
+    "forged_records_and_moved_cases": (4, (1, 2), None),
+    "functional_collectives_and_tap_originals": (4, (1, 2), None),
+    "planted_module": (4, (1, 2), None),
+    "lesson01_slowed_clock_and_foreign_answers": (1, (3, 4), None),
+    "patched_judge_at_import": (4, (1,), None),
 }
+QUICK = {"side_channel_and_decoys", "forged_records_and_moved_cases", "functional_collectives_and_tap_originals",
+         "planted_module", "lesson01_slowed_clock_and_foreign_answers", "patched_judge_at_import"}
 
 
 @pytest.mark.parametrize("name", CHEAT_TARGETS)
@@ -186,7 +197,7 @@ def test_every_cheat_scores_zero_on_its_tasks_and_a_hang_costs_only_its_task(nam
     shutil.copytree(ROOT / "lessons", student)
     shutil.copy(CHEATS / f"{name}.py", student / lesson(number).exercise.parent.name / "exercise.py")
     monkeypatch.setenv("COLLECTIVES_TIMEOUT", "10")
-    verdicts = _grader(number, exercises=student, tasks=sorted(targets))
+    verdicts = _grader(number, exercises=student, tasks=sorted(targets), world=PARTIAL_WORLD if name in QUICK else None)
     if control is not None:                  # the fixture leaves the reference's task whole (worlds of 4 show it)
         verdicts.update(_grader(number, exercises=student, tasks=[control], world=PARTIAL_WORLD))
     for task in targets:
@@ -198,7 +209,8 @@ def test_every_cheat_scores_zero_on_its_tasks_and_a_hang_costs_only_its_task(nam
 
 
 def test_every_cheat_fixture_is_listed():
-    on_disk = {p.stem for p in CHEATS.glob("*.py")} - {"__init__", "zeros", "avg_divides_the_whole_tensor"}
+    on_disk = {p.stem for p in CHEATS.glob("*.py")} - {"__init__", "zeros", "avg_divides_the_whole_tensor",
+                                                        "side_channel"}
     assert on_disk == set(CHEAT_TARGETS), on_disk ^ set(CHEAT_TARGETS)
 
 
@@ -211,3 +223,179 @@ def test_lesson_7_stages_written_with_library_collectives_pass(tmp_path):
     shutil.copy(ROOT / "tests" / "solutions" / "lesson07_library.py", student / "07_hierarchical" / "exercise.py")
     verdicts = _grader(7, exercises=student, tasks=[2, 3])
     assert verdicts[2][0] and verdicts[3][0], verdicts
+
+
+def test_a_judge_patched_at_import_fails_under_make_check_as_under_make_grade(tmp_path):
+    # the exercise run as a script hands over to a fresh interpreter before judging: what it
+    # patched in its own process at import judges nothing
+    student = tmp_path / "lessons"
+    shutil.copytree(ROOT / "lessons", student)
+    exercise = student / "04_ring" / "exercise.py"
+    shutil.copy(CHEATS / "patched_judge_at_import.py", exercise)
+    proc = subprocess.run([sys.executable, str(exercise), "--task", "1", "--world", "2"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env=ENV)
+    check = _parse(proc.stdout, proc.stderr)
+    assert not check[1][0] and "not written yet" in check[1][1] and proc.returncode == 1, proc.stdout
+    grade = _grader(4, exercises=student, tasks=[1], world=2)
+    assert not grade[1][0] and "not written yet" in grade[1][1], grade
+
+
+def test_a_class_run_grades_every_folder_and_writes_its_json_whatever_a_judge_meets(tmp_path, monkeypatch):
+    # a rank's record holding an object of the student's (unittest.mock.ANY) breaks a judge
+    # that reads it: that task scores 0 with a verdict, and the next folder is graded
+    import pickle
+    import unittest.mock
+
+    from collectives.core import channels
+    from collectives.course.grading.tasks import GradedTask, Verdict
+
+    def judge(grading):
+        if os.environ["COLLECTIVES_EXERCISE_DIR"].endswith("anything"):
+            channels.sealed_loads(pickle.dumps(unittest.mock.ANY)).reshape(-1)     # AttributeError
+        return Verdict()
+
+    monkeypatch.setattr(grading, "tasks_of", lambda number: [GradedTask(number, 1, "reads a record", 2, judge)])
+    folders = [tmp_path / "answers_anything", tmp_path / "honest"]
+    out = tmp_path / "class.json"
+    code = grading.main([a for f in folders for a in ("--exercises", str(f))] + ["--lesson", "04", "--json", str(out)])
+    records = json.loads(out.read_text())
+    assert code == 1 and [r["earned"] for r in records] == [0, 2], records
+    assert "could not read what the ranks returned (AttributeError" in records[0]["tasks"][0]["result"], records
+
+
+def test_a_hang_names_every_rank_s_wait_and_the_cycle():
+    from collectives.core.launch import WorldTimeout
+    from collectives.course.grading.tasks import hang_line
+
+    waits = {0: "waiting in recv from rank 2 (for 4.0 s), in ring_all_reduce (n=8)",
+             1: "waiting in recv from rank 0 (for 4.0 s), in ring_all_reduce (n=8)",
+             2: "waiting in send to rank 1 (for 4.0 s), in ring_all_reduce (n=8)", 3: "finished"}
+    line = hang_line(WorldTimeout(5, waits, {r: "ring_all_reduce (n=8)" for r in range(3)}), "task")
+    assert line.startswith("the world hung in ring_all_reduce (n=8) and was stopped after 5 s (")
+    for r in range(3):
+        assert f"rank {r} {waits[r].split(' (for')[0]}" in line, line
+    assert "rank 3" not in line.split("(", 2)[2].split("):")[0] and "rank 0 -> rank 2 -> rank 1 -> rank 0" in line, line
+
+
+def probe_every_route(probe):
+    """Every route to a collective in a world of 2 whose task allows messages only."""
+    import torch
+    import torch.distributed as dist
+
+    from collectives.course.grading.tasks import fence
+
+    t = torch.ones(4)
+    world = dist.group.WORLD
+    tap_wrapper = dist.ProcessGroup.allreduce
+    original = next(c.cell_contents for c in tap_wrapper.__closure__ if callable(c.cell_contents)
+                    and getattr(c.cell_contents, "__name__", "") == "allreduce")
+    attempts = {
+        "dist.all_reduce": lambda: dist.all_reduce(t),
+        "group.alltoall_base": lambda: world.alltoall_base(torch.empty(4), t, [], []).wait(),
+        "functional": lambda: torch.ops._c10d_functional.wait_tensor(
+            torch.ops._c10d_functional.all_reduce(t, "sum", world.group_name)),
+        "c10d operator": lambda: torch.ops.c10d.allreduce_([t], world, dist.ReduceOp.SUM, None, False, -1),
+        "the tap's original": lambda: original(world, [t]).wait(),
+        "a new group": lambda: dist.all_reduce(t, group=dist.new_group([0, 1])),
+    }
+    errors = {name: probe.call(name, attempt).error for name, attempt in attempts.items()}
+    sent = probe.call("messages", lambda: dist.send(t, 1) if probe.rank == 0 else dist.recv(t, 0))
+    probe.call("behind the fence", lambda: fence._ORIGINAL["allreduce"](world._gloo, [t]).wait())
+    probe.call("a gloo group", lambda: dist.broadcast(t, 0, group=dist.new_group([0, 1], backend="gloo")))
+    return errors, sent.error
+
+
+def test_a_task_of_messages_offers_no_other_route_and_sees_the_backend_used_behind_it():
+    from collectives.course.grading.tasks import P2P, Grading
+
+    grading = Grading("collectives.ring", timeout=60)
+    grading.routes = P2P
+    run = grading.world("tests.test_grader:probe_every_route", 2)
+    for rank in range(2):
+        errors, sent = run.results[rank]
+        assert not sent, sent
+        for route, error in errors.items():
+            assert error.startswith("raised RuntimeError"), (rank, route, error)
+    problems = run.problems()
+    for rank in range(2):       # a group made with a backend of its own is seen by the recorder underneath
+        assert f"rank {rank}: called allreduce, alltoall_base, broadcast: this task allows recv, recv_anysource, " \
+               "send only" in problems, problems
+        assert f"rank {rank}: called the process group's backend directly (operations behind the process " \
+               "group)" in problems, problems
+
+
+def test_the_sealed_reader_admits_the_listed_course_classes_only():
+    import pickle
+
+    from collectives.core import channels
+    from collectives.course.grading.tasks.tap import Call
+    from collectives.debugging.dumps import Missing
+
+    call = Call("send", 1, 4, "float32", 1.0, 2.0, (0, 1))
+    assert channels.sealed_loads(pickle.dumps(call)) == call
+    assert isinstance(channels.sealed_loads(pickle.dumps(Missing.__new__(Missing))), channels.Foreign)
+
+
+def test_stamps_are_taken_with_the_clock_the_course_held_before_any_exercise(monkeypatch):
+    import time
+
+    from collectives.core import trace
+    from collectives.course.grading.tasks import fence, tap
+
+    monkeypatch.setattr(time, "perf_counter", lambda: 0.0)
+    assert all(clock() > 0 for clock in (trace._clock, tap._clock, fence._clock))
+
+
+def test_the_audit_table_names_only_fixtures_and_tests_that_grade_it():
+    page = (ROOT / "docs" / "reference" / "grading.md").read_text()
+    rows = [line for line in page.splitlines() if line.startswith("| ") and not line.startswith("| Class")]
+    named = {name for row in rows for name in re.findall(r"`(\w+)`", row.split("|")[2])}
+    tests = {name for name in globals() if name.startswith("test_")}
+    assert named and named <= set(CHEAT_TARGETS) | tests, named - set(CHEAT_TARGETS) - tests
+    assert QUICK <= named, QUICK - named
+
+
+def test_verbose_adds_the_next_step_for_the_first_problem():
+    from collectives.course.grading.tasks import Verdict
+
+    task = tasks_of(4)[0]
+    routes = Verdict(["rank 0: called allreduce: this task allows recv, recv_anysource, send only"])
+    assert "next: build it from dist.send" in runner.task_line(task, routes, verbose=True)
+    assert "next:" not in runner.task_line(task, routes)
+    hang = Verdict(["the world hung in x (rank 0 waiting in recv from rank 1; rank 1 waiting in recv from rank 0): "
+                    "the ranks wait on each other in a cycle, rank 0 -> rank 1 -> rank 0"])
+    assert "post the receive before the send" in runner.task_line(task, hang, verbose=True)
+
+
+def test_a_ring_message_must_carry_a_block_or_piece_of_the_ring_not_one_of_its_size():
+    import torch
+
+    from collectives.core.ops import chunk_bounds
+    from collectives.course import verify
+    from collectives.course.grading.tasks import lesson04
+    from collectives.course.grading.tasks.tap import Call, fingerprint
+    from collectives.course.grading.tasks.world import Run
+
+    p, case = 3, verify.Case(lesson04.PIPELINE_N)
+    run = Run(p, [11, 22, 33], [], [{}] * p, [[]] * p)
+    inputs = [verify.make_values(case, r, run.secrets[r]) for r in range(p)]
+    lo, hi = chunk_bounds(case.numel, p)[0]
+    piece = (inputs[0][lo:hi] + inputs[2][lo:hi])[: (hi - lo) // 2]      # rank 0 forwards half of chunk 0's partial
+
+    def send(values):
+        return Call("send", 1, values.numel(), "float32", 0.0, fingerprint(values), (0, 1, 2))
+    assert lesson04._pipelined_content(run, case, 0, [send(piece)]) is None
+    decoy = send(torch.randint(-100, 100, (piece.numel(),)).float())
+    problem = lesson04._pipelined_content(run, case, 0, [decoy])
+    assert "did not carry a chunk reduced over the ranks before it" in problem, problem
+
+
+def test_traffic_is_bounded_both_ways():
+    from collectives.course.grading.tasks.evidence import traffic_within
+    from collectives.course.grading.tasks.tap import Call
+
+    def sends(*sizes):
+        return [Call("send", 1, n, "float32", 0.0, 0.0, (0, 1)) for n in sizes]
+    assert traffic_within(sends(3, 3), 6, 6) is None
+    assert "at least 6 must leave this rank" in traffic_within(sends(3), 6, 6)
+    assert "more than the 6 this algorithm sends" in traffic_within(sends(3, 3, 12), 6, 6)

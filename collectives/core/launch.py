@@ -139,11 +139,12 @@ class World:
     """What :func:`run_world` returns: each rank's result, secret and stream, rank 0 first."""
 
     def __init__(self, results: list[Any], secrets: list[int] | None, streams: list[list[Any]] | None,
-                 complete: list[bool] | None):
+                 complete: list[bool] | None, keys: list[bytes] | None = None):
         self.results = results
         self.secrets = secrets      # the number each rank read with channels.secret()
-        self.streams = streams      # what each rank sent with channels.send(), in order
+        self.streams = streams      # what each rank's stream carried, in order (channels.opened reads it)
         self.complete = complete    # whether every object a rank counted as sent arrived
+        self.keys = keys            # the key each rank's stream was signed with
 
 
 def run(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwargs: dict | None = None,
@@ -188,8 +189,9 @@ def run_world(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwa
             worlds); ``machines``, ``link``, ``burst`` and ``rails`` are then its own.
         secrets: give each rank a random number of its own, drawn after every rank was
             forked (:func:`collectives.core.channels.secret`); ``World.secrets`` holds them.
-        stream: let each rank send objects as it goes (:func:`collectives.core.channels.send`);
-            ``World.streams`` holds them, in order.
+        stream: let each rank send objects as it goes (:func:`collectives.core.channels.recorder`);
+            ``World.streams`` holds them, in order, signed (:func:`collectives.core.channels.opened`
+            reads them with ``World.keys``).
         flight_recorder: a directory: every rank records its calls there and dumps them
             (``rank<r>.json``) as the world ends, however it ends, with ``world.json``
             (default ``COLLECTIVES_FLIGHT_RECORDER``; see :mod:`collectives.core.flight_recorder`).
@@ -288,9 +290,10 @@ def run_world(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwa
             text = rankio.read_tail(path)
             if text:
                 sys.stderr.write(text)
-        return World(results, [int.from_bytes(v, "little") for v in drawn] if drawn else None,
+        return World(results, [channels.secret_of(v) for v in drawn] if drawn else None,
                      received if stream else None,
-                     [len(got) == n for got, n in zip(received, counts)] if stream else None)
+                     [len(got) == n for got, n in zip(received, counts)] if stream else None,
+                     [channels.key_of(v) for v in drawn] if drawn else None)
     finally:
         _end(procs)
         for c in list(conns) + list(streams) + [e for e in secret_ends if e is not None]:
@@ -366,7 +369,7 @@ def _collect(procs, conns, board, timeout, stderr_paths, streams=None, received=
                 if rank in by_rank and by_rank[rank] in open_streams:
                     # everything it sent before its result is in the pipe already
                     channels.drain(by_rank[rank], received[rank])
-            except pickle.UnpicklingError as exc:     # a graded rank sent what is not data
+            except (pickle.UnpicklingError, ValueError, TypeError) as exc:   # not data, or not a result
                 errors[rank] = (f"its result could not be read as data: {exc}", "", time.monotonic())
                 continue
             except (EOFError, OSError):

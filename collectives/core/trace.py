@@ -57,6 +57,7 @@ from .trace_events import (  # noqa: F401  (RECVS, step_table: part of this modu
 # Per-process state. One process is one rank, so module globals are per rank.
 
 _rank: int = -1
+_clock = time.perf_counter    # taken at import: code that patches time.perf_counter later moves no stamp
 _status = None           # the launcher's shared status slot for this rank, or None
 _recorders: list[Trace] = []   # open recording() blocks; every event goes to each
 _paused = 0
@@ -100,7 +101,7 @@ def _record(kind, peer, tensors, group, tag=0) -> Event | None:
     if _paused or not _recorders:
         return None
     numel, nbytes, dtype = _size(tensors)
-    event = Event(_seq, kind, _rank, peer, numel, nbytes, dtype, time.perf_counter(),
+    event = Event(_seq, kind, _rank, peer, numel, nbytes, dtype, _clock(),
                   None, _group_ranks(group), tag or 0, _label)
     _seq += 1
     for rec in _recorders:
@@ -165,7 +166,7 @@ class TracedWork:
         if ends:
             _tell(ends, "completed")
         if self._event is not None and self._event.t1 is None:
-            self._event.t1 = time.perf_counter()
+            self._event.t1 = _clock()
         return result
 
     def get_future(self):
@@ -241,7 +242,7 @@ def _wrap_p2p(kind: str, original):
                 _nested -= 1
                 _set_status("")
             if event is not None:
-                event.t1 = time.perf_counter()
+                event.t1 = _clock()
             return result
         work = _call(original, ends, False, tensor, *args, _named=what, **kwargs)
         return None if work is None else TracedWork(work, event, what, ends)
@@ -282,7 +283,7 @@ def _wrap_collective(kind: str, original):
             _nested -= 1
             _set_status("")
         if event is not None:
-            event.t1 = time.perf_counter()
+            event.t1 = _clock()
         return result
 
     wrapper.__collectives_traced__ = True

@@ -13,6 +13,7 @@ rank killed by gloo's abort is a consequence of the mismatch reported above it.
 from __future__ import annotations
 
 import re
+import statistics
 from dataclasses import dataclass
 
 from . import analyze
@@ -85,14 +86,14 @@ def find_dead(dumps: list[dict], world: dict | None = None, skipped=frozenset())
             continue
         info = said.get(str(rank)) or said.get(rank) or {}
         if info.get("dumped"):
-            found.append(Finding("missing dump", (), f"rank {rank}'s dump is not in the directory, though "
+            found.append(Finding("missing dump", (rank,), f"rank {rank}'s dump is not in the directory, though "
                                  f"world.json says it dumped ({info.get('end', 'its end unknown')}): it was "
                                  "deleted or not copied; its calls are unknown."))
         elif info:
             found.append(Finding("dead", (rank,), f"rank {rank} left no dump ({info.get('end', '?')}): it ended "
                                  "before it recorded anything."))
         else:
-            found.append(Finding("missing dump", (), f"rank {rank} left no dump: it ended before it recorded "
+            found.append(Finding("missing dump", (rank,), f"rank {rank} left no dump: it ended before it recorded "
                                  "anything, or its directory was not shared."))
     return found
 
@@ -134,6 +135,13 @@ def find_stuck(dumps: list[dict], explained: set[tuple]) -> list[Finding]:
         if (group[1], seq) in explained or any(last_seq(ranks[r], group) < seq for r in members):
             continue
         call = collective_entries(ranks[members[0]], group).get(seq) or stuck[0]
+        unknown = [r for r in group[1] if r not in ranks]
+        if unknown:           # what a rank without a dump did is not known: no claim about it
+            found.append(Finding("stuck", (), f"{_ranks_text(members)} of {group_name(group[1], p)} entered "
+                                 f"{describe(call)} and none completed it; {_ranks_text(unknown)} left no dump, so "
+                                 "whether it entered is not known: find its log or its dump first",
+                                 (where(call),), group[1], seq))
+            continue
         found.append(Finding("stuck", (), f"every rank of {group_name(group[1], p)} entered {describe(call)} "
                              "with the same arguments and none completed it: the ranks agree, the transport "
                              "does not move (a link, a frozen peer)", (where(call),), group[1], seq))
@@ -262,12 +270,36 @@ def diagnose(dumps: list[dict], world: dict | None = None, checks=analyze, skipp
         group = _group_at(dumps, s.group, s.worst_seq, [s.rank])
         if group is None:
             continue
+        noise = run_noise(ranks, group, s.rank)
+        if s.median_lag < NOISE_MARGIN * noise:
+            continue                 # late by no more than the punctual ranks differ among themselves
         late = collective_entries(ranks[s.rank], group)[s.worst_seq]
         findings.append(Finding("straggler", (s.rank,), f"rank {s.rank} entered {s.late_in} of {s.of} collectives "
                                 f"of {group_name(s.group, p)} last, keeping the others waiting "
-                                f"{s.median_lag * 1e3:.0f} ms (median; longest at #{s.worst_seq}, {where(late)}).",
+                                f"{s.median_lag * 1e3:.0f} ms (median; longest at #{s.worst_seq}, {where(late)}; "
+                                f"the others entered within {noise * 1e3:.0f} ms of each other).",
                                 (where(late),), s.group, s.worst_seq))
     return findings
+
+
+NOISE_MARGIN = 3
+"""A straggler's median lag is at least this many times the run's own noise (:func:`run_noise`)."""
+
+
+def run_noise(ranks: dict, group: tuple, straggler: int) -> float:
+    """The run's own noise in a group: the median, over the collectives every rank of it
+    entered (but #1), of the seconds between the first and the last of the *other* ranks
+    to enter. On a loaded machine ranks drift apart for no reason; a straggler stands out
+    from that, or it is not one."""
+    members = [r for r in group[1] if r in ranks]
+    calls = {r: collective_entries(ranks[r], group) for r in members}
+    common = sorted(set.intersection(*(set(c) for c in calls.values())) - {1}) if members else []
+    spreads = []
+    for seq in common:
+        times = sorted(calls[r][seq]["time_created_ns"] for r in members if r != straggler)
+        if len(times) > 1:
+            spreads.append((times[-1] - times[0]) / 1e9)
+    return statistics.median(spreads) if spreads else 0.0
 
 
 def report(findings: list[Finding], dumps: list[dict], notes: list[str] = ()) -> str:

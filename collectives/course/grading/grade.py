@@ -10,6 +10,10 @@ and fails.
 
 The grader's worlds run without check mode: the student's code never shares the store
 with the course's own checks, and a rank that reaches the store scores 0.
+
+A class run (``--exercises`` repeated) grades every folder whatever one of them does: a
+task whose judge cannot read what a rank returned scores 0 with a verdict, a folder that
+cannot be graded at all scores 0 with the reason, and ``--json`` is written in the end.
 """
 
 from __future__ import annotations
@@ -159,15 +163,31 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["COLLECTIVES_TIMEOUT"] = str(args.timeout)
     students = [os.path.abspath(d) for d in args.exercises] or [""]
     records, code = [], 0
-    for folder in students:
-        if folder:
-            os.environ["COLLECTIVES_EXERCISE_DIR"] = folder
-            print(f"== {folder}")
-        code = max(code, _grade_one(args, records, folder))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(records, f, indent=1, ensure_ascii=False)
+    try:
+        for folder in students:
+            if folder:
+                os.environ["COLLECTIVES_EXERCISE_DIR"] = folder
+                print(f"== {folder}")
+            try:
+                code = max(code, _grade_one(args, records, folder))
+            except Exception as exc:  # noqa: BLE001 - one folder never stops a class run
+                what = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+                print(f"SCORE 0 (this folder could not be graded: {what})")
+                records.append({"student": os.path.basename(folder) if folder else args.impl,
+                                "exercises": folder or None, "impl": args.impl, "earned": 0, "total": None,
+                                "world": args.world, "error": what, "tasks": []})
+                code = 1
+            _write_json(args.json, records)      # after each folder: what was graded stays written
+    finally:
+        _write_json(args.json, records)
     return code
+
+
+def _write_json(path: str, records: list[dict]) -> None:
+    if path:
+        with open(path + ".part", "w", encoding="utf-8") as f:
+            json.dump(records, f, indent=1, ensure_ascii=False)
+        os.replace(path + ".part", path)
 
 
 def _grade_one(args, records: list[dict], folder: str) -> int:

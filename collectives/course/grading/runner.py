@@ -14,6 +14,12 @@ sizes, ``--timeout S`` sets how long a world may run before it counts as hung,
 ``--verbose`` prints every problem, and ``--impl reference`` checks the reference
 solution instead. A task that hangs costs its own line, which says where it hung.
 
+The judging does not happen in the process that ran the exercise's module-level code: the
+script hands over at once to a fresh interpreter (``python -m
+collectives.course.grading.runner --check-lesson N --exercise FILE``), which imports the
+exercise only in its ranks, as ``make grade`` does. Whatever the exercise patches when it
+is imported reaches no verdict.
+
 Under ``.venv/bin/torchrun --nproc-per-node 4 lessons/NN_topic/exercise.py`` (and one
 torchrun per machine on the simulated cluster) the probes run in torchrun's world, the
 ranks meet each other's records through the rendezvous store, and rank 0 prints the same
@@ -70,7 +76,36 @@ def task_line(task: GradedTask, verdict: Verdict, verbose: bool = False) -> str:
     line = f"{head} FAIL: {verdict.first_line()}"
     if verbose and len(verdict.problems) > 1:
         line += "".join(f"\n  {p}" for p in verdict.problems)
+    if verbose:
+        hint = next_step(verdict)
+        line += f"\n  next: {hint}" if hint else ""
     return line
+
+
+NEXT_STEPS = (
+    ("not written yet", "write the function the line names; its docstring says what it takes, returns and "
+                        "which course functions it may call"),
+    ("this task allows", "build it from dist.send, dist.recv (isend, irecv, batch_isend_irecv) and the course's "
+                         "helpers: the library's collectives are not offered in this task's worlds"),
+    ("in a cycle", "each rank in the cycle waits for the next: post the receive before the send, or pair them "
+                   "(dist.batch_isend_irecv, ops.sendrecv)"),
+    ("the world hung", "the ranks named wait for messages no rank sends: compare each rank's sends with its "
+                       "peer's receives (sizes, order, peers)"),
+    ("did not carry", "send the block itself (a slice of the tensor you hold), not other data of the right size"),
+    ("elements, but at least", "the data must travel in the messages: a rank learns the others' data only "
+                               "from what it receives"),
+    ("not evidence", "write only the function asked for: the course's records are its own"),
+    ("changed the course's own code", "write only in your exercise file: the course's package is not yours"),
+    ("could not read what the ranks returned", "return what the docstring says: tensors, numbers, lists of them"),
+)
+"""What ``--verbose`` (``make check VERBOSE=1``) adds to a failing task: the next step for
+the first problem the verdict names, by what its text says."""
+
+
+def next_step(verdict: Verdict) -> str | None:
+    """The next step for a failing verdict's first problem (:data:`NEXT_STEPS`), or None."""
+    first = verdict.first_line()
+    return next((hint for words, hint in NEXT_STEPS if words in first), None)
 
 
 def _say(text: str) -> None:
@@ -79,10 +114,15 @@ def _say(text: str) -> None:
     sys.stdout.flush()
 
 
+_EXERCISE: dict[int, str] = {}      # lesson -> the exercise file run as a script (judged afresh)
+
+
 def exercise_spec(number: int, impl: str) -> str:
     """What the runner checks: the reference module, or the exercise file being run."""
     if impl == "reference":
         return lesson(number).module
+    if number in _EXERCISE:
+        return _EXERCISE[number]                  # the exercise file that was run, judged here afresh
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
     if path and path.endswith(".py") and getattr(main, "LESSON", None) == number:
@@ -130,6 +170,8 @@ def run_tasks(number: int, tasks=None, argv: list[str] | None = None) -> None:
     timeout = args.timeout if args.timeout is not None else world_timeout()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
         _under_torchrun(number, spec, args.task, timeout, args.verbose)
+    if _ran_as_script(number):
+        _judge_elsewhere(number, spec, sys.argv[1:] if argv is None else argv)
     passed = total = 0
     grading = Grading(spec, timeout=timeout, check=True, world_size=args.world, backend=WORLD_BACKENDS[args.backend])
     for task in _pick(tasks_of(number), args.task):
@@ -140,6 +182,26 @@ def run_tasks(number: int, tasks=None, argv: list[str] | None = None) -> None:
     print(f"lesson {number}: {passed} of {total} tasks pass"
           + ("" if passed == total or args.verbose else "  (--verbose for every problem)"))
     sys.exit(0 if passed == total else 1)
+
+
+def _ran_as_script(number: int) -> bool:
+    """True when this process is the exercise file run as a script: its module-level code
+    has run here, so nothing here is fit to judge it."""
+    main = sys.modules.get("__main__")
+    return getattr(main, "LESSON", None) == number and str(getattr(main, "__file__", "")).endswith(".py") \
+        and os.environ.get(_FRESH_ENV) != "1"
+
+
+_FRESH_ENV = "COLLECTIVES_FRESH_JUDGE"
+
+
+def _judge_elsewhere(number: int, spec: str, argv: list[str]) -> None:
+    """Judge in a fresh interpreter that never ran the exercise's module-level code (the
+    ranks import the exercise, as ``make grade``'s do), and end with its exit code: what
+    the exercise patches in this process when it is imported cannot reach the verdicts."""
+    sys.stdout.flush()
+    command = [sys.executable, "-m", __spec__.name, "--check-lesson", str(number), "--exercise", spec, *argv]
+    os.execve(sys.executable, command, {**os.environ, _FRESH_ENV: "1"})
 
 
 # In torchrun's world the checks run in the processes that run the student's code: they check,
@@ -288,7 +350,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--impl", choices=("exercise", "reference"), default=os.environ.get(IMPL_ENV, "exercise"))
     parser.add_argument("--world", type=int, default=4, help="ranks, when not started by torchrun")
     parser.add_argument("--timeout", type=float, default=None, help="seconds a world may wait before it is hung")
-    args = parser.parse_args(argv)
+    handed = argparse.ArgumentParser(add_help=False)      # an exercise run as a script (_judge_elsewhere)
+    handed.add_argument("--check-lesson", type=int, default=None)
+    handed.add_argument("--exercise", default=None)
+    over, rest = handed.parse_known_args(argv)
+    if over.check_lesson is not None:
+        os.environ[_FRESH_ENV] = "1"
+        _EXERCISE[over.check_lesson] = over.exercise
+        run_tasks(over.check_lesson, argv=rest)
+    args = parser.parse_args(rest)
     numbers = [int(n) for n in args.lesson] if args.lesson and not args.all else [item.number for item in LESSONS]
     timeout = args.timeout or world_timeout(60)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ...verify import SENTINEL
-from . import GradedTask
+from . import P2P, GradedTask
 from .allreduce import messages_only
 from .lesson01_messages import (
     _describe,
@@ -258,8 +258,8 @@ def _exchange_messages(calls, kinds, sent, rank, send_to, recv_from) -> str | No
 
 
 TASKS = [
-    GradedTask(1, 1, "pass_token with blocking send/recv", 2, _judge_pass_token, ("pass_token",)),
-    GradedTask(1, 2, "exchange with isend/irecv", 3, _judge_exchange, ("exchange",)),
-    GradedTask(1, 3, "ping_pong round trips", 2, judge_ping_pong, ("ping_pong",)),
-    GradedTask(1, 4, "measure_alpha_beta", 3, judge_measure, ("measure_alpha_beta",)),
+    GradedTask(1, 1, "pass_token with blocking send/recv", 2, _judge_pass_token, ("pass_token",), routes=P2P),
+    GradedTask(1, 2, "exchange with isend/irecv", 3, _judge_exchange, ("exchange",), routes=P2P),
+    GradedTask(1, 3, "ping_pong round trips", 2, judge_ping_pong, ("ping_pong",), routes=P2P),
+    GradedTask(1, 4, "measure_alpha_beta", 3, judge_measure, ("measure_alpha_beta",), routes=P2P | {"broadcast"}),
 ]

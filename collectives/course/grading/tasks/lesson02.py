@@ -17,7 +17,7 @@ import torch
 from ....core.ops import ReduceOp
 from ... import verify
 from ...verify import ALL_DTYPES, SENTINEL, Case
-from . import GradedTask
+from . import P2P, GradedTask
 from .allreduce import expected_output, judge_cases, judge_expanded, messages_only, probe_cases
 from .lesson01_messages import holds, refused
 from .tap import Call
@@ -325,12 +325,12 @@ def _task(name: str):
 
 
 TASKS = [
-    GradedTask(2, 1, "broadcast (linear)", 2, _task("broadcast"), ("broadcast",)),
-    GradedTask(2, 2, "reduce (linear, five ops)", 3, _task("reduce"), ("reduce",)),
-    GradedTask(2, 3, "scatter", 2, _task("scatter"), ("scatter",)),
-    GradedTask(2, 4, "gather", 2, _task("gather"), ("gather",)),
-    GradedTask(2, 5, "all_gather", 2, _task("all_gather"), ("all_gather",)),
+    GradedTask(2, 1, "broadcast (linear)", 2, _task("broadcast"), ("broadcast",), routes=P2P),
+    GradedTask(2, 2, "reduce (linear, five ops)", 3, _task("reduce"), ("reduce",), routes=P2P),
+    GradedTask(2, 3, "scatter", 2, _task("scatter"), ("scatter",), routes=P2P),
+    GradedTask(2, 4, "gather", 2, _task("gather"), ("gather",), routes=P2P),
+    GradedTask(2, 5, "all_gather", 2, _task("all_gather"), ("all_gather",), routes=P2P),
     GradedTask(2, 6, "all-reduce = reduce + broadcast", 2, _judge_reduce_broadcast,
-               ("all_reduce_via_reduce_broadcast",)),
-    GradedTask(2, 7, "broadcast along a binomial tree", 2, _task("tree_broadcast"), ("tree_broadcast",)),
+               ("all_reduce_via_reduce_broadcast",), routes=P2P),
+    GradedTask(2, 7, "broadcast along a binomial tree", 2, _task("tree_broadcast"), ("tree_broadcast",), routes=P2P),
 ]

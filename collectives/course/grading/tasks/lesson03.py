@@ -18,7 +18,7 @@ import torch
 from ....core.ops import ReduceOp
 from ... import verify
 from ...verify import Case
-from . import GradedTask
+from . import P2P, GradedTask
 from .allreduce import judge_cases, judge_expanded, messages_only, probe_cases
 from .lesson01_messages import fingerprint_of
 from .world import Grading, Probe, Verdict
@@ -102,7 +102,7 @@ def _judge(task: int):
 
 
 TASKS = [
-    GradedTask(3, 1, "the ring loop (SUM, contiguous tensors)", 4, _judge(1), (NAME,)),
-    GradedTask(3, 2, "every op and dtype", 3, _judge(2), (NAME,)),
-    GradedTask(3, 3, "views, subgroups, tiny tensors, bad input", 3, _judge(3), (NAME,)),
+    GradedTask(3, 1, "the ring loop (SUM, contiguous tensors)", 4, _judge(1), (NAME,), routes=P2P),
+    GradedTask(3, 2, "every op and dtype", 3, _judge(2), (NAME,), routes=P2P),
+    GradedTask(3, 3, "views, subgroups, tiny tensors, bad input", 3, _judge(3), (NAME,), routes=P2P),
 ]

@@ -16,7 +16,7 @@ from ....core import trace
 from ....core.ops import ReduceOp, chunk_bounds
 from ... import verify
 from ...verify import Case
-from . import GradedTask
+from . import P2P, GradedTask
 from .allreduce import (
     carried_result,
     expected_output,
@@ -26,6 +26,7 @@ from .allreduce import (
     probe_cases,
     ring_pattern,
 )
+from .evidence import carries_blocks, traffic_within
 from .world import Grading, Probe, Run, Verdict, outcome_problem, same
 
 HERE = __name__
@@ -145,6 +146,8 @@ def _judge_halves(grading: Grading, reduce: bool) -> Verdict:
                     problem = "modified its input"
                 if problem is None:
                     problem = _p_minus_1_chunks(run.of(r, _key(case)), numel, p, ranks[(i + 1) % p])
+                if problem is None:
+                    problem = _carried(run.of(r, _key(case)), case, inputs, i, reduce)
                 verdict.add(problem and f"{where}: {problem}")
         if verdict.not_written or len(verdict.problems) > 20:
             break
@@ -165,7 +168,24 @@ def _p_minus_1_chunks(calls, n: int, p: int, right: int) -> str | None:
         return f"sent {len(sends)} messages, expected p − 1 = {p - 1}"
     if any(c.numel not in (n // p, -(-n // p)) for c in sends):
         return f"sent messages of {sorted({c.numel for c in sends})} elements, expected chunks of ⌊n/p⌋ or ⌈n/p⌉"
-    return None
+    # every chunk but one leaves the rank: n less one chunk, no fewer elements and no more
+    return traffic_within(calls, n - -(-n // p), n - n // p) if n >= p else None
+
+
+def _carried(calls, case, inputs: list[torch.Tensor], i: int, reduce: bool) -> str | None:
+    """Each message carries a block of the ring's: a chunk of an input (the all-gather), or a
+    chunk reduced over a run of consecutive ranks ending at the sender (the reduce-scatter)."""
+    numel, dtype, op, *_ = case
+    p = len(inputs)
+    bounds = chunk_bounds(numel, p)
+    if not reduce:
+        return carries_blocks(calls, [x[lo:hi] for x, (lo, hi) in zip(inputs, bounds)], "a chunk of the inputs")
+    if op == ReduceOp.PRODUCT or dtype in (torch.float16, torch.bfloat16):
+        return None                       # partial products and half sums round by order: not compared
+    base = ReduceOp.SUM if op == ReduceOp.AVG else op
+    blocks = [expected_output(Case(hi - lo, dtype, base), [inputs[(i - k) % p][lo:hi] for k in range(length)])
+              for lo, hi in bounds for length in range(1, p)]
+    return carries_blocks(calls, blocks, "a chunk reduced over the ranks before it in the ring")
 
 
 # ---- tasks 3 to 7: the all-reduces ------------------------------------------------------
@@ -245,7 +265,7 @@ def _ring_task_pattern(pipelined: bool):
 
 
 def _judge_all_reduce(grading: Grading, name: str, sizes, cases_for, pattern, *,
-                      counted=None, timed: bool = False) -> Verdict:
+                      counted=None, timed: bool = False, content=None) -> Verdict:
     verdict = Verdict()
     kwargs = {"pieces": PIECES} if name == "pipelined_ring_all_reduce" else None
     for size in grading.sizes(*sizes):
@@ -254,7 +274,8 @@ def _judge_all_reduce(grading: Grading, name: str, sizes, cases_for, pattern, *,
                             "timed" if timed and size >= 3 else None)
         timing = [r.get("timed") for r in run.results]
         run.results = [r["records"] for r in run.results]
-        judge_cases(run, cases, verdict, what=name, pattern=pattern)
+        judge_cases(run, cases, verdict, what=name, pattern=pattern if content is None else
+                    (lambda case, p, i, calls, run=run: pattern(case, p, i, calls) or content(run, case, i, calls)))
         if timed and size >= 3 and not verdict.problems and not verdict.not_written:
             verdict.add(_overlap_problem(timing, size))
         if counted is not None and not verdict.problems and not verdict.not_written:
@@ -284,6 +305,36 @@ def _overlap_problem(timing, p: int) -> str | None:
             return (f"pipelined_ring_all_reduce, world of {p}, rank {rank}: every reduce-scatter step waited "
                     "for all its pieces before sending the first piece on: nothing is pipelined")
     return None
+
+
+CONTENT_N = 4096     # calls up to this size have every message's content checked
+
+
+def _ring_content(run: Run, case: Case, i: int, calls, pieces: int = 1) -> str | None:
+    """Each message of the ring carries a chunk reduced over a run of consecutive ranks ending
+    at the sender (the reduce-scatter) or a chunk of the result (the all-gather); with
+    ``pieces``, one of the chunk's 1 to ``pieces`` nearly equal pieces."""
+    if case.numel > CONTENT_N or case.values != "int" or case.op == ReduceOp.PRODUCT \
+            or case.dtype in (torch.float16, torch.bfloat16):
+        return None
+    ranks = list(case.group) if case.group is not None else list(range(run.size))
+    p = len(ranks)
+    inputs = [verify.make_values(case, j, run.secrets[r]) for j, r in enumerate(ranks)]
+    bounds = chunk_bounds(case.numel, p)
+    base = ReduceOp.SUM if case.op == ReduceOp.AVG else case.op
+    result = expected_output(case, inputs)
+    blocks = [expected_output(Case(hi - lo, case.dtype, base), [inputs[(i - k) % p][lo:hi] for k in range(length)])
+              for lo, hi in bounds for length in range(1, p)] + [result[lo:hi] for lo, hi in bounds]
+    blocks = [b[lo:hi] for b in blocks for k in range(1, pieces + 1) for lo, hi in chunk_bounds(b.numel(), k)]
+    return carries_blocks(calls, blocks, "a chunk reduced over the ranks before it, or a chunk of the result"
+                          + (" (or a piece of one)" if pieces > 1 else ""))
+
+
+def _pipelined_content(run: Run, case: Case, i: int, calls) -> str | None:
+    """The counted call's messages: pieces of the ring's chunks (:func:`_ring_content`)."""
+    if case.numel != PIPELINE_N or case.group is not None or case.op != ReduceOp.SUM:
+        return None
+    return _ring_content(run, case, i, calls, PIECES)
 
 
 def _counted_ring(run: Run, rank: int, p: int) -> str | None:
@@ -331,12 +382,13 @@ def _rival_pattern(kind: str):
 
 def _ring(grading: Grading) -> Verdict:
     return _judge_all_reduce(grading, "ring_all_reduce", RING_SIZES, ring_cases, _ring_task_pattern(False),
-                             counted=_counted_ring)
+                             counted=_counted_ring, content=_ring_content)
 
 
 def _pipelined(grading: Grading) -> Verdict:
     return _judge_all_reduce(grading, "pipelined_ring_all_reduce", RING_SIZES,
-                             lambda p: ring_cases(p, pipelined=True), _ring_task_pattern(True), timed=True)
+                             lambda p: ring_cases(p, pipelined=True), _ring_task_pattern(True), timed=True,
+                             content=_pipelined_content)
 
 
 def _rival(name: str, kind: str):
@@ -346,13 +398,13 @@ def _rival(name: str, kind: str):
 
 
 TASKS = [
-    GradedTask(4, 1, "ring reduce-scatter", 3, lambda g: _judge_halves(g, True), ("ring_reduce_scatter",)),
-    GradedTask(4, 2, "ring all-gather", 3, lambda g: _judge_halves(g, False), ("ring_all_gather",)),
-    GradedTask(4, 3, "ring all-reduce", 5, _ring, ("ring_all_reduce",)),
-    GradedTask(4, 4, "pipelined ring", 4, _pipelined, ("pipelined_ring_all_reduce",)),
+    GradedTask(4, 1, "ring reduce-scatter", 3, lambda g: _judge_halves(g, True), ("ring_reduce_scatter",), routes=P2P),
+    GradedTask(4, 2, "ring all-gather", 3, lambda g: _judge_halves(g, False), ("ring_all_gather",), routes=P2P),
+    GradedTask(4, 3, "ring all-reduce", 5, _ring, ("ring_all_reduce",), routes=P2P),
+    GradedTask(4, 4, "pipelined ring", 4, _pipelined, ("pipelined_ring_all_reduce",), routes=P2P),
     GradedTask(4, 5, "recursive doubling", 3, _rival("recursive_doubling_all_reduce", "recursive doubling"),
-               ("recursive_doubling_all_reduce",)),
+               ("recursive_doubling_all_reduce",), routes=P2P),
     GradedTask(4, 6, "halving-doubling", 4, _rival("halving_doubling_all_reduce", "halving-doubling"),
-               ("halving_doubling_all_reduce",)),
-    GradedTask(4, 7, "binary tree", 3, _rival("tree_all_reduce", "tree"), ("tree_all_reduce",)),
+               ("halving_doubling_all_reduce",), routes=P2P),
+    GradedTask(4, 7, "binary tree", 3, _rival("tree_all_reduce", "tree"), ("tree_all_reduce",), routes=P2P),
 ]

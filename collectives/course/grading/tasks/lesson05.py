@@ -18,7 +18,7 @@ from .... import fused as reference  # imported here, before the ranks fork: the
 from ....core.ops import ReduceOp, op_name
 from ... import verify
 from ...verify import Case
-from . import GradedTask
+from . import ANY, P2P, GradedTask
 from .allreduce import expected_output
 from .lesson05_all_reduce import judge_fused, judge_reducer
 from .lesson05_inputs import (
@@ -395,9 +395,11 @@ def _slots_problem(where: str, got, expected, buffer) -> str | None:
 
 
 TASKS = [
-    GradedTask(5, 1, "plan_layout: buckets by dtype, flush on overflow", 4, _judge_plan, ("plan_layout",)),
-    GradedTask(5, 2, "copy_in and flush", 4, _judge_copies, ("copy_in", "flush")),
-    GradedTask(5, 3, "slot_views and copy_back", 3, _judge_slots, ("slot_views", "copy_back")),
-    GradedTask(5, 4, "fused_all_reduce: the complete fused all-reduce", 5, judge_fused, ("fused_all_reduce",)),
-    GradedTask(5, 5, "FusedAllReducer: cached layout, double buffering", 4, judge_reducer, ("FusedAllReducer",)),
+    GradedTask(5, 1, "plan_layout: buckets by dtype, flush on overflow", 4, _judge_plan, ("plan_layout",), routes=P2P),
+    GradedTask(5, 2, "copy_in and flush", 4, _judge_copies, ("copy_in", "flush"), routes=ANY),
+    GradedTask(5, 3, "slot_views and copy_back", 3, _judge_slots, ("slot_views", "copy_back"), routes=P2P),
+    GradedTask(5, 4, "fused_all_reduce: the complete fused all-reduce", 5, judge_fused, ("fused_all_reduce",),
+               routes=ANY),
+    GradedTask(5, 5, "FusedAllReducer: cached layout, double buffering", 4, judge_reducer, ("FusedAllReducer",),
+               routes=ANY),
 ]

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from . import GradedTask
+from . import ANY, P2P, GradedTask
 from .lesson08_contract import judge_contract
 from .lesson08_dgc import judge_dgc
 from .lesson08_hook import judge_async
@@ -273,10 +273,13 @@ def _judge_split(grading: Grading) -> Verdict:
 
 
 TASKS = [
-    GradedTask(8, 1, "selection: threshold and top-k", 4, _judge_selection, ("threshold_indices", "topk_indices")),
-    GradedTask(8, 2, "all-gather of (index, value) pairs", 5, _judge_allgather, ("pack_pairs", "allgather_sum_")),
-    GradedTask(8, 3, "sparse_all_reduce: the contract", 5, _judge_contract3, ("sparse_all_reduce",)),
-    GradedTask(8, 4, "split: sparse reduce-scatter, densify", 6, _judge_split, ("split_sum_",)),
-    GradedTask(8, 5, "DDP communication hook", 5, judge_async, ("sparse_all_reduce_async", "sparse_hook_async")),
-    GradedTask(8, 6, "DGC's corrections", 4, judge_dgc, ("topk_per_segment", "DGCState.start_")),
+    GradedTask(8, 1, "selection: threshold and top-k", 4, _judge_selection, ("threshold_indices", "topk_indices"),
+               routes=P2P),
+    GradedTask(8, 2, "all-gather of (index, value) pairs", 5, _judge_allgather, ("pack_pairs", "allgather_sum_"),
+               routes=ANY),
+    GradedTask(8, 3, "sparse_all_reduce: the contract", 5, _judge_contract3, ("sparse_all_reduce",), routes=ANY),
+    GradedTask(8, 4, "split: sparse reduce-scatter, densify", 6, _judge_split, ("split_sum_",), routes=ANY),
+    GradedTask(8, 5, "DDP communication hook", 5, judge_async, ("sparse_all_reduce_async", "sparse_hook_async"),
+               routes=ANY),
+    GradedTask(8, 6, "DGC's corrections", 4, judge_dgc, ("topk_per_segment", "DGCState.start_"), routes=ANY),
 ]

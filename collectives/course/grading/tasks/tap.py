@@ -11,8 +11,11 @@ what students and lessons read; code can step round it (``trace.paused()``, or c
 
 It is installed in a graded rank before the student's module is imported and never
 switched off. Each call is written at once to the rank's stream to the grading process
-(:func:`collectives.core.channels.send`), so what was recorded cannot be edited or
-withdrawn afterwards: a rank can add to its record, not take from it.
+(the signed sender of :func:`collectives.core.channels.recorder`), so what was recorded
+cannot be edited or withdrawn afterwards, and what the rank writes there by other means is
+read as forged. In the grader's own worlds the process group is the fence
+(:mod:`~collectives.course.grading.tasks.fence`), which records the group's calls itself;
+the tap then sees the gloo backend under it and the store.
 """
 
 from __future__ import annotations
@@ -117,20 +120,8 @@ class Tap:
         self.wrapped[(cls, name)] = wrapper
 
     def _pg_call(self, name, pg, args) -> None:
-        at = _clock()
-        flat = _tensors(args[0]) if args else []
-        numel = sum(t.numel() for t in flat)
-        dtype = str(flat[0].dtype).replace("torch.", "") if flat else ""
-        ranks = _group_ranks(pg)
-        peer, weight, print_ = None, 0.0, 0.0
-        if name in SENDS or name == "recv":
-            local = args[1] if len(args) > 1 else None
-            peer = ranks[local] if ranks and isinstance(local, int) and 0 <= local < len(ranks) else local
-        if name in SENDS and flat:
-            weight = float(sum(t.detach().to("cpu", torch.float64).abs().nan_to_num().sum() for t in flat))
-            print_ = sum(fingerprint(t) for t in flat)
         kind = "send" if name in SENDS else "recv" if name in RECVS else name
-        self.sink(Call(kind, peer, numel, dtype, weight, print_, ranks, "", at))
+        self.sink(record_call(kind, pg, args, _clock(), name in ("send", "recv")))
 
     def _backend_call(self, name, backend, args) -> None:
         flat = _tensors(args[0]) if args else []
@@ -141,6 +132,25 @@ class Tap:
         if caller.startswith(_TORCH_DIR):
             return                     # torch's own bookkeeping (new_group, init)
         self.sink(Call(f"store.{name}", None, 0, "", 0.0, 0.0, (), caller))
+
+
+def record_call(kind: str, pg, args: tuple, at: float, has_peer: bool) -> Call:
+    """The record of one call that reached process group ``pg`` (``kind``: "send", "recv" or
+    the collective's name) with ``args``, at time ``at``: its size and dtype, its peer's
+    global rank (``has_peer``: ``args[1]`` is the peer's rank in the group), and for a send
+    what it carried (weight and fingerprint)."""
+    flat = _tensors(args[0]) if args else []
+    numel = sum(t.numel() for t in flat)
+    dtype = str(flat[0].dtype).replace("torch.", "") if flat else ""
+    ranks = _group_ranks(pg)
+    peer, weight, print_ = None, 0.0, 0.0
+    if has_peer:
+        local = args[1] if len(args) > 1 else None
+        peer = ranks[local] if ranks and isinstance(local, int) and 0 <= local < len(ranks) else local
+    if kind == "send" and flat:
+        weight = float(sum(t.detach().to("cpu", torch.float64).abs().nan_to_num().sum() for t in flat))
+        print_ = sum(fingerprint(t) for t in flat)
+    return Call(kind, peer, numel, dtype, weight, print_, ranks, "", at)
 
 
 _installed: Tap | None = None

@@ -42,10 +42,12 @@ import torch.distributed as dist
 from ....core import channels, launch, trace
 from ... import verify
 from ...impl import resolve
+from . import fence
 from . import tap as _tap
 from .tap import Call
 
 CORE_DIR = os.sep + os.path.join("collectives", "core") + os.sep
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 # ---- the rank's half -------------------------------------------------------------------
@@ -99,6 +101,7 @@ class Probe:
             first = str(exc).splitlines()[0] if str(exc) else ""
             return Outcome(None, f"raised {type(exc).__name__}: {first}{verify.where_raised(exc)}")
         finally:
+            fence.audit()
             self._sink(("end", key))
 
 
@@ -106,11 +109,45 @@ def seed_of(secret: int, key: str) -> int:
     return zlib.crc32(f"{secret}|{key}".encode()) | (secret & 0xFFFF_FFFF) << 32
 
 
-def probe_rank(probe_target: str, spec: str, args: tuple) -> Any:
-    """A graded world's rank: the tap first, then the probe (``"module:function"``)."""
-    _tap.install(channels.send)
-    probe = Probe(spec, channels.secret(), channels.send)
+def probe_rank(probe_target: str, spec: str, args: tuple, routes: frozenset | None = None) -> Any:
+    """A graded world's rank: the signed recorder, the tap and the fence first (the routes
+    the task offers), then the probe (``"module:function"``). The rank writes no bytecode:
+    nothing it does may change the course's tree (:func:`tree_state`)."""
+    import sys
+
+    sys.dont_write_bytecode = True
+    send = channels.recorder()
+    _tap.install(send)
+    fence.configure(send, routes)
+    probe = Probe(spec, channels.secret(), send)
     return resolve(probe_target)(probe, *args)
+
+
+def tree_state(root: str = PACKAGE_DIR) -> dict[str, tuple[int, ...]]:
+    """Every file and folder of the course's package: (inode, size, modification time,
+    change time), by path -- the change time no process can set back. Taken before and
+    after each graded world: a rank that wrote, moved or removed anything in the grader's
+    own code is seen, whatever it wrote."""
+    state = {}
+    for folder, dirs, files in os.walk(root):
+        for name in [folder] + [os.path.join(folder, f) for f in files]:
+            try:
+                st = os.stat(name)
+            except OSError:
+                continue
+            state[name] = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    return state
+
+
+def tree_changes(before: dict, after: dict) -> list[str]:
+    """What changed between two states of the tree (:func:`tree_state`), as paths from the
+    repository root; a file that was not there before is removed again, so that nothing a
+    rank wrote is run."""
+    changed = sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
+    for path in changed:
+        if path not in before and os.path.isfile(path):
+            os.remove(path)
+    return [os.path.relpath(p, os.path.dirname(PACKAGE_DIR)) for p in changed]
 
 
 # ---- the grading process's half -------------------------------------------------------
@@ -127,6 +164,8 @@ class Run:
     complete: list[bool] = field(default_factory=list)
     check_traffic: bool = False                  # check mode's store calls are the course's own
     notes: list[list[Any]] = field(default_factory=list)   # per rank: the probe's notes (Probe.note)
+    routes: frozenset | None = None              # what the task offers (fence.P2P, ...; None: every route)
+    tampered: list[str] = field(default_factory=list)      # forged records, moved cases, files written
 
     def seed(self, rank: int, key: str) -> int:
         return seed_of(self.secrets[rank], key)
@@ -135,13 +174,19 @@ class Run:
         return self.calls[rank].get(key, [])
 
     def problems(self) -> list[str]:
-        """What no graded code may do, whatever the task: reach the store, the backend
-        under the process group, or cut its record short."""
-        out = []
+        """What no graded code may do, whatever the task: call outside the task's routes,
+        reach the store or the backend under the process group, cut its record short, forge
+        it, move a case's window, or write into the course's tree. :func:`~collectives.course.
+        grading.tasks.run_task` adds these to every task's verdict."""
+        out = list(self.tampered)
         for rank in range(self.size):
+            every = [c for calls in self.calls[rank].values() for c in calls] + self.loose[rank]
+            outside = fence.outside_routes([c.kind for c in every], self.routes)
+            if outside:
+                out.append(f"rank {rank}: called {', '.join(outside)}: this task allows "
+                           f"{', '.join(sorted(self.routes or ()))} only")
             if self.complete and not self.complete[rank]:
                 out.append(f"rank {rank}: its record of calls was cut short (the stream was closed or replaced)")
-            every = [c for calls in self.calls[rank].values() for c in calls] + self.loose[rank]
             for c in every:
                 if c.kind.startswith("store."):
                     if self.check_traffic and CORE_DIR in c.caller:
@@ -155,24 +200,55 @@ class Run:
         return out
 
 
-def _split(stream: list[Any]) -> tuple[dict[str, list[Call]], list[Call], list[Any]]:
+def _split(stream: list[Any], tampered: list[str] | None = None,
+           rank: int = 0) -> tuple[dict[str, list[Call]], list[Call], list[Any]]:
     """The calls by case, the calls outside every case, and the probe's notes: ``("note", x)``
-    items sent before the first case (before any of the student's code ran)."""
+    items sent before the first case (before any of the student's code ran). What is not
+    the course's record -- a forged object, a malformed call, a case opened twice or closed
+    out of turn (its window moved) -- goes to ``tampered``, named."""
+    tampered = [] if tampered is None else tampered
     calls: dict[str, list[Call]] = {}
     loose: list[Call] = []
     notes: list[Any] = []
-    key, cases = None, False
+    key, cases, seen, outside = None, False, set(), 0
+
+    def bad(what: str) -> None:
+        if len(tampered) < 5:
+            tampered.append(f"rank {rank}: {what}: the record is not evidence")
+
     for item in stream:
-        if isinstance(item, tuple) and len(item) == 2 and item[0] in ("case", "end"):
-            key = item[1] if item[0] == "case" else None
+        if isinstance(item, channels.Forged):
+            bad(f"an object on its record stream was not written by the course's recorder ({item!r})")
+        elif isinstance(item, tuple) and len(item) == 2 and item[0] in ("case", "end"):
+            marker, name = item
+            if marker == "case" and key is not None:
+                bad(f"case {name!r} was opened inside case {key!r}")
+            elif marker == "case" and name in seen and outside:
+                bad(f"case {name!r} was opened again after calls outside every case (its window moved)")
+            elif marker == "end" and key != name:
+                bad(f"case {name!r} was closed out of turn")
+            key = name if marker == "case" else None
+            seen.add(name)
+            outside = 0
             cases = True
             if key is not None:
                 calls.setdefault(key, [])
         elif isinstance(item, Call):
+            if not _well_formed(item):
+                bad("a malformed call record")
+                continue
             (calls[key] if key is not None else loose).append(item)
+            outside += key is None
         elif isinstance(item, tuple) and len(item) == 2 and item[0] == "note" and not cases:
             notes.append(item[1])
     return calls, loose, notes
+
+
+def _well_formed(c: Call) -> bool:
+    return (isinstance(c.kind, str) and (c.peer is None or type(c.peer) is int) and type(c.numel) is int
+            and isinstance(c.dtype, str) and type(c.weight) in (float, int) and type(c.fingerprint) in (float, int)
+            and isinstance(c.ranks, tuple) and all(type(r) is int for r in c.ranks)
+            and isinstance(c.caller, str) and type(c.t) in (float, int))
 
 
 class Grading:
@@ -192,6 +268,8 @@ class Grading:
         self.check = check
         self.world_size = world_size
         self.backend = backend
+        self.routes: frozenset | None = None    # the task's (run_task sets them)
+        self.runs: list[Run] = []               # every world of the task being judged
 
     def sizes(self, *preferred: int) -> list[int]:
         """The world sizes a task runs: its own, or the one ``--world`` asked for."""
@@ -199,12 +277,24 @@ class Grading:
 
     def world(self, probe_target: str, world_size: int, *args, machines: int | None = None,
               timeout: float | None = None) -> Run:
-        world = launch.run_world(probe_rank, world_size, args=(probe_target, self.spec, args),
-                                 timeout=timeout or self.timeout, check=self.check, secrets=True,
-                                 stream=True, machines=machines, backend=self.backend)
-        split = [_split(s) for s in world.streams]
-        return Run(world_size, world.secrets, world.results, [c for c, _, _ in split], [lo for _, lo, _ in split],
-                   world.complete, check_traffic=self.check, notes=[n for _, _, n in split])
+        # on CPU the world's groups are the fence (GPU worlds keep NCCL, seen by the tap)
+        backend = fence.BACKEND if self.backend == "gloo" else self.backend
+        before = tree_state()
+        try:
+            world = launch.run_world(probe_rank, world_size, args=(probe_target, self.spec, args, self.routes),
+                                     timeout=timeout or self.timeout, check=self.check, secrets=True,
+                                     stream=True, machines=machines, backend=backend)
+        finally:
+            wrote = tree_changes(before, tree_state())
+        tampered = [f"a rank changed the course's own code ({', '.join(wrote[:3])}"
+                    f"{', ...' if len(wrote) > 3 else ''}): a graded rank writes nothing there"] if wrote else []
+        split = [_split(channels.opened(raw, key), tampered, rank)
+                 for rank, (raw, key) in enumerate(zip(world.streams, world.keys))]
+        run = Run(world_size, world.secrets, world.results, [c for c, _, _ in split], [lo for _, lo, _ in split],
+                  world.complete, check_traffic=self.check, notes=[n for _, _, n in split], routes=self.routes,
+                  tampered=tampered)
+        self.runs.append(run)
+        return run
 
 
 class InWorldGrading(Grading):
@@ -243,8 +333,11 @@ class InWorldGrading(Grading):
         store.wait(keys)
         gathered = [pickle.loads(v) for v in store.multi_get(keys)]
         split = [_split(calls) for _, _, calls in gathered]
-        return Run(size, [g[0] for g in gathered], [g[1] for g in gathered], [c for c, _, _ in split],
-                   [lo for _, lo, _ in split], [], check_traffic=True, notes=[n for _, _, n in split])
+        run = Run(size, [g[0] for g in gathered], [g[1] for g in gathered], [c for c, _, _ in split],
+                  [lo for _, lo, _ in split], [], check_traffic=True, notes=[n for _, _, n in split],
+                  routes=self.routes)
+        self.runs.append(run)
+        return run
 
 
 _ROUNDS = itertools.count(1)     # the store keys of in-world rounds (the same on every rank)
