@@ -93,6 +93,18 @@ class StreamPlan:
         self.sent_rows = segment_rows(self.machine, self.send_a, self.chunks)   # the rows sent, cut the same way
         self.copy_at = _offsets(self.send_b)          # [local rank][segment]: (start, end) in copies
         self.recv_at = _offsets(self.recv_b)          # [local rank][segment]: (start, end) in the received
+        self.own = self.segs.index((self.machine, 0))
+        self.out_order = dispatch_order(self.machine, self.M, self.chunks)
+        self.back_order = combine_order(self.machine, self.M, self.chunks)
+        self.crossing = self.out_order[1:]            # chunk by chunk, machine by machine
+        self.others = [j for j in range(self.D) if j != self.local]
+        # the batch position of each received copy, and the token of each copy of an own row
+        self.pos = torch.empty_like(self.order).index_copy_(0, self.order, torch.arange(
+            self.order.numel(), device=self.order.device))
+        own_rows, own_sent = self.seg_rows[self.own], self.sent_rows[self.own]
+        own = (self.copies >= own_rows[0]) & (self.copies < own_rows[1])
+        self.copy_token = torch.where(own, self.sent[(self.copies - own_rows[0] + own_sent[0]).clamp(
+            0, max(self.sent.numel() - 1, 0))] if self.sent.numel() else self.copies, -1)
 
     def peer(self, machine: int) -> int:
         return machine * self.D + self.local
@@ -116,111 +128,115 @@ def dispatch_rows(plan: StreamPlan, x: torch.Tensor) -> torch.Tensor:
     """x [tokens, H] -> this rank's experts' batch [copies received, H]."""
     H, me, base = x.shape[1], plan.local, plan.machine * plan.D
     x = x.contiguous()
-    rows_a = x.new_empty((plan.rows_a, H))
-    got = x.new_empty((plan.order.numel(), H))
-    crossing = [s for s, (mm, _) in enumerate(plan.segs) if mm != plan.machine]
+    rows_a = x.new_empty((plan.rows_a, H))            # the rows that crossed to this forwarder
+    got = x.new_empty((plan.order.numel(), H))         # the other forwarders' copies, as they come
+    batch = torch.empty_like(got)
+    keep, sends, arrived, incoming = [], [], {}, []
     with trace.label("dedup: rows across, chunk by chunk"):
-        arrived = {s: dist.irecv(_rows(rows_a, plan.seg_rows[s]), plan.peer(plan.segs[s][0]))
-                   for s in _by_chunk(plan, crossing) if plan.seg_rows[s][1] > plan.seg_rows[s][0]}
-        out_a, sends, keep = [], [], []
-        for mm in range(plan.M):
-            if mm != plan.machine and plan.send_a[mm]:
-                lo = sum(plan.send_a[:mm])
-                out_a.append((mm, x.index_select(0, plan.sent[lo:lo + plan.send_a[mm]]), lo))
-        for c in range(plan.chunks):
-            for mm, buf, lo in out_a:
-                a, b = plan.sent_rows[_seg_index(plan, mm, c)]
-                if b > a:
-                    sends.append(dist.isend(buf[a - lo:b - lo], plan.peer(mm)))
-    own = plan.seg_rows[plan.segs.index((plan.machine, 0))]
-    lo = sum(plan.send_a[:plan.machine])
-    torch.index_select(x, 0, plan.sent[lo:lo + plan.send_a[plan.machine]], out=_rows(rows_a, own))
+        for s in plan.crossing:
+            if _size(plan.seg_rows[s]):
+                arrived[s] = dist.irecv(_rows(rows_a, plan.seg_rows[s]), plan.peer(plan.segs[s][0]))
+        for s in plan.out_order:
+            for j in plan.others:
+                if _size(plan.recv_at[j][s]):
+                    incoming.append((plan.recv_at[j][s], dist.irecv(_rows(got, plan.recv_at[j][s]), base + j)))
+        for s in plan.crossing:                        # this rank's rows, gathered and sent a chunk at a time
+            if _size(plan.sent_rows[s]):
+                keep.append(x.index_select(0, _rows(plan.sent, plan.sent_rows[s])))
+                sends.append(dist.isend(keep[-1], plan.peer(plan.segs[s][0])))
     with trace.label("dedup: forward inside"):
-        incoming = []
-        for j in range(plan.D):                        # every forwarder's copies, in its order
-            if j != me:
-                for s in dispatch_order(plan.machine, plan.M, plan.chunks):
-                    at = plan.recv_at[j][s]
-                    if at[1] > at[0]:
-                        incoming.append(dist.irecv(_rows(got, at), base + j))
-        for s in dispatch_order(plan.machine, plan.M, plan.chunks):
+        for s in plan.out_order:                       # own rows first: they need no crossing
             if s in arrived:
                 arrived[s].wait()
             for j in range(plan.D):
                 at = plan.copy_at[j][s]
-                if at[1] == at[0]:
+                if not _size(at):
                     continue
+                rows = x.index_select(0, _rows(plan.copy_token, at)) if s == plan.own else \
+                    rows_a.index_select(0, _rows(plan.copies, at))
                 if j == me:
-                    torch.index_select(rows_a, 0, _rows(plan.copies, at), out=_rows(got, plan.recv_at[me][s]))
+                    batch.index_copy_(0, _rows(plan.pos, plan.recv_at[me][s]), rows)
                 else:
-                    buf = rows_a.index_select(0, _rows(plan.copies, at))
-                    sends.append(dist.isend(buf, base + j))
-                    keep.append(buf)                   # alive until sent
-        for work in incoming + sends:
+                    keep.append(rows)
+                    sends.append(dist.isend(rows, base + j))
+            incoming = _place(incoming, batch, got, plan.pos, done_only=True)
+        _place(incoming, batch, got, plan.pos, done_only=False)
+        for work in sends:
             work.wait()
-    return got.index_select(0, plan.order)
+    return batch
+
+
+def _place(incoming, batch, got, pos, done_only: bool):
+    """Sort the copies that have arrived into the experts' batch; the rest stay pending."""
+    pending = []
+    for at, work in incoming:
+        if done_only and not work.is_completed():
+            pending.append((at, work))
+            continue
+        work.wait()
+        batch.index_copy_(0, _rows(pos, at), _rows(got, at))
+    return pending
 
 
 def combine_rows(plan: StreamPlan, z: torch.Tensor) -> torch.Tensor:
     """z [the experts' batch, H] -> [tokens, H]: each row summed over its copies, machine
     by machine, then over its machines."""
     H, me, base = z.shape[1], plan.local, plan.machine * plan.D
-    lay = z.new_empty((plan.order.numel(), H)).index_copy_(0, plan.order, z.contiguous())   # the received order
-    back = z.new_empty((plan.copies.numel(), H))
-    back_a = z.new_empty((plan.sent.numel(), H))
-    later = combine_order(plan.machine, plan.M, plan.chunks)
+    z = z.contiguous()
+    back = z.new_empty((plan.copies.numel(), H))       # the terms other ranks' experts send back
+    back_a = z.new_empty((plan.sent.numel(), H))        # the sums the other machines send back
+    partial = z.new_zeros((plan.rows_a, H))
+    out = z.new_zeros((plan.tokens, H))
+    keep, sends, terms, sums = [], [], {}, []
     with trace.label("dedup: back inside, then across chunk by chunk"):
-        arrived = {}
-        for j in range(plan.D):
-            if j != me:
-                for s in later:
-                    at = plan.copy_at[j][s]
-                    if at[1] > at[0]:
-                        arrived[j, s] = dist.irecv(_rows(back, at), base + j)
-        crossing = {}
-        for s in later:
-            mm, c = plan.segs[s]
-            if mm != plan.machine:
-                a, b = plan.sent_rows[_seg_index(plan, mm, c)]
-                if b > a:
-                    crossing[s] = dist.irecv(back_a[a:b], plan.peer(mm))
-        sends = []
-        for j in range(plan.D):
-            if j != me:
-                for s in later:
-                    at = plan.recv_at[j][s]
-                    if at[1] > at[0]:
-                        sends.append(dist.isend(_rows(lay, at), base + j))
-        partial = z.new_zeros((plan.rows_a, H))
-        for s in later:
-            for j in range(plan.D):
+        for s in plan.back_order:
+            for j in plan.others:
+                if _size(plan.copy_at[j][s]):
+                    terms[j, s] = dist.irecv(_rows(back, plan.copy_at[j][s]), base + j)
+            if s in plan.crossing and _size(plan.sent_rows[s]):
+                sums.append((plan.sent_rows[s], dist.irecv(_rows(back_a, plan.sent_rows[s]),
+                                                           plan.peer(plan.segs[s][0]))))
+        for s in plan.back_order:                      # crossing chunks first, the own rows last
+            for j in plan.others:                      # this rank's experts' terms for s, to their forwarders
+                if _size(plan.recv_at[j][s]):
+                    keep.append(z.index_select(0, _rows(plan.pos, plan.recv_at[j][s])))
+                    sends.append(dist.isend(keep[-1], base + j))
+            for j in range(plan.D):                    # the forwarder's sum over its machine's experts
                 at = plan.copy_at[j][s]
-                if at[1] == at[0]:
+                if not _size(at):
                     continue
                 if j == me:
-                    terms = _rows(lay, plan.recv_at[me][s])
+                    part = z.index_select(0, _rows(plan.pos, plan.recv_at[me][s]))
                 else:
-                    arrived[j, s].wait()
-                    terms = _rows(back, at)
-                partial.index_add_(0, _rows(plan.copies, at), terms)
-            mm, c = plan.segs[s]
+                    terms[j, s].wait()
+                    part = _rows(back, at)
+                partial.index_add_(0, _rows(plan.copies, at), part)
             rows = _rows(partial, plan.seg_rows[s])
-            if mm != plan.machine:
-                if rows.numel():
-                    sends.append(dist.isend(rows, plan.peer(mm)))
-            else:
-                _rows(back_a, plan.sent_rows[s]).copy_(rows)
-        for work in list(crossing.values()) + sends:
+            if s == plan.own:
+                out.index_add_(0, _rows(plan.sent, plan.sent_rows[s]), rows)
+            elif rows.numel():
+                sends.append(dist.isend(rows, plan.peer(plan.segs[s][0])))
+            sums = _add(sums, out, back_a, plan.sent, done_only=True)
+        _add(sums, out, back_a, plan.sent, done_only=False)
+        for work in sends:
             work.wait()
-    return z.new_zeros((plan.tokens, H)).index_add_(0, plan.sent, back_a)
+    return out
 
 
-def _seg_index(plan: StreamPlan, mm: int, c: int) -> int:
-    return plan.segs.index((mm, c))
+def _add(sums, out, back_a, sent, done_only: bool):
+    """Add the machines' sums that have arrived into their tokens; the rest stay pending."""
+    pending = []
+    for at, work in sums:
+        if done_only and not work.is_completed():
+            pending.append((at, work))
+            continue
+        work.wait()
+        out.index_add_(0, _rows(sent, at), _rows(back_a, at))
+    return pending
 
 
-def _by_chunk(plan: StreamPlan, segs: list[int]) -> list[int]:
-    return sorted(segs, key=lambda s: (plan.segs[s][1], plan.segs[s][0]))
+def _size(at: tuple[int, int]) -> int:
+    return at[1] - at[0]
 
 
 class StreamRows(torch.autograd.Function):
