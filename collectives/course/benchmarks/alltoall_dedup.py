@@ -66,7 +66,8 @@ def _dedup_in_rank(tokens: int, hidden: int, k: int, experts: int, layout: tuple
 
         results, rows = {}, []
         for name, fn in (("flat", flat), ("flat, linear", lambda: flat(linear_all_to_all)),
-                         ("dedup, stage by stage", lambda: deduplicated(None)), ("dedup", lambda: deduplicated(chunks))):
+                         ("dedup, stage by stage", lambda: deduplicated(None)),
+                         ("dedup", lambda: deduplicated(chunks))):
             with trace.recording() as t:
                 results[name] = fn()
             across = sum(e.numel for e in t if e.kind == "isend" and e.peer // D != r // D)
