@@ -22,6 +22,15 @@ M − 1 messages, plus two stages inside (:func:`hierarchical_seconds`).
 For an MoE dispatch the bytes across *can* shrink, because a token that chose several
 experts on one machine is the same row several times: :func:`dedup_rows` counts the rows
 per token that cross flat and deduplicated, :func:`moe_seconds` the dispatch + combine.
+The deduplicated one adds a hop inside; stage by stage it adds to the crossing, streamed
+in chunks it overlaps it, and only the last chunk's forwarding is left in series::
+
+    stage by stage   across + inside
+    streamed         max(across, inside) + (M − 1)/M · inside / chunks + α_across + α_inside
+
+Left out, for flat and deduplicated alike: copies in memory, and the pace TCP keeps on a
+shaped link. The link's β is the caller's to choose (the cluster benchmark's counts the
+frames' headers with the bytes).
 """
 
 from __future__ import annotations

@@ -19,6 +19,13 @@ machine m::
                   gate · output over the experts of its machine
                A'. across, back: one row per (token, machine); the source adds them up
 
+Stage by stage (``chunks=None``, and on GPUs), B waits for the whole of A, and A' for the
+whole of B': the hops inside add to the crossing. By default the counts, gates, experts,
+slots and sort keys go first, as messages of their own, and then the rows stream
+(:mod:`.dedup_stream`): B forwards the own machine's rows at once and every chunk of A as
+it arrives, while the next crosses; A' sends every chunk across once its sum is complete.
+The same messages cross, and the results are the same.
+
 Rank i of one machine talks across only to rank i of the others: with one NIC per GPU
 every NIC carries its own rank's tokens (DeepEP's normal dispatch sends across the same
 way, GPU to the same-index GPU of the target node, and forwards over NVLink).
