@@ -556,6 +556,44 @@ def test_the_deduplicating_dispatch_hands_experts_the_flat_batches_and_sends_eac
         assert (sum(r["dropped"] for r in results) > 0) == (factor is not None)
 
 
+def _dedup_layouts():
+    """Six ranks as 2 × 3, 3 × 2, 1 × 6 and 6 × 1 (ranks per machine × machines), float64 (small
+    integers ride in the rows' columns) and bfloat16 (they travel apart): streamed in 3 and 50
+    pieces (more than a peer has rows), stage by stage, each against the flat dispatch:
+    batches, outputs and gradients."""
+    from collectives.alltoall import dedup, flat_combine, flat_dispatch, make_expert, make_router, route, run_experts
+    r, out = dist.get_rank(), []
+    H, E, T, k = 5, 12, 30, 3
+    for layout, dtype in (((2, 3), torch.float64), ((3, 2), torch.float64), ((1, 6), torch.bfloat16),
+                          ((6, 1), torch.float64)):
+        x = torch.randn(T, H, generator=torch.Generator().manual_seed(r)).to(dtype).requires_grad_()
+        router = make_router(3, H, E).to(dtype).requires_grad_()
+        experts = [[w.to(dtype) for w in make_expert(3, r * 2 + e, H, 4)] for e in range(2)]
+        got = {}
+        for name, chunks in (("flat", 0), ("staged", None), ("three", 3), ("fifty", 50)):
+            routing = route(x, router, k, T * k)
+            if name == "flat":
+                rows, counts, state = flat_dispatch(x, routing, E)
+            else:
+                rows, counts, state = dedup.dedup_dispatch(x, routing, E, layout, r, chunks)
+            y = run_experts(rows, counts, *zip(*experts))
+            result = flat_combine(y, routing, state, T) if name == "flat" else dedup.dedup_combine(y, state)
+            result.float().pow(2).sum().backward()
+            got[name] = (rows.detach(), result.detach(), x.grad.clone(), router.grad.clone())
+            x.grad = router.grad = None
+        tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-2, atol=2e-2)
+        flat = got.pop("flat")
+        out.append((layout, all(torch.equal(flat[0], v[0]) for v in got.values()),
+                    all(torch.allclose(a, b, **tol) for v in got.values() for a, b in zip(flat[1:], v[1:]))))
+    return out
+
+
+def test_the_streamed_dedup_equals_the_flat_dispatch_on_every_layout_and_piece_count():
+    for world in launch.run(_dedup_layouts, 6, timeout=WORLD_TIMEOUT):
+        for layout, batches, close in world:
+            assert batches and close, layout
+
+
 def _train_ep(steps: int):
     """A small MoE model (a dense layer, then the MoE layer) trained by expert parallelism:
     dropless, the balancing loss, the balancing bias, node-limited routing, deduplicated

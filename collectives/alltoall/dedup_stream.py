@@ -76,7 +76,7 @@ class StreamPlan:
     rank: int
     chunks: int
     tokens: int
-    sent: torch.Tensor            # the token of each row sent across, by destination machine
+    sent: torch.Tensor            # the token of each row, by destination machine (the own one too)
     send_a: list[int]             # rows to each machine's rank i (the own machine's: kept here)
     recv_a: list[int]             # rows from each machine's rank i
     copies: torch.Tensor          # the forwarder row of each copy, by destination, then row
@@ -103,8 +103,8 @@ class StreamPlan:
             self.order.numel(), device=self.order.device))
         own_rows, own_sent = self.seg_rows[self.own], self.sent_rows[self.own]
         own = (self.copies >= own_rows[0]) & (self.copies < own_rows[1])
-        self.copy_token = torch.where(own, self.sent[(self.copies - own_rows[0] + own_sent[0]).clamp(
-            0, max(self.sent.numel() - 1, 0))] if self.sent.numel() else self.copies, -1)
+        at = (self.copies - own_rows[0] + own_sent[0]).clamp(0, max(self.sent.numel() - 1, 0))
+        self.copy_token = torch.where(own, self.sent[at], -1) if self.sent.numel() else torch.full_like(self.copies, -1)
 
     def peer(self, machine: int) -> int:
         return machine * self.D + self.local
