@@ -131,7 +131,7 @@ def dispatch_rows(plan: StreamPlan, x: torch.Tensor) -> torch.Tensor:
     rows_a = x.new_empty((plan.rows_a, H))            # the rows that crossed to this forwarder
     got = x.new_empty((plan.order.numel(), H))         # the other forwarders' copies, as they come
     batch = torch.empty_like(got)
-    keep, sends, arrived, incoming = [], [], {}, []
+    keep, sends, arrived, incoming = [], [], {}, {}
     with trace.label("dedup: rows across, chunk by chunk"):
         for s in plan.crossing:
             if _size(plan.seg_rows[s]):
@@ -139,13 +139,14 @@ def dispatch_rows(plan: StreamPlan, x: torch.Tensor) -> torch.Tensor:
         for s in plan.out_order:
             for j in plan.others:
                 if _size(plan.recv_at[j][s]):
-                    incoming.append((plan.recv_at[j][s], dist.irecv(_rows(got, plan.recv_at[j][s]), base + j)))
+                    incoming.setdefault(s, []).append(
+                        (plan.recv_at[j][s], dist.irecv(_rows(got, plan.recv_at[j][s]), base + j)))
         for s in plan.crossing:                        # this rank's rows, gathered and sent a chunk at a time
             if _size(plan.sent_rows[s]):
                 keep.append(x.index_select(0, _rows(plan.sent, plan.sent_rows[s])))
                 sends.append(dist.isend(keep[-1], plan.peer(plan.segs[s][0])))
     with trace.label("dedup: forward inside"):
-        for s in plan.out_order:                       # own rows first: they need no crossing
+        for step, s in enumerate(plan.out_order):       # own rows first: they need no crossing
             if s in arrived:
                 arrived[s].wait()
             for j in range(plan.D):
@@ -159,23 +160,21 @@ def dispatch_rows(plan: StreamPlan, x: torch.Tensor) -> torch.Tensor:
                 else:
                     keep.append(rows)
                     sends.append(dist.isend(rows, base + j))
-            incoming = _place(incoming, batch, got, plan.pos, done_only=True)
-        _place(incoming, batch, got, plan.pos, done_only=False)
+            # the other forwarders' copies of the segment before, which have had a step to come
+            _place(incoming.pop(plan.out_order[step - 1], []) if step else [], batch, got, plan.pos)
+        for rest in incoming.values():
+            _place(rest, batch, got, plan.pos)
         for work in sends:
             work.wait()
     return batch
 
 
-def _place(incoming, batch, got, pos, done_only: bool):
-    """Sort the copies that have arrived into the experts' batch; the rest stay pending."""
-    pending = []
+def _place(incoming, batch, got, pos) -> None:
+    """Wait for these copies and sort them into the experts' batch. (A gloo receive says it
+    is complete only once waited for: a step behind, the wait rarely waits.)"""
     for at, work in incoming:
-        if done_only and not work.is_completed():
-            pending.append((at, work))
-            continue
         work.wait()
         batch.index_copy_(0, _rows(pos, at), _rows(got, at))
-    return pending
 
 
 def combine_rows(plan: StreamPlan, z: torch.Tensor) -> torch.Tensor:
@@ -187,16 +186,15 @@ def combine_rows(plan: StreamPlan, z: torch.Tensor) -> torch.Tensor:
     back_a = z.new_empty((plan.sent.numel(), H))        # the sums the other machines send back
     partial = z.new_zeros((plan.rows_a, H))
     out = z.new_zeros((plan.tokens, H))
-    keep, sends, terms, sums = [], [], {}, []
+    keep, sends, terms, sums = [], [], {}, {}
     with trace.label("dedup: back inside, then across chunk by chunk"):
         for s in plan.back_order:
             for j in plan.others:
                 if _size(plan.copy_at[j][s]):
                     terms[j, s] = dist.irecv(_rows(back, plan.copy_at[j][s]), base + j)
             if s in plan.crossing and _size(plan.sent_rows[s]):
-                sums.append((plan.sent_rows[s], dist.irecv(_rows(back_a, plan.sent_rows[s]),
-                                                           plan.peer(plan.segs[s][0]))))
-        for s in plan.back_order:                      # crossing chunks first, the own rows last
+                sums[s] = (plan.sent_rows[s], dist.irecv(_rows(back_a, plan.sent_rows[s]), plan.peer(plan.segs[s][0])))
+        for step, s in enumerate(plan.back_order):     # crossing chunks first, the own rows last
             for j in plan.others:                      # this rank's experts' terms for s, to their forwarders
                 if _size(plan.recv_at[j][s]):
                     keep.append(z.index_select(0, _rows(plan.pos, plan.recv_at[j][s])))
@@ -216,23 +214,20 @@ def combine_rows(plan: StreamPlan, z: torch.Tensor) -> torch.Tensor:
                 out.index_add_(0, _rows(plan.sent, plan.sent_rows[s]), rows)
             elif rows.numel():
                 sends.append(dist.isend(rows, plan.peer(plan.segs[s][0])))
-            sums = _add(sums, out, back_a, plan.sent, done_only=True)
-        _add(sums, out, back_a, plan.sent, done_only=False)
+            if step and plan.back_order[step - 1] in sums:     # the other machines' sums, a step behind
+                _add(sums.pop(plan.back_order[step - 1]), out, back_a, plan.sent)
+        for one in sums.values():
+            _add(one, out, back_a, plan.sent)
         for work in sends:
             work.wait()
     return out
 
 
-def _add(sums, out, back_a, sent, done_only: bool):
-    """Add the machines' sums that have arrived into their tokens; the rest stay pending."""
-    pending = []
-    for at, work in sums:
-        if done_only and not work.is_completed():
-            pending.append((at, work))
-            continue
-        work.wait()
-        out.index_add_(0, _rows(sent, at), _rows(back_a, at))
-    return pending
+def _add(one, out, back_a, sent) -> None:
+    """Wait for one machine's sums of one chunk and add them into their tokens."""
+    at, work = one
+    work.wait()
+    out.index_add_(0, _rows(sent, at), _rows(back_a, at))
 
 
 def _size(at: tuple[int, int]) -> int:
