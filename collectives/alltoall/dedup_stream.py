@@ -11,15 +11,16 @@ moves here without waiting stage for stage. Each rank forwards:
   it has arrived, while chunk c + 1 crosses.
 
 The combine runs the same schedule backwards: the experts' outputs go back to their
-forwarders at once, and a forwarder sums each chunk over its machine's experts and sends
-it across the moment its last term has arrived, while the next chunk's terms still come
-in; the own machine's rows, which cross nothing, are summed last.
+forwarders chunk by chunk, the crossing chunks first, and a forwarder sums each chunk over
+its machine's experts and sends it across the moment its last term has arrived, while the
+next chunk's terms still come in; the own machine's rows, which cross nothing, are summed
+last.
 
-Every message is posted as soon as its buffer is known, receives before sends (gloo
-moves bytes once the receiver has posted), and every received row lands straight in its
-place: the only copies are a gather per outgoing message and the final sort into the
-experts' batch. Messages between two ranks follow one order on both sides, so gloo
-matches them first to first.
+Every receive is posted before anything is sent (gloo moves bytes once the receiver has
+posted), and every received row lands straight in a buffer of its own: the only copies
+are a gather per outgoing message and, a step after each arrival, the sort of those rows
+into the experts' batch (or, coming back, their sum into the tokens). Messages between
+two ranks follow one order on both sides, so gloo matches them first to first.
 
 The two directions are each other's transpose -- the dispatch gathers copies, the
 combine adds them up -- so each is the other's backward (:class:`StreamRows`).
