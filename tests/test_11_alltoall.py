@@ -486,7 +486,8 @@ def test_check_mode_compares_every_pair_dtype_row_shape_and_layout():
 
 def _dedup_against_flat(factor):
     """Top-4 over 8 experts on 2 machines × 2: the deduplicating dispatch hands every expert
-    the flat dispatch's batch row for row, and the combines agree to rounding."""
+    the flat dispatch's batch row for row, and the combines agree to rounding -- streamed
+    (4 pieces; 16, more than some peers have rows: empty pieces) and stage by stage."""
     from collectives.alltoall import dedup, flat_combine, flat_dispatch, make_expert, make_router, route, run_experts
     from collectives.alltoall.moe import capacity_for
     r = dist.get_rank()
@@ -497,13 +498,14 @@ def _dedup_against_flat(factor):
     target = torch.randn(T, H, generator=torch.Generator().manual_seed(10 + r))
     capacity = T * k if factor is None else capacity_for(T, E, k, factor)
     out, grads, batches, across = {}, {}, {}, {}
-    for name in ("flat", "dedup"):
+    chunks = {"dedup": 4, "staged": None, "many": 16}
+    for name in ("flat", "dedup", "staged", "many"):
         routing = route(x, router, k, capacity)
         with trace.recording() as t:                  # the dispatch's messages
             if name == "flat":
                 rows, counts, state = flat_dispatch(x, routing, E)
             else:
-                rows, counts, state = dedup.dedup_dispatch(x, routing, E, (2, 2), r)
+                rows, counts, state = dedup.dedup_dispatch(x, routing, E, (2, 2), r, chunks[name])
         y = run_experts(rows, counts, *zip(*experts))
         result = flat_combine(y, routing, state, T) if name == "flat" else dedup.dedup_combine(y, state)
         batches[name] = (rows.detach().clone(), counts)
@@ -516,11 +518,20 @@ def _dedup_against_flat(factor):
     where = dedup.machines_needed(routing, 2, 2)
     choices_across = int(((where >= 0) & (where != r // 2)).sum())
     tokens_across = int(((where == 1 - r // 2).any(1)).sum())
-    (rows_f, counts_f), (rows_d, counts_d) = batches["flat"], batches["dedup"]
-    return dict(batches=torch.equal(rows_f, rows_d) and counts_f == counts_d,
-                out=torch.allclose(out["flat"], out["dedup"], rtol=1e-5, atol=1e-6),
-                grads=all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(grads["flat"], grads["dedup"])),
-                rail=all(peer % 2 == r % 2 for peer, _ in across["dedup"]),
+    try:
+        dedup.dedup_dispatch(x, routing, E, (2, 2), r, 0)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    ways = list(chunks)
+    return dict(batches=all(torch.equal(batches["flat"][0], batches[n][0]) and batches["flat"][1] == batches[n][1]
+                            for n in ways),
+                out=all(torch.allclose(out["flat"], out[n], rtol=1e-5, atol=1e-6) for n in ways),
+                # two machines: each output adds the same two sums either way, so streamed equals staged exactly
+                same=all(torch.equal(out["staged"], out[n]) for n in ways),
+                grads=all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for n in ways
+                          for a, b in zip(grads["flat"], grads[n])),
+                rail=all(peer % 2 == r % 2 for n in ways for peer, _ in across[n]), refused=refused,
                 rows_across={name: sum(n for _, n in msgs) for name, msgs in across.items()},
                 choices_across=choices_across, tokens_across=tokens_across, dropped=routing.dropped)
 
@@ -535,12 +546,52 @@ def test_the_deduplicating_dispatch_hands_experts_the_flat_batches_and_sends_eac
     for case, factor in enumerate((None, 0.75)):
         results = [world[case] for world in worlds]
         for r, res in enumerate(results):
-            assert res["batches"] and res["out"] and res["grads"] and res["rail"], (factor, r, res)
+            assert res["batches"] and res["out"] and res["same"] and res["grads"] and res["rail"], (factor, r, res)
+            assert "chunks must be at least 1" in res["refused"]
             # flat: a row per choice on the other machine; dedup: a row, its k gates and 2k integers per token
             assert res["rows_across"]["flat"] == res["choices_across"] * H
-            assert res["rows_across"]["dedup"] == res["tokens_across"] * (H + k + 2 * k)
+            assert res["rows_across"]["dedup"] == res["rows_across"]["staged"] == res["rows_across"]["many"] \
+                == res["tokens_across"] * (H + k + 2 * k)
             assert res["tokens_across"] < res["choices_across"]
         assert (sum(r["dropped"] for r in results) > 0) == (factor is not None)
+
+
+def _dedup_layouts():
+    """Six ranks as 2 × 3, 3 × 2, 1 × 6 and 6 × 1 (ranks per machine × machines), float64 (small
+    integers ride in the rows' columns) and bfloat16 (they travel apart): streamed in 3 and 50
+    pieces (more than a peer has rows), stage by stage, each against the flat dispatch:
+    batches, outputs and gradients."""
+    from collectives.alltoall import dedup, flat_combine, flat_dispatch, make_expert, make_router, route, run_experts
+    r, out = dist.get_rank(), []
+    H, E, T, k = 5, 12, 30, 3
+    for layout, dtype in (((2, 3), torch.float64), ((3, 2), torch.float64), ((1, 6), torch.bfloat16),
+                          ((6, 1), torch.float64)):
+        x = torch.randn(T, H, generator=torch.Generator().manual_seed(r)).to(dtype).requires_grad_()
+        router = make_router(3, H, E).to(dtype).requires_grad_()
+        experts = [[w.to(dtype) for w in make_expert(3, r * 2 + e, H, 4)] for e in range(2)]
+        got = {}
+        for name, chunks in (("flat", 0), ("staged", None), ("three", 3), ("fifty", 50)):
+            routing = route(x, router, k, T * k)
+            if name == "flat":
+                rows, counts, state = flat_dispatch(x, routing, E)
+            else:
+                rows, counts, state = dedup.dedup_dispatch(x, routing, E, layout, r, chunks)
+            y = run_experts(rows, counts, *zip(*experts))
+            result = flat_combine(y, routing, state, T) if name == "flat" else dedup.dedup_combine(y, state)
+            result.float().pow(2).sum().backward()
+            got[name] = (rows.detach(), result.detach(), x.grad.clone(), router.grad.clone())
+            x.grad = router.grad = None
+        tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-2, atol=2e-2)
+        flat = got.pop("flat")
+        out.append((layout, all(torch.equal(flat[0], v[0]) for v in got.values()),
+                    all(torch.allclose(a, b, **tol) for v in got.values() for a, b in zip(flat[1:], v[1:]))))
+    return out
+
+
+def test_the_streamed_dedup_equals_the_flat_dispatch_on_every_layout_and_piece_count():
+    for world in launch.run(_dedup_layouts, 6, timeout=WORLD_TIMEOUT):
+        for layout, batches, close in world:
+            assert batches and close, layout
 
 
 def _train_ep(steps: int):
@@ -629,6 +680,12 @@ def test_the_cost_model_says_when_deduplication_wins_and_that_top_1_cannot():
     cluster = TwoTier(inside=AlphaBeta(5e-5, 1e-10), across=AlphaBeta(1e-4, 8e-9), machines=2, ranks_per_machine=2)
     assert cost.moe_seconds(2048, 4096, 4, 8, cluster, True) < cost.moe_seconds(2048, 4096, 4, 8, cluster, False) / 1.5
     assert cost.moe_seconds(2048, 4096, 1, 8, cluster, True) > cost.moe_seconds(2048, 4096, 1, 8, cluster, False)
+    # streamed, the inside hides behind the crossing but for the last chunk's share; the
+    # small parts' own messages cost α's, which is all that counts for tiny rows
+    staged, streamed = (cost.moe_seconds(2048, 4096, 4, 8, cluster, True, 48, c) for c in (None, 4))
+    inside = 2048 * 4 * 4096 * 1e-10 + 5e-5
+    assert streamed == pytest.approx(staged - 2 * inside + 2 * (1e-4 + 5e-5 + (inside - 5e-5) / 2 / 4))
+    assert cost.moe_seconds(32, 32, 4, 8, cluster, True, 48, 4) > cost.moe_seconds(32, 32, 4, 8, cluster, True, 48)
     # the flat all-to-all's α's across: D·(M − 1) per rank in series, its ranks at once
     assert cost.flat_seconds(0, cluster) == pytest.approx(2 * 1e-4)
 
@@ -643,13 +700,15 @@ def test_the_dedup_benchmark_on_the_simulated_cluster_writes_its_record(tmp_path
     assert bench.main(["dedup", "--tokens", "32", "--hidden", "8", "--iters", "1", "--out", str(tmp_path)]) == 0
     record = json.loads((tmp_path / "bench-alltoall-dedup.json").read_text())
     rows = {r["name"]: r for r in record["rows"]}
-    assert set(rows) == {"flat", "flat, linear", "dedup"} and all(r["verified"] for r in rows.values())
-    assert rows["dedup"]["elements_across"] < rows["flat"]["elements_across"]
+    assert set(rows) == {"flat", "flat, linear", "dedup, stage by stage", "dedup"}
+    assert all(r["verified"] for r in rows.values())
+    assert rows["dedup"]["elements_across"] == rows["dedup, stage by stage"]["elements_across"] \
+        < rows["flat"]["elements_across"]
     assert all(r["model_seconds"] > 0 and r["seconds"] > 0 for r in rows.values())
     assert record["layout"] == [2, 2] and record["k"] == 4 and record["experts"] == 8
     assert record["meta"]["command"].startswith(".venv/bin/python -m collectives bench-alltoall dedup")
     page = json.loads((tmp_path / "11-alltoall-dedup.json").read_text())          # the site's record
-    assert [row[0] for row in page["table"]["rows"]] == ["flat", "flat, linear", "dedup"]
+    assert [row[0] for row in page["table"]["rows"]] == ["flat", "flat, linear", "dedup, stage by stage", "dedup"]
     assert page["meta"] == record["meta"]
     assert {c["id"] for c in page["comparisons"]} == {"measured", "model"}
     assert not [name for name in our_namespaces() if f"-{os.getpid()}-" in name]      # this run's, torn down

@@ -11,14 +11,15 @@
   all-to-alls, and the same layer in one process to check it against; :mod:`.layer`,
   the layer made of them;
 * :mod:`.dedup` -- the MoE dispatch and combine that send a token across to a machine
-  once, however many of its experts live there;
+  once, however many of its experts live there; :mod:`.dedup_stream`, its rows streamed
+  so that the hop inside overlaps the crossing;
 * :mod:`.balance` -- the load-balancing loss and the bias-based balancing without one;
 * :mod:`.cost` -- the α–β cost of each, Bruck's crossover, and the deduplication's saving;
 * :mod:`.plan` -- what a call works out once and reuses on the same buffers: blocks as
   views of the output, ranks, the ``P2POp`` lists.
 """
 
-from . import balance, cost, dedup
+from . import balance, cost, dedup, dedup_stream
 from .balance import balance_experts
 from .flat import bruck_all_to_all, check_all_to_all_args, linear_all_to_all, pairwise_all_to_all, pairwise_schedule
 from .hierarchical import carrier, hierarchical_all_to_all
@@ -49,5 +50,5 @@ __all__ = ["linear_all_to_all", "pairwise_all_to_all", "bruck_all_to_all", "chec
            "AllToAll", "all_to_all_autograd", "moe_dispatch_combine", "MoELayer", "moe_reference", "Routing", "route",
            "capacity_for",
            "dispatch_order", "combine", "expert_forward", "make_router", "make_expert", "exchange_counts", "cost",
-           "flat_dispatch", "flat_combine", "run_experts", "dedup", "balance", "PhaseTimer",
+           "flat_dispatch", "flat_combine", "run_experts", "dedup", "dedup_stream", "balance", "PhaseTimer",
            "topk_dispatch_combine", "balance_experts"]

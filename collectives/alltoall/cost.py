@@ -22,6 +22,15 @@ M − 1 messages, plus two stages inside (:func:`hierarchical_seconds`).
 For an MoE dispatch the bytes across *can* shrink, because a token that chose several
 experts on one machine is the same row several times: :func:`dedup_rows` counts the rows
 per token that cross flat and deduplicated, :func:`moe_seconds` the dispatch + combine.
+The deduplicated one adds a hop inside; stage by stage it adds to the crossing, streamed
+in chunks it overlaps it, and only the last chunk's forwarding is left in series::
+
+    stage by stage   across + inside
+    streamed         max(across, inside) + (M − 1)/M · inside / chunks + α_across + α_inside
+
+Left out, for flat and deduplicated alike: copies in memory, and the pace TCP keeps on a
+shaped link. The link's β is the caller's to choose (the cluster benchmark's counts the
+frames' headers with the bytes).
 """
 
 from __future__ import annotations
@@ -121,17 +130,25 @@ def dedup_rows(k: int, E: int, M: int) -> tuple[float, float]:
 
 
 def moe_seconds(tokens: int, row_bytes: float, k: int, E: int, machine: TwoTier, dedup: bool,
-                meta_bytes: float = 0.0) -> float:
+                meta_bytes: float = 0.0, chunks: int | None = None) -> float:
     """Dispatch + combine of ``tokens`` rows per rank, each ``row_bytes``, across a two-tier
     machine (uniform routing, nothing dropped). Both directions cost the same (the combine
     retraces the dispatch), so twice one direction:
 
     * flat: each machine's link carries D·tokens·rows_flat rows, from D ranks each sending
-      D·(M − 1) messages; inside, the choices on the own machine;
+      D·(M − 1) messages; inside, the choices on the own machine, at the same time;
     * deduplicated: D·tokens·rows_dedup rows across (plus ``meta_bytes`` a row: gates,
-      experts, slots), one message from each rank to its rail peer on each other machine,
-      then inside every choice forwarded once more: k·tokens rows on the fast links.
-    The counts' exchange (p − 1 small messages per rank) is the same for both."""
+      experts, slots), one message from each rank to its rail peer on each other machine;
+      inside, every choice forwarded once more: k·tokens rows on the fast links.
+      Stage by stage (``chunks=None``) the inside waits for the crossing to end: the two
+      add up. Streamed in ``chunks`` pieces (:mod:`.dedup_stream`) they overlap: the
+      slower of the two, plus the inside share of the last chunk to cross, which can
+      only be forwarded once it has arrived; and each direction exchanges its small parts
+      (gates, experts, slots, keys) as messages of their own first: one α across, one
+      inside.
+
+    The counts' exchange (p − 1 small messages per rank) is the same for both. Copies in
+    memory (gathering the rows to send, sorting them into the experts' batches) are left out."""
     D, M = machine.ranks_per_machine, machine.machines
     flat_rows, dedup_rows_ = dedup_rows(k, E, M)
     counts = (machine.p - 1) * machine.inside.alpha
@@ -141,4 +158,8 @@ def moe_seconds(tokens: int, row_bytes: float, k: int, E: int, machine: TwoTier,
         return 2 * (counts + max(across, inside))
     across = (M - 1) * machine.across.alpha + D * tokens * dedup_rows_ * (row_bytes + meta_bytes) * machine.across.beta
     inside = (D - 1) * machine.inside.alpha + tokens * k * row_bytes * machine.inside.beta
-    return 2 * (2 * counts + across + inside)
+    if chunks is None:
+        return 2 * (2 * counts + across + inside)
+    heads = (M - 1) * machine.across.alpha + (D - 1) * machine.inside.alpha
+    last = (M - 1) / M * (inside - (D - 1) * machine.inside.alpha) / chunks
+    return 2 * (2 * counts + heads + max(across, inside) + last)

@@ -19,6 +19,13 @@ machine m::
                   gate · output over the experts of its machine
                A'. across, back: one row per (token, machine); the source adds them up
 
+Stage by stage (``chunks=None``, and on GPUs), B waits for the whole of A, and A' for the
+whole of B': the hops inside add to the crossing. By default the counts, gates, experts,
+slots and sort keys go first, as messages of their own, and then the rows stream
+(:mod:`.dedup_stream`): B forwards the own machine's rows at once and every chunk of A as
+it arrives, while the next crosses; A' sends every chunk across once its sum is complete.
+The same messages cross, and the results are the same.
+
 Rank i of one machine talks across only to rank i of the others: with one NIC per GPU
 every NIC carries its own rank's tokens (DeepEP's normal dispatch sends across the same
 way, GPU to the same-index GPU of the target node, and forwards over NVLink).
@@ -42,12 +49,14 @@ from dataclasses import dataclass
 import torch
 
 from ..core import ops, trace
+from .dedup_stream import StreamPlan, StreamRows, segment_rows
 from .flat import pairwise_all_to_all
 from .moe import Routing, all_to_all_autograd
 
 __all__ = ["DedupState", "dedup_dispatch", "dedup_combine", "machines_needed"]
 
 SLOT_BITS = 32
+CHUNKS = 4           # pieces per peer of the rows that cross, in the streamed dispatch
 
 
 @dataclass
@@ -62,6 +71,7 @@ class DedupState:
     order: torch.Tensor         # the received copies' positions in the experts' batch
     tokens: int
     received_a: int
+    stream: StreamPlan | None = None          # streamed: the rows' plan (copy_gate then in batch order)
 
 
 def _plain_all_to_all(t: torch.Tensor, recv: list[int], send: list[int]) -> torch.Tensor:
@@ -97,10 +107,16 @@ def machines_needed(routing: Routing, experts_per_rank: int, D: int) -> torch.Te
 
 
 def dedup_dispatch(x: torch.Tensor, routing: Routing, num_experts: int, layout: tuple[int, int],
-                   rank: int) -> tuple[torch.Tensor, list[int], DedupState]:
+                   rank: int, chunks: int | None = CHUNKS) -> tuple[torch.Tensor, list[int], DedupState]:
     """Stages A and B: returns this rank's experts' rows (expert by expert, each sorted by
     source rank then slot, as the flat dispatch hands them), the rows per local expert, and
-    the state :func:`dedup_combine` needs. The world's ranks, machine-major."""
+    the state :func:`dedup_combine` needs. The world's ranks, machine-major.
+
+    ``chunks``: the rows stream (:mod:`.dedup_stream`): the small parts first, then the
+    rows across in ``chunks`` pieces per peer, each forwarded inside as soon as it has
+    arrived. ``None``, or tensors on a GPU: stage after stage, each one all-to-all."""
+    if chunks is not None and chunks < 1:
+        raise ValueError(f"dedup_dispatch: chunks must be at least 1 (or None), got {chunks}")
     D, M = layout
     p = D * M
     El = num_experts // p
@@ -127,6 +143,8 @@ def dedup_dispatch(x: torch.Tensor, routing: Routing, num_experts: int, layout: 
     with trace.label("dedup A: the counts"):
         recv_a = _counts_with(rails, send_a, rank, p)
     H = x.shape[1]
+    if chunks is not None and not x.is_cuda:
+        return _streamed(x, routing, (D, M), rank, chunks, (sent, picks, send_a, recv_a, meta, gates), pack, El)
     with trace.label("dedup A: across, one row per machine"):
         parts = [x.index_select(0, sent), gates.to(x.dtype)] + ([meta.to(x.dtype)] if pack else [])
         rows_a = all_to_all_autograd(torch.cat(parts, dim=1), recv_a, send_a)
@@ -161,10 +179,63 @@ def dedup_dispatch(x: torch.Tensor, routing: Routing, num_experts: int, layout: 
     return rows_b.index_select(0, order), counts, state
 
 
+def _streamed(x, routing, layout, rank, chunks, a, pack, El):
+    """The streamed dispatch: gates, experts and slots across and the copies' keys and gates
+    inside first (small), then the rows (:func:`.dedup_stream.dispatch_rows`)."""
+    D, M = layout
+    p, (m, i), k, dev = D * M, divmod(rank, D), routing.expert.shape[1], x.device
+    sent, picks, send_a, recv_a, meta, gates = a
+    with trace.label("dedup A: gates, experts and slots across"):
+        if pack:
+            head = all_to_all_autograd(torch.cat([gates.to(x.dtype), meta.to(x.dtype)], dim=1), recv_a, send_a)
+            gates_a, meta_a = head[:, :k], head[:, k:].detach().to(torch.int64)
+        else:
+            gates_a = all_to_all_autograd(gates.to(x.dtype), recv_a, send_a)
+            meta_a = _plain_all_to_all(meta, recv_a, send_a)
+    source = torch.repeat_interleave(torch.arange(p, device=dev), torch.tensor(recv_a, device=dev))
+    experts, slots = meta_a[:, :k], meta_a[:, k:]
+    row, choice = torch.nonzero(experts >= 0, as_tuple=True)                   # row-major: token, then choice
+    e = experts[row, choice]
+    dest = e // El
+    key = ((e - dest * El) * p + source[row]) << SLOT_BITS | slots[row, choice]
+    by_dest = torch.argsort(dest, stable=True)
+    row, choice, dest, key = row[by_dest], choice[by_dest], dest[by_dest], key[by_dest]
+    recv_m = [recv_a[mm * D + i] for mm in range(M)]
+    bounds = torch.tensor([a for a, _ in segment_rows(m, recv_m, chunks)], device=dev)
+    S = bounds.numel()
+    seg = torch.searchsorted(bounds, row, right=True) - 1
+    send_b = torch.bincount((dest - m * D) * S + seg, minlength=D * S)
+    inside = [S if q // D == m else 0 for q in range(p)]
+    with trace.label("dedup B: the counts, per segment"):
+        recv_b = _plain_all_to_all(send_b, inside, inside).view(D, S).tolist()
+    send_b = send_b.view(D, S).tolist()
+    per_b = [sum(send_b[q - m * D]) if q // D == m else 0 for q in range(p)]
+    got_b = [sum(recv_b[q - m * D]) if q // D == m else 0 for q in range(p)]
+    gate_b = gates_a[row, choice].unsqueeze(1)
+    with trace.label("dedup B: keys and gates inside"):
+        if pack:                          # the key's two halves, each below 2^24, ride as two columns
+            halves = torch.stack([key >> SLOT_BITS, key & ((1 << SLOT_BITS) - 1)], dim=1).to(x.dtype)
+            head_b = all_to_all_autograd(torch.cat([gate_b, halves], dim=1), got_b, per_b)
+            both = head_b[:, 1:].detach().to(torch.int64)
+            keys_b, gate_got = both[:, 0] << SLOT_BITS | both[:, 1], head_b[:, 0]
+        else:
+            gate_got = all_to_all_autograd(gate_b, got_b, per_b)[:, 0]
+            keys_b = _plain_all_to_all(key, got_b, per_b)
+    order = torch.argsort(keys_b)
+    counts = torch.bincount(keys_b >> SLOT_BITS, minlength=El * p).view(El, p).sum(1).tolist()
+    plan = StreamPlan(D, M, rank, chunks, x.shape[0], sent, [t.numel() for t in picks], recv_m, row,
+                      send_b, recv_b, order)
+    state = DedupState(sent, (send_a, recv_a), row, gate_got.index_select(0, order), (per_b, got_b), order,
+                       x.shape[0], plan.rows_a, plan)
+    return StreamRows.apply(x, plan, True), counts, state
+
+
 def dedup_combine(y: torch.Tensor, state: DedupState) -> torch.Tensor:
     """Stages B' and A': the experts' outputs (in the batch order :func:`dedup_dispatch`
     returned) back to their forwarders, summed there per token with their gates, and
     one row per (token, machine) back across, added up at the source. Returns [T, H]."""
+    if state.stream is not None:          # the gates applied where the outputs are, then summed on the way back
+        return StreamRows.apply(y * state.copy_gate.unsqueeze(1), state.stream, False)
     send_b, recv_b = state.splits_b
     send_a, recv_a = state.splits_a
     unsorted = y.index_select(0, torch.argsort(state.order))
