@@ -21,16 +21,20 @@ from . import tables
 from .tables import source_line as _source_line
 
 IMG = ROOT / "docs" / "img"
+DATA = ROOT / "docs" / "data"
 
 
 # --------------------------------------------------------------------------- reading
 
 def load(name: str, img: Path | None = None) -> dict | None:
-    """The record ``NAME.json`` under ``docs/img`` (or ``img``), or None when there is none."""
-    path = Path(img or IMG) / f"{name}.json"
-    if not path.exists():
-        return None
-    return json.loads(path.read_text(encoding="utf-8"))
+    """The record ``NAME.json`` under ``docs/img`` (or ``img``), else a benchmark's own record
+    ``docs/data/NAME.json`` (one with no figure: its table is drawn by :mod:`.tables`), or None
+    when there is none."""
+    for folder in (Path(img or IMG), None if img else DATA):
+        path = folder / f"{name}.json" if folder else None
+        if path is not None and path.exists():
+            return json.loads(path.read_text(encoding="utf-8"))
+    return None
 
 
 
@@ -98,7 +102,6 @@ def expand(markdown: str, img_url: str = "../img", img: Path | None = None) -> s
 
 # {{ records: DIR }}: every record under docs/data/DIR/ (runs added as files, GPU runs say)
 _RECORDS = re.compile(r"\{\{\s*records:\s*([\w.-]+)\s*\}\}")
-DATA = ROOT / "docs" / "data"
 
 
 def _table_lines(table: dict) -> list[str]:
