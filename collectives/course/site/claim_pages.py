@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Iterable
 
 from ..catalog import ROOT
-from . import tables
+from . import tables, targets
 from .tables import source_line as _source_line
 
 IMG = ROOT / "docs" / "img"
@@ -97,7 +97,8 @@ def expand(markdown: str, img_url: str = "../img", img: Path | None = None) -> s
             return tables.ratio(record, words[0], words[1:])
         series = words[1].split(",") if len(words) > 1 else None
         return tables.table_markdown(record, words[0] if words else None, series)
-    return _PLACEHOLDER.sub(replace, _CONDITION.sub(condition, expand_records(markdown)))
+    markdown = targets.expand(expand_records(markdown), lambda name: load(name, img))
+    return _PLACEHOLDER.sub(replace, _CONDITION.sub(condition, markdown))
 
 
 # {{ records: DIR }}: every record under docs/data/DIR/ (runs added as files, GPU runs say)
@@ -178,7 +179,7 @@ _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|KB|MB|GB)\b")
 
 def _strip_markdown(text: str) -> str:
     text = re.sub(r"```.*?```", " ", text, flags=re.S)            # code blocks
-    text = _PLACEHOLDER.sub(" ", _CONDITION.sub(lambda m: m.group(3), text))   # generated: right by construction
+    text = _PLACEHOLDER.sub(" ", _CONDITION.sub(lambda m: m.group(3), targets.PLACEHOLDER.sub(" ", text)))   # generated: right by construction
     text = re.sub(r"`[^`]*`", " ", text)                           # code spans: names you type
     text = re.sub(r"\$\$.*?\$\$|\$[^$]*\$", " ", text, flags=re.S)  # math
     text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", text)        # links, images: their text
