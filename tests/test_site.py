@@ -484,8 +484,11 @@ def test_quiet_records_remakes_every_cpu_record_a_page_shows():
 
     script = (ROOT / "tools" / "quiet_records.sh").read_text(encoding="utf-8")
     table = script.split("PARTS_TABLE='", 1)[1].split("'", 1)[0]
-    names = {name for page in (ROOT / "docs").rglob("*.md") if "snippets" not in page.parts
-             for _, name, _ in claims.placeholders(page.read_text(encoding="utf-8"))}
+    from collectives.course.site import targets
+
+    pages = [page.read_text(encoding="utf-8") for page in (ROOT / "docs").rglob("*.md") if "snippets" not in page.parts]
+    names = {name for text in pages for _, name, _ in claims.placeholders(text)}
+    names |= {name for text in pages for name, _ in targets.PLACEHOLDER.findall(text)}   # a target's status
     missing = []
     for name in sorted(names):
         record = claims.load(name)
@@ -496,4 +499,4 @@ def test_quiet_records_remakes_every_cpu_record_a_page_shows():
             if not re.search(re.escape(_what_ran(command)) + r"(?![\w-])", table):
                 missing.append(f"{name}: {command.strip()}")
     assert not missing, "records no part of quiet_records.sh remakes:\n" + "\n".join(missing)
-    assert "09-fr-trace" in names and "12-bench-cpu" in names
+    assert "09-fr-trace" in names and "12-bench-cpu" in names and "14-pipeline-local" in names
