@@ -500,3 +500,19 @@ def test_quiet_records_remakes_every_cpu_record_a_page_shows():
                 missing.append(f"{name}: {command.strip()}")
     assert not missing, "records no part of quiet_records.sh remakes:\n" + "\n".join(missing)
     assert "09-fr-trace" in names and "12-bench-cpu" in names and "14-pipeline-local" in names
+
+
+def test_a_figure_shown_with_its_records_table_is_captioned_by_its_title(tmp_path):
+    """The numbers are read once, in the table: the figure's caption is then the record's title."""
+    from collectives.course.site import claims
+
+    _planted_site(tmp_path, "")
+    img = tmp_path / "docs" / "img"
+    record = claims.load("04-pipelining", img)
+    figure = "{{ figure: 04-pipelining | tools/x.py }}"
+    assert "2.19×" in claims.expand(figure, img=img).split("\n\n")[1]          # alone: the sentences
+    record["title"], record["table"] = "Two rings, one size", {"head": ["ring", "time"], "rows": [["ring", "1 ms"]]}
+    (img / "04-pipelining.json").write_text(json.dumps(record))
+    shown = claims.expand(figure + "\n\n{{ table: 04-pipelining }}", img=img).split("\n\n")
+    assert shown[1].startswith("*Two rings, one size.*") and "2.19×" not in shown[1], shown[1]
+    assert shown[2].startswith("| ring | time |")

@@ -61,11 +61,16 @@ def expand(markdown: str, img_url: str = "../img", img: Path | None = None) -> s
     """Put each record's figure, caption, claims and table into ``markdown``.
 
     ``{{ figure: NAME | COMMAND }}``: the image, its caption and where it was measured, from
-    ``NAME.json``; without a record, one line saying that COMMAND draws it. ``{{ claim: NAME
+    ``NAME.json`` (captioned by the record's title when the page shows its table too, or
+    when its sentences run long); without a record, one line saying that COMMAND draws it. ``{{ claim: NAME
     ID }}``: that comparison's sentence, or nothing. ``{{ table: NAME }}``: the record's
     table, or nothing. ``{{ if: NAME }} ... {{ end }}``: the text between, only when the
     record exists (a section of takeaways from it); ``{{ unless: NAME }} ... {{ end }}``:
     only when it does not."""
+    # a figure whose record's table the page shows too is captioned by its title: the
+    # numbers are read once, in the table
+    tabled = {m.group(2) for m in _PLACEHOLDER.finditer(markdown) if m.group(1) == "table" and not m.group(4)}
+
     def condition(m: re.Match) -> str:
         present = load(m.group(2), img) is not None
         return m.group(3) if present == (m.group(1) == "if") else ""
@@ -79,7 +84,7 @@ def expand(markdown: str, img_url: str = "../img", img: Path | None = None) -> s
                 return (f"*The figure of this section is drawn by `{command or 'its figure script'}` "
                         "from a recorded run; no recorded run is in this build yet.*")
             said = record["caption"]
-            if len(said.split()) > CAPTION_WORDS and record.get("title"):
+            if (len(said.split()) > CAPTION_WORDS or name in tabled) and record.get("title"):
                 said = record["title"].rstrip(".") + "."
             return (f"![{record.get('alt') or record.get('title') or name}]({img_url}/{record['image']})\n\n"
                     f"*{said}* {_source_line(record)}")
