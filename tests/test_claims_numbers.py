@@ -156,3 +156,49 @@ def test_every_benchmark_record_names_its_hosts_cores_and_load():
     line = claim_pages._source_line({"meta": {"device": "16-core x86_64 host", "torch": "2.11.0",
                                               "date": "2026-11-29", "command": "x", "load_average": [0.3, 1, 1]}})
     assert "16-core x86_64 host under a load average of 0.3, torch 2.11.0" in line
+
+
+# --------------------------------------------------------------------------- targets and their status
+
+def test_a_target_reads_its_status_from_the_record(tmp_path, monkeypatch):
+    """``{{ target: }}`` on the benchmarks page: the bound, the measured range and met/missed,
+    read from the record at every build; a record not yet made reads "not measured"; a field
+    the record lacks fails the build."""
+    from collectives.course.site import claim_pages, claims, targets
+
+    data = tmp_path / "data"
+    (data / "sub").mkdir(parents=True)
+    monkeypatch.setattr(claim_pages, "IMG", tmp_path / "img")
+    monkeypatch.setattr(claim_pages, "DATA", data)
+    (data / "sub" / "x.json").write_text(json.dumps({
+        "bench": "x", "speedup": 1.38,
+        "rows": [{"name": "a", "r": 0.8, "t": 2.0, "u": 1.0}, {"name": "b", "r": 1.2, "t": 4.0, "u": 4.0}]}))
+
+    def cells(rest: str, name: str = "sub/x") -> str:
+        return targets.cells(name, rest, claim_pages.load)
+
+    assert cells("rows[*].r <= 1.05") == "≤ 1.05× | 0.80–1.20× | **missed** (1 of 2 hold)"
+    assert cells("rows[name=a].r <= 1.05") == "≤ 1.05× | 0.80× | **met**"
+    assert cells("speedup >= 1.5") == "≥ 1.50× | 1.38× | **missed**"
+    assert cells("rows[*].t / rows[*].u >= 1.5") == "≥ 1.50× | 1.00–2.00× | **missed** (1 of 2 hold)"
+    assert (cells("rows[*].t / rows[name=a].t ~ 0.1")       # one schedule's over another's
+            == "0.90–1.10× | 1.00–2.00× | **missed** (1 of 2 hold)")
+    assert cells("rows[*].r / rows[*].r ~ 0.1").endswith("| **met**")
+    assert cells("rows[*].t / rows[*].u") == "1.00–2.00×"          # no bound: the value alone
+    assert cells("rows[*].r >= 1", "gone") == "≥ 1.00× | not measured | no record yet (`docs/data/gone.json`)"
+    with pytest.raises(ValueError, match="no 'rows\\[\\*\\].missing'"):
+        cells("rows[*].missing <= 1")
+    page = "| what | target | measured | status |\n|---|---|---|---|\n| x | {{ target: sub/x speedup >= 1.5 }} |\n"
+    assert "| x | ≥ 1.50× | 1.38× | **missed** |" in claims.expand(page)
+
+
+def test_targets_stay_off_lesson_pages_and_every_one_on_the_benchmarks_page_reads(tmp_path):
+    from collectives.course.site import claims, measured, targets
+
+    page = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    found = targets.PLACEHOLDER.findall(page)
+    assert len(found) >= 8
+    expanded = claims.expand(page)
+    assert "{{ target:" not in expanded and expanded.count("**met**") + expanded.count("**missed**") >= 5
+    lesson = "## Measured\n\nIt ran.\n\n| x | {{ target: 13-tp-cpu times.sequential[*] >= 1 }} |\n"
+    assert any("targets live on the benchmarks page" in p for p in measured.problems(lesson, tmp_path))

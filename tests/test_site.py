@@ -484,8 +484,11 @@ def test_quiet_records_remakes_every_cpu_record_a_page_shows():
 
     script = (ROOT / "tools" / "quiet_records.sh").read_text(encoding="utf-8")
     table = script.split("PARTS_TABLE='", 1)[1].split("'", 1)[0]
-    names = {name for page in (ROOT / "docs").rglob("*.md") if "snippets" not in page.parts
-             for _, name, _ in claims.placeholders(page.read_text(encoding="utf-8"))}
+    from collectives.course.site import targets
+
+    pages = [page.read_text(encoding="utf-8") for page in (ROOT / "docs").rglob("*.md") if "snippets" not in page.parts]
+    names = {name for text in pages for _, name, _ in claims.placeholders(text)}
+    names |= {name for text in pages for name, _ in targets.PLACEHOLDER.findall(text)}   # a target's status
     missing = []
     for name in sorted(names):
         record = claims.load(name)
@@ -496,4 +499,20 @@ def test_quiet_records_remakes_every_cpu_record_a_page_shows():
             if not re.search(re.escape(_what_ran(command)) + r"(?![\w-])", table):
                 missing.append(f"{name}: {command.strip()}")
     assert not missing, "records no part of quiet_records.sh remakes:\n" + "\n".join(missing)
-    assert "09-fr-trace" in names and "12-bench-cpu" in names
+    assert "09-fr-trace" in names and "12-bench-cpu" in names and "14-pipeline-local" in names
+
+
+def test_a_figure_shown_with_its_records_table_is_captioned_by_its_title(tmp_path):
+    """The numbers are read once, in the table: the figure's caption is then the record's title."""
+    from collectives.course.site import claims
+
+    _planted_site(tmp_path, "")
+    img = tmp_path / "docs" / "img"
+    record = claims.load("04-pipelining", img)
+    figure = "{{ figure: 04-pipelining | tools/x.py }}"
+    assert "2.19×" in claims.expand(figure, img=img).split("\n\n")[1]          # alone: the sentences
+    record["title"], record["table"] = "Two rings, one size", {"head": ["ring", "time"], "rows": [["ring", "1 ms"]]}
+    (img / "04-pipelining.json").write_text(json.dumps(record))
+    shown = claims.expand(figure + "\n\n{{ table: 04-pipelining }}", img=img).split("\n\n")
+    assert shown[1].startswith("*Two rings, one size.*") and "2.19×" not in shown[1], shown[1]
+    assert shown[2].startswith("| ring | time |")

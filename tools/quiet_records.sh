@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Remake, on a quiet host, every CPU and simulated-cluster timing record whose figure or table a
-# page shows (lessons 1-12 and the benchmarks pages), into an output folder.
+# page shows (lessons 1-14 and the benchmarks pages), into an output folder.
 #
 #   tools/quiet_records.sh OUTDIR [PART...]          (default: every part, in the order below)
 #   PYTHON=python3 tools/quiet_records.sh /tmp/quiet p2p ring-sweep
@@ -57,6 +57,12 @@ a2a-moe        |  60 | 10  |         | $PY -m collectives bench-alltoall moe --t
 a2a-host       |  60 | 12  |         | $PY -m collectives bench-alltoall host --before docs/data/11-alltoall/bench-alltoall-host-before.json --out docs/data/11-alltoall; $PY tools/lesson11_figures.py --records docs/data/11-alltoall
 a2a-figures    |  60 | 5   |         | $PY tools/lesson11_figures.py --records docs/data/11-alltoall
 symmetric      | 120 | 18  |         | $PY -m collectives bench-symmetric --json docs/data/12-symmetric-cpu.json --record 12-bench-cpu
+sharded-agree  | 120 | ?   |         | $PY -m collectives bench-sharded-agreement
+sharded-p3     | 150 | ?   |         | $PY -m collectives bench-sharded --world 3 --layers 4 --width 1024 --only fsdp2,zero3,zero3_torch --out docs/data/10-sharded-p3
+a2a-dedup      | 540 | ?   | cluster | $PY -m collectives bench-alltoall dedup --tokens 2048 --hidden 1024 --out docs/data/11-alltoall
+tp             | 120 | ?   |         | $PY -m collectives bench-tp --json docs/data/13-tp-cpu.json --record 13-bench-cpu; $PY -m collectives bench-tp --counts
+pp             | 120 | ?   |         | $PY -m collectives bench-pp --img docs/img
+pp-cluster     | 540 | ?   | cluster | $PY -m collectives bench-pp --cluster --img docs/img
 bench          | 120 | 20  |         | $PY -m collectives bench --json docs/data/bench-cpu.json --out build/bench-cpu; $PY tools/bench_charts.py
 pipeline       |  60 | ?   |         | $PY -m collectives bench-pp --img docs/img
 pipeline-cluster| 540 | ?  | cluster | $PY -m collectives bench-pp --cluster --img docs/img

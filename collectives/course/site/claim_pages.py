@@ -17,20 +17,24 @@ from pathlib import Path
 from typing import Iterable
 
 from ..catalog import ROOT
-from . import tables
+from . import tables, targets
 from .tables import source_line as _source_line
 
 IMG = ROOT / "docs" / "img"
+DATA = ROOT / "docs" / "data"
 
 
 # --------------------------------------------------------------------------- reading
 
 def load(name: str, img: Path | None = None) -> dict | None:
-    """The record ``NAME.json`` under ``docs/img`` (or ``img``), or None when there is none."""
-    path = Path(img or IMG) / f"{name}.json"
-    if not path.exists():
-        return None
-    return json.loads(path.read_text(encoding="utf-8"))
+    """The record ``NAME.json`` under ``docs/img`` (or ``img``), else a benchmark's own record
+    ``docs/data/NAME.json`` (one with no figure: its table is drawn by :mod:`.tables`), or None
+    when there is none."""
+    for folder in (Path(img or IMG), None if img else DATA):
+        path = folder / f"{name}.json" if folder else None
+        if path is not None and path.exists():
+            return json.loads(path.read_text(encoding="utf-8"))
+    return None
 
 
 
@@ -57,11 +61,16 @@ def expand(markdown: str, img_url: str = "../img", img: Path | None = None) -> s
     """Put each record's figure, caption, claims and table into ``markdown``.
 
     ``{{ figure: NAME | COMMAND }}``: the image, its caption and where it was measured, from
-    ``NAME.json``; without a record, one line saying that COMMAND draws it. ``{{ claim: NAME
+    ``NAME.json`` (captioned by the record's title when the page shows its table too, or
+    when its sentences run long); without a record, one line saying that COMMAND draws it. ``{{ claim: NAME
     ID }}``: that comparison's sentence, or nothing. ``{{ table: NAME }}``: the record's
     table, or nothing. ``{{ if: NAME }} ... {{ end }}``: the text between, only when the
     record exists (a section of takeaways from it); ``{{ unless: NAME }} ... {{ end }}``:
     only when it does not."""
+    # a figure whose record's table the page shows too is captioned by its title: the
+    # numbers are read once, in the table
+    tabled = {m.group(2) for m in _PLACEHOLDER.finditer(markdown) if m.group(1) == "table" and not m.group(4)}
+
     def condition(m: re.Match) -> str:
         present = load(m.group(2), img) is not None
         return m.group(3) if present == (m.group(1) == "if") else ""
@@ -75,7 +84,7 @@ def expand(markdown: str, img_url: str = "../img", img: Path | None = None) -> s
                 return (f"*The figure of this section is drawn by `{command or 'its figure script'}` "
                         "from a recorded run; no recorded run is in this build yet.*")
             said = record["caption"]
-            if len(said.split()) > CAPTION_WORDS and record.get("title"):
+            if (len(said.split()) > CAPTION_WORDS or name in tabled) and record.get("title"):
                 said = record["title"].rstrip(".") + "."
             return (f"![{record.get('alt') or record.get('title') or name}]({img_url}/{record['image']})\n\n"
                     f"*{said}* {_source_line(record)}")
@@ -93,12 +102,12 @@ def expand(markdown: str, img_url: str = "../img", img: Path | None = None) -> s
             return tables.ratio(record, words[0], words[1:])
         series = words[1].split(",") if len(words) > 1 else None
         return tables.table_markdown(record, words[0] if words else None, series)
-    return _PLACEHOLDER.sub(replace, _CONDITION.sub(condition, expand_records(markdown)))
+    markdown = targets.expand(expand_records(markdown), lambda name: load(name, img))
+    return _PLACEHOLDER.sub(replace, _CONDITION.sub(condition, markdown))
 
 
 # {{ records: DIR }}: every record under docs/data/DIR/ (runs added as files, GPU runs say)
 _RECORDS = re.compile(r"\{\{\s*records:\s*([\w.-]+)\s*\}\}")
-DATA = ROOT / "docs" / "data"
 
 
 def _table_lines(table: dict) -> list[str]:
@@ -175,7 +184,7 @@ _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|KB|MB|GB)\b")
 
 def _strip_markdown(text: str) -> str:
     text = re.sub(r"```.*?```", " ", text, flags=re.S)            # code blocks
-    text = _PLACEHOLDER.sub(" ", _CONDITION.sub(lambda m: m.group(3), text))   # generated: right by construction
+    text = _PLACEHOLDER.sub(" ", _CONDITION.sub(lambda m: m.group(3), targets.PLACEHOLDER.sub(" ", text)))   # generated: right by construction
     text = re.sub(r"`[^`]*`", " ", text)                           # code spans: names you type
     text = re.sub(r"\$\$.*?\$\$|\$[^$]*\$", " ", text, flags=re.S)  # math
     text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", text)        # links, images: their text

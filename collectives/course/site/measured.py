@@ -110,6 +110,8 @@ def problems(markdown: str, img: Path | None = None, page: str = "lessons/x.md")
     if words > MAX_PROSE_WORDS:
         found.append(f"Measured's paragraph runs to {words} words (at most {MAX_PROSE_WORDS}; "
                      "put the rest in a collapsed note or on the notes page)")
+    if re.search(r"\{\{\s*target:", markdown):
+        found.append("a {{ target: }} shows on the lesson page: targets live on the benchmarks page")
     for m in AIMS.finditer(claim_pages.expand(markdown, img=img)):
         found.append(f"an aim or target shows on the lesson page ({m.group(0)!r}): targets live on "
                      "the benchmarks page")

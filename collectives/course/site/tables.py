@@ -12,7 +12,7 @@ nothing else, so a page cannot show a number its record does not hold:
 * ``{{ value: NAME ID KEY }}``: one time of comparison ID (``KEY SIZE`` in a sweep, e.g.
   ``ring 4MiB``); a crossover's size with ``at``; a fact's field with ``FIELD FORMAT``
   (``alpha_s time``).
-* ``{{ ratio: NAME ID A B }}`` (``A B SIZE`` in a sweep): B's time over A's, "2.3×" -- how
+* ``{{ ratio: NAME ID A B }}`` (``A B SIZE`` in a sweep): B's time over A's, "2.30×" -- how
   many times as fast A ran as B.
 
 :mod:`collectives.course.site.claim_pages` expands them with the other placeholders.
@@ -93,6 +93,8 @@ def table(record: dict, comp_id: str | None = None, series: list[str] | None = N
     None when the record has no such thing to show."""
     if comp_id is None:
         own = record.get("table")
+        if own is None and record.get("bench") in BENCH_TABLES:
+            return BENCH_TABLES[record["bench"]](record)
         return dict(own, what=own.get("what", "")) if own else None
     c = comparison(record, comp_id)
     if c is None:
@@ -110,6 +112,24 @@ def table(record: dict, comp_id: str | None = None, series: list[str] | None = N
         rows = [[_size(s)] + [human(values[k][i]) for k in keys] for i, s in enumerate(c["sizes"])]
         return {"head": head, "rows": rows, "what": c.get("label", "")}
     return None
+
+
+def _agreement(record: dict) -> dict:
+    """``bench-sharded-agreement``'s rows: ZeRO-3 against ``fully_shard``, values and peak."""
+    mib = lambda b: f"{b / 2 ** 20:.2f}"                                      # noqa: E731
+    rows = [[r["contender"], r["policy"],
+             "bit for bit" if r.get("bit_equal") else f"within {r['max_abs_diff']:.1e}",
+             mib(r["peak_bytes"]), mib(r["fsdp2_peak_bytes"]), f"{r['peak_over_fsdp2']:.2f}×"]
+            for r in record.get("rows", [])]
+    what = (f"ZeRO-3 against torch's fully_shard, {record['layers']} square layers of {record['width']}, "
+            f"{record['world_size']} ranks, {record['steps']} steps: the parameters after them, and the "
+            "peak live bytes of a step")
+    return {"head": ["contender", "policy", "parameters", "peak MiB", "fully_shard's MiB",
+                     "× fully_shard's peak"], "rows": rows, "what": what}
+
+
+# A benchmark's own record (docs/data/NAME.json, no figure) as a table, by its "bench".
+BENCH_TABLES = {"bench-sharded-agreement": _agreement}
 
 
 def table_markdown(record: dict, comp_id: str | None = None, series: list[str] | None = None) -> str:
@@ -148,8 +168,13 @@ def value(record: dict, comp_id: str, args: list[str]) -> str:
     return human(_at(c, _key(c, args[0]), args[1] if len(args) > 1 else None))
 
 
+def _times(r: float) -> str:
+    """A ratio as a page writes it: two decimals below 10 ("1.04×", "0.96×"), whole above."""
+    return f"{r:.2f}×" if r < 10 else f"{r:.0f}×"
+
+
 FORMATS = {"time": human, "us": lambda x: human(x * 1e-6), "size": _size, "count": lambda x: f"{x:g}",
-           "ratio": lambda x: f"{x:.2g}×" if x < 10 else f"{x:.0f}×", "rate": lambda x: f"{x / 1e9:.3g} GB/s",
+           "ratio": lambda x: _times(x), "rate": lambda x: f"{x / 1e9:.3g} GB/s",
            "bandwidth": lambda x: f"{1 / x / 1e9:.3g} GB/s",      # 1/β from β (seconds per byte)
            "share": lambda x: f"{x:.2f}"}
 
@@ -177,4 +202,4 @@ def ratio(record: dict, comp_id: str, args: list[str]) -> str:
         raise ValueError(f"record {record.get('figure')}: no comparison {comp_id!r} of {args[:2]}")
     size = args[2] if len(args) > 2 else None
     r = _at(c, keys[1], size) / _at(c, keys[0], size)
-    return f"{r:.2g}×" if r < 10 else f"{r:.0f}×"
+    return _times(r)
