@@ -418,8 +418,16 @@ def _own_chunk(case: Case, members: list[int], i: int, own, where: str, fresh: l
     return None
 
 
+SET_UP = frozenset({"broadcast", "allreduce"})
+"""The routes of lesson 12's worlds: the given workspace's set-up (a broadcast of where it
+lives, an all-reduce of what each rank asked for) and the probe's one broadcast, outside
+every case; a call inside a case -- the student's barrier or all-reduce -- fails its task
+whatever it is (the cases' own check)."""
+
 TASKS = [
-    GradedTask(12, 1, "the flag barrier", 3, _barrier, ("flag_barrier",)),
-    GradedTask(12, 2, "one-shot all-reduce", 4, _judge_all_reduce("one_shot_all_reduce"), ("one_shot_all_reduce",)),
-    GradedTask(12, 3, "two-shot all-reduce", 4, _judge_all_reduce("two_shot_all_reduce"), ("two_shot_all_reduce",)),
+    GradedTask(12, 1, "the flag barrier", 3, _barrier, ("flag_barrier",), routes=SET_UP),
+    GradedTask(12, 2, "one-shot all-reduce", 4, _judge_all_reduce("one_shot_all_reduce"), ("one_shot_all_reduce",),
+               routes=SET_UP),
+    GradedTask(12, 3, "two-shot all-reduce", 4, _judge_all_reduce("two_shot_all_reduce"), ("two_shot_all_reduce",),
+               routes=SET_UP),
 ]
