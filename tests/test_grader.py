@@ -177,6 +177,8 @@ CHEAT_TARGETS = {
     "lesson11_library_all_to_all": (11, (1, 2, 3, 4, 5), None),
     "lesson12_all_reduce_in_disguise": (12, (2, 3), 1),
     "lesson12_flags_reset_on_the_way_out": (12, (1,), None),
+    "lesson13_library_gathers_moved_case_and_decoys": (13, (3, 4, 5), 1),
+    "lesson14_side_channel_barrier_and_moved_case": (14, (1, 2, 4), 3),
     # every class of cheat on the grader itself, judged on worlds of 4 (QUICK): a task that
     # fails there fails the full grade too
     "side_channel_and_decoys": (4, (1, 2, 3), None),

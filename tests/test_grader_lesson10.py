@@ -32,7 +32,7 @@ NAMED = {
     },
     "lesson10_floor_library_rebind_late_kept_cast": {
         1: "ceil(rows / p)",
-        2: "lesson 4's ring",
+        2: "called all_gather_single: this task allows",
         3: "autograd saved still do not see the weights",
         4: "after layer 0 finished",
         5: "free a layer once its gradients are reduce-scattered",

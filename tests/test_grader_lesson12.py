@@ -31,8 +31,8 @@ NAMED = {
 }
 # cheat fixtures (issue classes of lesson 12) -> task -> what the failure must say
 CHEATS = {
-    "lesson12_cheat_functional_collectives": {2: "bytes through system calls during the call",
-                                              3: "send nothing"},    # the tap, or the kernel's count
+    "lesson12_cheat_functional_collectives": {2: "functional collectives (torch.ops._c10d_functional",
+                                              3: "send nothing"},    # the fence, or the case's calls
     "lesson12_cheat_nap_once_frozen_clock": {1: "before the last rank entered"},
     "lesson12_cheat_answer_cache_and_mock_any": {2: "one_shot_all_reduce, world of", 3: "began None calls"},
 }

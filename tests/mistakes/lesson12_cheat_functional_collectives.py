@@ -5,7 +5,8 @@ group's Python methods; the two-shot calls the tap's original ``dist.all_reduce`
 the wrapper (``__wrapped__``). No recorded call shows either; the cheat also writes its input
 into its slot, counts a call on the workspace and passes the right number of the reference's
 barriers, and writes the reduced chunk into its slot. The values, the counts and the slot all look right:
-only the bytes the rank wrote to its sockets during the call (the kernel's count) give it away.
+the fence gives it away -- the functional collective finds no backend under the graded world's
+group and says so, and the original ``dist.all_reduce`` ends in the fence, recorded in the case.
 """
 
 import torch

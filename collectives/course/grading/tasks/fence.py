@@ -75,6 +75,16 @@ class FencedGroup(dist.ProcessGroup):
     def getBackendName(self) -> str:
         return BACKEND
 
+    @property
+    def group_name(self) -> str:
+        """A fenced group has no backend under it for the functional collectives to find by
+        its name: asking for the name is how they start, so the error names them."""
+        routes = _state["routes"]
+        offered = (f"this task is built from {', '.join(sorted(routes))} alone" if routes is not None
+                   else "call the torch.distributed functions instead")
+        raise RuntimeError("functional collectives (torch.ops._c10d_functional, torch.distributed."
+                           f"_functional_collectives) are not offered in a graded world: {offered}")
+
     def _call(self, name: str, args: tuple, kwargs: dict):
         from .tap import record_call
         sink = _state["sink"]

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ....sharded import ShardGroup, ShardSpec
-from . import GradedTask
+from . import P2P, GradedTask
 from . import lesson10_messages as messages
 from . import lesson10_training as training
 from .lesson10_messages import common_seed as _common_seed
@@ -427,8 +427,8 @@ def _judge_overlap(calls, log, pieces, p, where, verdict) -> None:
 
 
 TASKS = [
-    GradedTask(10, 1, "shard and unshard with padding", 2, _judge_shards, ("shard_rows", "unshard_rows")),
-    GradedTask(10, 2, "ZeRO-1 step", 4, _judge_zero1, ("zero1_step",)),
-    GradedTask(10, 3, "gather and free a layer", 3, _judge_gather, ("gather_layer", "free_layer")),
-    GradedTask(10, 4, "prefetch the next layer", 4, _judge_prefetch, ("forward_prefetch",)),
+    GradedTask(10, 1, "shard and unshard with padding", 2, _judge_shards, ("shard_rows", "unshard_rows"), routes=P2P),
+    GradedTask(10, 2, "ZeRO-1 step", 4, _judge_zero1, ("zero1_step",), routes=P2P),
+    GradedTask(10, 3, "gather and free a layer", 3, _judge_gather, ("gather_layer", "free_layer"), routes=P2P),
+    GradedTask(10, 4, "prefetch the next layer", 4, _judge_prefetch, ("forward_prefetch",), routes=P2P),
 ] + training.TASKS

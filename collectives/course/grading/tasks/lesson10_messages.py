@@ -86,12 +86,17 @@ def draw() -> int:
 
 
 def common_seed(probe: Probe, key: str) -> int:
-    """A seed every rank of the world shares: rank 0's, drawn from its secret and broadcast
-    (outside every case: not the student's message). The judge gets it as ``run.seed(0, key)``."""
+    """A seed every rank of the world shares: rank 0's, drawn from its secret and sent to
+    each peer (outside every case: not the student's message; sends alone, so that a world
+    offering messages only can run it). The judge gets it as ``run.seed(0, key)``."""
     import torch.distributed as dist
 
     seed = torch.tensor([probe.seed(key) % 1_000_000 if probe.rank == 0 else 0], dtype=torch.int64)
-    dist.broadcast(seed, 0)
+    if probe.rank == 0:
+        for peer in range(1, probe.size):
+            dist.send(seed, peer)
+    else:
+        dist.recv(seed, 0)
     return int(seed.item())
 
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ....sharded import ShardGroup
-from . import GradedTask
+from . import P2P, GradedTask
 from . import lesson10_messages as messages
 from .world import Grading, Probe, Verdict, outcome_problem, same
 
@@ -381,6 +381,6 @@ def _judge_wire(where, calls, groups, p, param_dtype, reduce_dtype, verdict) -> 
 
 TASKS = [
     GradedTask(10, 5, "ZeRO-3 backward: regather, reduce-scatter in hooks", 4, _judge_layer,
-               ("reduce_scatter_grads", "zero3_layer")),
-    GradedTask(10, 6, "train a model under ZeRO-3, fp32 and bf16", 4, _judge_train, ("zero3_train",)),
+               ("reduce_scatter_grads", "zero3_layer"), routes=P2P),
+    GradedTask(10, 6, "train a model under ZeRO-3, fp32 and bf16", 4, _judge_train, ("zero3_train",), routes=P2P),
 ]

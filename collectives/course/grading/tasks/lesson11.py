@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ... import verify
-from . import GradedTask
+from . import P2P, GradedTask
 from .allreduce import messages_only
 from .lesson11_messages import (
     COUNTED,
@@ -403,11 +403,11 @@ def _batches(seen, made, rank: int, p: int, E: int) -> str | None:
 TASKS = [
     GradedTask(11, 1, "pairwise all-to-all", 4, lambda g: _judge_flat(g, "pairwise_all_to_all", True,
                                                                       pairwise_pattern, LATE),
-               ("pairwise_all_to_all",)),
+               ("pairwise_all_to_all",), routes=P2P),
     GradedTask(11, 2, "Bruck all-to-all", 4, lambda g: _judge_flat(g, "bruck_all_to_all", False, bruck_pattern),
-               ("bruck_all_to_all",)),
-    GradedTask(11, 3, "exchange of split sizes", 2, _judge_splits, ("exchange_splits",)),
-    GradedTask(11, 4, "uneven all-to-all", 3, _judge_uneven, ("all_to_all_uneven",)),
-    GradedTask(11, 5, "MoE dispatch and combine", 5, _judge_moe, ("moe_dispatch_combine",)),
+               ("bruck_all_to_all",), routes=P2P),
+    GradedTask(11, 3, "exchange of split sizes", 2, _judge_splits, ("exchange_splits",), routes=P2P),
+    GradedTask(11, 4, "uneven all-to-all", 3, _judge_uneven, ("all_to_all_uneven",), routes=P2P),
+    GradedTask(11, 5, "MoE dispatch and combine", 5, _judge_moe, ("moe_dispatch_combine",), routes=P2P),
     *MOE_TASKS,
 ]

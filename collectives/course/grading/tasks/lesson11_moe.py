@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from . import GradedTask
+from . import P2P, GradedTask
 from .allreduce import messages_only
 from .world import Grading, Probe, Verdict, outcome_problem, same
 
@@ -245,6 +245,6 @@ def _judge_balance(grading: Grading) -> Verdict:
 
 
 TASKS = [
-    GradedTask(11, 6, "top-k dispatch with a capacity", 5, _judge_topk, ("topk_dispatch_combine",)),
-    GradedTask(11, 7, "balancing the experts", 3, _judge_balance, ("balance_experts",)),
+    GradedTask(11, 6, "top-k dispatch with a capacity", 5, _judge_topk, ("topk_dispatch_combine",), routes=P2P),
+    GradedTask(11, 7, "balancing the experts", 3, _judge_balance, ("balance_experts",), routes=P2P),
 ]

@@ -7,19 +7,20 @@ in the rank) stamps when it entered and left each one, on a clock taken when thi
 was imported, before the student's. The judge asks that no rank left a barrier before the
 last one entered it, and none long after; that the flags hold the epoch after every barrier
 (a flag reset to 0 is the hazard the lesson teaches); that no message was sent -- no call
-of ``torch.distributed`` recorded, and no byte written through a system call, by the
-kernel's own count (``/proc/self/io``); and that a rank whose peer never comes raises
+of ``torch.distributed`` recorded by the fence under the process group, where every route to
+a collective ends (:mod:`.fence`); and that a rank whose peer never comes raises
 ``TimeoutError`` naming itself, neither before nor long after its timeout (drawn afresh).
 
 The all-reduces (tasks 2 and 3) on worlds of 1 to 4 ranks, every input drawn from a secret
 of its own, drawn for the call, told to the judge before any of the student's code runs and
 then dropped (no answer can be rebuilt from what the rank holds, nor kept from an earlier
 call): the harness's cases judged bit for bit as every all-reduce of the course, and every
-call held to the design -- no call of ``torch.distributed`` and no byte written to a socket
-in the data path (functional collectives, a library's own methods and a silenced tap all
-write there), one barrier per one-shot, two per two-shot, and the two-shot's reduced chunk
-written into the rank's own slot, where its peers gather it from. A broken design is
-reported before wrong values: it is the cause.
+call held to the design -- no call of ``torch.distributed`` in the data path, by the fence's
+record (a library's own methods and a silenced tap end in the fence; functional collectives
+find no backend under it; work done round it shows in gloo's own count), one barrier per
+one-shot, two per two-shot, and the two-shot's reduced chunk written into the rank's own
+slot, where its peers gather it from. A broken design is reported before wrong values: it is
+the cause.
 """
 
 from __future__ import annotations
@@ -45,46 +46,10 @@ LATE = 0.5          # seconds a rank may still sit in a barrier after the last o
 LONG = (0.4, 0.7)   # rank 0's two long delays (s): longer than a nap-once barrier's 0.3 s
 LONELY = (0.4, 1.2)  # the lonely barrier's timeout (s), drawn afresh each run
 HELD = 0.1          # seconds a rank pauses, at two barriers, between raising its flag and looking
-CHECK_SLACK = 16384  # bytes a call may write in check mode beyond half its tensor's
-QUIET = 96          # bytes a barrier may write through system calls (a gloo barrier writes 144 or more)
-CALL_QUIET = 1024   # bytes an all-reduce may: none of its own, room for a stray line on stderr
 
-# Taken at import, before the student's module is imported: patching ``time`` or ``os``
-# afterwards changes neither the stamps nor the byte counts.
+# Taken at import, before the student's module is imported: patching ``time`` afterwards
+# changes none of the stamps.
 _NOW, _SLEEP = time.monotonic, time.sleep
-_OPEN, _READ, _CLOSE = os.open, os.read, os.close
-
-
-def written() -> int:
-    """Bytes this process has written through system calls so far (sockets, pipes, files),
-    by the kernel's count; -1 where there is no ``/proc/self/io``. Memory stores -- the
-    lesson's whole data path -- write none."""
-    try:
-        fd = _OPEN("/proc/self/io", os.O_RDONLY)
-    except OSError:
-        return -1
-    try:
-        text = _READ(fd, 4096).decode()
-    finally:
-        _CLOSE(fd)
-    for line in text.splitlines():
-        if line.startswith("wchar:"):
-            return int(line.split(":")[1])
-    return -1
-
-
-def _measured(fn):
-    """``fn`` wrapped: its result, and the bytes written through system calls while it ran."""
-    box = {}
-
-    def run(*args, **kwargs):
-        before = written()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            after = written()
-            box["written"] = after - before if before >= 0 and after >= 0 else -1
-    return run, box
 
 
 def _plain(value, kind=int):
@@ -115,21 +80,18 @@ def probe_barrier(probe: Probe) -> dict:
         if point == "posted" and w.epoch - 1 in held:
             _SLEEP(HELD)
     ws.pause = hold
-    stamps, flags, bytes_written = [], [], []
+    stamps, flags = [], []
     for k in range(BARRIERS):
         _SLEEP(delays[k])
-        measured, box = _measured(barrier)
         entered = _NOW()
-        outcome = probe.call(f"barrier {k}", measured, ws)
+        outcome = probe.call(f"barrier {k}", barrier, ws)
         left = _NOW()
         if outcome.error or outcome.not_written:
             return {"outcome": outcome, "failed_at": k, "epoch": _plain(ws.epoch),
                     "seen": _plain(ws.flags, list)}
         stamps.append((entered, left))
         flags.append(_plain(ws.flags, list))
-        bytes_written.append(box.get("written", -1))
-    return {"outcome": outcome, "stamps": stamps, "flags": flags, "epoch": _plain(ws.epoch),
-            "written": bytes_written}
+    return {"outcome": outcome, "stamps": stamps, "flags": flags, "epoch": _plain(ws.epoch)}
 
 
 def _schedule(seed: int, rank: int) -> tuple[list[float], set[int]]:
@@ -218,9 +180,6 @@ def _judge_stamps(run, size: int, verdict: Verdict) -> None:
             if calls:
                 verdict.add(f"{where}: rank {rank} called {sorted({c.kind for c in calls})} of "
                             "torch.distributed: the barrier is made of flags in shared memory alone")
-            elif got["written"][k] > QUIET:
-                verdict.add(f"{where}: rank {rank} wrote {got['written'][k]} bytes through system calls during "
-                            "the barrier (a message, by the kernel's count): the barrier is made of flags alone")
         if len(verdict.problems) > 10:
             return
 
@@ -286,9 +245,7 @@ def probe_all_reduce(probe: Probe, name: str, cases: list[Case]) -> dict:
         extra = {} if case.group is None else {"group": groups[case.group]}
         ws = spaces[case.group]
         epoch, calls = _plain(ws.epoch), _plain(ws.calls)
-        measured, box = _measured(fn)
-        measured.__name__ = name
-        outcome = probe.call(case.name, measured, tensor, op=case.op, **extra)
+        outcome = probe.call(case.name, fn, tensor, op=case.op, **extra)
         outcome.value = None
         output = tensor.detach().clone(memory_format=torch.contiguous_format)
         record = CaseRecord(outcome, output if type(output) is torch.Tensor else None)
@@ -301,8 +258,7 @@ def probe_all_reduce(probe: Probe, name: str, cases: list[Case]) -> dict:
             own = ws.slot((began - 1) % 2 if ws.two_buffers else 0, ws.rank, case.dtype,
                           case.numel)[lo:hi].clone()
         records[case.name] = {"record": record, "barriers": barriers - epoch if known else None,
-                              "calls": began - calls if known else None, "own_chunk": own,
-                              "written": box.get("written", -1), "nbytes": tensor.numel() * tensor.element_size()}
+                              "calls": began - calls if known else None, "own_chunk": own}
     return records
 
 
@@ -383,15 +339,8 @@ def _judge_design(name: str, run, cases: list[Case], extras: list, fresh: list[d
                 verdict.add(f"{where}: the tensor was replaced by something else after the call")
                 continue
             sent = pattern(case, len(members), i, run.of(r, case.name))
-            # check mode's own traffic (the store, and the tap's records of it) is the course's, a few KiB a
-            # call: there a call may write that much, and a library all-reduce writes at least half its bytes
-            limit = got["nbytes"] // 2 + CHECK_SLACK if run.check_traffic else CALL_QUIET
             if sent:
                 verdict.add(f"{where}: {sent}")
-            elif got["written"] > limit:
-                verdict.add(f"{where}: wrote {got['written']} bytes through system calls during the call (a "
-                            "message, by the kernel's count; no library call was recorded): the ranks read each "
-                            "other's slots in shared memory, and send nothing")
             elif case.numel and got["calls"] != 1:
                 verdict.add(f"{where}: began {got['calls']} calls on the group's workspace (ws.begin), expected 1")
             elif case.numel and len(members) > 1 and got["barriers"] != barriers:
@@ -418,8 +367,16 @@ def _own_chunk(case: Case, members: list[int], i: int, own, where: str, fresh: l
     return None
 
 
+SET_UP = frozenset({"broadcast", "allreduce"})
+"""The routes of lesson 12's worlds: the given workspace's set-up (a broadcast of where it
+lives, an all-reduce of what each rank asked for) and the probe's one broadcast, outside
+every case; a call inside a case -- the student's barrier or all-reduce -- fails its task
+whatever it is (the cases' own check)."""
+
 TASKS = [
-    GradedTask(12, 1, "the flag barrier", 3, _barrier, ("flag_barrier",)),
-    GradedTask(12, 2, "one-shot all-reduce", 4, _judge_all_reduce("one_shot_all_reduce"), ("one_shot_all_reduce",)),
-    GradedTask(12, 3, "two-shot all-reduce", 4, _judge_all_reduce("two_shot_all_reduce"), ("two_shot_all_reduce",)),
+    GradedTask(12, 1, "the flag barrier", 3, _barrier, ("flag_barrier",), routes=SET_UP),
+    GradedTask(12, 2, "one-shot all-reduce", 4, _judge_all_reduce("one_shot_all_reduce"), ("one_shot_all_reduce",),
+               routes=SET_UP),
+    GradedTask(12, 3, "two-shot all-reduce", 4, _judge_all_reduce("two_shot_all_reduce"), ("two_shot_all_reduce",),
+               routes=SET_UP),
 ]

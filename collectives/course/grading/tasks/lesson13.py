@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import GradedTask
+from . import P2P, GradedTask
 from .lesson10 import _common_seed, _named
 from .lesson13_common import TOL, _copy, _grad, _ints, _randn, _ring_all_reduce_bound, _traffic
 from .lesson13_more import _judge_chunked, _judge_loss, _judge_sequence
@@ -191,11 +191,12 @@ def _judge_linear(grading: Grading) -> Verdict:
 
 TASKS = [
     GradedTask(13, 1, "f and g as autograd functions", 2, _judge_operators,
-               ("copy_to_parallel", "reduce_from_parallel")),
+               ("copy_to_parallel", "reduce_from_parallel"), routes=P2P),
     GradedTask(13, 2, "column- and row-parallel linear", 3, _judge_linear,
-               ("column_parallel_linear", "row_parallel_linear")),
+               ("column_parallel_linear", "row_parallel_linear"), routes=P2P),
     GradedTask(13, 3, "sequence parallelism's gather and scatter", 3, _judge_sequence,
-               ("gather_sequence", "scatter_sequence")),
-    GradedTask(13, 4, "vocabulary-parallel cross-entropy", 4, _judge_loss, ("vocab_cross_entropy",)),
-    GradedTask(13, 5, "chunked all-gather → matmul, overlapped", 4, _judge_chunked, ("chunked_all_gather_matmul",)),
+               ("gather_sequence", "scatter_sequence"), routes=P2P),
+    GradedTask(13, 4, "vocabulary-parallel cross-entropy", 4, _judge_loss, ("vocab_cross_entropy",), routes=P2P),
+    GradedTask(13, 5, "chunked all-gather → matmul, overlapped", 4, _judge_chunked, ("chunked_all_gather_matmul",),
+               routes=P2P),
 ]

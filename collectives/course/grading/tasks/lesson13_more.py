@@ -8,6 +8,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from .evidence import carries_blocks
 from .lesson10 import _common_seed, _named
 from .lesson13_common import TOL, _collectives, _copy, _grad, _ints, _randn, _ring_all_reduce_bound, _sent, _traffic
 from .world import Grading, Probe, Verdict, same
@@ -267,6 +268,10 @@ def _judge_chunked(grading: Grading) -> Verdict:
             sends = sorted((c for c in calls if c.kind == "send"), key=lambda c: c.t)
             if [c.numel for c in sends] != [M * K] * (p - 1):
                 verdict.add(f"{where}: sent {[c.numel for c in sends]} elements; expected {p - 1} pieces of {M * K}")
+                continue
+            stray = carries_blocks(sends, [_ints(run.seed(r, "x"), (M, K)) for r in range(p)], "a rank's piece of x")
+            if stray:
+                verdict.add(f"{where}: {stray}")
                 continue
             transfers = got["transfers"]
             if len(transfers) != p - 1 or any(done is None for _, done in transfers):

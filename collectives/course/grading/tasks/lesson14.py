@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from . import GradedTask
+from . import P2P, GradedTask
 from .allreduce import messages_only
 from .lesson14_orders import judge_1f1b, judge_zb_h1
 from .tap import fingerprint
@@ -287,11 +287,12 @@ def _schedule_cases() -> dict:
 
 TASKS = [
     GradedTask(14, 1, "forward through the stages", 3,
-               lambda g: _judge_steps(g, "pipeline_forward", {"forward": _gpipe}, False), ("pipeline_forward",)),
+               lambda g: _judge_steps(g, "pipeline_forward", {"forward": _gpipe}, False), ("pipeline_forward",),
+               routes=P2P),
     GradedTask(14, 2, "GPipe step", 4, lambda g: _judge_steps(g, "gpipe_step", {"GPipe": _gpipe}, True),
-               ("gpipe_step",)),
-    GradedTask(14, 3, "1F1B's order", 3, judge_1f1b, ("one_f_one_b_order",)),
+               ("gpipe_step",), routes=P2P),
+    GradedTask(14, 3, "1F1B's order", 3, judge_1f1b, ("one_f_one_b_order",), routes=P2P),
     GradedTask(14, 4, "any schedule run", 5, lambda g: _judge_steps(g, "run_schedule", _schedule_cases(), True),
-               ("run_schedule",)),
-    GradedTask(14, 5, "ZB-H1's order", 4, judge_zb_h1, ("zb_h1_order",)),
+               ("run_schedule",), routes=P2P),
+    GradedTask(14, 5, "ZB-H1's order", 4, judge_zb_h1, ("zb_h1_order",), routes=P2P),
 ]
