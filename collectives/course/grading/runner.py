@@ -82,7 +82,7 @@ def task_line(task: GradedTask, verdict: Verdict, verbose: bool = False) -> str:
     return line
 
 
-NEXT_STEPS = (
+_NEXT_STEPS = (
     ("not written yet", "write the function the line names; its docstring says what it takes, returns and "
                         "which course functions it may call"),
     ("this task allows", "build it from dist.send, dist.recv (isend, irecv, batch_isend_irecv) and the course's "
@@ -103,9 +103,9 @@ the first problem the verdict names, by what its text says."""
 
 
 def next_step(verdict: Verdict) -> str | None:
-    """The next step for a failing verdict's first problem (:data:`NEXT_STEPS`), or None."""
+    """The next step for a failing verdict's first problem (a table of problems and what to do next), or None."""
     first = verdict.first_line()
-    return next((hint for words, hint in NEXT_STEPS if words in first), None)
+    return next((hint for words, hint in _NEXT_STEPS if words in first), None)
 
 
 def _say(text: str) -> None:

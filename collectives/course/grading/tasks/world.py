@@ -116,6 +116,7 @@ def probe_rank(probe_target: str, spec: str, args: tuple, routes: frozenset | No
     import sys
 
     sys.dont_write_bytecode = True
+    sys.pycache_prefix = os.path.join(os.sep, "nonexistent-collectives-bytecode")  # read none of the tree's
     send = channels.recorder()
     _tap.install(send)
     fence.configure(send, routes)
@@ -124,19 +125,40 @@ def probe_rank(probe_target: str, spec: str, args: tuple, routes: frozenset | No
 
 
 def tree_state(root: str = PACKAGE_DIR) -> dict[str, tuple[int, ...]]:
-    """Every file and folder of the course's package: (inode, size, modification time,
-    change time), by path -- the change time no process can set back. Taken before and
-    after each graded world: a rank that wrote, moved or removed anything in the grader's
-    own code is seen, whatever it wrote."""
+    """Every file of the course's package: (inode, size, modification time, change time), by
+    path -- the change time no process can set back -- and every folder by its inode. Taken
+    before and after each graded world: a rank that wrote, moved or removed anything in the
+    grader's own code is seen, whatever it wrote.
+
+    Bytecode caches (``__pycache__``) are left out: any Python process on the machine may
+    write them while a world runs (a second pytest worker importing the course, say). No
+    graded process reads them instead: ranks and the judging process take their bytecode
+    from a cache of their own (:func:`private_bytecode`), so a planted ``.pyc`` is never run."""
     state = {}
     for folder, dirs, files in os.walk(root):
-        for name in [folder] + [os.path.join(folder, f) for f in files]:
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        try:
+            state[folder] = (os.stat(folder).st_ino,)     # its mtime moves when a cache appears
+        except OSError:
+            continue
+        for name in (os.path.join(folder, f) for f in files):
             try:
                 st = os.stat(name)
             except OSError:
                 continue
             state[name] = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     return state
+
+
+def private_bytecode() -> None:
+    """The judging process compiles the course from source into a fresh cache of its own
+    (``sys.pycache_prefix``), never from the tree's ``__pycache__``, which a rank could fill."""
+    import sys
+    import tempfile
+
+    if not getattr(private_bytecode, "done", False):
+        sys.pycache_prefix = tempfile.mkdtemp(prefix="collectives-judge-bytecode-")
+        private_bytecode.done = True
 
 
 def tree_changes(before: dict, after: dict) -> list[str]:
@@ -263,6 +285,7 @@ class Grading:
 
     def __init__(self, spec: str, *, timeout: float = 30.0, check: bool = False,
                  world_size: int | None = None, backend: str = "gloo"):
+        private_bytecode()
         self.spec = spec
         self.timeout = timeout
         self.check = check
