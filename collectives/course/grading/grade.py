@@ -159,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world", type=int, default=None,
                         help="judge on worlds of this size only (a quick look; full marks need every size)")
     args = parser.parse_args(argv)
+    saved = {name: os.environ.get(name) for name in ("COLLECTIVES_TIMEOUT", "COLLECTIVES_EXERCISE_DIR")}
     if args.timeout is not None:
         os.environ["COLLECTIVES_TIMEOUT"] = str(args.timeout)
     students = [os.path.abspath(d) for d in args.exercises] or [""]
@@ -180,6 +181,11 @@ def main(argv: list[str] | None = None) -> int:
             _write_json(args.json, records)      # after each folder: what was graded stays written
     finally:
         _write_json(args.json, records)
+        for name, value in saved.items():     # called in a process that goes on (a test, a lab):
+            if value is None:                 # the environment is left as it was found
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     return code
 
 

@@ -121,7 +121,8 @@ def probe_lonely_barrier(probe: Probe, timeout: float):
         return None                    # never arrives (the launcher keeps the rank up until the end)
     started = _NOW()
     outcome = probe.call("lonely barrier", probe.student("flag_barrier"), ws)
-    return outcome, _NOW() - started
+    return outcome, _NOW() - started, timeout      # the timeout rank 0 was given: ranks that judge
+                                                   # in their own world (torchrun) each drew one
 
 
 def _epochs(flags) -> str:
@@ -187,7 +188,7 @@ def _judge_stamps(run, size: int, verdict: Verdict) -> None:
 def _lonely(grading: Grading) -> str | None:
     timeout = round(random.Random(os.urandom(8)).uniform(*LONELY), 3)
     run = grading.world(f"{HERE}:probe_lonely_barrier", 2, timeout, timeout=max(grading.timeout, 15.0))
-    outcome, seconds = run.results[0]
+    outcome, seconds, timeout = run.results[0]
     if outcome.not_written:
         return None
     if not outcome.error:
