@@ -9,12 +9,11 @@ every forward first. Each must score nothing on its task, with the judge saying 
 fixture without its mistake (``tests/solutions/lesson14_written.py``) passes every task.
 """
 
-import shutil
-
 import pytest
 
 from collectives.course.catalog import ROOT
-from collectives.course.grading import grade as grading
+
+from .grading_fixtures import grader, with_exercise
 
 MISTAKES = ROOT / "tests" / "mistakes"
 # fixture -> (task, what the judge's message must say)
@@ -32,15 +31,6 @@ EXPECTED = {
 }
 
 
-def _grade(exercise, tmp_path, monkeypatch, tasks):
-    student = tmp_path / "lessons"
-    shutil.copytree(ROOT / "lessons", student)
-    shutil.copy(exercise, student / "14_pipeline" / "exercise.py")
-    monkeypatch.setenv("COLLECTIVES_EXERCISE_DIR", str(student))
-    _, _, scores = grading.grade([14], "exercise", tasks=tasks)
-    return {s.task: (s.earned == s.points > 0, s.result) for s in scores}
-
-
 def test_every_mistake_fixture_is_listed():
     assert {p.stem for p in MISTAKES.glob("lesson14_*.py")} == set(EXPECTED)
 
@@ -50,10 +40,12 @@ def test_each_natural_mistake_scores_nothing_and_is_named(name, tmp_path, monkey
     task, says = EXPECTED[name]
     if name == "lesson14_t4_blocking_sends":
         monkeypatch.setenv("COLLECTIVES_TIMEOUT", "5")      # it hangs: the world is stopped, the task fails
-    passed, result = _grade(MISTAKES / f"{name}.py", tmp_path, monkeypatch, [task])[task]
+    student = with_exercise(14, MISTAKES / f"{name}.py", tmp_path / "lessons")
+    passed, result = grader(14, exercises=student, tasks=[task])[task]
     assert not passed and says in result, f"{name}: task {task}: {result}"
 
 
-def test_the_fixtures_without_their_mistakes_pass_every_task(tmp_path, monkeypatch):
-    verdicts = _grade(ROOT / "tests" / "solutions" / "lesson14_written.py", tmp_path, monkeypatch, None)
+def test_the_fixtures_without_their_mistakes_pass_every_task(tmp_path):
+    student = with_exercise(14, ROOT / "tests" / "solutions" / "lesson14_written.py", tmp_path / "lessons")
+    verdicts = grader(14, exercises=student)
     assert sorted(verdicts) == [1, 2, 3, 4, 5] and all(ok for ok, _ in verdicts.values()), verdicts
