@@ -34,6 +34,8 @@ from collectives.course.grading import grade as grading
 from collectives.course.grading import runner
 from collectives.course.grading.tasks import tasks_of
 
+from .grading_fixtures import grader, with_exercise
+
 ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
 NUMBERS = [item.number for item in LESSONS]
 PARTIAL_WORLD = 4
@@ -66,22 +68,6 @@ def _parse(stdout: str, stderr: str) -> dict[int, tuple[bool, str]]:
     return found
 
 
-def _grader(number: int, impl: str = "exercise", exercises: Path | None = None,
-            tasks: list[int] | None = None, world: int | None = None) -> dict[int, tuple[bool, str]]:
-    before = os.environ.get("COLLECTIVES_EXERCISE_DIR")
-    if exercises is not None:
-        os.environ["COLLECTIVES_EXERCISE_DIR"] = str(exercises)
-    try:
-        _, _, scores = grading.grade([number], impl, tasks=tasks, world=world)
-    finally:
-        if exercises is not None:
-            if before is None:
-                os.environ.pop("COLLECTIVES_EXERCISE_DIR")
-            else:
-                os.environ["COLLECTIVES_EXERCISE_DIR"] = before
-    return {s.task: (s.earned == s.points > 0, s.result) for s in scores}
-
-
 def partial_solution(number: int, solved: int, into: Path) -> Path:
     """A copy of ``lessons/`` whose lesson ``number`` has tasks 1..``solved`` taken from the
     reference and the rest left as stubs; returns the copy's folder."""
@@ -108,13 +94,13 @@ def test_check_and_grade_agree_on_the_reference_the_stubs_and_every_partial_solu
     assert tasks and all(t.functions for t in tasks), f"lesson {number}: every task names its functions"
 
     # the runner in this process (the script route, a subprocess per run, is tests/test_runner.py's)
-    reference = (_runner_here(number, ROOT / "lessons", "--impl", "reference"), _grader(number, "reference"))
+    reference = (_runner_here(number, ROOT / "lessons", "--impl", "reference"), grader(number, "reference"))
     for task in tasks:
         for route, verdicts in zip(("make check", "make grade"), reference):
             passed, detail = verdicts[task.number]
             assert passed, f"lesson {number} task {task.number}, reference, {route}: {detail}"
 
-    stubs = (_runner_here(number, ROOT / "lessons"), _grader(number))
+    stubs = (_runner_here(number, ROOT / "lessons"), grader(number))
     for task in tasks:
         for route, verdicts in zip(("make check", "make grade"), stubs):
             passed, detail = verdicts[task.number]
@@ -128,7 +114,7 @@ def test_check_and_grade_agree_on_the_reference_the_stubs_and_every_partial_solu
         # the reference's full judging is above; a partial is judged on worlds of 4 by both routes
         chosen = [str(a) for t in (k, k + 1) for a in ("--task", t)] + ["--world", str(PARTIAL_WORLD)]
         check = _runner_here(number, copy, *chosen)
-        grade = _grader(number, exercises=copy, tasks=[k, k + 1], world=PARTIAL_WORLD)
+        grade = grader(number, exercises=copy, tasks=[k, k + 1], world=PARTIAL_WORLD)
         for route, verdicts in (("make check", check), ("make grade", grade)):
             assert verdicts[k][0], f"lesson {number}, tasks 1..{k} solved, {route}: task {k} failed: {verdicts[k][1]}"
             assert not verdicts[k + 1][0], f"lesson {number}, tasks 1..{k} solved, {route}: task {k + 1} passed"
@@ -196,12 +182,11 @@ QUICK = {"side_channel_and_decoys", "forged_records_and_moved_cases", "functiona
 def test_every_cheat_scores_zero_on_its_tasks_and_a_hang_costs_only_its_task(name, tmp_path, monkeypatch):
     number, targets, control = CHEAT_TARGETS[name]
     student = tmp_path / name
-    shutil.copytree(ROOT / "lessons", student)
-    shutil.copy(CHEATS / f"{name}.py", student / lesson(number).exercise.parent.name / "exercise.py")
+    with_exercise(number, CHEATS / f"{name}.py", student)
     monkeypatch.setenv("COLLECTIVES_TIMEOUT", "10")
-    verdicts = _grader(number, exercises=student, tasks=sorted(targets), world=PARTIAL_WORLD if name in QUICK else None)
+    verdicts = grader(number, exercises=student, tasks=sorted(targets), world=PARTIAL_WORLD if name in QUICK else None)
     if control is not None:                  # the fixture leaves the reference's task whole (worlds of 4 show it)
-        verdicts.update(_grader(number, exercises=student, tasks=[control], world=PARTIAL_WORLD))
+        verdicts.update(grader(number, exercises=student, tasks=[control], world=PARTIAL_WORLD))
     for task in targets:
         assert not verdicts[task][0], f"{name}: task {task} scored: {verdicts[task][1]}"
     if control is not None:
@@ -221,9 +206,8 @@ def test_lesson_7_stages_written_with_library_collectives_pass(tmp_path):
     # groups; dist.all_reduce on the rail for task 2) is the design too, not only the
     # reference's messages
     student = tmp_path / "lessons"
-    shutil.copytree(ROOT / "lessons", student)
-    shutil.copy(ROOT / "tests" / "solutions" / "lesson07_library.py", student / "07_hierarchical" / "exercise.py")
-    verdicts = _grader(7, exercises=student, tasks=[2, 3])
+    with_exercise(7, ROOT / "tests" / "solutions" / "lesson07_library.py", student)
+    verdicts = grader(7, exercises=student, tasks=[2, 3])
     assert verdicts[2][0] and verdicts[3][0], verdicts
 
 
@@ -238,7 +222,7 @@ def test_a_judge_patched_at_import_fails_under_make_check_as_under_make_grade(tm
                           capture_output=True, text=True, timeout=300, env=ENV)
     check = _parse(proc.stdout, proc.stderr)
     assert not check[1][0] and "not written yet" in check[1][1] and proc.returncode == 1, proc.stdout
-    grade = _grader(4, exercises=student, tasks=[1], world=2)
+    grade = grader(4, exercises=student, tasks=[1], world=2)
     assert not grade[1][0] and "not written yet" in grade[1][1], grade
 
 

@@ -9,14 +9,11 @@ find it -- and every other task full marks (the fixture is the reference there).
 
 from __future__ import annotations
 
-import os
-import shutil
-from pathlib import Path
-
 import pytest
 
-from collectives.course.catalog import ROOT, lesson
-from collectives.course.grading import grade as grading
+from collectives.course.catalog import ROOT
+
+from .grading_fixtures import grade_fixture, shm_cleared
 
 MISTAKES = ROOT / "tests" / "mistakes"
 
@@ -46,31 +43,12 @@ NAMED = {
 }
 
 
-def _grade(exercise: Path, into: Path) -> dict[int, tuple[int, str]]:
-    """Every task of lesson 10 graded on ``exercise`` (the grader's route, as tests/test_grader.py)."""
-    student = into / "lessons"
-    shutil.copytree(ROOT / "lessons", student)
-    shutil.copy(exercise, student / lesson(10).exercise.parent.name / "exercise.py")
-    before = os.environ.get("COLLECTIVES_EXERCISE_DIR")
-    os.environ["COLLECTIVES_EXERCISE_DIR"] = str(student)
-    try:
-        _, _, scores = grading.grade([10], "exercise")
-    finally:
-        if before is None:
-            os.environ.pop("COLLECTIVES_EXERCISE_DIR")
-        else:
-            os.environ["COLLECTIVES_EXERCISE_DIR"] = before
-    return {s.task: (s.earned, s.result) for s in scores}
-
-
 @pytest.mark.parametrize("name", sorted(NAMED))
 def test_every_planted_mistake_fails_its_task_with_a_message_naming_it(name, tmp_path):
-    try:
-        verdicts = _grade(MISTAKES / f"{name}.py", tmp_path)
-    finally:                                   # the side channel's files, named after this process
-        for folder in Path("/dev/shm").glob(f"lesson10-side-{os.getpid()}-*"):
-            shutil.rmtree(folder, ignore_errors=True)
-    for task, (earned, result) in verdicts.items():
+    with shm_cleared("lesson10-side"):        # the side channel's files, named after this process
+        verdicts = grade_fixture(10, MISTAKES / f"{name}.py", tmp_path / "lessons")
+    for task, score in verdicts.items():
+        earned, result = score.earned, score.result
         if task in NAMED[name]:
             assert earned == 0, f"{name}: task {task} scored {earned}: {result}"
             assert NAMED[name][task] in result.splitlines()[0], f"{name}: task {task} said: {result}"

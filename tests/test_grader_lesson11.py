@@ -10,14 +10,11 @@ sizes in the right rounds. (The reference's full marks and the stubs' zero are
 
 from __future__ import annotations
 
-import os
-import shutil
-from pathlib import Path
-
 import pytest
 
 from collectives.course.catalog import ROOT
-from collectives.course.grading import grade as grading
+
+from .grading_fixtures import grade_fixture, shm_cleared
 
 MISTAKES = ROOT / "tests" / "mistakes"
 CHEAT = "lesson11_side_channel_and_decoys"
@@ -46,13 +43,9 @@ EXPECTED = {
 
 @pytest.mark.parametrize("name", EXPECTED)
 def test_every_planted_mistake_fails_with_a_message_that_names_it(name, tmp_path, monkeypatch):
-    student = tmp_path / "lessons"
-    shutil.copytree(ROOT / "lessons", student)
-    shutil.copy(MISTAKES / f"{name}.py", student / "11_alltoall" / "exercise.py")
-    monkeypatch.setenv("COLLECTIVES_EXERCISE_DIR", str(student))
     monkeypatch.setenv("COLLECTIVES_TIMEOUT", "20")
-    _, _, scores = grading.grade([11], "exercise")
-    verdicts = {s.task: (s.earned, s.result) for s in scores}
+    verdicts = {task: (s.earned, s.result)
+                for task, s in grade_fixture(11, MISTAKES / f"{name}.py", tmp_path / "lessons").items()}
     assert set(verdicts) == set(EXPECTED[name])
     for task, words in EXPECTED[name].items():
         earned, result = verdicts[task]
@@ -60,17 +53,10 @@ def test_every_planted_mistake_fails_with_a_message_that_names_it(name, tmp_path
         assert words in result, f"{name}: task {task} failed without naming its mistake: {result}"
 
 
-def test_answers_through_a_side_channel_with_decoy_messages_score_zero(tmp_path, monkeypatch):
-    student = tmp_path / "lessons"
-    shutil.copytree(ROOT / "lessons", student)
-    shutil.copy(MISTAKES / f"{CHEAT}.py", student / "11_alltoall" / "exercise.py")
-    monkeypatch.setenv("COLLECTIVES_EXERCISE_DIR", str(student))
-    try:
-        _, _, scores = grading.grade([11], "exercise", tasks=[1, 2])
-    finally:                                     # the fixture's files, named by this process (its ranks' parent)
-        for leftover in Path("/dev/shm").glob(f"lesson11-decoys-{os.getpid()}-*"):
-            leftover.unlink()
-    for s in scores:
+def test_answers_through_a_side_channel_with_decoy_messages_score_zero(tmp_path):
+    with shm_cleared("lesson11-decoys"):         # the fixture's files, named by this process (its ranks' parent)
+        scores = grade_fixture(11, MISTAKES / f"{CHEAT}.py", tmp_path / "lessons", tasks=[1, 2])
+    for s in scores.values():
         assert s.earned == 0 and "did not carry" in s.result, (s.task, s.result)
 
 

@@ -8,12 +8,11 @@ the exercise in a copy of ``lessons/``, and the grader judges it.
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
-from collectives.course.catalog import ROOT, lesson
-from collectives.course.grading import grade as grading
+from collectives.course.catalog import ROOT
+
+from .grading_fixtures import grade_fixture
 
 MISTAKES = ROOT / "tests" / "mistakes"
 # fixture -> task -> what the failure message must say (the mistake, named)
@@ -39,13 +38,9 @@ CHEATS = {
 
 
 @pytest.mark.parametrize("name", NAMED)
-def test_every_natural_mistake_fails_its_task_with_a_message_naming_it(name, tmp_path, monkeypatch):
-    student = tmp_path / name
-    shutil.copytree(ROOT / "lessons", student)
-    shutil.copy(MISTAKES / f"{name}.py", student / lesson(12).exercise.parent.name / "exercise.py")
-    monkeypatch.setenv("COLLECTIVES_EXERCISE_DIR", str(student))
-    _, _, scores = grading.grade([12], "exercise", tasks=sorted(NAMED[name]))
-    got = {s.task: (s.earned, s.result) for s in scores}
+def test_every_natural_mistake_fails_its_task_with_a_message_naming_it(name, tmp_path):
+    got = {task: (s.earned, s.result)
+           for task, s in grade_fixture(12, MISTAKES / f"{name}.py", tmp_path / name, sorted(NAMED[name])).items()}
     for task, words in NAMED[name].items():
         earned, result = got[task]
         assert earned == 0, f"{name}: task {task} scored {earned}: {result}"
@@ -53,13 +48,9 @@ def test_every_natural_mistake_fails_its_task_with_a_message_naming_it(name, tmp
 
 
 @pytest.mark.parametrize("name", CHEATS)
-def test_every_cheat_scores_zero_and_says_why(name, tmp_path, monkeypatch):
-    student = tmp_path / name
-    shutil.copytree(ROOT / "lessons", student)
-    shutil.copy(MISTAKES / f"{name}.py", student / lesson(12).exercise.parent.name / "exercise.py")
-    monkeypatch.setenv("COLLECTIVES_EXERCISE_DIR", str(student))
-    _, _, scores = grading.grade([12], "exercise", tasks=sorted(CHEATS[name]))
-    got = {s.task: (s.earned, s.result) for s in scores}
+def test_every_cheat_scores_zero_and_says_why(name, tmp_path):
+    got = {task: (s.earned, s.result)
+           for task, s in grade_fixture(12, MISTAKES / f"{name}.py", tmp_path / name, sorted(CHEATS[name])).items()}
     for task, words in CHEATS[name].items():
         earned, result = got[task]
         assert earned == 0, f"{name}: task {task} scored {earned}: {result}"

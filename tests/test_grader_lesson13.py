@@ -9,12 +9,11 @@ with a message that names it; the student's solution must score in full.
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
 from collectives.course.catalog import ROOT
-from collectives.course.grading import grade as grading
+
+from .grading_fixtures import grade_fixture
 
 MISTAKES = ROOT / "tests" / "mistakes"
 
@@ -38,13 +37,8 @@ EXPECTED = {
 
 
 @pytest.mark.parametrize("name", EXPECTED)
-def test_each_natural_mistake_costs_its_task_with_a_message_naming_it(name, tmp_path, monkeypatch):
-    student = tmp_path / "lessons"
-    shutil.copytree(ROOT / "lessons", student)
-    shutil.copy(MISTAKES / f"{name}.py", student / "13_tensor_parallel" / "exercise.py")
-    monkeypatch.setenv("COLLECTIVES_EXERCISE_DIR", str(student))
-    _, _, scores = grading.grade([13], "exercise")
-    got = {s.task: s for s in scores}
+def test_each_natural_mistake_costs_its_task_with_a_message_naming_it(name, tmp_path):
+    got = grade_fixture(13, MISTAKES / f"{name}.py", tmp_path / "lessons")
     assert sorted(got) == [1, 2, 3, 4, 5]
     for task, score in got.items():
         if task not in EXPECTED[name]:

@@ -1,7 +1,13 @@
-"""Lesson 14 exercise, a natural mistake in task 4: B always runs the full backward
-(stage.backward) and the W steps are skipped: the schedule's split is ignored.
+"""Lesson 14 exercise, natural mistakes (set B): every task written as the reference
+writes it, with one mistake planted in each, which the grader must fail with a message
+that names it:
 
-Every other task is written as the reference writes it.
+    task 1: each rank sends on the activation it received (its input), not its stage's output
+    task 2: the backward takes the micro-batches last to first
+    task 3: rank r warms up with p − r forwards, one more than 1F1B
+    task 4: every activation and gradient goes with a blocking send: under 1F1B two neighbours
+            each wait in send for the other to receive (a hang: the world is stopped)
+    task 5: every forward runs before any backward (GPipe's order with B and W)
 
 Original header follows.
 
@@ -99,7 +105,7 @@ def pipeline_forward(stage, micro_batches: list, group=None) -> list[torch.Tenso
         if nxt is not None:
             if i == 0:
                 sends.append(dist.isend(shape_message(y.shape), nxt, group=group))
-            sends.append(dist.isend(y, nxt, group=group))
+            sends.append(dist.isend(x, nxt, group=group))  # the mistake: the input sent on
         outputs.append(y)
     for work in sends:
         work.wait()
@@ -147,7 +153,7 @@ def gpipe_step(stage, micro_batches: list, targets: list, group=None) -> list[fl
             if i == 0:
                 sends.append(dist.isend(shape_message(y.shape), nxt, group=group))
             sends.append(dist.isend(y, nxt, group=group))
-    for i in range(m):
+    for i in reversed(range(m)):  # the mistake: the last micro-batch first
         if nxt is None:
             g = kept.pop(i)
         else:
@@ -174,7 +180,7 @@ def one_f_one_b_order(p: int, m: int, rank: int) -> list[tuple[str, int]]:
               micro-batches, where GPipe holds m.
     CALLS:    none
     """
-    warmup = min(p - 1 - rank, m)
+    warmup = min(p - rank, m)  # the mistake: one forward too many
     order = [("F", i) for i in range(warmup)]
     for i in range(m - warmup):
         order += [("F", warmup + i), ("B", i)]
@@ -201,6 +207,7 @@ def run_schedule(stage, order: list, micro_batches: list, targets: list, group=N
     nxt = ops.global_rank(group, rank + 1) if rank < p - 1 else None
     dtype = stage.weights[0][0].dtype
     m = len(micro_batches)
+    split = {mb for kind, mb in order if kind == "W"}
     sends, shape, out_shape, kept, losses, told = [], None, None, {}, [], False
     for kind, i in order:
         if kind == "F":
@@ -221,18 +228,18 @@ def run_schedule(stage, order: list, micro_batches: list, targets: list, group=N
                 if not told:
                     sends.append(dist.isend(shape_message(y.shape), nxt, group=group))
                     told = True
-                sends.append(dist.isend(y, nxt, group=group))
+                dist.send(y, nxt, group=group)  # the mistake: a blocking send
         elif kind == "B":
             if nxt is None:
                 g = kept.pop(i)
             else:
                 g = torch.empty(out_shape, dtype=dtype)
                 dist.recv(g, nxt, group=group)
-            gx = stage.backward(g, i)
+            gx = stage.backward_input(g, i) if i in split else stage.backward(g, i)
             if prev is not None:
-                sends.append(dist.isend(gx, prev, group=group))
+                dist.send(gx, prev, group=group)  # the mistake: a blocking send
         else:
-            pass
+            stage.backward_weight(i)
     for work in sends:
         work.wait()
     return losses
@@ -268,7 +275,7 @@ def zb_h1_order(p: int, m: int, rank: int) -> list[tuple[str, int]]:
                 chosen.append((r, "W", owed[r][0]))
             elif nb[r] < nf[r] and done.get(grad_from, t + 1) <= t:
                 chosen.append((r, "B", nb[r]))
-            elif nf[r] < m and nf[r] - nb[r] < p - r and (r == 0 or done.get(("F", nf[r], r - 1), t + 1) <= t):
+            elif nf[r] < m and (r == 0 or done.get(("F", nf[r], r - 1), t + 1) <= t):
                 chosen.append((r, "F", nf[r]))
             elif owed[r]:
                 chosen.append((r, "W", owed[r][0]))

@@ -1,7 +1,14 @@
-"""Lesson 14 exercise, a natural mistake in task 5: each W runs at once after its B: no W is
-left to fill the gaps, so the bubble stays 1F1B's.
+"""Lesson 14 exercise, natural mistakes (set A): every task written as the reference
+writes it, with one mistake planted in each, which the grader must fail with a message
+that names it:
 
-Every other task is written as the reference writes it.
+    task 1: the shape sent (and received) before every activation, not once per link
+    task 2: the last rank starts the backward from one micro-batch's loss gradient (m = 1):
+            every gradient m times too large
+    task 3: rank r warms up with r forwards instead of p − 1 − r: rank 0 waits for a gradient
+            while rank 1 waits for its activation, a deadlock
+    task 4: B always runs the full backward (stage.backward) and the W steps are skipped
+    task 5: each W runs at once after its B: no W is left to fill the gaps
 
 Original header follows.
 
@@ -89,7 +96,7 @@ def pipeline_forward(stage, micro_batches: list, group=None) -> list[torch.Tenso
     outputs, sends, shape = [], [], None
     for i, x in enumerate(micro_batches):
         if prev is not None:
-            if shape is None:
+            if True:  # the mistake: the shape before every activation
                 msg = torch.empty(SHAPE_SLOTS, dtype=torch.int64)
                 dist.recv(msg, prev, group=group)
                 shape = shape_from(msg)
@@ -97,7 +104,7 @@ def pipeline_forward(stage, micro_batches: list, group=None) -> list[torch.Tenso
             dist.recv(x, prev, group=group)
         y = stage.forward(x, i)
         if nxt is not None:
-            if i == 0:
+            if True:  # the mistake: the shape before every activation
                 sends.append(dist.isend(shape_message(y.shape), nxt, group=group))
             sends.append(dist.isend(y, nxt, group=group))
         outputs.append(y)
@@ -141,7 +148,7 @@ def gpipe_step(stage, micro_batches: list, targets: list, group=None) -> list[fl
         y = stage.forward(x, i)
         out_shape = y.shape
         if nxt is None:
-            kept[i] = stage.loss_grad(y, targets[i], m)
+            kept[i] = stage.loss_grad(y, targets[i], 1)  # the mistake: not divided by m
             losses.append(stage.loss_value(y, targets[i], m))
         else:
             if i == 0:
@@ -174,7 +181,7 @@ def one_f_one_b_order(p: int, m: int, rank: int) -> list[tuple[str, int]]:
               micro-batches, where GPipe holds m.
     CALLS:    none
     """
-    warmup = min(p - 1 - rank, m)
+    warmup = min(rank, m)  # the mistake: r forwards, not p - 1 - r
     order = [("F", i) for i in range(warmup)]
     for i in range(m - warmup):
         order += [("F", warmup + i), ("B", i)]
@@ -201,7 +208,6 @@ def run_schedule(stage, order: list, micro_batches: list, targets: list, group=N
     nxt = ops.global_rank(group, rank + 1) if rank < p - 1 else None
     dtype = stage.weights[0][0].dtype
     m = len(micro_batches)
-    split = {mb for kind, mb in order if kind == "W"}
     sends, shape, out_shape, kept, losses, told = [], None, None, {}, [], False
     for kind, i in order:
         if kind == "F":
@@ -229,11 +235,11 @@ def run_schedule(stage, order: list, micro_batches: list, targets: list, group=N
             else:
                 g = torch.empty(out_shape, dtype=dtype)
                 dist.recv(g, nxt, group=group)
-            gx = stage.backward_input(g, i) if i in split else stage.backward(g, i)
+            gx = stage.backward(g, i)  # the mistake: the full backward at every B
             if prev is not None:
                 sends.append(dist.isend(gx, prev, group=group))
         else:
-            stage.backward_weight(i)
+            pass  # the mistake: no W
     for work in sends:
         work.wait()
     return losses
@@ -265,7 +271,7 @@ def zb_h1_order(p: int, m: int, rank: int) -> list[tuple[str, int]]:
         chosen = []
         for r in range(p):
             grad_from = ("F", nb[r], r) if r == p - 1 else ("B", nb[r], r + 1)
-            if len(owed[r]) > 0:
+            if len(owed[r]) > 0:  # the mistake: each W right after its B
                 chosen.append((r, "W", owed[r][0]))
             elif nb[r] < nf[r] and done.get(grad_from, t + 1) <= t:
                 chosen.append((r, "B", nb[r]))
