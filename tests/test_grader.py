@@ -184,7 +184,11 @@ def test_every_cheat_scores_zero_on_its_tasks_and_a_hang_costs_only_its_task(nam
     student = tmp_path / name
     with_exercise(number, CHEATS / f"{name}.py", student)
     monkeypatch.setenv("COLLECTIVES_TIMEOUT", "10")
-    verdicts = grader(number, exercises=student, tasks=sorted(targets), world=PARTIAL_WORLD if name in QUICK else None)
+    if name in OWN_TREE:
+        verdicts = _graded_in_a_copy_of_the_package(number, student, sorted(targets), tmp_path)
+    else:
+        verdicts = grader(number, exercises=student, tasks=sorted(targets),
+                          world=PARTIAL_WORLD if name in QUICK else None)
     if control is not None:                  # the fixture leaves the reference's task whole (worlds of 4 show it)
         verdicts.update(grader(number, exercises=student, tasks=[control], world=PARTIAL_WORLD))
     for task in targets:
@@ -193,6 +197,26 @@ def test_every_cheat_scores_zero_on_its_tasks_and_a_hang_costs_only_its_task(nam
         assert verdicts[control][0], f"{name}: task {control} (the reference's) scores: {verdicts[control][1]}"
     if name == "replaced_verdict_and_a_hang":
         assert "hung in pipelined_ring_all_reduce" in verdicts[4][1], verdicts[4][1]
+
+
+# A cheat that writes into the course's package is graded by a grader of its own, in a copy of
+# the package: the live tree is what every other test's worlds check, at the same time, on the
+# other pytest worker, and a file planted there would fail their worlds too.
+OWN_TREE = {"planted_module"}
+
+
+def _graded_in_a_copy_of_the_package(number: int, student: Path, tasks: list[int], tmp_path: Path) -> dict:
+    copy = tmp_path / "checkout"
+    shutil.copytree(ROOT / "collectives", copy / "collectives", ignore=shutil.ignore_patterns("__pycache__"))
+    out = tmp_path / "grade.json"
+    env = dict(os.environ, PYTHONPATH=str(copy))
+    subprocess.run([sys.executable, "-m", "collectives", "grade", "--lesson", f"{number:02d}", "--exercises",
+                    str(student), "--json", str(out), "--world", str(PARTIAL_WORLD)]
+                   + [a for task in tasks for a in ("--task", str(task))],
+                   cwd=copy, env=env, capture_output=True, text=True, timeout=600)
+    assert not (ROOT / "collectives" / "course" / "grading" / "tasks" / "planted_by_a_rank.py").exists()
+    [record] = json.loads(out.read_text())
+    return {t["task"]: (t["passed"], t["result"]) for t in record["tasks"]}
 
 
 def test_every_cheat_fixture_is_listed():
