@@ -67,3 +67,16 @@ def shm_cleared(prefix: str) -> Iterator[None]:
                 shutil.rmtree(leftover, ignore_errors=True)
             else:
                 leftover.unlink(missing_ok=True)
+
+
+def finished_worlds_side_channels_removed() -> None:
+    """Remove the folders the side-channel cheats left in /dev/shm (``side-<world>``, named
+    after the launcher's folder of that world) for every world that has ended: its folder
+    under the temporary directory is gone. A world still running, on the other pytest worker,
+    keeps its own."""
+    import tempfile
+
+    for leftover in Path("/dev/shm").glob("side-collectives-world-*"):
+        world = leftover.name[len("side-"):]
+        if not (Path(tempfile.gettempdir()) / world).exists():
+            shutil.rmtree(leftover, ignore_errors=True)

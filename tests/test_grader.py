@@ -34,7 +34,7 @@ from collectives.course.grading import grade as grading
 from collectives.course.grading import runner
 from collectives.course.grading.tasks import tasks_of
 
-from .grading_fixtures import grader, with_exercise
+from .grading_fixtures import finished_worlds_side_channels_removed, grader, with_exercise
 
 ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
 NUMBERS = [item.number for item in LESSONS]
@@ -197,6 +197,7 @@ def test_every_cheat_scores_zero_on_its_tasks_and_a_hang_costs_only_its_task(nam
         assert verdicts[control][0], f"{name}: task {control} (the reference's) scores: {verdicts[control][1]}"
     if name == "replaced_verdict_and_a_hang":
         assert "hung in pipelined_ring_all_reduce" in verdicts[4][1], verdicts[4][1]
+    finished_worlds_side_channels_removed()
 
 
 # A cheat that writes into the course's package is graded by a grader of its own, in a copy of
