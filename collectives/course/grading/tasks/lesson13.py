@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from . import P2P, GradedTask
 from .lesson10 import _common_seed, _named
-from .lesson13_common import TOL, _copy, _grad, _ints, _randn, _ring_all_reduce_bound, _traffic
+from .lesson13_common import TOL, _backward, _copy, _grad, _ints, _randn, _ring_all_reduce_bound, _runs, _traffic
 from .lesson13_more import _judge_chunked, _judge_loss, _judge_sequence
 from .world import Grading, Probe, Verdict, same
 
@@ -41,25 +41,22 @@ def probe_operators(probe: Probe) -> dict:
     xf = x.clone().requires_grad_()
     o = probe.call("f forward", f, xf)
     out["f"] = (o.error, o.not_written, _copy(o.value))
-    if not (o.error or o.not_written) and isinstance(o.value, torch.Tensor) and o.value.requires_grad:
-        b = probe.call("f backward", lambda: (o.value * gy).sum().backward())
+    b = _backward(probe, "f backward", o, gy)
+    if b is not None:
         out["f grad"] = (b.error, _grad(xf))
     xg = x.clone().requires_grad_()
     o = probe.call("g forward", g, xg)
     out["g"] = (o.error, o.not_written, _copy(o.value), xg.detach().clone())
-    if not (o.error or o.not_written) and isinstance(o.value, torch.Tensor) and o.value.requires_grad:
-        b = probe.call("g backward", lambda: (o.value * gy).sum().backward())
+    b = _backward(probe, "g backward", o, gy)
+    if b is not None:
         out["g grad"] = (b.error, _grad(xg))
     return out
 
 
 def _judge_operators(grading: Grading) -> Verdict:
     verdict = Verdict()
-    for p in grading.sizes(2, 3):
-        run = grading.world(f"{HERE}:probe_operators", p)
+    for run in _runs(grading, f"{HERE}:probe_operators", verdict):
         p = run.size
-        for problem in run.problems():
-            verdict.add(problem)
         xs = [_ints(run.seed(r, "x"), SHAPE1) for r in range(p)]
         gys = [_ints(run.seed(r, "gy"), SHAPE1) for r in range(p)]
         bound = _ring_all_reduce_bound(xs[0].numel(), p)
@@ -115,8 +112,8 @@ def probe_linear(probe: Probe) -> dict:
     gy = _randn(seed + 3, (ROWS, OUT)).chunk(p, 1)[r]
     o = probe.call("column forward", col, x, ws, bs)
     out["column"] = (o.error, o.not_written, _copy(o.value))
-    if not (o.error or o.not_written) and isinstance(o.value, torch.Tensor) and o.value.requires_grad:
-        k = probe.call("column backward", lambda: (o.value * gy).sum().backward())
+    k = _backward(probe, "column backward", o, gy)
+    if k is not None:
         out["column grads"] = (k.error, _grad(x), _grad(ws), _grad(bs))
     w, b = _layer(seed + 10, OUT, IN)
     h = _randn(seed + 12, (ROWS, OUT))
@@ -125,8 +122,8 @@ def probe_linear(probe: Probe) -> dict:
     gy = _randn(seed + 13, (ROWS, IN))
     o = probe.call("row forward", row, hs, ws, bias)
     out["row"] = (o.error, o.not_written, _copy(o.value))
-    if not (o.error or o.not_written) and isinstance(o.value, torch.Tensor) and o.value.requires_grad:
-        k = probe.call("row backward", lambda: (o.value * gy).sum().backward())
+    k = _backward(probe, "row backward", o, gy)
+    if k is not None:
         out["row grads"] = (k.error, _grad(hs), _grad(ws), _grad(bias))
     return out
 
@@ -147,11 +144,8 @@ def _expected_linear(seed: int, p: int):
 
 def _judge_linear(grading: Grading) -> Verdict:
     verdict = Verdict()
-    for p in grading.sizes(2, 3):
-        run = grading.world(f"{HERE}:probe_linear", p)
+    for run in _runs(grading, f"{HERE}:probe_linear", verdict):
         p = run.size
-        for problem in run.problems():
-            verdict.add(problem)
         col, row = _expected_linear(run.seed(0, "layers") % 1_000_000, p)
         for rank in range(p):
             got = run.results[rank]

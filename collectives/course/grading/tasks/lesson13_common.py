@@ -50,3 +50,22 @@ def _traffic(run, rank: int, key: str, most: int, where: str, verdict: Verdict) 
 
 def _ring_all_reduce_bound(n: int, p: int) -> int:
     return 2 * (p - 1) * -(-n // p)
+
+
+def _backward(probe, name: str, forward, upstream: torch.Tensor):
+    """The student's backward, called (as ``name``) through the output ``forward`` gave, when that
+    output is a tensor autograd tracks; None when there is nothing to call it through."""
+    value = forward.value
+    if forward.error or forward.not_written or not isinstance(value, torch.Tensor) or not value.requires_grad:
+        return None
+    return probe.call(name, lambda: (value * upstream).sum().backward())
+
+
+def _runs(grading, probe_target: str, verdict: Verdict):
+    """Each world a lesson-13 task is judged on (2 and 3 ranks, or ``--world``'s), with what the
+    run shows of the rank's conduct (routes, forged records, the tree) already in ``verdict``."""
+    for p in grading.sizes(2, 3):
+        run = grading.world(probe_target, p)
+        for problem in run.problems():
+            verdict.add(problem)
+        yield run

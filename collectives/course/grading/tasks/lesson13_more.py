@@ -10,7 +10,19 @@ import torch.nn.functional as F
 
 from .evidence import carries_blocks
 from .lesson10 import _common_seed, _named
-from .lesson13_common import TOL, _collectives, _copy, _grad, _ints, _randn, _ring_all_reduce_bound, _sent, _traffic
+from .lesson13_common import (
+    TOL,
+    _backward,
+    _collectives,
+    _copy,
+    _grad,
+    _ints,
+    _randn,
+    _ring_all_reduce_bound,
+    _runs,
+    _sent,
+    _traffic,
+)
 from .world import Grading, Probe, Verdict, same
 
 HERE = __name__
@@ -27,15 +39,15 @@ def probe_sequence(probe: Probe) -> dict:
     gy = _ints(probe.seed("gather gy"), (B, PIECE * p, H))
     o = probe.call("gather forward", gather, x)
     out["gather"] = (o.error, o.not_written, _copy(o.value))
-    if not (o.error or o.not_written) and isinstance(o.value, torch.Tensor) and o.value.requires_grad:
-        k = probe.call("gather backward", lambda: (o.value * gy).sum().backward())
+    k = _backward(probe, "gather backward", o, gy)
+    if k is not None:
         out["gather grad"] = (k.error, _grad(x))
     x = _ints(probe.seed("whole"), (B, PIECE * p, H)).requires_grad_()
     gy = _ints(probe.seed("scatter gy"), (B, PIECE, H))
     o = probe.call("scatter forward", scatter, x)
     out["scatter"] = (o.error, o.not_written, _copy(o.value))
-    if not (o.error or o.not_written) and isinstance(o.value, torch.Tensor) and o.value.requires_grad:
-        k = probe.call("scatter backward", lambda: (o.value * gy).sum().backward())
+    k = _backward(probe, "scatter backward", o, gy)
+    if k is not None:
         out["scatter grad"] = (k.error, _grad(x))
     if p > 1:
         bad = probe.call("scatter uneven", scatter, torch.zeros(B, PIECE * p + 1, H))
@@ -45,11 +57,8 @@ def probe_sequence(probe: Probe) -> dict:
 
 def _judge_sequence(grading: Grading) -> Verdict:
     verdict = Verdict()
-    for p in grading.sizes(2, 3):
-        run = grading.world(f"{HERE}:probe_sequence", p)
+    for run in _runs(grading, f"{HERE}:probe_sequence", verdict):
         p = run.size
-        for problem in run.problems():
-            verdict.add(problem)
         pieces = [_ints(run.seed(r, "piece"), (B, PIECE, H)) for r in range(p)]
         wholes = [_ints(run.seed(r, "whole"), (B, PIECE * p, H)) for r in range(p)]
         g_gys = [_ints(run.seed(r, "gather gy"), (B, PIECE * p, H)) for r in range(p)]
@@ -118,19 +127,16 @@ def probe_loss(probe: Probe) -> dict:
     upstream = _randn(seed + 2, TOKENS)
     o = probe.call("loss forward", fn, logits, targets.clone())
     out = {"loss": (o.error, o.not_written, _copy(o.value))}
-    if not (o.error or o.not_written) and isinstance(o.value, torch.Tensor) and o.value.requires_grad:
-        k = probe.call("loss backward", lambda: (o.value * upstream).sum().backward())
+    k = _backward(probe, "loss backward", o, upstream)
+    if k is not None:
         out["grad"] = (k.error, _grad(logits))
     return out
 
 
 def _judge_loss(grading: Grading) -> Verdict:
     verdict = Verdict()
-    for p in grading.sizes(2, 3):
-        run = grading.world(f"{HERE}:probe_loss", p)
+    for run in _runs(grading, f"{HERE}:probe_loss", verdict):
         p = run.size
-        for problem in run.problems():
-            verdict.add(problem)
         seed = run.seed(0, "logits") % 1_000_000
         logits = _logits(seed, p).requires_grad_()
         targets = torch.randint(0, SLICE * p, TOKENS, generator=torch.Generator().manual_seed(seed + 1))
@@ -233,11 +239,8 @@ def probe_chunked(probe: Probe) -> dict:
 
 def _judge_chunked(grading: Grading) -> Verdict:
     verdict = Verdict()
-    for p in grading.sizes(2, 3):
-        run = grading.world(f"{HERE}:probe_chunked", p)
+    for run in _runs(grading, f"{HERE}:probe_chunked", verdict):
         p = run.size
-        for problem in run.problems():
-            verdict.add(problem)
         w = _ints(run.seed(0, "weight") % 1_000_000, (K, N))
         want = torch.cat([_ints(run.seed(r, "x"), (M, K)) for r in range(p)]) @ w
         for rank in range(p):
