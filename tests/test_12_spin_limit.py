@@ -241,13 +241,16 @@ def _local_world(world: int, preset: tuple = ()) -> tuple:
 def test_on_one_gpu_both_barriers_give_up_within_the_bound_and_the_host_names_the_peer():
     from collectives.symmetric import triton_allreduce as ta
     n = 3 * 4096                                         # 3 programs of 4096 float32
+    alive = []       # every world's tensors live to the end: a new world at a dead one's addresses would be its twin
     handle, kept = _local_world(1)                       # world 1: the kernel runs through, nothing recorded
+    alive.append(kept)
     out = torch.full((n,), -1.0, device="cuda")
     ta.one_shot(handle, n, torch.float32, out, spin_limit=1000)
     triton_errors.wait(ta.errors_of(handle), timeout=60)
     assert torch.equal(out, kept[1][0]) and ta.errors_of(handle).tensor.is_pinned()
     for barrier in ta.BARRIERS:
         handle, kept = _local_world(2)                   # peer 1's word in rank 0's pad: never written
+        alive.append(kept)
         out = torch.full((n,), -1.0, device="cuda")
         start = time.monotonic()
         ta.one_shot(handle, n, torch.float32, out, spin_limit=1000, barrier=barrier)
@@ -261,6 +264,7 @@ def test_on_one_gpu_both_barriers_give_up_within_the_bound_and_the_host_names_th
             ta.one_shot(handle, n, torch.float32, out, spin_limit=1000, barrier=barrier)
         # the peer never consumed rank 0's last arrival (word (b + 2)·2 + 0 of its pad): rank 0 cannot arrive
         handle, kept = _local_world(2, preset=[(1, (b + 2) * 2) for b in range(3)])
+        alive.append(kept)
         ta.two_shot(handle, n, torch.float32, spin_limit=1000, barrier=barrier)
         with pytest.raises(SpinTimeout, match="store two-shot's first barrier.*could not arrive at peer 1"):
             triton_errors.wait(ta.errors_of(handle), timeout=60)

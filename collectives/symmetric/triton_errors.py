@@ -102,12 +102,14 @@ class ErrorBuffer:
                 f"{len(records)} record(s), peers waited for: {peers}")
 
 
-_BUFFERS: dict = {}       # (signal pads' address array, device) -> ErrorBuffer
+_BUFFERS: dict = {}       # (pads' and buffers' address arrays, rank, world, device) -> ErrorBuffer
 
 
 def for_handle(handle, device: int, records: int) -> ErrorBuffer:
-    """The error buffer of ``handle``'s signal pads on ``device``, made on first use."""
-    key = (handle.signal_pad_ptrs_dev, device)
+    """The error buffer of ``handle``'s signal pads on ``device``, made on first use. Keyed,
+    as the launch plans are, by the handle's pointers, rank and world size: a handle made
+    later at exactly the same addresses counts as the same one (and is refused if it was)."""
+    key = (handle.signal_pad_ptrs_dev, handle.buffer_ptrs_dev, handle.rank, handle.world_size, device)
     buffer = _BUFFERS.get(key)
     if buffer is None or buffer.records < records:
         buffer = _BUFFERS[key] = ErrorBuffer(records, handle.rank)
