@@ -13,11 +13,13 @@ copy, no CUDA call::
                                      valid, rank, barrier, peer, phase, expected, seen, program
 
 A record is written field by field, then ``valid`` and the header word with a release at
-system scope, so a host that sees the header set sees whole records. The fast path pays one
-compare-and-branch per spin in the kernel, and one read of the header word per call on the
-host (:meth:`ErrorBuffer.check`, before every launch). A set header raises
-:class:`SpinTimeout`, naming the rank, the barrier and the peer; from then on every call on
-that handle raises: the signal pads' words are in a state no barrier can start from.
+system scope, so a host that sees the header set sees whole records. The fast path pays a
+count and a compare per try in the kernel, and one read of the header word per call on the
+host (:meth:`ErrorBuffer.check`, before every launch; a call replayed from a CUDA graph
+runs no Python, so there the host reads it in :func:`wait` or by calling ``check``). A set
+header raises :class:`SpinTimeout`, naming the rank, the barrier and the peer; from then on
+every call on that handle raises: the signal pads' words are in a state no barrier can start
+from.
 
 :func:`wait` is the host's deadline: it waits for what the current stream has queued while
 reading the header, and names the peer when a record appears or the deadline passes.
