@@ -32,8 +32,10 @@ def pytest_collection_modifyitems(config, items):
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     skip = pytest.mark.skip(reason=f"needs at least 2 CUDA GPUs for NCCL (found {gpus})")
     for item in items:
-        if "gpu" in item.keywords and gpus < 2:
-            item.add_marker(skip)
+        marker = item.get_closest_marker("gpu")
+        if marker is not None and gpus < (marker.args[0] if marker.args else 2):    # gpu(1): one GPU is enough
+            item.add_marker(skip if not marker.args else pytest.mark.skip(reason=f"needs {marker.args[0]} CUDA "
+                                                                          f"GPU(s) (found {gpus})"))
     _mark_groups(items)
 
 

@@ -640,7 +640,7 @@ def _fake_triton():
     import types
 
     triton = types.ModuleType("triton")
-    triton.jit = lambda fn: _FakeKernel()
+    triton.jit = lambda fn=None, **options: _FakeKernel() if fn is not None else (lambda fn: _FakeKernel())
     triton.cdiv = lambda a, b: -(-a // b)
     tl = types.ModuleType("triton.language")
     for name in ("float32", "bfloat16", "float16", "int32", "int64", "uint64"):
@@ -677,11 +677,14 @@ def test_the_triton_kernels_build_each_launch_once_and_keep_no_tensor_of_the_cal
         assert len(one.jit_calls) == len(two.jit_calls) == 1          # the dispatch once, then direct
         assert len(one.direct_calls) == len(two.direct_calls) == 2
         grid, args, constexprs, warps = one.jit_calls[0]
-        assert args == (1000, 2000, out, 64) and constexprs["RANK"] == 1 and warps == ta.WARPS
+        errors = ta.errors_of(handle)                  # the error buffer's address and the bound follow the data
+        assert args == (1000, 2000, out, 64, errors.address, ta.SPIN_LIMIT) and constexprs["RANK"] == 1
+        assert warps == ta.WARPS
         assert constexprs["BLOCK"] == ta.BLOCK_BYTES // 4              # a block is so many bytes of float32
         # the grid, the stream, the kernel, then its arguments in order and the constexprs
-        assert one.direct_calls[0][3] == 7 and one.direct_calls[0][9:13] == (1000, 2000, out, 64)
-        assert two.direct_calls[0][9:13] == (1000, 2000, 64, 32)          # numel, then each rank's chunk
+        assert one.direct_calls[0][3] == 7 and one.direct_calls[0][9:15] == (1000, 2000, out, 64, errors.address,
+                                                                             ta.SPIN_LIMIT)
+        assert two.direct_calls[0][9:15] == (1000, 2000, 64, 32, errors.address, ta.SPIN_LIMIT)   # numel, chunk
         store = ta._TWO_SHOT_STORE.kernel                                  # the gather by stores:
         ta.two_shot(handle, 64, torch.float32, gather="store")             # its own kernel and plan
         ta.two_shot(handle, 64, torch.float32)                             # the default: the same plan

@@ -364,8 +364,9 @@ def launch_rank(numel: int) -> dict:
     out["host_current_stream_s"] = _host(lambda: torch.cuda.current_stream().cuda_stream, device, reps=50)
     out["host_buffer_ptrs_dev_s"] = _host(lambda: (h.buffer_ptrs_dev, h.signal_pad_ptrs_dev), device, reps=50)
     out["host_hooks_check_s"] = _host(triton_launch_hooks, device, reps=50)
+    out["host_error_check_s"] = _host(triton_allreduce.errors_of(h).check, device, reps=50)   # the per-call read
     if compiled is not None:
-        grid, key, args, consts, warps = triton_allreduce._PLANS[plan_key]
+        (grid, key, args, consts, warps), _errors = triton_allreduce._PLANS[plan_key]
         stream = torch.cuda.current_stream().cuda_stream
         out["host_launcher_s"] = _host(lambda: two.launch(grid, key, args, consts, warps, shape=plan_key),
                                        device, reps=50)

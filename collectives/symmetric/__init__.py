@@ -12,7 +12,9 @@ when, and every rank reads what it needs.
 * :mod:`.gpu` -- the same two algorithms on torch's symmetric memory, in plain torch;
 * :mod:`.triton_barrier` and :mod:`.triton_allreduce` -- the barrier on signal pads and
   the one-shot and two-shot kernels in Triton (imported only on a machine with GPUs);
-* :mod:`.triton_launch` -- their launches, past Triton's per-call dispatch once a shape is known.
+* :mod:`.triton_launch` -- their launches, past Triton's per-call dispatch once a shape is known;
+* :mod:`.triton_errors` -- what a kernel records when it gives up on a peer, in pinned host
+  memory the host reads without synchronising, and the error the host raises.
 """
 
 from .cost import SharedLink, crossover, fit_shared, one_shot_seconds, ring_seconds, two_shot_seconds

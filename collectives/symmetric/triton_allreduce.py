@@ -45,10 +45,13 @@ import torch
 import triton
 import triton.language as tl
 
+from . import triton_errors
 from .triton_barrier import RESERVED, blockwise_barrier
+from .triton_errors import SPIN_LIMIT
 from .triton_launch import Launcher, int_shape
 
-__all__ = ["one_shot", "two_shot", "BLOCK_BYTES", "MAX_BLOCKS", "WARPS", "GATHERS", "BARRIERS", "FENCES"]
+__all__ = ["one_shot", "two_shot", "errors_of", "BLOCK_BYTES", "MAX_BLOCKS", "WARPS", "GATHERS", "BARRIERS",
+           "FENCES", "SPIN_LIMIT"]
 
 # The launch shape: the best of six measured on 2x NVIDIA H200 (tools/gpu_probe.py triton; the
 # record docs/data/gpu/lesson12-shapes-2x-h200.json). A block is so many bytes, not elements, so
@@ -80,34 +83,40 @@ def _sum_of_peers(buffer_ptrs, offsets, mask, ELEMENT: tl.constexpr, ACC: tl.con
     return acc
 
 
-@triton.jit
-def _one_shot_kernel(buffer_ptrs, signal_pad_ptrs, out_ptr, numel,
+@triton.jit(do_not_specialize=["spin_limit"])
+def _one_shot_kernel(buffer_ptrs, signal_pad_ptrs, out_ptr, numel, errors, spin_limit,
                      RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, ELEMENT: tl.constexpr,
                      ACC: tl.constexpr, PARALLEL: tl.constexpr, ORDER_ALL: tl.constexpr):
     program, programs = tl.program_id(0), tl.num_programs(0)
-    blockwise_barrier(signal_pad_ptrs, program, RANK, WORLD, PARALLEL, ORDER_ALL)   # peers have started
+    gave_up = blockwise_barrier(signal_pad_ptrs, program, errors, spin_limit, RANK, WORLD, PARALLEL, ORDER_ALL, 10)
+    if gave_up != 0:                                                                       # a peer never started
+        return
     for start in range(program * BLOCK, numel, programs * BLOCK):
         offsets = start + tl.arange(0, BLOCK)
         mask = offsets < numel
         acc = _sum_of_peers(buffer_ptrs, offsets, mask, ELEMENT, ACC, WORLD, BLOCK)
         tl.store(out_ptr + offsets, acc.to(ELEMENT), mask=mask)
-    blockwise_barrier(signal_pad_ptrs, program, RANK, WORLD, PARALLEL, ORDER_ALL)   # nobody reads any more
+    blockwise_barrier(signal_pad_ptrs, program, errors, spin_limit, RANK, WORLD, PARALLEL, ORDER_ALL, 11)
 
 
-@triton.jit
-def _two_shot_kernel(buffer_ptrs, signal_pad_ptrs, numel, chunk,
+@triton.jit(do_not_specialize=["spin_limit"])
+def _two_shot_kernel(buffer_ptrs, signal_pad_ptrs, numel, chunk, errors, spin_limit,
                      RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, ELEMENT: tl.constexpr,
                      ACC: tl.constexpr, PARALLEL: tl.constexpr, ORDER_ALL: tl.constexpr):
     program, programs = tl.program_id(0), tl.num_programs(0)
     own = _peer(buffer_ptrs, RANK, ELEMENT)
-    blockwise_barrier(signal_pad_ptrs, program, RANK, WORLD, PARALLEL, ORDER_ALL)
+    gave_up = blockwise_barrier(signal_pad_ptrs, program, errors, spin_limit, RANK, WORLD, PARALLEL, ORDER_ALL, 20)
+    if gave_up != 0:
+        return
     lo = RANK * chunk
     for start in range(program * BLOCK, chunk, programs * BLOCK):        # reduce our chunk, in place
         offsets = lo + start + tl.arange(0, BLOCK)
         mask = (offsets < lo + chunk) & (offsets < numel)
         acc = _sum_of_peers(buffer_ptrs, offsets, mask, ELEMENT, ACC, WORLD, BLOCK)
         tl.store(own + offsets, acc.to(ELEMENT), mask=mask)
-    blockwise_barrier(signal_pad_ptrs, program, RANK, WORLD, PARALLEL, True)      # hands over what we wrote
+    gave_up = blockwise_barrier(signal_pad_ptrs, program, errors, spin_limit, RANK, WORLD, PARALLEL, True, 21)
+    if gave_up != 0:                                                           # hands over what we wrote
+        return
     for peer in tl.static_range(WORLD):                                  # gather the others' chunks
         if peer != RANK:
             theirs = _peer(buffer_ptrs, peer, ELEMENT)
@@ -115,15 +124,17 @@ def _two_shot_kernel(buffer_ptrs, signal_pad_ptrs, numel, chunk,
                 offsets = peer * chunk + start + tl.arange(0, BLOCK)
                 mask = (offsets < (peer + 1) * chunk) & (offsets < numel)
                 tl.store(own + offsets, tl.load(theirs + offsets, mask=mask), mask=mask)
-    blockwise_barrier(signal_pad_ptrs, program, RANK, WORLD, PARALLEL, ORDER_ALL)
+    blockwise_barrier(signal_pad_ptrs, program, errors, spin_limit, RANK, WORLD, PARALLEL, ORDER_ALL, 22)
 
 
-@triton.jit
-def _two_shot_store_kernel(buffer_ptrs, signal_pad_ptrs, numel, chunk,
+@triton.jit(do_not_specialize=["spin_limit"])
+def _two_shot_store_kernel(buffer_ptrs, signal_pad_ptrs, numel, chunk, errors, spin_limit,
                            RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, ELEMENT: tl.constexpr,
                            ACC: tl.constexpr, PARALLEL: tl.constexpr, ORDER_ALL: tl.constexpr):
     program, programs = tl.program_id(0), tl.num_programs(0)
-    blockwise_barrier(signal_pad_ptrs, program, RANK, WORLD, PARALLEL, ORDER_ALL)
+    gave_up = blockwise_barrier(signal_pad_ptrs, program, errors, spin_limit, RANK, WORLD, PARALLEL, ORDER_ALL, 30)
+    if gave_up != 0:
+        return
     lo = RANK * chunk
     for start in range(program * BLOCK, chunk, programs * BLOCK):
         offsets = lo + start + tl.arange(0, BLOCK)
@@ -132,7 +143,7 @@ def _two_shot_store_kernel(buffer_ptrs, signal_pad_ptrs, numel, chunk,
         for step in tl.static_range(WORLD):              # the sum into every rank's buffer, ours last
             peer = (RANK + 1 + step) % WORLD
             tl.store(_peer(buffer_ptrs, peer, ELEMENT) + offsets, acc, mask=mask)
-    blockwise_barrier(signal_pad_ptrs, program, RANK, WORLD, PARALLEL, True)      # hands over the sums
+    blockwise_barrier(signal_pad_ptrs, program, errors, spin_limit, RANK, WORLD, PARALLEL, True, 31)  # the sums
 
 
 _ELEMENTS = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
@@ -155,6 +166,11 @@ FENCES = ("needed", "all")            # order only the barriers that hand over d
 def _check(name: str, value: str, allowed: tuple) -> None:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+
+
+def _check_limit(spin_limit: int) -> None:
+    if not (isinstance(spin_limit, int) and 1 <= spin_limit < 1 << 62):
+        raise ValueError(f"spin_limit must be a positive integer (tries of one handshake), got {spin_limit!r}")
 
 
 def _block(block: int | None, dtype: torch.dtype) -> int:
@@ -200,6 +216,12 @@ def refuse_alias(handle, out: torch.Tensor, numel: int, dtype: torch.dtype) -> N
                          "its peers read while the kernel writes out; pass a tensor outside symmetric memory")
 
 
+def errors_of(handle) -> triton_errors.ErrorBuffer:
+    """The error buffer the kernels on ``handle``'s signal pads write when they give up:
+    :func:`.triton_errors.wait` waits for a call with a deadline while reading it."""
+    return triton_errors.for_handle(handle, _device(), _pad_words())
+
+
 _PLANS: dict = {}       # (pointers, rank, world, device, call) -> the launch's arguments, worked out once
 MAX_PLANS = 4096
 
@@ -215,7 +237,7 @@ def _plan(key: tuple, make) -> tuple:
 
 def one_shot(handle, numel: int, dtype: torch.dtype, out: torch.Tensor, *, block: int | None = None,
              programs: int = MAX_BLOCKS, warps: int = WARPS, barrier: str = "parallel",
-             fences: str = "needed") -> torch.Tensor:
+             fences: str = "needed", spin_limit: int = SPIN_LIMIT) -> torch.Tensor:
     """``out[:numel]`` <- the sum over ranks of their symmetric buffers' first ``numel``
     elements (``handle``: ``symm_mem.rendezvous`` of a buffer of ``dtype``). One launch of at
     most ``programs`` programs of ``warps`` warps, each taking ``block`` elements at a time
@@ -227,47 +249,57 @@ def one_shot(handle, numel: int, dtype: torch.dtype, out: torch.Tensor, *, block
     (``"needed"``), or at every barrier (``"all"``, to measure what they cost).
     A call's launch arguments are worked out once and looked up after (keyed by the handle's
     pointers, its rank and world size, and every argument, so nothing stale can match).
-    ``out`` overlapping this rank's own symmetric buffer is refused (:func:`refuse_alias`)."""
+    ``out`` overlapping this rank's own symmetric buffer is refused (:func:`refuse_alias`).
+    ``spin_limit``: the tries of one handshake before a barrier gives up on a peer
+    (:mod:`.triton_errors`); every call first reads whether an earlier kernel gave up, and
+    raises :class:`.triton_errors.SpinTimeout` naming the peer if one did."""
     _check("barrier", barrier, BARRIERS)
     _check("fences", fences, FENCES)
     ptrs = handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev
     key = ("one", ptrs, handle.rank, handle.world_size, _device(), numel, dtype, out.data_ptr(), block, programs,
-           warps, barrier, fences)
+           warps, barrier, fences, spin_limit)
 
     def make():     # no tensor kept here: a cached plan must not keep ``out`` alive
         refuse_alias(handle, out, numel, dtype)
+        _check_limit(spin_limit)
         elements = _block(block, dtype)
         constexprs = dict(RANK=handle.rank, WORLD=handle.world_size, BLOCK=elements, **_types(dtype),
                           PARALLEL=barrier == "parallel", ORDER_ALL=fences == "all")
         shape = (dtype, tuple(constexprs.values()), int_shape(numel), out.data_ptr() % 16 == 0, out.device.index,
                  *ptrs)
-        return _grid(numel, elements, programs, handle.world_size), shape, constexprs
-    grid, shape, constexprs = _plan(key, make)
-    _ONE_SHOT.launch(grid, shape, (*ptrs, out, numel), constexprs, warps, shape=key)
+        return _grid(numel, elements, programs, handle.world_size), shape, constexprs, errors_of(handle)
+    grid, shape, constexprs, errors = _plan(key, make)
+    errors.check()                     # a read of host memory: did an earlier kernel give up?
+    _ONE_SHOT.launch(grid, shape, (*ptrs, out, numel, errors.address, spin_limit), constexprs, warps, shape=key)
     return out
 
 
 def two_shot(handle, numel: int, dtype: torch.dtype, *, gather: str = "store", block: int | None = None,
              programs: int = MAX_BLOCKS, warps: int = WARPS, barrier: str = "parallel",
-             fences: str = "needed") -> None:
+             fences: str = "needed", spin_limit: int = SPIN_LIMIT) -> None:
     """The first ``numel`` elements of this rank's symmetric buffer <- their sum over ranks,
     in place: a reduce-scatter by loads, then an all-gather -- by loads (``gather="load"``:
     every rank reads the others' reduced chunks; three barriers) or by stores
     (``"store"``, the default: every rank writes its reduced chunk into every rank's buffer;
     two barriers; a store over NVLink is posted, where a load is a round trip). One launch
-    (``block``, ``programs``, ``warps``, ``barrier``, ``fences``: as :func:`one_shot`)."""
+    (``block``, ``programs``, ``warps``, ``barrier``, ``fences``, ``spin_limit``: as :func:`one_shot`)."""
     _check("gather", gather, GATHERS)
     _check("barrier", barrier, BARRIERS)
     _check("fences", fences, FENCES)
     ptrs = handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev
     key = ("two", ptrs, handle.rank, handle.world_size, _device(), numel, dtype, gather, block, programs, warps,
-           barrier, fences)
+           barrier, fences, spin_limit)
 
     def make():
+        _check_limit(spin_limit)
         chunk = triton.cdiv(numel, handle.world_size)
         elements = _block(block, dtype)
         constexprs = dict(RANK=handle.rank, WORLD=handle.world_size, BLOCK=elements, **_types(dtype),
                           PARALLEL=barrier == "parallel", ORDER_ALL=fences == "all")
         shape = (dtype, tuple(constexprs.values()), int_shape(numel), int_shape(chunk), *ptrs)
-        return (_grid(chunk, elements, programs, handle.world_size), shape, (*ptrs, numel, chunk), constexprs, warps)
-    (_TWO_SHOT if gather == "load" else _TWO_SHOT_STORE).launch(*_plan(key, make), shape=key)
+        errors = errors_of(handle)
+        return (_grid(chunk, elements, programs, handle.world_size), shape,
+                (*ptrs, numel, chunk, errors.address, spin_limit), constexprs, warps), errors
+    launch, errors = _plan(key, make)
+    errors.check()                     # a read of host memory: did an earlier kernel give up?
+    (_TWO_SHOT if gather == "load" else _TWO_SHOT_STORE).launch(*launch, shape=key)

@@ -61,11 +61,15 @@ machine. CUDA promises this at the end of a kernel for the kernel's own device a
 the system-scope fences the driver issues at kernel boundaries, to its peers; torch's own
 symmetric-memory kernels make the same assumption for their first and last barriers.
 
-A barrier whose peer never arrives spins for ever: nothing here times out. A bounded spin
-would need a flag in device memory the host reads after every call -- a synchronisation per
-call, what these kernels exist to avoid -- so the timeout is the host's: the caller waits for
-the stream with a deadline (``tools/gpu_lesson12.py`` runs every call under one), and a hung
-kernel shows up as a call that does not finish.
+A barrier whose peer never comes does not spin for ever: every handshake counts its tries,
+and past ``spin_limit`` the block gives up, writes a record (this rank, the barrier, the
+peer, the word it expected and the word it saw) into the error buffer of
+:mod:`.triton_errors` -- pinned host memory the host reads without synchronising -- and
+the barrier returns 1, on which the kernel returns at once. While every peer comes, the
+bound costs a count and a compare per try, nothing else. The serial handshake is written
+with Triton's atomics, so Triton's interpreter (``TRITON_INTERPRET=1``, on the CPU) runs it;
+the parallel one is PTX: there the failing thread writes its record, and the block agrees
+on the outcome with ``bar.red.or`` (a block barrier that also ORs one bit of every thread).
 
 After the structure of symm-mem-recipes' blockwise barrier (one word per block and peer in
 the signal pad, one thread per peer); written for this course. Import it only where Triton
@@ -77,29 +81,60 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .triton_errors import RECORD_WORDS
+
 __all__ = ["blockwise_barrier", "RESERVED"]
 
 RESERVED = 2      # torch's handle.barrier channels 0 and 1: their 2·p words are not ours
+_RECORD = tl.constexpr(RECORD_WORDS)   # int32 words per record of the error buffer
 
 
 @triton.jit
-def _flip(word, old, new, SEM: tl.constexpr):
+def _flip(word, old, new, spin_limit, SEM: tl.constexpr):
     """Once ``word`` holds ``old``, make it ``new`` (spinning on a compare-and-swap): arriving
     raises a peer's word from 0 to 1, waiting while it is still 1 from the last barrier;
-    consuming waits for our own word to be 1 and puts the 0 back."""
-    while tl.atomic_cas(word, old, new, sem=SEM, scope="sys") != old:
-        pass
+    consuming waits for our own word to be 1 and puts the 0 back. At most ``spin_limit``
+    tries more: returns what the word held at the last try (``old`` when it flipped)."""
+    seen = tl.atomic_cas(word, old, new, sem=SEM, scope="sys")
+    spins = spin_limit * 0
+    while (seen != old) & (spins < spin_limit):     # the one branch the bound adds to a try
+        seen = tl.atomic_cas(word, old, new, sem=SEM, scope="sys")
+        spins += 1
+    return seen
+
+
+@triton.jit
+def _record(errors, block, peer, seen, RANK: tl.constexpr, WORLD: tl.constexpr, BARRIER: tl.constexpr,
+            PHASE: tl.constexpr, EXPECTED: tl.constexpr):
+    """Block ``block`` gave up on ``peer``: its record (:data:`.triton_errors.FIELDS`), then
+    ``valid`` and the header, each with a release, so a host that sees the header sees it."""
+    base = errors.to(tl.pointer_type(tl.int32))
+    record = base + (1 + block * WORLD + peer) * _RECORD
+    tl.store(record + 1, block * 0 + RANK)
+    tl.store(record + 2, block * 0 + BARRIER)
+    tl.store(record + 3, block * 0 + peer)
+    tl.store(record + 4, block * 0 + PHASE)
+    tl.store(record + 5, block * 0 + EXPECTED)
+    tl.store(record + 6, seen.to(tl.int32))
+    tl.store(record + 7, block)
+    tl.atomic_xchg(record, 1, sem="release", scope="sys")
+    tl.atomic_xchg(base, 1, sem="release", scope="sys")
 
 
 # Thread t < p (t ≠ RANK) of the block: arrive at peer t's word w·p + RANK, then consume our
-# word w·p + t. Operands: $0 (out, unused), $1 the address of the pads' address array, $2 the
-# row w (block b + RESERVED), $3 p, $4 RANK. Labels get LLVM's per-asm unique id, as the barrier is inlined
-# several times into one kernel. ARRIVE_SEM and CONSUME_SEM: the atomics' ordering.
+# word w·p + t, each at most $6 tries more; a thread that gives up writes its record
+# (:mod:`.triton_errors`) at $5 + 4·16·(1 + $7·p + t). Operands: $0 (out: 1 if any thread of
+# the block gave up, else 0), $1 the address of the pads' address array, $2 the row w
+# (block b + RESERVED), $3 p, $4 RANK, $5 the error buffer's address, $6 the spin limit,
+# $7 the block b, $8 the barrier's number. Labels get LLVM's per-asm unique id, as the
+# barrier is inlined several times into one kernel. ARRIVE_SEM and CONSUME_SEM: the
+# atomics' ordering. Every thread ends at ``bar.red.or``: a block barrier that also ORs
+# every thread's "gave up", so the block leaves with one answer.
 _HANDSHAKE_TEMPLATE = """{
-.reg .pred %go, %again;
-.reg .u32 %t, %word, %old;
-.reg .u64 %off, %at, %theirs, %own;
-mov.u32 $0, 0;
+.reg .pred %go, %again, %failed, %any;
+.reg .u32 %t, %word, %old, %phase, %want;
+.reg .u64 %off, %at, %theirs, %own, %spins, %rec;
+mov.pred %failed, 0;
 mov.u32 %t, %tid.x;
 setp.lt.u32 %go, %t, $3;
 setp.ne.and.u32 %go, %t, $4, %go;
@@ -116,15 +151,49 @@ add.u64 %theirs, %theirs, %off;
 mad.lo.u32 %word, $2, $3, %t;
 mul.wide.u32 %off, %word, 4;
 add.u64 %own, %own, %off;
+mov.u64 %spins, 0;
 ARRIVE_${:uid}:
 atom.global.ARRIVE_SEM.sys.cas.b32 %old, [%theirs], 0, 1;
-setp.ne.u32 %again, %old, 0;
+setp.eq.u32 %again, %old, 0;
+@%again bra ARRIVED_${:uid};
+add.u64 %spins, %spins, 1;
+setp.lt.u64 %again, %spins, $6;
 @%again bra ARRIVE_${:uid};
+mov.u32 %phase, 0;
+mov.u32 %want, 0;
+bra.uni FAIL_${:uid};
+ARRIVED_${:uid}:
+mov.u64 %spins, 0;
 CONSUME_${:uid}:
 atom.global.CONSUME_SEM.sys.cas.b32 %old, [%own], 1, 0;
-setp.ne.u32 %again, %old, 1;
+setp.eq.u32 %again, %old, 1;
+@%again bra DONE_${:uid};
+add.u64 %spins, %spins, 1;
+setp.lt.u64 %again, %spins, $6;
 @%again bra CONSUME_${:uid};
+mov.u32 %phase, 1;
+mov.u32 %want, 1;
+FAIL_${:uid}:
+mad.lo.u32 %word, $7, $3, %t;
+add.u32 %word, %word, 1;
+mul.wide.u32 %off, %word, 64;
+add.u64 %rec, $5, %off;
+st.global.u32 [%rec+4], $4;
+st.global.u32 [%rec+8], $8;
+st.global.u32 [%rec+12], %t;
+st.global.u32 [%rec+16], %phase;
+st.global.u32 [%rec+20], %want;
+st.global.u32 [%rec+24], %old;
+st.global.u32 [%rec+28], $7;
+mov.u32 %word, 1;
+fence.sc.sys;
+st.global.u32 [%rec], %word;
+fence.sc.sys;
+st.global.u32 [$5], %word;
+mov.pred %failed, 1;
 DONE_${:uid}:
+bar.red.or.pred %any, 0, %failed;
+selp.u32 $0, 1, 0, %any;
 }"""
 _HANDSHAKE_ORDERED = tl.constexpr(_HANDSHAKE_TEMPLATE.replace("ARRIVE_SEM", "release")
                                   .replace("CONSUME_SEM", "acquire"))
@@ -133,33 +202,50 @@ _HANDSHAKE_RELAXED = tl.constexpr(_HANDSHAKE_TEMPLATE.replace("ARRIVE_SEM", "rel
 
 
 @triton.jit
-def blockwise_barrier(signal_pad_ptrs, block, RANK: tl.constexpr, WORLD: tl.constexpr, PARALLEL: tl.constexpr,
-                      ORDERED: tl.constexpr = True):
-    """Block ``block`` of every rank waits here until block ``block`` of every rank has arrived.
+def blockwise_barrier(signal_pad_ptrs, block, errors, spin_limit, RANK: tl.constexpr, WORLD: tl.constexpr,
+                      PARALLEL: tl.constexpr, ORDERED: tl.constexpr = True, BARRIER: tl.constexpr = 0):
+    """Block ``block`` of every rank waits here until block ``block`` of every rank has
+    arrived: returns 0, or 1 if it gave up on a peer after ``spin_limit`` tries of one
+    handshake (a record is then in the error buffer at ``errors``, and the caller returns).
 
     ``signal_pad_ptrs``: the address of the device array of the p signal pads' addresses
     (``handle.signal_pad_ptrs_dev``, an integer). ``block`` must be below the pad's words ÷ p
-    less :data:`RESERVED`.
+    less :data:`RESERVED`. ``errors``: the address of the error buffer
+    (:class:`.triton_errors.ErrorBuffer`), mapped host memory.
     ``PARALLEL``: one thread per peer (True) or one thread for every peer in turn (False).
     ``ORDERED``: release on arrival and acquire on the wait (True, the default: always
     correct), or relaxed (False): the module docstring says which barrier may be.
+    ``BARRIER``: which barrier this is, for the record (:data:`.triton_errors.BARRIERS`).
     """
     tl.debug_barrier()           # what every thread wrote is ordered before the arriving thread's release
     word = block + 2             # RESERVED (2) rows of p words first: torch's barrier channels 0 and 1
+    failed = block * 0
     if PARALLEL:
-        args = [signal_pad_ptrs.to(tl.int64), word, block * 0 + WORLD, block * 0 + RANK]
+        args = [signal_pad_ptrs.to(tl.int64), word, block * 0 + WORLD, block * 0 + RANK, errors.to(tl.int64),
+                spin_limit.to(tl.int64), block, block * 0 + BARRIER]
         if ORDERED:
-            tl.inline_asm_elementwise(_HANDSHAKE_ORDERED, "=r,l,r,r,r", args, dtype=tl.int32, is_pure=False, pack=1)
+            failed = tl.inline_asm_elementwise(_HANDSHAKE_ORDERED, "=r,l,r,r,r,l,l,r,r", args, dtype=tl.int32,
+                                               is_pure=False, pack=1)
         else:
-            tl.inline_asm_elementwise(_HANDSHAKE_RELAXED, "=r,l,r,r,r", args, dtype=tl.int32, is_pure=False, pack=1)
+            failed = tl.inline_asm_elementwise(_HANDSHAKE_RELAXED, "=r,l,r,r,r,l,l,r,r", args, dtype=tl.int32,
+                                               is_pure=False, pack=1)
     else:
         pads = signal_pad_ptrs.to(tl.pointer_type(tl.uint64))
         own = tl.load(pads + RANK).to(tl.pointer_type(tl.uint32))
         for peer in tl.static_range(WORLD):
             if peer != RANK:
-                theirs = tl.load(pads + peer).to(tl.pointer_type(tl.uint32))
-                _flip(theirs + word * WORLD + RANK, 0, 1, "release" if ORDERED else "relaxed")   # arrive
+                if failed == 0:
+                    theirs = tl.load(pads + peer).to(tl.pointer_type(tl.uint32))
+                    seen = _flip(theirs + word * WORLD + RANK, 0, 1, spin_limit, "release" if ORDERED else "relaxed")
+                    if seen != 0:                                                            # arrive
+                        _record(errors, block, peer, seen, RANK, WORLD, BARRIER, 0, 0)
+                        failed = block * 0 + 1
         for peer in tl.static_range(WORLD):
             if peer != RANK:
-                _flip(own + word * WORLD + peer, 1, 0, "acquire" if ORDERED else "relaxed")      # consume
-    tl.debug_barrier()           # every thread of the block waits for the block's handshake
+                if failed == 0:
+                    seen = _flip(own + word * WORLD + peer, 1, 0, spin_limit, "acquire" if ORDERED else "relaxed")
+                    if seen != 1:                                                            # consume
+                        _record(errors, block, peer, seen, RANK, WORLD, BARRIER, 1, 1)
+                        failed = block * 0 + 1
+        tl.debug_barrier()       # every thread of the block waits for the block's handshake
+    return failed                # (the parallel handshake ends at its own block barrier, bar.red)

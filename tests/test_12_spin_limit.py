@@ -1,0 +1,270 @@
+"""Lesson 12's GPU kernels give up on a peer that never comes, and the host names it.
+
+Without Triton: the host's side of :mod:`collectives.symmetric.triton_errors` -- a record in
+the error buffer makes the next call raise, naming the rank, the barrier and the peer, before
+anything is launched; every later call on those signal pads is refused; the deadline wait
+reads the buffer while it waits. Where Triton is installed (the GPU lane): the serial barrier
+in Triton's interpreter on the CPU, a world of 2 whose peer never signals, its signal pads
+plain tensors; and on one GPU, both barriers of the compiled kernels against a peer's word
+that nobody writes.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+import types
+
+import pytest
+import torch
+
+from collectives.symmetric import triton_errors
+from collectives.symmetric.triton_errors import RECORD_WORDS, ErrorBuffer, SpinTimeout
+
+from .test_12_symmetric import _fake_triton
+
+LESSON = 12
+KERNELS = ["collectives.symmetric.triton_barrier", "collectives.symmetric.triton_allreduce"]
+
+
+def _write_record(errors: ErrorBuffer, program: int, peer: int, world: int, **fields) -> None:
+    """What a kernel that gave up writes: the record's fields, then ``valid``, then the header."""
+    row = dict(valid=1, rank=errors.rank, barrier=10, peer=peer, phase=1, expected=1, seen=0, program=program)
+    row.update(fields)
+    at = (1 + program * world + peer) * RECORD_WORDS
+    errors.words[at:at + len(row)] = list(row.values())
+    errors.words[0] = 1
+
+
+def test_a_record_raises_naming_rank_barrier_and_peer_before_any_launch_and_later_calls_are_refused(monkeypatch):
+    triton, tl = _fake_triton()
+    monkeypatch.setitem(sys.modules, "triton", triton)
+    monkeypatch.setitem(sys.modules, "triton.language", tl)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
+    try:
+        from collectives.symmetric import triton_allreduce as ta
+        from collectives.symmetric import triton_launch
+        monkeypatch.setattr(triton_launch, "_runtime", lambda: None)
+        monkeypatch.setattr(ta, "_pad_words", lambda: 2048)
+        handle = types.SimpleNamespace(buffer_ptrs_dev=3000, signal_pad_ptrs_dev=4000, rank=1, world_size=2)
+        other = types.SimpleNamespace(buffer_ptrs_dev=3000, signal_pad_ptrs_dev=5000, rank=1, world_size=2)
+        out = torch.zeros(64)
+        ta.one_shot(handle, 64, torch.float32, out, spin_limit=100)
+        errors = ta.errors_of(handle)
+        assert ta._ONE_SHOT.kernel.jit_calls[-1][1][4:] == (errors.address, 100)     # the bound is the caller's
+        assert errors is not ta.errors_of(other) and errors.found() == []
+        for bad in (0, -5, 2.5):                  # a bound that is no count of tries: refused before a launch
+            with pytest.raises(ValueError, match="spin_limit"):
+                ta.two_shot(handle, 64, torch.float32, spin_limit=bad)
+        launched = len(ta._TWO_SHOT_STORE.kernel.jit_calls) + len(ta._TWO_SHOT_STORE.kernel.direct_calls)
+
+        _write_record(errors, program=3, peer=0, world=2, barrier=21)      # program 3 waited for peer 0 in vain
+        with pytest.raises(SpinTimeout, match=r"rank 1 gave up at the two-shot's middle barrier .*, program 3: "
+                                              r"peer 0 never arrived: the word in rank 1's signal pad held 0 where "
+                                              r"1 was expected; 1 record\(s\), peers waited for: \[0\]"):
+            ta.two_shot(handle, 64, torch.float32)
+        for call in (lambda: ta.two_shot(handle, 64, torch.float32),     # state unknown: refused from now on
+                     lambda: ta.one_shot(handle, 64, torch.float32, out, spin_limit=100)):
+            with pytest.raises(SpinTimeout, match="rank 1 refuses this call: .*peer 0 never arrived.*new one"):
+                call()
+        assert len(ta._TWO_SHOT_STORE.kernel.jit_calls) + len(ta._TWO_SHOT_STORE.kernel.direct_calls) == launched
+        ta.two_shot(other, 64, torch.float32)     # other signal pads are not touched by it
+    finally:
+        for name in KERNELS:
+            sys.modules.pop(name, None)
+        import collectives.symmetric as package
+        for name in KERNELS:
+            if hasattr(package, name.rsplit(".", 1)[1]):
+                delattr(package, name.rsplit(".", 1)[1])
+
+
+def test_the_record_says_which_handshake_failed_and_the_deadline_wait_reads_it(monkeypatch):
+    errors = ErrorBuffer(64, rank=2)
+    _write_record(errors, program=5, peer=3, world=4, barrier=30, phase=0, expected=0, seen=1)
+    _write_record(errors, program=6, peer=1, world=4, barrier=30)
+    message = errors.describe()
+    assert message.startswith("rank 2 gave up at the store two-shot's first barrier (every input in place), "
+                              "program 5: it could not arrive at peer 3: the word in peer 3's signal pad held 1 "
+                              "where 0 was expected")
+    assert "2 record(s), peers waited for: [1, 3]" in message
+
+    class Stream:        # the current stream as the wait sees it: still busy, until ``finish`` is called
+        busy, polls = True, 0
+
+    class Event:
+        def record(self):
+            pass
+
+        def query(self):
+            Stream.polls += 1
+            if Stream.polls == 3 and hasattr(Stream, "on_third_poll"):
+                Stream.on_third_poll()
+            return not Stream.busy
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    quiet = ErrorBuffer(64, rank=0)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="rank 0: the stream did not finish within 0.05 s and no kernel"):
+        triton_errors.wait(quiet, timeout=0.05)          # no record: the host's own deadline, generic
+    assert 0.05 <= time.monotonic() - start < 5
+    Stream.polls, Stream.on_third_poll = 0, lambda: _write_record(quiet, program=0, peer=1, world=2)
+    with pytest.raises(SpinTimeout, match="rank 0 gave up at the one-shot's first barrier.*peer 1 never arrived"):
+        triton_errors.wait(quiet, timeout=60)            # a kernel gave up meanwhile: named long before 60 s
+    assert Stream.polls == 3
+    Stream.busy = False                                  # a stream that finishes: the record still raises
+    with pytest.raises(SpinTimeout, match="refuses this call"):
+        triton_errors.wait(quiet, timeout=60)
+    triton_errors.wait(ErrorBuffer(64, rank=0), timeout=60)   # finished, no record: returns
+
+
+# ---- with Triton: the interpreter on the CPU, and one GPU --------------------------------------
+
+_INTERPRETED = r"""
+import json, types
+import torch
+import triton
+import triton.language as tl
+from collectives.symmetric import triton_allreduce as ta, triton_errors
+from collectives.symmetric.triton_barrier import blockwise_barrier
+
+ta._device = lambda: 0                      # no CUDA in this process: device 0 names the error buffer
+
+
+@triton.jit
+def met_twice(signal_pad_ptrs, errors, spin_limit, src, out, RANK: tl.constexpr, WORLD: tl.constexpr,
+              BLOCK: tl.constexpr):
+    # the one-shot's frame without its strided loop: meet, copy this program's block, meet again
+    program = tl.program_id(0)
+    gave_up = blockwise_barrier(signal_pad_ptrs, program, errors, spin_limit, RANK, WORLD, False, False, 10)
+    if gave_up != 0:
+        return
+    offsets = program * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out + offsets, tl.load(src + offsets))
+    blockwise_barrier(signal_pad_ptrs, program, errors, spin_limit, RANK, WORLD, False, False, 11)
+
+
+def said(errors):
+    told = []
+    for _ in range(2):
+        try:
+            errors.check()
+            told.append(None)
+        except triton_errors.SpinTimeout as exc:
+            told.append(str(exc))
+    return told
+
+
+def world(p, rank_words=(), peer_words=()):
+    # Rank 0 of a world of p, with two programs; its peers never run. Signal pads are CPU tensors;
+    # ``rank_words``/``peer_words``: words of rank 0's / peer 1's pad already set to 1.
+    pads = [torch.zeros(2048, dtype=torch.int32) for _ in range(p)]
+    for w in rank_words:
+        pads[0][w] = 1
+    for w in peer_words:
+        pads[1][w] = 1
+    addresses = torch.tensor([t.data_ptr() for t in pads], dtype=torch.int64)
+    src, out = torch.arange(16, dtype=torch.float32), torch.full((16,), -1.0)
+    errors = triton_errors.ErrorBuffer(2048, 0)
+    met_twice[(2,)](addresses.data_ptr(), errors.address, 50, src, out, RANK=0, WORLD=p, BLOCK=8)
+    return dict(out=out.tolist(), records=errors.found(), said=said(errors), pads=[t[:8].tolist() for t in pads])
+
+
+results = {"alone": world(1), "never": world(2), "behind": world(2, peer_words=[4, 6]),
+           "first only": world(2, rank_words=[5, 7])}
+# the lesson's one-shot itself, through its host path, on a world of 2 whose peer never comes
+keep = [torch.arange(16, dtype=torch.float32) * (q + 1) for q in range(2)], [torch.zeros(2048, dtype=torch.int32)
+                                                                           for q in range(2)]
+ptrs = [torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64) for ts in keep]
+handle = types.SimpleNamespace(buffer_ptrs_dev=ptrs[0].data_ptr(), signal_pad_ptrs_dev=ptrs[1].data_ptr(),
+                               rank=0, world_size=2)
+out = torch.full((16,), -1.0)
+ta.one_shot(handle, 16, torch.float32, out, block=8, programs=1, barrier="serial", spin_limit=50)
+results["one-shot"] = dict(out=out.tolist(), records=ta.errors_of(handle).found(), said=said(ta.errors_of(handle)))
+try:
+    ta.one_shot(handle, 16, torch.float32, out, block=8, programs=1, barrier="serial", spin_limit=50)
+except triton_errors.SpinTimeout as exc:
+    results["one-shot"]["again"] = str(exc)
+print("RESULT " + json.dumps(results))
+"""
+
+
+def _record(program, phase, barrier=10):
+    return dict(valid=1, rank=0, barrier=barrier, peer=1, phase=phase, expected=phase, seen=1 - phase,
+                program=program)
+
+
+@pytest.mark.gpu(1)     # Triton is installed where the GPUs are; the interpreter itself runs on the CPU
+def test_in_the_interpreter_the_serial_barrier_gives_up_on_a_peer_that_never_signals(tmp_path):
+    script = tmp_path / "interpreted.py"                 # a file: Triton reads a kernel's source
+    script.write_text(_INTERPRETED)
+    path = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=path)
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.split("RESULT ", 1)[1])
+    block = list(map(float, range(16)))
+    alone, never, behind, first = (results[k] for k in ("alone", "never", "behind", "first only"))
+    assert alone["out"] == block and alone["records"] == [] and alone["said"] == [None, None]   # nobody to wait for
+    # the peer never arrives: rank 0 arrived (words (b + 2)·2 + 0 of the peer's pad), gave up consuming,
+    # and returned before the copy
+    assert never["records"] == [_record(0, 1), _record(1, 1)] and never["out"] == [-1.0] * 16
+    assert never["pads"][1][4] == never["pads"][1][6] == 1
+    assert never["said"][0].startswith("rank 0 gave up at the one-shot's first barrier (every input in place), "
+                                       "program 0: peer 1 never arrived")
+    assert "refuses this call" in never["said"][1]
+    # the peer never consumed rank 0's last arrival: rank 0 cannot arrive
+    assert behind["records"] == [_record(0, 0), _record(1, 0)] and behind["out"] == [-1.0] * 16
+    assert "it could not arrive at peer 1" in behind["said"][0]
+    # the peer came to the first barrier only: the copy is done, the second barrier cannot arrive
+    assert first["out"] == block and first["records"] == [_record(0, 0, 11), _record(1, 0, 11)]
+    assert "the one-shot's last barrier" in first["said"][0]
+    one = results["one-shot"]
+    assert one["records"] == [_record(0, 1)] and one["out"] == [-1.0] * 16
+    assert "peer 1 never arrived" in one["said"][0] and "refuses this call" in one["again"]
+
+
+def _local_world(world: int, preset: tuple = ()) -> tuple:
+    """On one GPU: ``world`` signal pads and buffers, all local; rank 0's kernel runs, the
+    others' never do. ``preset``: (pad, word) pairs already set to 1."""
+    pads = [torch.zeros(2048, dtype=torch.int32, device="cuda") for _ in range(world)]
+    for pad, word in preset:
+        pads[pad][word] = 1
+    buffers = [torch.arange(3 * 4096, dtype=torch.float32, device="cuda") * (q + 1) for q in range(world)]
+    ptrs = [torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device="cuda") for ts in (buffers, pads)]
+    handle = types.SimpleNamespace(buffer_ptrs_dev=ptrs[0].data_ptr(), signal_pad_ptrs_dev=ptrs[1].data_ptr(),
+                                   rank=0, world_size=world)
+    return handle, (pads, buffers, ptrs)
+
+
+@pytest.mark.gpu(1)
+def test_on_one_gpu_both_barriers_give_up_within_the_bound_and_the_host_names_the_peer():
+    from collectives.symmetric import triton_allreduce as ta
+    n = 3 * 4096                                         # 3 programs of 4096 float32
+    alive = []       # every world's tensors live to the end: a new world at a dead one's addresses would be its twin
+    handle, kept = _local_world(1)                       # world 1: the kernel runs through, nothing recorded
+    alive.append(kept)
+    out = torch.full((n,), -1.0, device="cuda")
+    ta.one_shot(handle, n, torch.float32, out, spin_limit=1000)
+    triton_errors.wait(ta.errors_of(handle), timeout=60)
+    assert torch.equal(out, kept[1][0]) and ta.errors_of(handle).tensor.is_pinned()
+    for barrier in ta.BARRIERS:
+        handle, kept = _local_world(2)                   # peer 1's word in rank 0's pad: never written
+        alive.append(kept)
+        out = torch.full((n,), -1.0, device="cuda")
+        start = time.monotonic()
+        ta.one_shot(handle, n, torch.float32, out, spin_limit=1000, barrier=barrier)
+        with pytest.raises(SpinTimeout, match="rank 0 gave up at the one-shot's first barrier.*peer 1 never arrived"):
+            triton_errors.wait(ta.errors_of(handle), timeout=60)
+        assert time.monotonic() - start < 30, f"{barrier}: the kernel did not give up within its bound"
+        records = ta.errors_of(handle).found()
+        assert sorted(r["program"] for r in records) == [0, 1, 2] and {r["peer"] for r in records} == {1}
+        assert torch.equal(out, torch.full_like(out, -1.0)), f"{barrier}: the kernel went on past the barrier"
+        with pytest.raises(SpinTimeout, match="refuses this call"):
+            ta.one_shot(handle, n, torch.float32, out, spin_limit=1000, barrier=barrier)
+        # the peer never consumed rank 0's last arrival (word (b + 2)·2 + 0 of its pad): rank 0 cannot arrive
+        handle, kept = _local_world(2, preset=[(1, (b + 2) * 2) for b in range(3)])
+        alive.append(kept)
+        ta.two_shot(handle, n, torch.float32, spin_limit=1000, barrier=barrier)
+        with pytest.raises(SpinTimeout, match="store two-shot's first barrier.*could not arrive at peer 1"):
+            triton_errors.wait(ta.errors_of(handle), timeout=60)
