@@ -1,0 +1,122 @@
+"""The rule for fair GPU comparisons, where no GPU is needed: the shared pieces
+(:mod:`collectives.course.benchmarks.gpu_timing`), and the GPU paths of ``bench-fused``,
+``bench-alltoall`` and ``tools/gpu_probe.py`` run eagerly under gloo -- the same code a GPU
+runs, its checks, its interleaved rounds and its record."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from collectives import launch, trace
+from collectives.course.benchmarks import gpu_timing as rule
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_rule_refuses_what_it_lacks_and_its_record_names_every_point():
+    with pytest.raises(ValueError, match="launch must be one of"):
+        rule.check_launch("replayed-for-one-side")
+    with pytest.raises(ValueError, match="inputs must be one of"):
+        rule.check_inputs("untimed")
+    with pytest.raises(ValueError, match="inputs must be one of"):
+        rule.fields("eager", {"nccl": "resident", "mine": "half"}, [])
+    with pytest.raises(ValueError, match="launch must be one of"):
+        rule.launched({"nccl": lambda: None}, "mixed")
+    said = rule.fields("graph", "copied", ["x: why"])
+    assert said == {"launch": "graph", "inputs": "copied", "rule": rule.RULE, "untraced": True,
+                    "multicast": rule.MULTICAST, "skipped": ["x: why"]}
+    assert "NVLS" in said["multicast"] and (ROOT / rule.RULE.split("#")[0]).exists()
+    assert "## The rule for fair GPU comparisons" in (ROOT / "docs" / "benchmarks.md").read_text()
+    # the ranks' environment: multicast off always, NCCL's registration of captured buffers off for graphs
+    assert rule.rank_env("eager") == {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0",
+                                      "NVSHMEM_DISABLE_NVLS": "1"}
+    assert rule.rank_env("graph")["NCCL_GRAPH_REGISTER"] == "0"
+    # graph: every contender replayed, but one that replays a graph of its own is called as a caller calls it
+    own, other = (lambda: None), (lambda: None)
+    runs = rule.launched({"fused": own, "nccl": other}, "graph", own_graphs=("fused",))
+    assert runs["fused"] is own and isinstance(runs["nccl"], rule.Replayed) and runs["nccl"].run is other
+    assert rule.launched({"nccl": other}, "eager") == {"nccl": other}
+    assert rule.summary([3.0, 1.0, 2.0, 5.0, 4.0]) == (3.0, [1.0, 5.0])
+
+
+def _rounds_in_rank():
+    """Interleaved rounds: each contender once per round, in turn; one that raises is dropped whole."""
+    order, calls = [], {"a": 0}
+
+    def a():
+        calls["a"] += 1
+        order.append("a")
+
+    def broken():
+        order.append("broken")
+        raise RuntimeError("refused at this size\nsecond line")
+    skipped = []
+    samples = rule.rounds({"a": a, "broken": broken, "b": lambda: order.append("b")}, iters={"a": 2, "broken": 1,
+                          "b": 1}, skipped=skipped, where=" (float32)", count=3, device=torch.device("cpu"))
+    return samples, skipped, order, calls["a"]
+
+
+def test_rounds_interleave_the_contenders_and_drop_one_that_raises():
+    samples, skipped, order, a_calls = launch.run(_rounds_in_rank, 2, timeout=60)[0]
+    assert sorted(samples) == ["a", "b"] and all(len(v) == 3 and min(v) > 0 for v in samples.values())
+    assert skipped == ["broken (float32): refused at this size"]
+    # measure_back_to_back: one untimed run, then the batch; a round times a, then b, in turn
+    assert a_calls == 3 * (1 + 2)
+    assert order == ["a", "a", "a", "broken", "b", "b"] + ["a", "a", "a", "b", "b"] * 2
+
+
+def _fused_in_rank(launch_mode: str):
+    from collectives.course.benchmarks import fused_gpu
+    out = fused_gpu.measure(12, 10, 160, 3, 1, 2, launch_mode, "exercise", torch.device("cpu"))
+    out["traced_after"] = trace.installed()
+    # the check on its own: a case that leaves the wrong sum, or raises, is named
+    t = torch.zeros(5)
+    cases = {"right": (None, [t]), "wrong": (None, [t]), "raises": (None, [t])}
+    runs = {"right": lambda: dist.all_reduce(t), "wrong": lambda: t.mul_(2),
+            "raises": lambda: (_ for _ in ()).throw(RuntimeError("no graph here"))}
+    out["judged"] = fused_gpu.check(runs, cases)
+    return out
+
+
+def test_bench_fused_gpu_path_checks_every_case_times_it_untraced_and_names_the_rule():
+    from collectives.course.benchmarks import fused_gpu
+
+    out = launch.run(_fused_in_rank, 2, args=("eager",), timeout=120)[0]
+    rows = {r["case"]: r for r in out["rows"]}
+    assert list(rows) == ["separate calls", "flat all_reduce", "flat + 2 copies", "cat + copy_ loop", *fused_gpu.FUSED,
+                          "fused (exercise)"]
+    assert rows.pop("fused (exercise)")["missing"].startswith("not written yet (Lesson 5, task")
+    assert all(r["checked"] is True for r in rows.values()) and set(out["checked"]) == set(rows)
+    for r in rows.values():
+        assert r["launched"] == "eager" and len(r["times"]) == 2 and r["spread"] == [min(r["times"]), max(r["times"])]
+        assert r["seconds"] == pytest.approx(sum(r["times"]) / 2)
+        assert r["iters"] == (1 if r["case"] == "separate calls" else 3)
+    assert rows["flat all_reduce"]["vs_flat"] == 1.0 and rows["flat + 2 copies"]["vs_copy_floor"] == 1.0
+    assert "vs_copy_floor" in rows["fused"] and "vs_copy_floor" not in rows["fused, bound"]
+    said = out["rule"]
+    assert said["launch"] == "eager" and said["untraced"] and not out["traced_after"]
+    assert said["inputs"]["fused"] == "copied" and said["inputs"]["fused, bound"] == "resident"
+    assert said["inputs"]["flat all_reduce"] == "resident"
+    assert any(s.startswith(fused_gpu.WINDOW + ": NCCL window registration") for s in said["skipped"])
+    judged = out["judged"]
+    assert judged["right"] is True and judged["wrong"] is False
+    assert judged["raises"] == "raised RuntimeError: no graph here"
+
+
+def test_bench_fused_refuses_a_launch_mode_on_cpus(capsys):
+    from collectives.course.benchmarks import fused as bench
+
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--backend", "gloo", "--launch", "graph", "--world", "2"])
+    assert stop.value.code == 2 and "--launch is for GPUs" in capsys.readouterr().err
+    from collectives.course.benchmarks import fused_gpu
+    with pytest.raises(ValueError, match="launch must be one of"):
+        fused_gpu.measure(2, 2, 8, 1, 1, 1, "replayed", "reference", torch.device("cpu"))
+
+
+def test_the_gpu_paths_import_without_a_gpu():
+    import importlib
+    for name in ("fused_gpu", "gpu_timing", "symmetric_gpu"):
+        importlib.import_module(f"collectives.course.benchmarks.{name}")
