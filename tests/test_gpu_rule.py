@@ -3,6 +3,7 @@
 ``bench-alltoall`` and ``tools/gpu_probe.py`` run eagerly under gloo -- the same code a GPU
 runs, its checks, its interleaved rounds and its record."""
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,66 @@ def test_the_gpu_paths_import_without_a_gpu():
     import importlib
     for name in ("fused_gpu", "gpu_timing", "symmetric_gpu"):
         importlib.import_module(f"collectives.course.benchmarks.{name}")
+
+
+def _alltoall_in_rank():
+    from collectives.course.benchmarks import alltoall_gpu
+    out = alltoall_gpu.measure([4096, 65536], 3, "eager", "resident", 2, torch.device("cpu"))
+    out["traced_after"] = trace.installed()
+    x, y = torch.zeros(6), torch.zeros(6)
+    places = dict.fromkeys(("dist.all_to_all_single", "right", "wrong"), (x, y))
+    runs = {"dist.all_to_all_single": lambda n: dist.all_to_all_single(y[:n], x[:n]),
+            "right": lambda n: dist.all_to_all_single(y[:n], x[:n]), "wrong": lambda n: y[:n].copy_(x[:n])}
+    out["judged"] = alltoall_gpu.check(runs, places, 6)
+    return out
+
+
+def test_bench_alltoall_gpu_path_checks_every_exchange_times_it_untraced_and_names_the_rule():
+    from collectives.course.benchmarks import alltoall_gpu
+
+    out = launch.run(_alltoall_in_rank, 3, timeout=120)[0]
+    rows = out["rows"]
+    # 4096 and 65536 bytes per rank: p = 3 equal blocks of whole elements
+    assert [(r["name"], r["nbytes"]) for r in rows] == [(name, n) for n in (4092, 65532)
+                                                        for name in (alltoall_gpu.NCCL, *alltoall_gpu.OURS)]
+    for r in rows:
+        assert r["verified"] and r["launch"] == "eager" and len(r["times"]) == 2
+        assert r["spread"] == [min(r["times"]), max(r["times"])] and r["seconds"] == pytest.approx(sum(r["times"]) / 2)
+        assert (r["messages"] is None) == (r["name"] == alltoall_gpu.NCCL)
+    assert {r["name"]: r["messages"] for r in rows}["linear"] == 2      # one message to each other rank
+    assert all(v is True for judged in out["checked"].values() for v in judged.values())
+    assert out["launch"] == "eager" and out["inputs"] == "resident" and out["untraced"] and not out["traced_after"]
+    assert out["rule"] == rule.RULE and any(s.startswith(alltoall_gpu.WINDOW + ": ") for s in out["skipped"])
+    assert out["judged"] == {"dist.all_to_all_single": True, "right": True, "wrong": False}
+
+
+def test_bench_alltoall_refuses_the_rules_switches_off_gpus_and_names_a_replayed_record(tmp_path, capsys):
+    from collectives.course.benchmarks import alltoall as bench
+    from collectives.course.benchmarks import alltoall_gpu
+
+    for argv in (["local", "--launch", "graph"], ["moe", "--backend", "nccl", "--inputs", "resident"]):
+        with pytest.raises(SystemExit) as stop:
+            bench.main(argv)
+        assert stop.value.code == 2 and "are for the local suite on GPUs" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="inputs must be one of"):
+        alltoall_gpu.measure([4096], 1, "eager", "half", 1, torch.device("cpu"))
+    made = bench.write("local", ["local"], "nccl", {"rows": [], "launch": "graph"}, str(tmp_path))
+    assert made.name == "bench-alltoall-local-nccl-graph.json"
+    assert bench.write("local", ["local"], "nccl", {"rows": [], "launch": "eager"}, str(tmp_path)).name == \
+        "bench-alltoall-local-nccl.json"
+
+
+def test_the_lessons_target_compares_rows_of_one_run_only():
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import gpu_lesson11
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    rows = [dict(name=name, nbytes=n, seconds=s) for n, times in (
+        (1 << 20, {"dist.all_to_all_single": 1.0, "linear": 2.0}),
+        (64 << 20, {"dist.all_to_all_single": 8.0, "linear": 10.0, "pairwise": 9.0,
+                    "dist.all_to_all_single, NCCL window": 4.0}),
+        (256 << 20, {"linear": 30.0})) for name, s in times.items()]
+    target = gpu_lesson11._target(rows)
+    assert target[0] == {"nbytes": 64 << 20, "best": "pairwise", "fraction_of_nccl": 8.0 / 9.0, "meets_0.85": True}
+    assert target[1]["best"] is None and "missing" in target[1]["why_none"]
