@@ -184,3 +184,49 @@ def test_the_lessons_target_compares_rows_of_one_run_only():
     target = gpu_lesson11._target(rows)
     assert target[0] == {"nbytes": 64 << 20, "best": "pairwise", "fraction_of_nccl": 8.0 / 9.0, "meets_0.85": True}
     assert target[1]["best"] is None and "missing" in target[1]["why_none"]
+
+
+def _both_in_rank():
+    def refuses():
+        raise RuntimeError("operation not permitted when stream is capturing")
+    skipped = []
+    timed = rule.both_launches({"nccl": lambda: None, "ring": lambda: None},
+                               {"nccl": lambda: None, "ring": refuses}, iters=2, skipped=skipped, count=2,
+                               device=torch.device("cpu"))
+    return timed, skipped
+
+
+def test_a_probe_times_each_launch_in_rounds_of_its_own_and_compares_a_column_with_itself():
+    timed, skipped = launch.run(_both_in_rank, 2, timeout=60)[0]
+    assert set(timed["nccl"]) == {"b2b_s", "b2b_spread", "graph_s", "graph_spread"}
+    assert set(timed["ring"]) == {"b2b_s", "b2b_spread"}
+    assert skipped == ["ring (graph): operation not permitted when stream is capturing"]
+    said = rule.columns({"nccl": {"b2b_s": 2.0, "b2b_spread": [1.9, 2.1], "graph_s": 1.0, "graph_spread": [1, 1]},
+                         "ring": {"b2b_s": 4.0, "b2b_spread": [4, 4], "graph_s": 0.5, "graph_spread": [0.5, 0.6]}},
+                        ("nccl", "ring"))
+    assert said["ring_speed_vs_nccl_eager"] == 0.5 and said["ring_speed_vs_nccl_replayed"] == 2.0
+    assert said["gpu_ring_graph_s"] == 0.5 and said["gpu_nccl_eager_spread"] == [1.9, 2.1]
+    # a column missing on one side: no ratio across launches is made up from the other
+    said = rule.columns({"nccl": {"b2b_s": 2.0, "b2b_spread": [2, 2]},
+                         "ring": {"graph_s": 0.5, "graph_spread": [0.5, 0.5]}}, ("nccl", "ring"))
+    assert not any("speed" in key for key in said)
+    assert rule.fields(rule.BOTH, "resident", [])["launch"] == rule.BOTH
+
+
+def test_the_probes_import_without_a_gpu_and_follow_the_rule_in_every_rank():
+    import ast
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import gpu_probe
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    source = (ROOT / "tools" / "gpu_probe.py").read_text()
+    for name in ("host_rank", "graph_rank", "triton_rank", "barrier_rank"):
+        body = ast.get_source_segment(source, next(n for n in ast.parse(source).body
+                                                   if isinstance(n, ast.FunctionDef) and n.name == name))
+        assert "rule.untrace_rank()" in body, name
+        timed = body[body.index("rule.untrace_rank()"):]
+        # once the rule applies, NCCL is called directly and nothing is timed by waiting on each call
+        assert "dist.all_reduce(" not in timed and "dist.all_to_all_single(" not in timed, name
+        assert "timing.measure(" not in timed and "measure_back_to_back" not in timed, name
+    assert callable(gpu_probe.host_rank)

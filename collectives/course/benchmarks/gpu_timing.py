@@ -18,6 +18,7 @@ point has its piece here:
    contender once per round, in turn, with
    :func:`~collectives.core.timing.measure_back_to_back` (events around runs issued back to
    back, the slowest rank's); :func:`summary` keeps the median and (lowest, highest);
+   :func:`both_launches` gives a probe both columns, eager and replayed, each in rounds of its own;
 5. **NCCL's symmetric kernels where torch exposes them** -- :func:`nccl_window`, else a line
    under ``skipped``;
 6. **Say what is off** -- :func:`fields`, the record's words for all of the above.
@@ -152,19 +153,60 @@ def rounds(runs: dict[str, Callable[[], object]], *, iters: int | dict[str, int]
     return samples
 
 
+def both_launches(eager: dict[str, Callable[[], object]], replays: dict[str, Callable[[], object]] | None = None,
+                  *, iters: int, skipped: list[str], count: int = ROUNDS,
+                  device: torch.device | None = None) -> dict[str, dict[str, object]]:
+    """Every contender timed under each launch in turn (a probe's two columns): all of
+    ``eager`` issued from Python in interleaved :func:`rounds`, then all of ``replays``
+    (default: ``eager`` wrapped in :class:`Replayed`) replayed from CUDA graphs in
+    interleaved rounds. Returns name -> ``{"b2b_s", "b2b_spread", "graph_s",
+    "graph_spread"}``, a launch it could not be timed under left out (why: under
+    ``skipped``). Set eager against eager and graph against graph, never across."""
+    replays = launched(eager, "graph") if replays is None else replays
+    out: dict[str, dict[str, object]] = {}
+    for column, runs in (("b2b", eager), ("graph", replays)):
+        samples = rounds(runs, iters=iters, skipped=skipped, where=f" ({column})", count=count, device=device)
+        for name, times in samples.items():
+            middle, spread = summary(times)
+            out.setdefault(name, {}).update({f"{column}_s": middle, f"{column}_spread": spread})
+    return out
+
+
+def columns(timed: dict[str, dict], names: tuple[str, ...]) -> dict[str, object]:
+    """:func:`both_launches`' times flattened for a record: ``gpu_<name>_eager_s`` and
+    ``gpu_<name>_graph_s`` with their spreads, and each later name's speed over the first
+    (NCCL's) launched alike -- ``<name>_speed_vs_nccl_eager`` and ``..._replayed`` -- never across."""
+    out: dict[str, object] = {}
+    for name in names:
+        for column, launch in (("b2b", "eager"), ("graph", "graph")):
+            if f"{column}_s" in timed.get(name, {}):
+                out[f"gpu_{name}_{launch}_s"] = timed[name][f"{column}_s"]
+                out[f"gpu_{name}_{launch}_spread"] = timed[name][f"{column}_spread"]
+    for name in names[1:]:
+        for launch, said in (("eager", "eager"), ("graph", "replayed")):
+            mine, theirs = out.get(f"gpu_{name}_{launch}_s"), out.get(f"gpu_{names[0]}_{launch}_s")
+            if mine and theirs:
+                out[f"{name}_speed_vs_nccl_{said}"] = theirs / mine
+    return out
+
+
 def summary(samples: list[float]) -> tuple[float, list[float]]:
     """The median of the rounds' times and their spread, ``[lowest, highest]``."""
     return statistics.median(samples), [min(samples), max(samples)]
 
 
+BOTH = "both, in rounds of their own: eager against eager (b2b_s), replayed against replayed (graph_s)"
+
+
 def fields(launch: str, inputs: str | dict[str, str], skipped: list[str]) -> dict:
     """What a record of a GPU comparison says about the rule: how every contender was
-    launched, what was counted (one of :data:`INPUTS` for the run, or one per contender
+    launched (one of :data:`LAUNCHES`, or :data:`BOTH` for :func:`both_launches`' two
+    columns), what was counted (one of :data:`INPUTS` for the run, or one per contender
     where the comparison sets them apart on purpose), that nothing was traced, what was
     skipped and what is off."""
     if isinstance(inputs, dict):
         inputs = {name: check_inputs(what) for name, what in inputs.items()}
     else:
         inputs = check_inputs(inputs)
-    return {"launch": check_launch(launch), "inputs": inputs, "rule": RULE,
+    return {"launch": launch if launch == BOTH else check_launch(launch), "inputs": inputs, "rule": RULE,
             "untraced": True, "multicast": MULTICAST, "skipped": list(skipped)}
