@@ -217,9 +217,12 @@ def test_the_probes_import_without_a_gpu_and_follow_the_rule_in_every_rank():
     import ast
     sys.path.insert(0, str(ROOT / "tools"))
     try:
+        import gpu_fused_profile
         import gpu_probe
     finally:
         sys.path.remove(str(ROOT / "tools"))
+    profile = (ROOT / "tools" / "gpu_fused_profile.py").read_text()
+    assert "rule.both_launches(" in profile and callable(gpu_fused_profile.main)
     source = (ROOT / "tools" / "gpu_probe.py").read_text()
     for name in ("host_rank", "graph_rank", "triton_rank", "barrier_rank"):
         body = ast.get_source_segment(source, next(n for n in ast.parse(source).body
@@ -230,3 +233,29 @@ def test_the_probes_import_without_a_gpu_and_follow_the_rule_in_every_rank():
         assert "dist.all_reduce(" not in timed and "dist.all_to_all_single(" not in timed, name
         assert "timing.measure(" not in timed and "measure_back_to_back" not in timed, name
     assert callable(gpu_probe.host_rank)
+
+
+def _fused_on_gpus():
+    from collectives.course.benchmarks import fused_gpu
+    return [fused_gpu.bench_gpu(50, 64, 4096, 5, 1, 2, launch, "reference") for launch in rule.LAUNCHES]
+
+
+def _alltoall_on_gpus():
+    from collectives.course.benchmarks import alltoall_gpu
+    return [alltoall_gpu.in_rank([4096, 1 << 20], 5, launch, inputs, 2)
+            for launch, inputs in (("eager", "copied"), ("graph", "resident"))]
+
+
+@pytest.mark.gpu
+def test_the_gpu_paths_check_every_contender_as_launched_on_gpus():
+    """Both benchmarks' GPU paths at p = 2, each launch mode: every contender exact against
+    NCCL as launched (a replay included), timed, and the record says how."""
+    for fn, key in ((_fused_on_gpus, "case"), (_alltoall_on_gpus, "name")):
+        runs = launch.run(fn, 2, backend="nccl", timeout=300, env=rule.rank_env("graph"))[0]
+        for out, mode in zip(runs, rule.LAUNCHES):
+            said = out["rule"] if "rule" in out and isinstance(out["rule"], dict) else out
+            assert said["launch"] == mode and said["untraced"], said
+            names = {r[key] for r in out["rows"]}
+            assert {"flat all_reduce", "fused", "fused, bound"} <= names or \
+                {"dist.all_to_all_single", "linear", "pairwise", "bruck"} <= names, (mode, names, said["skipped"])
+            assert all(r["seconds"] > 0 for r in out["rows"]), out["rows"]
