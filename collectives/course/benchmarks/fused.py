@@ -316,17 +316,19 @@ def main(argv: list[str] | None = None) -> int:
     if backend == "nccl":
         from . import fused_gpu, gpu_timing
         mode = args.launch or "eager"
+        rule["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
         result = launch.run(fused_gpu.bench_gpu, args.world, args=(args.count, args.numel, split, iters,
                                                                    separate_iters),
                             kwargs=dict(launch=mode, impl=args.impl), backend=backend, timeout=900,
                             env=gpu_timing.rank_env(mode))[0]
-        rows, rule = result["rows"], result["rule"]
+        rows = result["rows"]
+        rule.update(result["rule"])
     else:
         rows = launch.run(bench, args.world, args=(args.count, args.numel, split, iters, separate_iters),
                           kwargs=dict(impl=args.impl), backend=backend, timeout=900)[0]
     title = (f"{args.count} float32 tensors of {args.numel} elements "
              f"({timing.human_bytes(args.count * args.numel * 4)}), {args.world} ranks, {backend}"
-             + (f", {rule['launch']}" if rule else ""))
+             + (f", {rule['launch']}" if "launch" in rule else ""))
     render(rows, title)
     os.makedirs(args.out, exist_ok=True)
     meta = dict(world=args.world, count=args.count, numel=args.numel, backend=backend,
