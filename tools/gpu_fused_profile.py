@@ -4,8 +4,12 @@
 
 Times, on the host (perf_counter; the GPU work of these calls is microseconds), each piece
 of FusedAllReducer's hot path for ``count`` tensors, then the whole call; then the time
-between CUDA events around whole calls (as the benchmark measures them) and around a
-replay of the recorded graph alone; then a cProfile of 20 whole calls. Prints JSON and the
+between CUDA events around whole calls issued back to back, under the rule for fair GPU
+comparisons (``docs/benchmarks.md``): one flat NCCL all-reduce (called directly), the fused
+call and the bound call, all issued from Python (``..., eager``: the reducers with
+``graphs=False``), then all replayed from CUDA graphs (the flat call captured here, the
+reducers replaying their own), each column in interleaved rounds with its median and spread,
+beside a replay of the recorded graph alone; then a cProfile of 20 whole calls. Prints JSON and the
 profile's top lines; ``--json`` also writes the three tables as a record (device, torch, date,
 command, commit).
 """
@@ -84,19 +88,32 @@ def main():
         "bound call": host(lambda: (bound.all_reduce(bts), bound.wait())),
     }
     print("host µs", json.dumps({k: round(v, 1) for k, v in out.items()}), flush=True)
-    from collectives.fused.reuse import StepGraphs
-    flat_graph = StepGraphs(torch.device("cuda", 0)).record(lambda: dist.all_reduce(flat))
-    events = {
-        "flat all_reduce": device(lambda: dist.all_reduce(flat)),
-        "flat all_reduce, graph": device(flat_graph.replay),
-        "fused call": device(lambda: (red.all_reduce(ts), red.wait())),
-        "fused call, graphs=False": device(lambda: (eager.all_reduce(ts), eager.wait())),
-        "bound call": device(lambda: (bound.all_reduce(bts), bound.wait())),
-        "replay of the fused call's graph": device(red._recent.graph.replay),
-    }
+    # The comparison with one flat all-reduce follows the rule for fair GPU comparisons: NCCL
+    # called directly, every contender issued from Python or every one replayed from a CUDA
+    # graph (each column in interleaved rounds of its own), never one set against the other.
+    from collectives.course.benchmarks import gpu_timing as rule
+    eager_bound = FusedAllReducer(threshold_bytes=1 << 40, buffer_bytes=flat.numel() * 4, device="cuda",
+                                  graphs=False)
+    ebts = [t.clone() for t in ts]
+    eager_bound.bind(ebts)
+    skipped: list[str] = []
+    timed = rule.both_launches(
+        {"flat all_reduce": lambda: rule.nccl_all_reduce(flat),
+         "fused call": lambda: (eager.all_reduce(ts), eager.wait()),
+         "bound call": lambda: (eager_bound.all_reduce(ebts), eager_bound.wait())},
+        {"flat all_reduce": rule.Replayed(lambda: rule.nccl_all_reduce(flat)),
+         "fused call": lambda: (red.all_reduce(ts), red.wait()),            # replays its own graph
+         "bound call": lambda: (bound.all_reduce(bts), bound.wait()),
+         "replay of the fused call's graph": red._recent.graph.replay},
+        iters=30, skipped=skipped, device=torch.device("cuda", 0))
+    events = {f"{name}{', eager' if column == 'b2b' else ''}": times[f"{column}_s"] * 1e6
+              for name, times in timed.items() for column in ("b2b", "graph") if f"{column}_s" in times}
+    spreads = {f"{name}{', eager' if column == 'b2b' else ''}": [v * 1e6 for v in times[f"{column}_spread"]]
+               for name, times in timed.items() for column in ("b2b", "graph") if f"{column}_s" in times}
     print("CUDA events µs", json.dumps({k: round(v, 1) for k, v in events.items()}), flush=True)
 
     # The copies alone, each recorded as a graph: which way moves 1000 tensors fastest on the GPU?
+    from collectives.fused.reuse import StepGraphs
     dev = torch.device("cuda", 0)
     sizes = [args.numel] * args.count
 
@@ -136,7 +153,8 @@ def main():
     replays = {k: device(g.replay) for k, g in recorded.items()}
     print("graph replay µs", json.dumps({k: round(v, 1) for k, v in replays.items()}), flush=True)
     if args.json:
-        record = {"host_us": out, "cuda_events_us": events, "graph_replay_us": replays,
+        record = {"host_us": out, "cuda_events_us": events, "cuda_events_spread_us": spreads,
+                  "rule": rule.fields(rule.BOTH, "copied", skipped), "graph_replay_us": replays,
                   "count": args.count, "numel": args.numel, "device": torch.cuda.get_device_name(0),
                   "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

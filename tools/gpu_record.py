@@ -76,7 +76,9 @@ def headline(step: str, data, tail: list[str]) -> tuple[str, str]:
         flat = rows.get("flat all_reduce", {}).get("seconds")
         parts = [f"{name} {rows[name]['seconds'] / flat:.2f}×" for name in ("fused", "fused, bound", "flat + 2 copies")
                  if name in rows and flat]
-        return "time ÷ one flat all_reduce, 1000 × 16 KiB: " + ", ".join(parts), "fused ≤ 1.5× (copy floor)"
+        launched = rec.get("meta", {}).get("launch")
+        how = {"graph": ", every case replayed", "eager": ", every case eager"}.get(launched, "")
+        return f"time ÷ one flat all_reduce, 1000 × 16 KiB{how}: " + ", ".join(parts), "fused ≤ 1.5× (copy floor)"
     if step.startswith("ddp") and isinstance(data, dict):
         rec = next(iter(data.values())) if all(isinstance(v, dict) for v in data.values()) else data
         paired = rec.get("paired", {})
@@ -123,11 +125,12 @@ def headline(step: str, data, tail: list[str]) -> tuple[str, str]:
                        f"{_lesson10_peak(so, f, moved)}" if so else ""),
                     "step and peak memory ≤ 1.05× FSDP2's")
     if step == "lesson11" and isinstance(data, dict):
-        local = next((v for k, v in data.items() if k.startswith("bench-alltoall-local")), {})
-        fractions = [f"{t['nbytes'] >> 20} MiB {t['best']} {t['fraction_of_nccl']:.2f}"
-                     + (f" (linear replayed from a CUDA graph {t['replayed_fraction_of_nccl']:.2f})"
-                        if "replayed_fraction_of_nccl" in t else "")
-                     for t in local.get("target", [])]
+        fractions = []
+        for k, local in sorted(data.items()):
+            if k.startswith("bench-alltoall-local") and isinstance(local, dict):
+                how = "replayed" if local.get("launch") == "graph" else "eager"
+                fractions += [f"{t['nbytes'] >> 20} MiB {t['best']} {t['fraction_of_nccl']:.2f} ({how}, both sides)"
+                              for t in local.get("target", []) if t.get("best")]
         checks = next((v for k, v in data.items() if k.startswith("11-gpu-checks")), {})
         failed = checks.get("failed", "?") or "none"
         return (f"checks failed: {failed}; best hand-written ÷ NCCL: " + ", ".join(fractions),
@@ -214,14 +217,17 @@ def figures(steps: list[dict]) -> dict:
         if isinstance(ddp, dict) and ddp:
             rec = next(iter(ddp.values())) if all(isinstance(v, dict) for v in ddp.values()) else ddp
             out["reducer_over_ddp_step" + suffix] = rec.get("paired", {}).get("reducer / torch DDP")
-        fused = by.get(f"fused-p{p}")
-        if isinstance(fused, dict):
-            rows = {r["case"]: r["seconds"] for r in fused.get("bench-fused.json", fused).get("rows", [])}
+        for graph in ("", "_graph"):        # fused-p2: every case eager; fused-graph-p2: every case replayed
+            fused = by.get(f"fused{graph.replace('_', '-')}-p{p}")
+            if not isinstance(fused, dict):
+                continue
+            rows = {r["case"]: r["seconds"] for r in fused.get("bench-fused.json", fused).get("rows", [])
+                    if "seconds" in r}
             flat = rows.get("flat all_reduce")
             for key, name in (("fused_over_flat", "fused"), ("bound_over_flat", "fused, bound"),
                               ("copies_over_flat", "flat + 2 copies")):
                 if flat and name in rows:
-                    out[key + suffix] = rows[name] / flat
+                    out[key.replace("_over", graph + "_over") + suffix] = rows[name] / flat
         tour = by.get(f"tour-p{p}")
         if isinstance(tour, list):
             out["tour_rows" + suffix] = len(tour)
@@ -249,13 +255,13 @@ def figures(steps: list[dict]) -> dict:
     lesson11 = by.get("lesson11")
     if isinstance(lesson11, dict):
         for k, v in lesson11.items():
-            if k.startswith("bench-alltoall-local"):
+            if k.startswith("bench-alltoall-local") and isinstance(v, dict):
                 world = k.rsplit("-p", 1)[-1].split(".")[0]
+                # both sides launched alike in one run: eager against eager, replayed against replayed
+                kind = "replayed" if v.get("launch") == "graph" else "best"
                 for t in v.get("target", []):
-                    out[f"alltoall_best_over_nccl_{t['nbytes'] >> 20}M_p{world}"] = t["fraction_of_nccl"]
-                    if "replayed_fraction_of_nccl" in t:
-                        out[f"alltoall_replayed_over_nccl_{t['nbytes'] >> 20}M_p{world}"] = \
-                            t["replayed_fraction_of_nccl"]
+                    if t.get("best"):
+                        out[f"alltoall_{kind}_over_nccl_{t['nbytes'] >> 20}M_p{world}"] = t["fraction_of_nccl"]
     lesson09 = by.get("lesson09")
     recorder = lesson09.get("recorder.json") if isinstance(lesson09, dict) else None
     if isinstance(recorder, dict):             # torch's own call per size: what one call costs the host at least

@@ -96,7 +96,10 @@ for part in $PARTS; do case $part in
     for p in $COUNTS; do
       pin=$([ "$p" = 2 ] && echo on2)
       $pin step "fused-p$p" 200 $PY -m collectives bench-fused --backend nccl --world "$p" --count 1000 \
-          --numel 4096 --out "$OUT/steps/fused-p$p"
+          --numel 4096 --launch eager --out "$OUT/steps/fused-p$p"
+      # the rule for fair GPU comparisons: every case replayed from a CUDA graph, NCCL's included
+      $pin step "fused-graph-p$p" 200 $PY -m collectives bench-fused --backend nccl --world "$p" --count 1000 \
+          --numel 4096 --launch graph --out "$OUT/steps/fused-graph-p$p"
     done ;;
   ddp)
     for p in $COUNTS; do

@@ -17,7 +17,11 @@ command, commit, every row) under ``--out``:
 * ``dedup`` -- on the simulated cluster, the flat MoE dispatch + combine against the
   node-deduplicating one, top-k, the model beside (:mod:`.alltoall_dedup`).
 
-``--backend nccl`` runs ``local`` and ``moe`` on the GPUs (one rank per GPU).
+``--backend nccl`` runs ``local`` and ``moe`` on the GPUs (one rank per GPU); ``local`` then
+follows the course's rule for GPU comparisons (:mod:`.alltoall_gpu`): ``--launch eager|graph``
+launches every all-to-all, NCCL's included, the same way, ``--inputs copied|resident`` says
+whether NCCL's window contender copies the caller's tensor in and out; nothing is traced,
+and the record names both (a graph run writes ``bench-alltoall-local-nccl-graph.json``).
 ``tools/lesson11_figures.py`` turns the records into the site's claims and figures.
 """
 
@@ -42,15 +46,11 @@ from .alltoall_host import FLAT, _algorithms, library_all_to_all, print_rows, su
 
 DEFAULT_OUT = ROOT / "build" / "bench"
 QUEUE = "50ms"
-REPLAYED = "linear, replayed from a CUDA graph"
-LIBRARY_REPLAYED = "dist.all_to_all_single, replayed from a CUDA graph"
 
 
 def _time_in_rank(sizes: list[int], iters: int, names: list[str], layout=None) -> dict:
-    """Every algorithm at every size: verified against the library once, then timed (max over ranks).
-    On GPUs the linear all-to-all is also captured in a CUDA graph and replayed (:data:`REPLAYED`):
-    the same messages with the host's cost per call taken out, verified the same way; and so is
-    the library's (:data:`LIBRARY_REPLAYED`), so that replayed meets replayed as eager meets eager."""
+    """Every algorithm at every size: verified against the library once, then timed (max
+    over ranks). On CPUs; GPUs run :func:`.alltoall_gpu.in_rank`, under the rule."""
     p = dist.get_world_size()
     device = ops.rank_device()
     fns = _algorithms(names, layout)
@@ -71,18 +71,6 @@ def _time_in_rank(sizes: list[int], iters: int, names: list[str], layout=None) -
             times = timing.measure(lambda: fn(out, x), warmup=1, iters=iters, device=device)
             rows.append(dict(name=name, nbytes=numel * 4, verified=verified, seconds=timing.median(times),
                              times=times, messages=messages))
-        graphs = [(REPLAYED, fns.get("linear")), (LIBRARY_REPLAYED, fns.get("dist.all_to_all_single"))]
-        for label, fn in graphs if device.type == "cuda" else ():
-            if fn is None:
-                continue
-            replay = timing.capture_graph(lambda fn=fn: fn(out, x), warm=2, device=device).replay
-            out.zero_()
-            replay()
-            verified = bool(torch.equal(out, expected))
-            times = timing.measure(replay, warmup=1, iters=iters, device=device)
-            rows.append(dict(name=label, nbytes=numel * 4, verified=verified, seconds=timing.median(times),
-                             times=times, messages=None))
-            del replay
     return {"rows": rows, "world_size": p}
 
 
@@ -104,8 +92,13 @@ def suite_local(args, argv) -> dict:
     from collectives.alltoall import cost
     sizes = timing.parse_sizes(args.sizes)
     names = ["dist.all_to_all_single", "linear", "pairwise", "bruck"]
-    result = launch.run(_time_in_rank, args.ranks, args=(sizes, args.iters, names), backend=args.backend,
-                        timeout=600, env=timing.graph_env() if args.backend == "nccl" else None)[0]
+    if args.backend == "nccl":
+        from . import alltoall_gpu, gpu_timing
+        mode = args.launch or "eager"
+        result = launch.run(alltoall_gpu.in_rank, args.ranks, args=(sizes, args.iters, mode, args.inputs or "copied"),
+                            backend="nccl", timeout=600, env=gpu_timing.rank_env(mode))[0]
+    else:
+        result = launch.run(_time_in_rank, args.ranks, args=(sizes, args.iters, names), timeout=600)[0]
     p = result["world_size"]
     link = fit_link(result["rows"], p)
     for row in result["rows"]:
@@ -196,7 +189,8 @@ SUITES = {"local": suite_local, "cluster": suite_cluster, "moe": suite_moe, "hos
 def write(suite: str, argv: list[str], backend: str, result: dict, out: str | None) -> Path:
     folder = Path(out) if out else DEFAULT_OUT
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"bench-alltoall-{suite}{'-nccl' if backend == 'nccl' else ''}.json"
+    graph = "-graph" if result.get("launch") == "graph" else ""      # a GPU run replayed from CUDA graphs
+    path = folder / f"bench-alltoall-{suite}{'-nccl' if backend == 'nccl' else ''}{graph}.json"
     record = {"bench": f"bench-alltoall {suite}", "meta": meta(argv, backend), **result}
     record["date"] = record["meta"]["date"] or datetime.datetime.now(datetime.timezone.utc).isoformat()
     path.write_text(json.dumps(record, indent=1, default=str) + "\n")
@@ -229,8 +223,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=9, help="host: timed batches (median)")
     parser.add_argument("--before", default="", help="host: an earlier host record to compare with")
     parser.add_argument("--out", default="", help="folder for the JSON (default build/bench)")
+    parser.add_argument("--launch", choices=("eager", "graph"), default=None,
+                        help="local on GPUs (default eager): every all-to-all issued from Python, or every one, "
+                             "NCCL's included, replayed from a CUDA graph (the rule for fair GPU comparisons)")
+    parser.add_argument("--inputs", choices=("copied", "resident"), default=None,
+                        help="local on GPUs (default copied): NCCL's window contender copies the caller's tensor "
+                             "in and out inside the timed call, or finds its input in the window")
     add_arguments(parser)
     args = parser.parse_args(rest)
+    if (args.launch or args.inputs) and (suite != "local" or args.backend != "nccl"):
+        parser.error("--launch and --inputs are for the local suite on GPUs (--backend nccl)")
     if args.backend == "nccl":
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     result = SUITES[suite](args, rest)

@@ -12,23 +12,22 @@ in one world, every way this lesson discusses:
   ``copy_`` back: fusion as first written;
 * ``fused``            -- :class:`~collectives.fused.FastFusedAllReducer` (the lesson's
   reducer with the training-loop fast path: the same list every run) with one buffer that
-  holds everything (on GPUs each call after the second replays one CUDA graph; ``fused,
-  eager`` issues every call afresh); then buffers of ``--split`` bytes, with and without
-  double buffering;
-* ``flat all_reduce, graph`` (GPUs) -- the baseline's one call replayed from a CUDA graph,
-  to show what recording alone gains;
+  holds everything; then buffers of ``--split`` bytes, with and without double buffering;
 * ``fused, bound``     -- the same after ``bind()``: the tensors live in the buffer, no copies.
 
 The fast cases are timed in interleaved rounds (a change of load falls on all alike), each
 run waited for before the next. The flat, copy-floor, fused and bound cases are then timed
-again issued back to back: on GPUs the host queues run k+1 while the GPU works on run k, as
-in a training loop, so host time shows only where it exceeds the GPU's. Prints
-a table with each case's ratio to the flat all-reduce and writes ``bench-fused.json`` and
-``bench-fused.png`` to ``--out``. ``--backend nccl`` runs one GPU per rank (try
-``--numel 4096``: 1000 tensors of 16 KiB). ``--figures DIR`` draws the lesson page's figure.
-``--impl exercise`` adds ``fused (exercise)``: the ``fused_all_reduce`` of your
-``lessons/05_fused/exercise.py``, checked against ``dist.all_reduce`` on integer-valued data
-and timed beside the others (a stub is listed as not written yet).
+again issued back to back. Prints a table with each case's ratio to the flat all-reduce and
+writes ``bench-fused.json`` and ``bench-fused.png`` to ``--out``. ``--figures DIR`` draws the
+lesson page's figure. ``--impl exercise`` adds ``fused (exercise)``: the ``fused_all_reduce``
+of your ``lessons/05_fused/exercise.py``, checked against ``dist.all_reduce`` on
+integer-valued data and timed beside the others (a stub is listed as not written yet).
+
+``--backend nccl`` runs one GPU per rank (``--numel 4096``: 1000 tensors of 16 KiB, the
+page's case) under the course's rule for GPU comparisons: ``--launch eager|graph``, every
+case launched the same way, NCCL called directly, nothing traced, CUDA events over
+interleaved rounds (:mod:`collectives.course.benchmarks.fused_gpu`). The record names the
+launch, each case's inputs and what was skipped.
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ import argparse
 import datetime
 import json
 import os
+import sys
 import time
 
 import torch
@@ -46,10 +46,11 @@ from ...core import cost, launch, ops, timing, trace
 from ...core.ops import ReduceOp
 from ...fused import FastFusedAllReducer, fused_all_reduce
 from .. import verify
-from ..site.claims import host
+from ..site.claims import commit, host
+from .fused_gpu import EXERCISE_CASE, exercise_case  # the GPU path shares the exercise case
 
 
-def _cases(count: int, numel: int, split_bytes: int, cuda: bool = False):
+def _cases(count: int, numel: int, split_bytes: int):
     """(name, detail, setup) triples; setup(tensors, flat) returns the function to time."""
     total = count * numel * 4
 
@@ -58,12 +59,6 @@ def _cases(count: int, numel: int, split_bytes: int, cuda: bool = False):
 
     def flat_ar(ts, flat):
         return lambda: dist.all_reduce(flat)
-
-    def flat_graph(ts, flat):     # what a CUDA graph alone does for the one flat call
-        from ...fused.reuse import StepGraphs
-        dist.all_reduce(flat)     # the communicator exists before it is recorded
-        graph = StepGraphs(flat.device).record(lambda: dist.all_reduce(flat))
-        return graph.replay
 
     def flat_copies(ts, flat):    # what copying in and back costs at memcpy speed
         source = flat.clone()
@@ -81,10 +76,10 @@ def _cases(count: int, numel: int, split_bytes: int, cuda: bool = False):
                 t.copy_(piece)
         return run
 
-    def fused(buffer_bytes, double, bind=False, graphs=True):
+    def fused(buffer_bytes, double, bind=False):
         def setup(ts, flat):
             reducer = FastFusedAllReducer(threshold_bytes=total + 1, buffer_bytes=buffer_bytes,
-                                          device=ts[0].device, double_buffer=double, graphs=graphs)
+                                          device=ts[0].device, double_buffer=double)
             if bind:
                 ts = [t.clone() for t in ts]   # bind re-points them: keep the others' tensors apart
                 ts = reducer.bind(ts)          # its handle: recognised in O(1), not tensor by tensor
@@ -98,64 +93,33 @@ def _cases(count: int, numel: int, split_bytes: int, cuda: bool = False):
         ("flat + 2 copies", "one contiguous copy in, the flat call, one back: the floor of "
          "copying around one call", flat_copies),
         ("cat + copy_ loop", "torch.cat, all_reduce, Python copy_ loop", cat_loop),
-        ("flat all_reduce, graph", "the same call replayed from a CUDA graph", flat_graph),
-        ("fused", "one buffer, 1 flush" + ("; each call replays one CUDA graph" if cuda else ""),
-         fused(total, True)),
-        ("fused, eager", "one buffer, 1 flush, issued call by call (graphs=False)",
-         fused(total, True, graphs=False)),
+        ("fused", "one buffer, 1 flush", fused(total, True)),
         ("fused, double buffer", f"{timing.human_bytes(split_bytes)} buffers, {flushes} flushes",
          fused(split_bytes, True)),
         ("fused, one buffer", f"{timing.human_bytes(split_bytes)} buffer, {flushes} flushes (SINGA order)",
          fused(split_bytes, False)),
         ("fused, bound", "bind(): tensors live in the buffer, no copies", fused(total, True, True)),
     ]
-    # Graphs exist only on GPUs: on CPU "fused, eager" would be "fused" again.
-    return cases if cuda else [c for c in cases if "graph" not in c[0] and c[0] != "fused, eager"]
+    return cases      # on GPUs: fused_gpu's cases, launched under the rule
 
 
 # Also timed issued back to back (timing.measure_back_to_back): on GPUs the host runs ahead.
 BACK_TO_BACK = ("flat all_reduce", "flat + 2 copies", "fused", "fused, bound")
 
 
-EXERCISE_CASE = "fused (exercise)"
-
-
-def _exercise_case(tensors: list[torch.Tensor]) -> tuple[tuple | None, dict]:
-    """The exercise's ``fused_all_reduce`` as a case, checked once on integer-valued copies of
-    ``tensors``; or, when it cannot run, the row that says why."""
-    from ..impl import resolve
-    from .allreduce import exercise_target
-
-    target = exercise_target("collectives.fused:fused_all_reduce")
-    ints = [torch.randint(-4, 5, t.shape, generator=torch.Generator().manual_seed(dist.get_rank() + i),
-                          dtype=t.dtype).to(t.device) for i, t in enumerate(tensors)]
-    expected = [verify.reference_all_reduce(t) for t in ints]
-    try:
-        fn = resolve(target)
-        fn(ints)
-    except NotImplementedError as exc:
-        return None, dict(case=EXERCISE_CASE, detail=target, missing=f"not written yet ({exc})")
-    except AttributeError as exc:
-        return None, dict(case=EXERCISE_CASE, detail=target, missing=str(exc))
-    wrong = torch.tensor([sum(int((a != b).sum()) for a, b in zip(ints, expected))], device=tensors[0].device)
-    dist.all_reduce(wrong)
-    return (EXERCISE_CASE, target, lambda ts, flat: (lambda: fn(ts))), dict(wrong=int(wrong.item()))
-
-
 def bench(count: int, numel: int, split_bytes: int, iters: int, separate_iters: int,
           rounds: int = 4, impl: str = "reference") -> list[dict]:
-    """Runs on every rank; returns one row per case (times are the max over ranks).
+    """Runs on every rank, on CPUs (gloo); returns one row per case (times are the max over ranks).
 
     The fast cases are measured in ``rounds`` interleaved rounds, so that a change in the
     machine's load while the benchmark runs falls on every case alike."""
-    device = (torch.device("cuda", torch.cuda.current_device())
-              if "nccl" in str(dist.get_backend()) else torch.device("cpu"))
+    device = torch.device("cpu")
     tensors = [torch.randn(numel, device=device) for _ in range(count)]
     flat = torch.randn(count * numel, device=device)
-    cases = _cases(count, numel, split_bytes, cuda=device.type == "cuda")
+    cases = _cases(count, numel, split_bytes)
     exercise = None
     if impl == "exercise":
-        case, exercise = _exercise_case(tensors)
+        case, exercise = exercise_case(tensors)
         if case is not None:
             cases.append(case)
     fns = {name: setup(tensors, flat) for name, _, setup in cases}
@@ -217,9 +181,9 @@ def render(rows: list[dict], title: str) -> None:
             table.add_row(r["case"], f"{r['detail']}: {r['missing']}", "-", "-", "-", "-", "-")
             continue
         wrong = f" ({r['wrong']} wrong elements)" if r.get("wrong") else ""
+        cpu = "-" if r.get("cpu_per_rank") is None else timing.human_seconds(r["cpu_per_rank"])
         table.add_row(r["case"], r["detail"] + wrong, timing.human_seconds(r["seconds"]),
-                      timing.human_seconds(r["best"]), str(r["iters"]), f"{r['vs_flat']:.2f}×",
-                      timing.human_seconds(r["cpu_per_rank"]))
+                      timing.human_seconds(r["best"]), str(r["iters"]), f"{r['vs_flat']:.2f}×", cpu)
     console = Console(width=max(Console().width, 110))
     console.print(table)
     ahead = [r for r in rows if "back_to_back" in r]
@@ -228,8 +192,13 @@ def render(rows: list[dict], title: str) -> None:
                       "GPU, as in training): " + "; ".join(
             f"{r['case']} {timing.human_seconds(r['back_to_back'])} ({r['back_to_back_vs_flat']:.2f}×)"
             for r in ahead))
-    console.print("time: slowest rank, median of the runs; CPU / rank: CPU time of one rank's process "
-                  "per run (gloo's threads included), mean over ranks.")
+    if any("launched" in r for r in rows):
+        console.print("time: slowest rank, median of the rounds, each round runs issued back to back between "
+                      "CUDA events (best: the fastest round); runs: per round; launched: "
+                      + ", ".join(sorted({r["launched"] for r in rows if "launched" in r})) + ".")
+    else:
+        console.print("time: slowest rank, median of the runs; CPU / rank: CPU time of one rank's process "
+                      "per run (gloo's threads included), mean over ranks.")
     sep = next((r for r in rows if r["case"] == "separate calls"), None)
     fused = next((r for r in rows if r["case"] == "fused"), None)
     if sep and fused:
@@ -308,6 +277,7 @@ def figures(directory: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog=".venv/bin/python -m collectives bench-fused",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=4, help="ranks (default 4)")
@@ -327,26 +297,45 @@ def main(argv: list[str] | None = None) -> int:
                         help="only draw the lesson page's figure from a real trace into DIR (e.g. docs/img)")
     parser.add_argument("--impl", choices=("reference", "exercise"), default="reference",
                         help="exercise: also time the fused_all_reduce of your lessons/05_fused/exercise.py")
+    parser.add_argument("--launch", choices=("eager", "graph"), default=None,
+                        help="GPUs only (default eager): every case issued from Python, or every case "
+                             "replayed from a CUDA graph (the course's rule for GPU comparisons)")
     args, _ = parser.parse_known_args(argv)   # tolerate the other benchmarks' options (make bench)
     if args.figures:
         os.makedirs(args.figures, exist_ok=True)
         print("wrote", figures(args.figures))
         return 0
     backend = args.backend or launch.auto_backend(args.world)
+    if backend != "nccl" and args.launch:
+        parser.error("--launch is for GPUs (--backend nccl): on CPUs every case is issued from Python")
     separate_iters = args.separate_iters or 2
     iters = args.iters or (100 if backend == "nccl" else 40)
     split = timing.parse_size(args.split)
     start = time.perf_counter()
-    rows = launch.run(bench, args.world, args=(args.count, args.numel, split, iters, separate_iters),
-                      kwargs=dict(impl=args.impl), backend=backend, timeout=900)[0]
+    rule = {}
+    if backend == "nccl":
+        from . import fused_gpu, gpu_timing
+        mode = args.launch or "eager"
+        rule["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        result = launch.run(fused_gpu.bench_gpu, args.world, args=(args.count, args.numel, split, iters,
+                                                                   separate_iters),
+                            kwargs=dict(launch=mode, impl=args.impl), backend=backend, timeout=900,
+                            env=gpu_timing.rank_env(mode))[0]
+        rows = result["rows"]
+        rule.update(result["rule"])
+    else:
+        rows = launch.run(bench, args.world, args=(args.count, args.numel, split, iters, separate_iters),
+                          kwargs=dict(impl=args.impl), backend=backend, timeout=900)[0]
     title = (f"{args.count} float32 tensors of {args.numel} elements "
-             f"({timing.human_bytes(args.count * args.numel * 4)}), {args.world} ranks, {backend}")
+             f"({timing.human_bytes(args.count * args.numel * 4)}), {args.world} ranks, {backend}"
+             + (f", {rule['launch']}" if "launch" in rule else ""))
     render(rows, title)
     os.makedirs(args.out, exist_ok=True)
     meta = dict(world=args.world, count=args.count, numel=args.numel, backend=backend,
                 split_bytes=split, date=datetime.date.today().isoformat(),
                 device=(torch.cuda.get_device_name(0) if backend == "nccl" else "cpu"),
-                wall_seconds=time.perf_counter() - start, **host())
+                wall_seconds=time.perf_counter() - start, **host(), **rule,
+                command=" ".join([".venv/bin/python -m collectives bench-fused", *argv]), commit=commit())
     with open(os.path.join(args.out, "bench-fused.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     plot(rows, title, os.path.join(args.out, "bench-fused.png"))
@@ -386,7 +375,7 @@ def tour_runner(nbytes: int) -> dict:
     count, numel = 1000, 1000
     tensors = [torch.randn(numel, device=device) for _ in range(count)]
     flat = torch.randn(count * numel, device=device)
-    reducer = FastFusedAllReducer(device=device)
+    reducer = FastFusedAllReducer(device=device, graphs=False)   # issued from Python, as the flat call it is timed by
     with trace.recording() as t:
         reducer.all_reduce(tensors)
         reducer.wait()

@@ -32,13 +32,14 @@ The run follows the course's rule for GPU comparisons (``docs/benchmarks.md``):
   batches, the rounds interleaving the contenders -- each round times every one once, in
   turn -- so that a drift of the machine's pace falls on all of them alike.
 
+The timing loop, the graph replays and NCCL's window are the pieces every GPU benchmark of
+the course shares (:mod:`collectives.course.benchmarks.gpu_timing`).
+
 Every contender is checked against NCCL bit for bit on integer-valued data first (sizes that
 do not divide by p included), as the in-place all-reduce of an ordinary tensor.
 """
 
 from __future__ import annotations
-
-import statistics
 
 import torch
 import torch.distributed as dist
@@ -46,35 +47,12 @@ from torch.distributed import distributed_c10d as c10d
 
 from ...core import launch, timing
 from ...symmetric import gpu
+from .gpu_timing import INPUTS, LAUNCHES, RULE, Replayed, nccl_window, rounds, summary  # noqa: F401
 
 GPU_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M,1G"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 CHECK_SIZES = (1, 1001, 4099, (1 << 20) + 3)
 ROUNDS = 5          # batches per contender and size, interleaved across the contenders
-LAUNCHES = ("eager", "graph")
-INPUTS = ("copied", "resident")
-
-
-def nccl_window(capacity: int, dtype: torch.dtype, group) -> tuple[torch.Tensor | None, str | None]:
-    """A tensor of ``capacity`` elements in memory NCCL registered as a symmetric window on
-    every rank (torch's NCCL memory pool, registered with ``symm=True``): NCCL's all-reduce on
-    it runs NCCL's symmetric kernels. ``(None, why)`` where this torch does not offer it."""
-    try:
-        backend = group._get_backend(torch.device("cuda"))    # the NCCL process group behind ``group``
-        allocator, register = getattr(backend, "mem_allocator", None), getattr(backend, "register_mem_pool", None)
-        if allocator is None or register is None or not hasattr(torch.cuda, "MemPool"):
-            return None, "NCCL window registration (no mem_allocator / register_mem_pool in this torch)"
-        pool = torch.cuda.MemPool(allocator)
-        with torch.cuda.use_mem_pool(pool):
-            tensor = torch.zeros(capacity, dtype=dtype, device="cuda")
-        try:
-            register(pool, symm=True)
-        except TypeError:
-            return None, "NCCL window registration (register_mem_pool takes no symm= in this torch)"
-        tensor._collectives_pool = pool      # the pool lives as long as the tensor
-        return tensor, None
-    except (AttributeError, RuntimeError) as exc:
-        return None, f"NCCL window registration ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
 
 
 def _copied(buffer: torch.Tensor, src: torch.Tensor, kernel, out_is_src: bool):
@@ -201,20 +179,6 @@ def check_rank(dtypes: list[str], capacity: int = 1 << 22, exercise: bool = Fals
     return {"checked": checked, "skipped": skipped}
 
 
-class Replayed:
-    """``run(n)`` captured in a CUDA graph once per ``n`` (:func:`~collectives.core.timing.capture_graph`)
-    and replayed: with ``launch="graph"`` every contender is timed this way."""
-
-    def __init__(self, run):
-        self.run, self.graphs = run, {}
-
-    def __call__(self, n: int):
-        graph = self.graphs.get(n)
-        if graph is None:
-            graph = self.graphs[n] = timing.capture_graph(lambda: self.run(n), device=torch.device("cuda"))
-        graph.replay()
-
-
 def gpu_rank(sizes: list[int], dtypes: list[str], iters: int, launch_mode: str = "eager",
              inputs: str = "copied") -> dict:
     if launch_mode not in LAUNCHES:
@@ -238,18 +202,15 @@ def gpu_rank(sizes: list[int], dtypes: list[str], iters: int, launch_mode: str =
         for nbytes in sizes:
             n = nbytes // size
             batch = max(3, iters if nbytes <= 1 << 20 else iters // 10 if nbytes <= 64 << 20 else 3)
-            samples: dict[str, list[float]] = {name: [] for name in timed}
-            for _ in range(ROUNDS):
-                for name, run in list(timed.items()):
-                    try:
-                        samples[name].append(timing.measure_back_to_back(lambda: run(n), iters=batch,
-                                                                         device=torch.device("cuda")))
-                    except RuntimeError as exc:   # the same on every rank (it depends on the size): dropped whole
-                        skipped.append(f"{name} ({dtype_name}): raised at {nbytes} bytes: {str(exc).splitlines()[0]}")
-                        del timed[name], times[name], samples[name], spread[name]
+            samples = rounds({name: (lambda run=run: run(n)) for name, run in timed.items()}, iters=batch,
+                             skipped=skipped, where=f" ({dtype_name}): raised at {nbytes} bytes", count=ROUNDS,
+                             device=torch.device("cuda"))
+            for name in [name for name in timed if name not in samples]:   # raised: dropped whole
+                del timed[name], times[name], spread[name]
             for name in timed:
-                times[name].append(statistics.median(samples[name]))
-                spread[name].append([min(samples[name]), max(samples[name])])
+                middle, lowest_highest = summary(samples[name])
+                times[name].append(middle)
+                spread[name].append(lowest_highest)
         runs[dtype_name], spreads[dtype_name] = times, spread
         del timed, src
         torch.cuda.empty_cache()
@@ -282,4 +243,4 @@ def run_gpu(args) -> dict:
     return {"backend": "nccl", "world": world, "sizes": sizes, "runs": first["runs"], "spread": first["spread"],
             "checked": first["checked"], "skipped": first["skipped"], "iters": args.iters, "host": first["host"],
             "launcher": first["launcher"], "launch": launch_mode, "inputs": inputs,
-            "rule": "docs/benchmarks.md#the-rule-for-fair-gpu-comparisons"}
+            "rule": RULE}
