@@ -18,7 +18,8 @@ What is checked:
 * **the trace** -- the ring's sends by default, ``reduce_scatter_tensor`` /
   ``all_gather_into_tensor`` under ``use_torch``; three collectives per unit and step;
 * **hybrid sharding** -- ZeRO-3 inside two groups of three ranks, the gradient shards
-  averaged across them, equal to DDP to 1e-6;
+  averaged across them, equal to DDP to 1e-6; ``reshard_after_forward=3`` at six ranks against
+  ``fully_shard``'s (its bits on torch's collectives), the backward's all-gather in groups of 3;
 * **overlap** -- prefetched gathers run while a unit computes, never more than
   ``max_alive`` units gathered; the exercise's :func:`forward_prefetch` likewise;
 * **peak memory** -- :class:`~collectives.core.live_bytes.LiveBytes` counts a known pattern of
@@ -92,10 +93,12 @@ def _train(forward, step_fn):
     return losses
 
 
-def torch_fsdp2(mp=None, memory=False):
+def torch_fsdp2(mp=None, memory=False, reshard=None):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     m = make_model()
     kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=mp, reduce_dtype=mp)} if mp else {}
+    if reshard is not None:
+        kw["reshard_after_forward"] = reshard
     for layer in m:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, **kw)
@@ -133,7 +136,9 @@ def ours_fsdp(use_torch, mixed=None, prefetch=True, max_alive=2, memory=False, r
         mem = f.memory(opt)
         opt.zero_grad()
     out = dict(losses=losses, params=f.full_parameters(), mem=mem, peak_alive=f.peak_alive,
-               kinds=sorted({e.kind for e in t.events}), sends=len(t.sends()), timeline=list(f.timeline))
+               kinds=sorted({e.kind for e in t.events}), timeline=list(f.timeline),
+               calls=[(e.kind, e.group) for e in t.events if e.peer is None and not e.is_recv],
+               sends=[(e.group, e.peer) for e in t.sends()])
     f.close()
     return out
 
@@ -192,9 +197,14 @@ def _world(mode: str):
         out[(2, True)] = dict(vs_ddp=_same(z["params"], ddp[1]), losses=z["losses"], buckets=z["buckets"])
         if mode == "light":
             out["hybrid"] = _same(ours_hybrid(3), ddp[1])
-            # reshard_after_forward=3: the backward's all-gather inside groups of 3, the same values
-            k3 = ours_fsdp(False, reshard=3)
-            out["reshard 3"] = (_same(k3["params"], ours_fsdp(False)["params"]), k3["sends"])
+            # reshard_after_forward=3 against fully_shard's: the backward's all-gather inside
+            # groups of 3, on torch's collectives (fully_shard's sums) and on the ring
+            theirs = torch_fsdp2(reshard=3)
+            for use_torch in (True, False):
+                k3 = ours_fsdp(use_torch, reshard=3)
+                out[("reshard 3", use_torch)] = dict(vs_fsdp2=_same(k3["params"], theirs[1]),
+                                                     losses=(k3["losses"], theirs[0]),
+                                                     calls=k3["calls"], sends=k3["sends"])
     if full:
         mp = torch_fsdp2(mp=torch.bfloat16)
         ours = ours_fsdp(True, mixed=MixedPrecision(torch.bfloat16, torch.bfloat16))
@@ -282,21 +292,40 @@ def _check_world(p: int, results: list, full: bool) -> None:
             else:
                 assert "reduce_scatter_tensor" not in z3["kinds"] and "all_gather_into_tensor" not in z3["kinds"]
                 # per step and unit: 2 all-gathers + 1 reduce-scatter, p-1 sends each
-                assert z3["sends"] == 3 * STEPS * 3 * (p - 1), z3["sends"]
+                assert len(z3["sends"]) == 3 * STEPS * 3 * (p - 1), len(z3["sends"])
             assert z3["peak_alive"] <= 2
             _check_prefetch_order(z3["timeline"])
         assert out[(2, not full)]["buckets"] > 1        # ZeRO-2 reduce-scattered bucket by bucket
         if "hybrid" in out:                             # sharded inside 2 groups of 3, replicated across
             assert out["hybrid"][1] <= TOL, out["hybrid"]
-            (exact, diff), sends = out["reshard 3"]
-            assert exact, diff
-            # per step and unit: forward all-gather over p, backward's over 3, reduce-scatter over p
-            assert sends == STEPS * 3 * ((p - 1) + (3 - 1) + (p - 1)), sends
+            _check_reshard_int(p, rank, out)
         if full:
             _check_memory(p, rank, out)
             _check_mixed(p, out)
         if "peaks" in out:
             _check_peaks(out["peaks"])
+
+
+def _check_reshard_int(p: int, rank: int, out: dict, k: int = 3) -> None:
+    """``reshard_after_forward=k`` against ``fully_shard(module, reshard_after_forward=k)``:
+    torch's collectives give its bits; the ring adds p addends in its own order (1e-6). From
+    the trace: per step and unit, the forward's all-gather and the reduce-scatter over the
+    world, the backward's all-gather in this rank's group of k consecutive ranks."""
+    mine = tuple(range(rank // k * k, rank // k * k + k))
+    got = out[("reshard 3", True)]
+    exact, diff = got["vs_fsdp2"]
+    assert exact and got["losses"][0] == got["losses"][1], (rank, diff)
+    calls = got["calls"]
+    assert calls.count(("all_gather_into_tensor", mine)) == STEPS * 3, calls
+    assert calls.count(("all_gather_into_tensor", None)) == STEPS * 3, calls
+    assert calls.count(("reduce_scatter_tensor", None)) == STEPS * 3, calls
+    ring = out[("reshard 3", False)]
+    assert ring["vs_fsdp2"][1] <= TOL, (rank, ring["vs_fsdp2"])
+    sends = ring["sends"]
+    inside = [peer for group, peer in sends if group == mine]
+    # per step and unit: forward all-gather over p, backward's over k, reduce-scatter over p
+    assert len(inside) == STEPS * 3 * (k - 1) and set(inside) <= set(mine) - {rank}, sends
+    assert len(sends) == STEPS * 3 * ((p - 1) + (k - 1) + (p - 1)), len(sends)
 
 
 def _check_peaks(peaks: dict) -> None:
