@@ -33,6 +33,9 @@ What is checked:
   wrapping and ranks listing their parameters differently refused, naming the parameter and
   the rank; the exercise's ``zero3_train`` equal to ``fully_shard`` bit for bit at two ranks,
   fp32 and bf16; a checkpoint saved on three ranks loaded on two, rows and Adam's moments;
+  a parameter used on some ranks only: ``reduce_scatter_unused_params`` against fully_shard's
+  switch and ZeRO-1/2's ``find_unused_parameters`` against DDP's (bit for bit), ZeRO-1 without
+  it and a unit run on some ranks only refused, naming the parameter and the ranks;
 * **the agreement benchmark** -- its record at a tiny size.
 """
 
@@ -605,6 +608,87 @@ def _edges():
     f.close()
     out["layout"] = _error(lambda: FSDP(Branchy(swapped=dist.get_rank() == 1)))
     out["zero3_train"] = _zero3_train_against_fully_shard()
+    out["unused"] = _unused_on_some_ranks()
+    return out
+
+
+class Gated(nn.Module):
+    """A unit of two branches; the second runs only on the ranks in ``uses``."""
+
+    def __init__(self):
+        super().__init__()
+        self.main, self.extra = nn.Linear(7, 7), nn.Linear(7, 7)
+        self.uses = set()
+
+    def forward(self, h):
+        return self.main(h) + self.extra(h) if dist.get_rank() in self.uses else self.main(h)
+
+
+class Split(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.g, self.c = nn.Linear(5, 7), Gated(), nn.Linear(7, 3)
+
+    def forward(self, x):
+        return self.c(torch.relu(self.g(torch.relu(self.a(x)))))
+
+
+USES = [[{0}], [set()], [{1}, {0, 1}]]    # per step and backward: the ranks whose batch takes g.extra
+# against DDP, one backward a step: DDP all-reduces the second backward's gradient added to the
+# first's mean, ZeRO each backward's (or the sum's) mean -- the same to rounding, not to the bit
+USES_DDP = [[{0}], [set()], [{1}]]
+
+
+def _split_train(model, forward, params, step=None, plan=USES):
+    opt = adam(params) if step is None else None
+    for s, uses in enumerate(plan):
+        for k, ranks in enumerate(uses):
+            model.g.uses = ranks
+            forward(batch(10 * s + k)).square().mean().backward()
+        step() if step else (opt.step(), opt.zero_grad())
+    return [q.full_tensor() if hasattr(q, "full_tensor") else q.detach().clone() for q in model.parameters()]
+
+
+def _unused_on_some_ranks() -> dict:
+    """A parameter used on some ranks and not on others: FSDP with reduce_scatter_unused_params
+    against fully_shard with set_reduce_scatter_unused_params(True), ZeRO-1/2 with
+    find_unused_parameters against DDP's; the refusals, before anything changes."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+    theirs = Split()
+    for unit in (theirs.a, theirs.g, theirs.c):
+        fully_shard(unit)
+    fully_shard(theirs).set_reduce_scatter_unused_params(True)
+    want = _split_train(theirs, theirs, theirs.parameters())
+    out = {}
+    for use_torch in (True, False):
+        m = Split()
+        f = FSDP(m, use_torch=use_torch, reduce_scatter_unused_params=True)
+        out[("fsdp", use_torch)] = _same(_split_train(m, f, f.parameters()) and f.full_parameters(), want)
+        f.close()
+    ddp = DistributedDataParallel(Split(), find_unused_parameters=True)
+    want = _split_train(ddp.module, ddp, ddp.parameters(), plan=USES_DDP)
+    for stage in (1, 2):
+        m = Split()
+        z = ZeRO(m, stage, optimizer=adam, bucket_cap_bytes=7 * 7 * 4, find_unused_parameters=True)
+        out[("zero", stage)] = _same(_split_train(m, m, None, lambda: (z.step(), z.zero_grad()), USES_DDP), want)
+        z.remove()
+    # refused: ZeRO-1 without the switch; with FSDP, a whole unit run on some ranks only
+    m = Split()
+    z, before = ZeRO(m, 1, optimizer=adam), [q.detach().clone() for q in m.parameters()]
+    m.g.uses = {0}
+    m(batch(0)).square().mean().backward()
+    out["zero1 refused"] = (_error(z.step), _same([q.detach() for q in m.parameters()], before)[0])
+    m = Branchy()
+    f = FSDP(m, reduce_scatter_unused_params=True)
+    before = f.full_parameters()
+    m.use_b = dist.get_rank() == 0
+
+    def skipped():
+        f(batch(0)).square().mean().backward()
+    out["unit refused"] = (_error(skipped), _same(f.full_parameters(), before)[0], [s.grad for s in f.parameters()])
+    f.close()
     return out
 
 
@@ -704,6 +788,19 @@ def test_edges_behave_as_fully_shard_or_err_clearly():
         assert "rank 1 lists its parameters differently from rank 0" in out["layout"], out["layout"]
         for name, (same_losses, (exact, diff)) in out["zero3_train"].items():
             assert same_losses and exact, (rank, name, diff)      # two ranks: one order of sums, the bits
+        _check_unused(rank, out["unused"])
+
+
+def _check_unused(rank: int, got: dict) -> None:
+    for key in (("fsdp", True), ("fsdp", False), ("zero", 1), ("zero", 2)):
+        exact, diff = got[key]
+        assert exact, (rank, key, diff)            # two ranks: fully_shard's and DDP's bits
+    error, unchanged = got["zero1 refused"]
+    assert "ZeRO-1 on rank %d: parameter g.extra.weight was used on rank(s) [0] and not on rank(s) [1]" % rank \
+        in error and "find_unused_parameters=True" in error and unchanged, error
+    error, unchanged, grads = got["unit refused"]
+    assert f"FSDP on rank {rank}: unit 1 (b.weight, ...) ran its forward on rank(s) [0] and not on rank(s) [1]" \
+        in error and unchanged and grads == [None] * 6, error
 
 
 def _checkpoint(folder: str, save: bool):
