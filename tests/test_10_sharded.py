@@ -613,7 +613,10 @@ def _edges():
 
 
 class Gated(nn.Module):
-    """A unit of two branches; the second runs only on the ranks in ``uses``."""
+    """A unit of two branches; the second runs only on the ranks in ``uses``. Computed first,
+    it gets its gradients after the first's: ZeRO-2's bucket of ``extra`` and ``c`` fills after
+    the bucket of ``main`` where ``extra`` is used, before it where not -- unless buckets are
+    launched in bucket order, the ranks' reduce-scatters come in different orders."""
 
     def __init__(self):
         super().__init__()
@@ -621,7 +624,7 @@ class Gated(nn.Module):
         self.uses = set()
 
     def forward(self, h):
-        return self.main(h) + self.extra(h) if dist.get_rank() in self.uses else self.main(h)
+        return self.extra(h) + self.main(h) if dist.get_rank() in self.uses else self.main(h)
 
 
 class Split(nn.Module):
@@ -640,39 +643,80 @@ USES = [[{0}], [set()], [{1}, {0, 1}]]    # per step and backward: the ranks who
 USES_DDP = [[{0}], [set()], [{1}]]
 
 
-def _split_train(model, forward, params, step=None, plan=USES):
-    opt = adam(params) if step is None else None
+def _split_train(model, forward, step, plan=USES) -> list:
+    """Train ``model`` along ``plan``; returns what ``step`` returned each step."""
+    seen = []
     for s, uses in enumerate(plan):
         for k, ranks in enumerate(uses):
             model.g.uses = ranks
             forward(batch(10 * s + k)).square().mean().backward()
-        step() if step else (opt.step(), opt.zero_grad())
-    return [q.full_tensor() if hasattr(q, "full_tensor") else q.detach().clone() for q in model.parameters()]
+        seen.append(step())
+    return seen
+
+
+def _adam_step(params, rows):
+    """Adam on ``params``: a step that returns this rank's rows of their gradients (``rows``
+    picks them), None where a parameter has none -- what the step saw."""
+    params = list(params)
+    opt = adam(params)
+
+    def step():
+        grads = [None if q.grad is None else rows(q).detach().clone() for q in params]
+        opt.step()
+        opt.zero_grad()
+        return grads
+    return step
+
+
+def _same_steps(ours, theirs, params, want) -> tuple[bool, bool, float]:
+    """(every step's gradients the same -- None where the other's is None -- , the parameters
+    the same, their largest difference)."""
+    grads = all(len(a) == len(b) and all((x is None and y is None) or (x is not None and y is not None and
+                                                                        torch.equal(x, y)) for x, y in zip(a, b))
+                for a, b in zip(ours, theirs))
+    exact, diff = _same(params, want)
+    return grads and len(ours) == len(theirs), exact, diff
 
 
 def _unused_on_some_ranks() -> dict:
     """A parameter used on some ranks and not on others: FSDP with reduce_scatter_unused_params
     against fully_shard with set_reduce_scatter_unused_params(True), ZeRO-1/2 with
-    find_unused_parameters against DDP's; the refusals, before anything changes."""
+    find_unused_parameters against DDP's -- every step's gradients and the parameters after;
+    the refusals, before anything changes."""
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
     theirs = Split()
     for unit in (theirs.a, theirs.g, theirs.c):
         fully_shard(unit)
     fully_shard(theirs).set_reduce_scatter_unused_params(True)
-    want = _split_train(theirs, theirs, theirs.parameters())
+    their_grads = _split_train(theirs, theirs, _adam_step(theirs.parameters(), lambda q: q.grad.to_local()))
+    want = [q.full_tensor() for q in theirs.parameters()]
     out = {}
     for use_torch in (True, False):
         m = Split()
         f = FSDP(m, use_torch=use_torch, reduce_scatter_unused_params=True)
-        out[("fsdp", use_torch)] = _same(_split_train(m, f, f.parameters()) and f.full_parameters(), want)
+        grads = _split_train(m, f, _adam_step(f.parameters(), lambda q: q.grad))
+        out[("fsdp", use_torch)] = _same_steps(grads, their_grads, f.full_parameters(), want)
         f.close()
     ddp = DistributedDataParallel(Split(), find_unused_parameters=True)
-    want = _split_train(ddp.module, ddp, ddp.parameters(), plan=USES_DDP)
+    rank, p = dist.get_rank(), dist.get_world_size()
+
+    def rows(q):
+        lo, hi = ShardSpec(tuple(q.shape), p).owned_rows(rank)
+        return q.grad[lo:hi]
+    their_grads = _split_train(ddp.module, ddp, _adam_step(ddp.parameters(), rows), USES_DDP)
+    want = [q.detach().clone() for q in ddp.parameters()]
     for stage in (1, 2):
         m = Split()
         z = ZeRO(m, stage, optimizer=adam, bucket_cap_bytes=7 * 7 * 4, find_unused_parameters=True)
-        out[("zero", stage)] = _same(_split_train(m, m, None, lambda: (z.step(), z.zero_grad()), USES_DDP), want)
+
+        def step():
+            z.step()
+            grads = [None if s.grad is None else s.grad.clone() for s in z.shards]
+            z.zero_grad()
+            return grads
+        grads = _split_train(m, m, step, USES_DDP)
+        out[("zero", stage)] = _same_steps(grads, their_grads, [q.detach() for q in m.parameters()], want)
         z.remove()
     # refused: ZeRO-1 without the switch; with FSDP, a whole unit run on some ranks only
     m = Split()
@@ -793,8 +837,8 @@ def test_edges_behave_as_fully_shard_or_err_clearly():
 
 def _check_unused(rank: int, got: dict) -> None:
     for key in (("fsdp", True), ("fsdp", False), ("zero", 1), ("zero", 2)):
-        exact, diff = got[key]
-        assert exact, (rank, key, diff)            # two ranks: fully_shard's and DDP's bits
+        grads, exact, diff = got[key]
+        assert grads and exact, (rank, key, grads, diff)      # two ranks: fully_shard's and DDP's bits
     error, unchanged = got["zero1 refused"]
     assert "ZeRO-1 on rank %d: parameter g.extra.weight was used on rank(s) [0] and not on rank(s) [1]" % rank \
         in error and "find_unused_parameters=True" in error and unchanged, error
