@@ -29,8 +29,9 @@ A parameter used on some ranks and not on others needs ``find_unused_parameters=
 DDP does (:mod:`.usage`): ZeRO-1 learns in ``step`` what every rank used (one all-gather of
 a flag per parameter, always made: without the switch such a parameter is refused there,
 before anything changes); ZeRO-2 learns it after each forward from autograd's graph, as
-DDP, and launches its buckets in bucket order. A rank adds zeros for a parameter it did not
-use; one no rank used keeps no gradient.
+DDP, and launches its buckets in bucket order (one forward through ``model`` per backward,
+as DDP's switch needs). A rank adds zeros for a parameter it did not use; one no rank used
+keeps no gradient.
 
 A rank's rows of a parameter are contiguous in it, so the optimizer steps on views of the
 model's own parameters: no second copy of the weights (fp32 here; the mixed-precision
