@@ -18,7 +18,8 @@ What is checked:
 * **the trace** -- the ring's sends by default, ``reduce_scatter_tensor`` /
   ``all_gather_into_tensor`` under ``use_torch``; three collectives per unit and step;
 * **hybrid sharding** -- ZeRO-3 inside two groups of three ranks, the gradient shards
-  averaged across them, equal to DDP to 1e-6;
+  averaged across them, equal to DDP to 1e-6; ``reshard_after_forward=3`` at six ranks against
+  ``fully_shard``'s (its bits on torch's collectives), the backward's all-gather in groups of 3;
 * **overlap** -- prefetched gathers run while a unit computes, never more than
   ``max_alive`` units gathered; the exercise's :func:`forward_prefetch` likewise;
 * **peak memory** -- :class:`~collectives.core.live_bytes.LiveBytes` counts a known pattern of
@@ -32,6 +33,9 @@ What is checked:
   wrapping and ranks listing their parameters differently refused, naming the parameter and
   the rank; the exercise's ``zero3_train`` equal to ``fully_shard`` bit for bit at two ranks,
   fp32 and bf16; a checkpoint saved on three ranks loaded on two, rows and Adam's moments;
+  a parameter used on some ranks only: ``reduce_scatter_unused_params`` against fully_shard's
+  switch and ZeRO-1/2's ``find_unused_parameters`` against DDP's (bit for bit), ZeRO-1 without
+  it and a unit run on some ranks only refused, naming the parameter and the ranks;
 * **the agreement benchmark** -- its record at a tiny size.
 """
 
@@ -92,10 +96,12 @@ def _train(forward, step_fn):
     return losses
 
 
-def torch_fsdp2(mp=None, memory=False):
+def torch_fsdp2(mp=None, memory=False, reshard=None):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     m = make_model()
     kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=mp, reduce_dtype=mp)} if mp else {}
+    if reshard is not None:
+        kw["reshard_after_forward"] = reshard
     for layer in m:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, **kw)
@@ -133,7 +139,9 @@ def ours_fsdp(use_torch, mixed=None, prefetch=True, max_alive=2, memory=False, r
         mem = f.memory(opt)
         opt.zero_grad()
     out = dict(losses=losses, params=f.full_parameters(), mem=mem, peak_alive=f.peak_alive,
-               kinds=sorted({e.kind for e in t.events}), sends=len(t.sends()), timeline=list(f.timeline))
+               kinds=sorted({e.kind for e in t.events}), timeline=list(f.timeline),
+               calls=[(e.kind, e.group) for e in t.events if e.peer is None and not e.is_recv],
+               sends=[(e.group, e.peer) for e in t.sends()])
     f.close()
     return out
 
@@ -192,9 +200,14 @@ def _world(mode: str):
         out[(2, True)] = dict(vs_ddp=_same(z["params"], ddp[1]), losses=z["losses"], buckets=z["buckets"])
         if mode == "light":
             out["hybrid"] = _same(ours_hybrid(3), ddp[1])
-            # reshard_after_forward=3: the backward's all-gather inside groups of 3, the same values
-            k3 = ours_fsdp(False, reshard=3)
-            out["reshard 3"] = (_same(k3["params"], ours_fsdp(False)["params"]), k3["sends"])
+            # reshard_after_forward=3 against fully_shard's: the backward's all-gather inside
+            # groups of 3, on torch's collectives (fully_shard's sums) and on the ring
+            theirs = torch_fsdp2(reshard=3)
+            for use_torch in (True, False):
+                k3 = ours_fsdp(use_torch, reshard=3)
+                out[("reshard 3", use_torch)] = dict(vs_fsdp2=_same(k3["params"], theirs[1]),
+                                                     losses=(k3["losses"], theirs[0]),
+                                                     calls=k3["calls"], sends=k3["sends"])
     if full:
         mp = torch_fsdp2(mp=torch.bfloat16)
         ours = ours_fsdp(True, mixed=MixedPrecision(torch.bfloat16, torch.bfloat16))
@@ -282,21 +295,40 @@ def _check_world(p: int, results: list, full: bool) -> None:
             else:
                 assert "reduce_scatter_tensor" not in z3["kinds"] and "all_gather_into_tensor" not in z3["kinds"]
                 # per step and unit: 2 all-gathers + 1 reduce-scatter, p-1 sends each
-                assert z3["sends"] == 3 * STEPS * 3 * (p - 1), z3["sends"]
+                assert len(z3["sends"]) == 3 * STEPS * 3 * (p - 1), len(z3["sends"])
             assert z3["peak_alive"] <= 2
             _check_prefetch_order(z3["timeline"])
         assert out[(2, not full)]["buckets"] > 1        # ZeRO-2 reduce-scattered bucket by bucket
         if "hybrid" in out:                             # sharded inside 2 groups of 3, replicated across
             assert out["hybrid"][1] <= TOL, out["hybrid"]
-            (exact, diff), sends = out["reshard 3"]
-            assert exact, diff
-            # per step and unit: forward all-gather over p, backward's over 3, reduce-scatter over p
-            assert sends == STEPS * 3 * ((p - 1) + (3 - 1) + (p - 1)), sends
+            _check_reshard_int(p, rank, out)
         if full:
             _check_memory(p, rank, out)
             _check_mixed(p, out)
         if "peaks" in out:
             _check_peaks(out["peaks"])
+
+
+def _check_reshard_int(p: int, rank: int, out: dict, k: int = 3) -> None:
+    """``reshard_after_forward=k`` against ``fully_shard(module, reshard_after_forward=k)``:
+    torch's collectives give its bits; the ring adds p addends in its own order (1e-6). From
+    the trace: per step and unit, the forward's all-gather and the reduce-scatter over the
+    world, the backward's all-gather in this rank's group of k consecutive ranks."""
+    mine = tuple(range(rank // k * k, rank // k * k + k))
+    got = out[("reshard 3", True)]
+    exact, diff = got["vs_fsdp2"]
+    assert exact and got["losses"][0] == got["losses"][1], (rank, diff)
+    calls = got["calls"]
+    assert calls.count(("all_gather_into_tensor", mine)) == STEPS * 3, calls
+    assert calls.count(("all_gather_into_tensor", None)) == STEPS * 3, calls
+    assert calls.count(("reduce_scatter_tensor", None)) == STEPS * 3, calls
+    ring = out[("reshard 3", False)]
+    assert ring["vs_fsdp2"][1] <= TOL, (rank, ring["vs_fsdp2"])
+    sends = ring["sends"]
+    inside = [peer for group, peer in sends if group == mine]
+    # per step and unit: forward all-gather over p, backward's over k, reduce-scatter over p
+    assert len(inside) == STEPS * 3 * (k - 1) and set(inside) <= set(mine) - {rank}, sends
+    assert len(sends) == STEPS * 3 * ((p - 1) + (k - 1) + (p - 1)), len(sends)
 
 
 def _check_peaks(peaks: dict) -> None:
@@ -576,6 +608,131 @@ def _edges():
     f.close()
     out["layout"] = _error(lambda: FSDP(Branchy(swapped=dist.get_rank() == 1)))
     out["zero3_train"] = _zero3_train_against_fully_shard()
+    out["unused"] = _unused_on_some_ranks()
+    return out
+
+
+class Gated(nn.Module):
+    """A unit of two branches; the second runs only on the ranks in ``uses``. Computed first,
+    it gets its gradients after the first's: ZeRO-2's bucket of ``extra`` and ``c`` fills after
+    the bucket of ``main`` where ``extra`` is used, before it where not -- unless buckets are
+    launched in bucket order, the ranks' reduce-scatters come in different orders."""
+
+    def __init__(self):
+        super().__init__()
+        self.main, self.extra = nn.Linear(7, 7), nn.Linear(7, 7)
+        self.uses = set()
+
+    def forward(self, h):
+        return self.extra(h) + self.main(h) if dist.get_rank() in self.uses else self.main(h)
+
+
+class Split(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.g, self.c = nn.Linear(5, 7), Gated(), nn.Linear(7, 3)
+
+    def forward(self, x):
+        return self.c(torch.relu(self.g(torch.relu(self.a(x)))))
+
+
+USES = [[{0}], [set()], [{1}, {0, 1}]]    # per step and backward: the ranks whose batch takes g.extra
+# against DDP, one backward a step: DDP all-reduces the second backward's gradient added to the
+# first's mean, ZeRO each backward's (or the sum's) mean -- the same to rounding, not to the bit
+USES_DDP = [[{0}], [set()], [{1}]]
+
+
+def _split_train(model, forward, step, plan=USES) -> list:
+    """Train ``model`` along ``plan``; returns what ``step`` returned each step."""
+    seen = []
+    for s, uses in enumerate(plan):
+        for k, ranks in enumerate(uses):
+            model.g.uses = ranks
+            forward(batch(10 * s + k)).square().mean().backward()
+        seen.append(step())
+    return seen
+
+
+def _adam_step(params, rows):
+    """Adam on ``params``: a step that returns this rank's rows of their gradients (``rows``
+    picks them), None where a parameter has none -- what the step saw."""
+    params = list(params)
+    opt = adam(params)
+
+    def step():
+        grads = [None if q.grad is None else rows(q).detach().clone() for q in params]
+        opt.step()
+        opt.zero_grad()
+        return grads
+    return step
+
+
+def _same_steps(ours, theirs, params, want) -> tuple[bool, bool, float]:
+    """(every step's gradients the same -- None where the other's is None -- , the parameters
+    the same, their largest difference)."""
+    grads = all(len(a) == len(b) and all((x is None and y is None) or (x is not None and y is not None and
+                                                                        torch.equal(x, y)) for x, y in zip(a, b))
+                for a, b in zip(ours, theirs))
+    exact, diff = _same(params, want)
+    return grads and len(ours) == len(theirs), exact, diff
+
+
+def _unused_on_some_ranks() -> dict:
+    """A parameter used on some ranks and not on others: FSDP with reduce_scatter_unused_params
+    against fully_shard with set_reduce_scatter_unused_params(True), ZeRO-1/2 with
+    find_unused_parameters against DDP's -- every step's gradients and the parameters after;
+    the refusals, before anything changes."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+    theirs = Split()
+    for unit in (theirs.a, theirs.g, theirs.c):
+        fully_shard(unit)
+    fully_shard(theirs).set_reduce_scatter_unused_params(True)
+    their_grads = _split_train(theirs, theirs, _adam_step(theirs.parameters(), lambda q: q.grad.to_local()))
+    want = [q.full_tensor() for q in theirs.parameters()]
+    out = {}
+    for use_torch in (True, False):
+        m = Split()
+        f = FSDP(m, use_torch=use_torch, reduce_scatter_unused_params=True)
+        grads = _split_train(m, f, _adam_step(f.parameters(), lambda q: q.grad))
+        out[("fsdp", use_torch)] = _same_steps(grads, their_grads, f.full_parameters(), want)
+        f.close()
+    ddp = DistributedDataParallel(Split(), find_unused_parameters=True)
+    rank, p = dist.get_rank(), dist.get_world_size()
+
+    def rows(q):
+        lo, hi = ShardSpec(tuple(q.shape), p).owned_rows(rank)
+        return q.grad[lo:hi]
+    their_grads = _split_train(ddp.module, ddp, _adam_step(ddp.parameters(), rows), USES_DDP)
+    want = [q.detach().clone() for q in ddp.parameters()]
+    for stage in (1, 2):
+        m = Split()
+        z = ZeRO(m, stage, optimizer=adam, bucket_cap_bytes=7 * 7 * 4, find_unused_parameters=True)
+
+        def step():
+            z.step()
+            grads = [None if s.grad is None else s.grad.clone() for s in z.shards]
+            z.zero_grad()
+            return grads
+        grads = _split_train(m, m, step, USES_DDP)
+        out[("zero", stage)] = _same_steps(grads, their_grads, [q.detach() for q in m.parameters()], want)
+        z.remove()
+    # refused: ZeRO-1 without the switch; with FSDP, a whole unit run on some ranks only
+    m = Split()
+    z, before = ZeRO(m, 1, optimizer=adam), [q.detach().clone() for q in m.parameters()]
+    m.g.uses = {0}
+    m(batch(0)).square().mean().backward()
+    out["zero1 refused"] = (_error(z.step), _same([q.detach() for q in m.parameters()], before)[0])
+    m = Branchy()
+    f = FSDP(m, reduce_scatter_unused_params=True)
+    before = f.full_parameters()
+    m.use_b = dist.get_rank() == 0
+
+    def skipped():
+        f(batch(0)).square().mean().backward()
+    out["unit refused"] = (_error(skipped), _same(f.full_parameters(), before)[0], [s.grad for s in f.parameters()])
+    f.close()
     return out
 
 
@@ -675,6 +832,19 @@ def test_edges_behave_as_fully_shard_or_err_clearly():
         assert "rank 1 lists its parameters differently from rank 0" in out["layout"], out["layout"]
         for name, (same_losses, (exact, diff)) in out["zero3_train"].items():
             assert same_losses and exact, (rank, name, diff)      # two ranks: one order of sums, the bits
+        _check_unused(rank, out["unused"])
+
+
+def _check_unused(rank: int, got: dict) -> None:
+    for key in (("fsdp", True), ("fsdp", False), ("zero", 1), ("zero", 2)):
+        grads, exact, diff = got[key]
+        assert grads and exact, (rank, key, grads, diff)      # two ranks: fully_shard's and DDP's bits
+    error, unchanged = got["zero1 refused"]
+    assert "ZeRO-1 on rank %d: parameter g.extra.weight was used on rank(s) [0] and not on rank(s) [1]" % rank \
+        in error and "find_unused_parameters=True" in error and unchanged, error
+    error, unchanged, grads = got["unit refused"]
+    assert f"FSDP on rank {rank}: unit 1 (b.weight, ...) ran its forward on rank(s) [0] and not on rank(s) [1]" \
+        in error and unchanged and grads == [None] * 6, error
 
 
 def _checkpoint(folder: str, save: bool):

@@ -43,9 +43,11 @@ from torch import nn
 from collectives.core.ops import ReduceOp
 from collectives.ring import ring_all_reduce
 
+from .groups import reshard_groups
 from .shard import ShardGroup, all_gather, reduce_scatter
 from .side import SideStream
 from .state import check_layout, clip_grad_norm_, load_sharded, save_sharded
+from .usage import across
 from .zero import _rank_and_size, optimizer_state_bytes, tensor_bytes
 
 
@@ -54,23 +56,6 @@ class MixedPrecision:
     """Dtypes on the wire and in compute (``None``: the masters' own, fp32)."""
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
-
-
-def hybrid_groups(ranks_per_machine: int):
-    """``(shard_group, replicate_group)`` of this rank when ranks are placed machine-major,
-    ``ranks_per_machine`` to a machine (every rank must call it: it creates every group)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if ranks_per_machine < 1 or world % ranks_per_machine:
-        raise ValueError(f"hybrid_groups: {world} ranks do not split into machines of {ranks_per_machine}")
-    machines = world // ranks_per_machine
-    shard = replicate = None
-    for m in range(machines):
-        g = dist.new_group(list(range(m * ranks_per_machine, (m + 1) * ranks_per_machine)))
-        shard = g if rank // ranks_per_machine == m else shard
-    for local in range(ranks_per_machine):
-        g = dist.new_group([m * ranks_per_machine + local for m in range(machines)])
-        replicate = g if rank % ranks_per_machine == local else replicate
-    return shard, replicate
 
 
 class _Unit:
@@ -103,6 +88,8 @@ class _Unit:
         self.mid = None            # reshard_after_forward=k: this rank's piece of a k-way sharding
         self.mid_layout = None
         self.ready = 0             # gradients arrived this backward
+        self.reduced = False       # its gradients reduce-scattered this backward
+        self.ran = False           # its forward ran since the last backward
         self.in_backward = False
         self.entry = None          # this unit's open compute record in FSDP.timeline
 
@@ -116,7 +103,7 @@ class FSDP:
     (≥ 1) bounds gathered units. ``use_torch`` swaps lesson 4's ring for torch's
     collectives. Hybrid sharding: ``group`` the ranks of one machine (shard inside it) and
     ``replicate_group`` the ranks holding the same rows on the other machines (each
-    gradient shard averaged across them by an all-reduce, see :func:`hybrid_groups`).
+    gradient shard averaged across them by an all-reduce, see :func:`.groups.hybrid_groups`).
     ``release``: on GPUs, how gathered layers' memory is handed back (:class:`SideStream`).
     ``reshard_after_forward`` (FSDP2's switch): True frees a unit after its forward and
     gathers it again for its backward; False keeps it whole from its forward to its
@@ -131,7 +118,13 @@ class FSDP:
     The gradients are the rows': ``fsdp.parameters()[i].grad`` (the model's own parameters
     hold no gradient between steps); clip them with :meth:`clip_grad_norm_`. Frozen
     parameters (``requires_grad`` False) are sharded and never reduced; a parameter no
-    backward reached keeps no gradient, as under ``fully_shard``. A parameter written after
+    backward reached keeps no gradient, as under ``fully_shard``, and every rank must then
+    leave out the same ones. ``reduce_scatter_unused_params`` (FSDP2's switch) lets ranks
+    use different parameters of a unit (a branch only some batches take): a unit is
+    reduce-scattered once its backward is over, a rank adding zeros for what it did not
+    use, so every trainable parameter gets the mean over all ranks; a unit whose forward
+    ran on some ranks only is refused at the start of backward, naming the ranks, if
+    prefetch gathered it everywhere (any unit but the first). A parameter written after
     wrapping (``nn.init.zeros_(model[0].weight)``) is refused at the next forward: its
     full tensor is freed between steps, so the write went nowhere. Every rank must list the
     same parameters in the same order (checked at wrap time, :func:`.state.check_layout`).
@@ -139,14 +132,16 @@ class FSDP:
 
     def __init__(self, model: nn.Module, units=None, *, use_torch: bool = False, prefetch: bool = True,
                  max_alive: int = 2, mixed: MixedPrecision | None = None, group=None, replicate_group=None,
-                 release: str = "record_stream", reshard_after_forward: bool = True):
+                 release: str = "record_stream", reshard_after_forward: bool = True,
+                 reduce_scatter_unused_params: bool = False):
         if max_alive < 1:
             raise ValueError(f"FSDP: max_alive must be at least 1, got {max_alive}")
         if release not in ("record_stream", "stream_order"):
             raise ValueError(f"FSDP: release must be 'record_stream' or 'stream_order', got {release!r}")
-        self.reshard_after_forward = reshard_after_forward
+        self.reduce_scatter_unused_params = reduce_scatter_unused_params
         self.rank, self.p = _rank_and_size(group)
-        self.reshard_to, self.mid_group, self.mid_rank = self._reshard_groups(reshard_after_forward, group)
+        self.reshard_after_forward, self.reshard_to, self.mid_group, self.mid_rank = \
+            reshard_groups(reshard_after_forward, self.p, self.rank, group)
         self.model, self.use_torch, self.group = model, use_torch, group
         self.replicate_group = replicate_group
         self.prefetch, self.max_alive = prefetch, max_alive
@@ -232,25 +227,6 @@ class FSDP:
         names, shapes, shards = zip(*self.named_shards())
         load_sharded(folder, names, shapes, shards, self.rank, self.p, optimizer)
 
-    def _reshard_groups(self, reshard, group):
-        """``reshard_after_forward`` as an int k (FSDP2's): after its forward a unit keeps a
-        k-way sharding within groups of k consecutive ranks, and its backward gathers within
-        the group -- Ψ/k held between the two, and the gather's ring k ranks long."""
-        if isinstance(reshard, bool):
-            return None, None, None
-        if not isinstance(reshard, int) or reshard < 1 or self.p % reshard:
-            raise ValueError(f"FSDP: reshard_after_forward must be True, False or an int dividing the "
-                             f"{self.p} ranks, got {reshard!r}")
-        if reshard in (1, self.p):
-            self.reshard_after_forward = reshard == self.p   # 1: kept whole; p: the whole group
-            return None, None, None
-        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.p))
-        mine = None
-        for b in range(self.p // reshard):           # every rank makes every group, in one order
-            g = dist.new_group(ranks[b * reshard:(b + 1) * reshard])
-            mine = g if self.rank // reshard == b else mine
-        return reshard, mine, self.rank % reshard
-
     def _check_writes(self, units=None) -> None:
         for u in units or self.units:
             for q, v in zip(u.params, u.versions):
@@ -326,6 +302,7 @@ class FSDP:
     def _make_pre_forward(self, u: _Unit):
         def hook(module, args):
             self._check_writes([u])
+            u.ran = u.ran or torch.is_grad_enabled()
             self._finish_gather(u)
             self._maybe_prefetch(u.index + 1)
             u.entry = dict(what="forward", unit=u.index, start=time.perf_counter(), end=None)
@@ -354,10 +331,16 @@ class FSDP:
 
     def _pre_backward(self, u: _Unit) -> None:
         if not self._backward_started:
+            if self.reduce_scatter_unused_params:
+                self._check_units_ran()
             self._backward_started = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         if not u.in_backward:
             u.in_backward = True
+            if self.reduce_scatter_unused_params:   # a unit whose backward is over: zeros for the unused
+                for w in self.units:
+                    if w.in_backward and w is not u and not w.reduced and w.trainable:
+                        self._reduce(w, w.trainable)
             self._finish_gather(u)
             self._maybe_prefetch(u.index - 1)
             u.entry = dict(what="backward", unit=u.index, start=time.perf_counter(), end=None)
@@ -370,7 +353,33 @@ class FSDP:
                 self._reduce(u, u.trainable)
         return hook
 
+    def _check_units_ran(self) -> None:
+        """Every rank ran the same units' forwards, or every rank raises now, before any of
+        the backward's collectives (one all-gather of a flag per unit, in the side's order)."""
+        every = self.side.submit(lambda: [across([u.ran for u in self.units], self.group, self.use_torch,
+                                                 self.device)]).result()[0]
+        for u in self.units:
+            ran = [r for r, row in enumerate(every) if row[u.index]]
+            if ran and len(ran) < self.p:
+                self._abandon()
+                raise RuntimeError(
+                    f"FSDP on rank {self.rank}: unit {u.index} ({self.names[id(u.params[0])]}, ...) ran its forward "
+                    f"on rank(s) {ran} and not on rank(s) {[r for r in range(self.p) if r not in ran]}: its "
+                    "all-gathers and reduce-scatter cannot match across ranks. A branch some ranks skip must sit "
+                    "inside a unit that runs on every rank (its parameters then get zeros from the ranks that "
+                    "skip it)")
+
+    def _abandon(self) -> None:
+        """Back to between steps, nothing reduced: in-flight gathers drained, every unit freed."""
+        for u in self.units:
+            if u.pending is not None:
+                u.pending.result()
+                u.pending = None
+            self._free(u)
+            u.ran, u.mid = False, None
+
     def _reduce(self, u: _Unit, members: list[int]) -> None:
+        u.reduced = True
         if u.entry is not None and u.entry["what"] == "backward":
             u.entry["end"] = time.perf_counter()
         reduce_dtype = self.mixed.reduce_dtype or self.mixed.param_dtype or torch.float32
@@ -381,7 +390,10 @@ class FSDP:
             self._reductions[-1][3].result()
         group = u.group if len(members) == len(u.params) else \
             ShardGroup([u.group.specs[j].shape for j in members], self.p)
-        packed = group.pack([u.params[j].grad for j in members], dtype=reduce_dtype)
+        grads = [u.params[j].grad for j in members]     # an unused one: zeros (reduce_scatter_unused_params)
+        packed = group.pack([g if g is not None else torch.zeros(spec.shape, dtype=reduce_dtype, device=self.device)
+                             for g, spec in zip(grads, group.specs)], dtype=reduce_dtype)
+        del grads
         for j in members:
             u.params[j].grad = None     # the full gradient goes once packed
 
@@ -404,10 +416,13 @@ class FSDP:
         self._reductions.append((u, members, group, self.side.submit(work, keep=tuple(box))))
 
     def _end_backward(self) -> None:
-        # a unit some of whose parameters no backward reached: the others' gradients go now,
-        # in unit order (the same on every rank that used the same parameters)
-        for u in self.units:
-            if 0 < u.ready < len(u.trainable):
+        if self.reduce_scatter_unused_params:     # the last unit whose backward ran, then those no
+            ordered = [u for u in self.units if u.in_backward] + [u for u in self.units if not u.in_backward]
+            for u in ordered:                      # backward reached (zeros, as fully_shard's)
+                if not u.reduced and u.trainable:
+                    self._reduce(u, u.trainable)
+        for u in self.units if not self.reduce_scatter_unused_params else ():
+            if 0 < u.ready < len(u.trainable):    # some parameters unused (on every rank): the others go
                 self._reduce(u, [j for j in u.trainable if u.params[j].grad is not None])
         for u, members, group, future in self._reductions:
             piece = future.result()[0].float()
@@ -418,7 +433,7 @@ class FSDP:
         self._reductions = []
         self._backward_started = False
         for u in self.units:
-            u.in_backward, u.ready, u.mid = False, 0, None
+            u.in_backward, u.ready, u.mid, u.reduced, u.ran = False, 0, None, False, False
             if u.pending is not None:           # a prefetch nobody used: drain it
                 u.pending.result()
                 u.pending = None

@@ -24,8 +24,14 @@ optimizer state shrinks p-fold for free.
 
 Several backwards before one step (gradient accumulation) add into the rows' gradients. A
 parameter no backward reached keeps no gradient, and its bucket is reduce-scattered at the
-end of backward without it -- as ``fully_shard`` leaves an unused parameter's gradient None
-(every rank must use the same parameters: the collectives must match).
+end of backward without it -- as ``fully_shard`` leaves an unused parameter's gradient None.
+A parameter used on some ranks and not on others needs ``find_unused_parameters=True``, as
+DDP does (:mod:`.usage`): ZeRO-1 learns in ``step`` what every rank used (one all-gather of
+a flag per parameter, always made: without the switch such a parameter is refused there,
+before anything changes); ZeRO-2 learns it after each forward from autograd's graph, as
+DDP, and launches its buckets in bucket order (one forward through ``model`` per backward,
+as DDP's switch needs). A rank adds zeros for a parameter it did not use; one no rank used
+keeps no gradient.
 
 A rank's rows of a parameter are contiguous in it, so the optimizer steps on views of the
 model's own parameters: no second copy of the weights (fp32 here; the mixed-precision
@@ -47,6 +53,7 @@ from collectives.core import live_bytes, ops
 
 from .shard import ShardGroup, all_gather, reduce_scatter
 from .state import check_layout, clip_grad_norm_
+from .usage import across, first_partial, reached
 
 DEFAULT_BUCKET_CAP_BYTES = 1 << 20
 
@@ -93,10 +100,12 @@ class ZeRO:
     ``use_torch`` swaps lesson 4's ring for ``dist.reduce_scatter_tensor`` /
     ``dist.all_gather_into_tensor``. ``max_in_flight`` (stage 2): buckets reduce-scattering
     at once while backward computes; :attr:`timeline` records when each ran.
+    ``find_unused_parameters`` (DDP's switch): ranks may use different parameters in a step.
     """
 
     def __init__(self, model: nn.Module, stage: int = 1, optimizer=None, *, use_torch: bool = False,
-                 bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, group=None, max_in_flight: int = 2):
+                 bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, group=None, max_in_flight: int = 2,
+                 find_unused_parameters: bool = False):
         if stage not in (1, 2):
             raise ValueError(f"ZeRO: stage must be 1 or 2 (stage 3 is collectives.sharded.FSDP), got {stage!r}")
         if bucket_cap_bytes <= 0:
@@ -107,6 +116,8 @@ class ZeRO:
         check_layout(model.named_parameters(), group, f"ZeRO-{stage}")
         self.model, self.stage, self.use_torch, self.group = model, stage, use_torch, group
         self.params = [q for q in model.parameters() if q.requires_grad]
+        self.names = [name for name, q in model.named_parameters() if q.requires_grad]
+        self.find_unused_parameters = find_unused_parameters
         if not self.params:
             raise ValueError("ZeRO: the model has no parameter that requires a gradient")
         dtypes = {q.dtype for q in self.params}
@@ -136,16 +147,21 @@ class ZeRO:
         self._backward_started = False
         self._hooks = []
         self._side = concurrent.futures.ThreadPoolExecutor(1, "zero2-comm") if stage == 2 else None
+        self._plan = None       # find_unused_parameters: (used anywhere, used here) of each, from the forward
+        self._next = 0          # ... and the next bucket to launch, in bucket order
         if stage == 2:
             for i, q in enumerate(self.params):
                 self._hooks.append(q.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i)))
+            if find_unused_parameters:
+                self._hooks.append(model.register_forward_hook(self._after_forward))
 
     # -- gradients -> this rank's rows of their mean -----------------------------------------
     def _pack(self, k: int, members: list[int]):
         """Bucket ``k``'s gradients of ``members`` packed for the reduce-scatter, the full ones freed."""
         g = self.groups[k] if len(members) == len(self.buckets[k]) else \
             ShardGroup([self.params[i].shape for i in members], self.p)
-        packed = g.pack([self.params[i].grad for i in members])
+        packed = g.pack([self.params[i].grad if self.params[i].grad is not None else
+                         torch.zeros_like(self.params[i]) for i in members])   # unused here: zeros
         for i in members:
             self.params[i].grad = None                  # the full gradients are packed: not needed any more
         return g, packed
@@ -190,18 +206,43 @@ class ZeRO:
         members, g, future = entry
         self._add_rows(members, g, future.result())
 
+    def _after_forward(self, module, args, output) -> None:
+        """Stage 2 with ``find_unused_parameters``: what this forward's graph reaches, here and on
+        every rank; a bucket is full once the parameters used here have their gradients."""
+        if not torch.is_grad_enabled():
+            return
+        here = reached(output, self.params)
+        anywhere = [any(col) for col in zip(*across(here, self.group, self.use_torch, self.params[0].device))]
+        self._plan = (anywhere, here)
+        self._pending = [sum(1 for i in b if here[i] and anywhere[i]) for b in self.buckets]
+        self._next = 0
+
+    def _launch_in_order(self) -> None:
+        anywhere = self._plan[0]
+        while self._next < len(self.buckets) and self._pending[self._next] <= 0:
+            members = [i for i in self.buckets[self._next] if anywhere[i]]
+            if members:
+                self._launch(self._next, members)
+            self._next += 1
+
     def _grad_ready(self, i: int, param) -> None:
         if not self._backward_started:
             self._backward_started = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         k = self._bucket_of[i]
         self._pending[k] -= 1
-        if self._pending[k] == 0:
+        if self._plan is not None:
+            self._launch_in_order()         # the same buckets in the same order on every rank
+        elif self._pending[k] == 0:
             self._launch(k, self.buckets[k])
 
     def _end_backward(self) -> None:
         """Buckets a backward did not fill (a parameter unused) go without the unused ones, in
         bucket order; then every reduce-scatter in flight lands."""
+        if self._plan is not None:
+            self._pending = [0] * len(self.buckets)
+            self._launch_in_order()
+            self._plan = None
         for k, bucket in enumerate(self.buckets):
             if 0 < self._pending[k]:
                 members = [i for i in bucket if self.params[i].grad is not None]
@@ -219,7 +260,14 @@ class ZeRO:
         ``clip_norm``: first scale the rows' gradients so the whole gradient's norm, over every
         rank's rows, is at most that; returns the norm before clipping (else None)."""
         if self.stage == 1:
-            members = [i for i in self.buckets[0] if self.params[i].grad is not None]
+            every = across([q.grad is not None for q in self.params], self.group, self.use_torch,
+                           self.params[0].device)
+            partial = first_partial(self.names, every)
+            if partial and not self.find_unused_parameters:
+                raise RuntimeError(f"ZeRO-1 on rank {self.rank}: parameter {partial} in this step; the ranks' "
+                                   "reduce-scatters would not match. Pass find_unused_parameters=True (DDP's "
+                                   "switch): a rank then adds zeros for what it did not use")
+            members = [i for i in self.buckets[0] if any(row[i] for row in every)]
             if members:
                 self._reduce_now(members)
         norm = None
