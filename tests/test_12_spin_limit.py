@@ -3,15 +3,10 @@
 Without Triton: the host's side of :mod:`collectives.symmetric.triton_errors` -- a record in
 the error buffer makes the next call raise, naming the rank, the barrier and the peer, before
 anything is launched; every later call on those signal pads is refused; the deadline wait
-reads the buffer while it waits. Where Triton is installed (the GPU lane): the serial barrier
-in Triton's interpreter on the CPU, a world of 2 whose peer never signals, its signal pads
-plain tensors; and on one GPU, both barriers of the compiled kernels against a peer's word
-that nobody writes.
+reads the buffer while it waits. On one GPU: both barriers of the compiled kernels against a
+peer's word that nobody writes.
 """
 
-import json
-import os
-import subprocess
 import sys
 import time
 import types
@@ -118,111 +113,7 @@ def test_the_record_says_which_handshake_failed_and_the_deadline_wait_reads_it(m
     triton_errors.wait(ErrorBuffer(64, rank=0), timeout=60)   # finished, no record: returns
 
 
-# ---- with Triton: the interpreter on the CPU, and one GPU --------------------------------------
-
-_INTERPRETED = r"""
-import json, types
-import torch
-import triton
-import triton.language as tl
-from collectives.symmetric import triton_allreduce as ta, triton_errors
-from collectives.symmetric.triton_barrier import blockwise_barrier
-
-ta._device = lambda: 0                      # no CUDA in this process: device 0 names the error buffer
-
-
-@triton.jit
-def met_twice(signal_pad_ptrs, errors, spin_limit, src, out, RANK: tl.constexpr, WORLD: tl.constexpr,
-              BLOCK: tl.constexpr):
-    # the one-shot's frame without its strided loop: meet, copy this program's block, meet again
-    program = tl.program_id(0)
-    gave_up = blockwise_barrier(signal_pad_ptrs, program, errors, spin_limit, RANK, WORLD, False, False, 10)
-    if gave_up != 0:
-        return
-    offsets = program * BLOCK + tl.arange(0, BLOCK)
-    tl.store(out + offsets, tl.load(src + offsets))
-    blockwise_barrier(signal_pad_ptrs, program, errors, spin_limit, RANK, WORLD, False, False, 11)
-
-
-def said(errors):
-    told = []
-    for _ in range(2):
-        try:
-            errors.check()
-            told.append(None)
-        except triton_errors.SpinTimeout as exc:
-            told.append(str(exc))
-    return told
-
-
-def world(p, rank_words=(), peer_words=()):
-    # Rank 0 of a world of p, with two programs; its peers never run. Signal pads are CPU tensors;
-    # ``rank_words``/``peer_words``: words of rank 0's / peer 1's pad already set to 1.
-    pads = [torch.zeros(2048, dtype=torch.int32) for _ in range(p)]
-    for w in rank_words:
-        pads[0][w] = 1
-    for w in peer_words:
-        pads[1][w] = 1
-    addresses = torch.tensor([t.data_ptr() for t in pads], dtype=torch.int64)
-    src, out = torch.arange(16, dtype=torch.float32), torch.full((16,), -1.0)
-    errors = triton_errors.ErrorBuffer(2048, 0)
-    met_twice[(2,)](addresses.data_ptr(), errors.address, 50, src, out, RANK=0, WORLD=p, BLOCK=8)
-    return dict(out=out.tolist(), records=errors.found(), said=said(errors), pads=[t[:8].tolist() for t in pads])
-
-
-results = {"alone": world(1), "never": world(2), "behind": world(2, peer_words=[4, 6]),
-           "first only": world(2, rank_words=[5, 7])}
-# the lesson's one-shot itself, through its host path, on a world of 2 whose peer never comes
-keep = [torch.arange(16, dtype=torch.float32) * (q + 1) for q in range(2)], [torch.zeros(2048, dtype=torch.int32)
-                                                                           for q in range(2)]
-ptrs = [torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64) for ts in keep]
-handle = types.SimpleNamespace(buffer_ptrs_dev=ptrs[0].data_ptr(), signal_pad_ptrs_dev=ptrs[1].data_ptr(),
-                               rank=0, world_size=2)
-out = torch.full((16,), -1.0)
-ta.one_shot(handle, 16, torch.float32, out, block=8, programs=1, barrier="serial", spin_limit=50)
-results["one-shot"] = dict(out=out.tolist(), records=ta.errors_of(handle).found(), said=said(ta.errors_of(handle)))
-try:
-    ta.one_shot(handle, 16, torch.float32, out, block=8, programs=1, barrier="serial", spin_limit=50)
-except triton_errors.SpinTimeout as exc:
-    results["one-shot"]["again"] = str(exc)
-print("RESULT " + json.dumps(results))
-"""
-
-
-def _record(program, phase, barrier=10):
-    return dict(valid=1, rank=0, barrier=barrier, peer=1, phase=phase, expected=phase, seen=1 - phase,
-                program=program)
-
-
-@pytest.mark.gpu(1)     # Triton is installed where the GPUs are; the interpreter itself runs on the CPU
-def test_in_the_interpreter_the_serial_barrier_gives_up_on_a_peer_that_never_signals(tmp_path):
-    script = tmp_path / "interpreted.py"                 # a file: Triton reads a kernel's source
-    script.write_text(_INTERPRETED)
-    path = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=path)
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.split("RESULT ", 1)[1])
-    block = list(map(float, range(16)))
-    alone, never, behind, first = (results[k] for k in ("alone", "never", "behind", "first only"))
-    assert alone["out"] == block and alone["records"] == [] and alone["said"] == [None, None]   # nobody to wait for
-    # the peer never arrives: rank 0 arrived (words (b + 2)·2 + 0 of the peer's pad), gave up consuming,
-    # and returned before the copy
-    assert never["records"] == [_record(0, 1), _record(1, 1)] and never["out"] == [-1.0] * 16
-    assert never["pads"][1][4] == never["pads"][1][6] == 1
-    assert never["said"][0].startswith("rank 0 gave up at the one-shot's first barrier (every input in place), "
-                                       "program 0: peer 1 never arrived")
-    assert "refuses this call" in never["said"][1]
-    # the peer never consumed rank 0's last arrival: rank 0 cannot arrive
-    assert behind["records"] == [_record(0, 0), _record(1, 0)] and behind["out"] == [-1.0] * 16
-    assert "it could not arrive at peer 1" in behind["said"][0]
-    # the peer came to the first barrier only: the copy is done, the second barrier cannot arrive
-    assert first["out"] == block and first["records"] == [_record(0, 0, 11), _record(1, 0, 11)]
-    assert "the one-shot's last barrier" in first["said"][0]
-    one = results["one-shot"]
-    assert one["records"] == [_record(0, 1)] and one["out"] == [-1.0] * 16
-    assert "peer 1 never arrived" in one["said"][0] and "refuses this call" in one["again"]
-
+# ---- on one GPU ----------------------------------------------------------------------------------
 
 def _local_world(world: int, preset: tuple = ()) -> tuple:
     """On one GPU: ``world`` signal pads and buffers, all local; rank 0's kernel runs, the

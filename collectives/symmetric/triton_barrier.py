@@ -67,8 +67,7 @@ peer, the word it expected and the word it saw) into the error buffer of
 :mod:`.triton_errors` -- pinned host memory the host reads without synchronising -- and
 the barrier returns 1, on which the kernel returns at once. While every peer comes, the
 bound costs a count and a compare per try, nothing else. The serial handshake is written
-with Triton's atomics, so Triton's interpreter (``TRITON_INTERPRET=1``, on the CPU) runs it;
-the parallel one is PTX: there the failing thread writes its record, and the block agrees
+with Triton's atomics; the parallel one is PTX: there the failing thread writes its record, and the block agrees
 on the outcome with ``bar.red.or`` (a block barrier that also ORs one bit of every thread).
 
 After the structure of symm-mem-recipes' blockwise barrier (one word per block and peer in

@@ -100,6 +100,10 @@ def suite_local(args, argv) -> dict:
     else:
         result = launch.run(_time_in_rank, args.ranks, args=(sizes, args.iters, names), timeout=600)[0]
     p = result["world_size"]
+    if p < 2:       # one rank (a smoke run on one GPU): nothing crosses a link, so no model to fit
+        result.update(sizes=sorted({r["nbytes"] for r in result["rows"]}), alpha=None, beta=None,
+                      predicted_crossover=None, measured_crossover=None)
+        return result
     link = fit_link(result["rows"], p)
     for row in result["rows"]:
         if row["name"] in cost.MODELS:
