@@ -173,8 +173,10 @@ CHEAT_TARGETS = {
     "planted_module": (4, (1, 2), None),
     "lesson01_slowed_clock_and_foreign_answers": (1, (3, 4), None),
     "patched_judge_at_import": (4, (1,), None),
+    "signed_forgeries_and_a_gloo_of_its_own": (4, (1, 2), None),
 }
-QUICK = {"side_channel_and_decoys", "forged_records_and_moved_cases", "functional_collectives_and_tap_originals",
+QUICK = {"side_channel_and_decoys", "forged_records_and_moved_cases", "signed_forgeries_and_a_gloo_of_its_own",
+         "functional_collectives_and_tap_originals",
          "planted_module", "lesson01_slowed_clock_and_foreign_answers", "patched_judge_at_import"}
 
 

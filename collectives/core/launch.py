@@ -82,6 +82,7 @@ import torch
 from . import channels, flight_dumps, rankio
 from . import cluster as _cluster
 from . import flight_recorder as _recorder
+from . import relay as _relay
 from .worker import _worker
 
 __all__ = ["run", "run_world", "World", "RankError", "WorldTimeout", "auto_backend"]
@@ -139,12 +140,15 @@ class World:
     """What :func:`run_world` returns: each rank's result, secret and stream, rank 0 first."""
 
     def __init__(self, results: list[Any], secrets: list[int] | None, streams: list[list[Any]] | None,
-                 complete: list[bool] | None, keys: list[bytes] | None = None):
+                 complete: list[bool] | None, keys: list[bytes] | None = None,
+                 relayed: list[list[tuple]] | None = None, relay_problems: list[str] | None = None):
         self.results = results
         self.secrets = secrets      # the number each rank read with channels.secret()
         self.streams = streams      # what each rank's stream carried, in order (channels.opened reads it)
         self.complete = complete    # whether every object a rank counted as sent arrived
         self.keys = keys            # the key each rank's stream was signed with
+        self.relayed = relayed      # per rank, every message it sent through the relay (relay.Hub.log)
+        self.relay_problems = relay_problems or []
 
 
 def run(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwargs: dict | None = None,
@@ -163,7 +167,8 @@ def run_world(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwa
               check: bool | None = None, machines: int | None = None, link: str = "1gbit",
               burst: str = "256kb", rails: bool = False,
               cluster: "_cluster.Cluster | None" = None, secrets: bool = False,
-              stream: bool = False, flight_recorder: str | os.PathLike | None = None) -> World:
+              stream: bool = False, flight_recorder: str | os.PathLike | None = None,
+              relay: Callable[[torch.Tensor], Any] | None = None) -> World:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return a :class:`World`.
 
     Args:
@@ -192,6 +197,10 @@ def run_world(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwa
         stream: let each rank send objects as it goes (:func:`collectives.core.channels.recorder`);
             ``World.streams`` holds them, in order, signed (:func:`collectives.core.channels.opened`
             reads them with ``World.keys``).
+        relay: carry the ranks' messages through this process (:mod:`collectives.core.relay`)
+            and write each down with ``relay(tensor)`` of what it carried; ``World.relayed``
+            holds them. Only a process group that sends through the relay uses it (the
+            grader's fenced group).
         flight_recorder: a directory: every rank records its calls there and dumps them
             (``rank<r>.json``) as the world ends, however it ends, with ``world.json``
             (default ``COLLECTIVES_FLIGHT_RECORDER``; see :mod:`collectives.core.flight_recorder`).
@@ -217,7 +226,7 @@ def run_world(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwa
                              start_method=start_method, local_world_size=local_world_size,
                              threads=threads, env=env, init_timeout=init_timeout, check=check,
                              cluster=made, secrets=secrets, stream=stream,
-                             flight_recorder=flight_recorder)
+                             flight_recorder=flight_recorder, relay=relay)
     placements = [None] * world_size
     if cluster is not None:
         if world_size % cluster.n_machines:
@@ -248,19 +257,21 @@ def run_world(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwa
     stderr_dir = tempfile.mkdtemp(prefix="collectives-world-")
     stderr_paths = [os.path.join(stderr_dir, f"rank{rank}.stderr") for rank in range(world_size)]
     procs, conns, secret_ends, streams = [], {}, [], {}
+    hub = _relay.Hub(ctx, world_size, relay) if relay is not None else None
     try:
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe(duplex=False)
             secret_in, secret_out = ctx.Pipe(duplex=False) if secrets else (None, None)
             stream_in, stream_out = ctx.Pipe(duplex=False) if stream else (None, None)
+            relay_end = hub.end_for(rank) if hub else None
             p = ctx.Process(target=_worker, name=f"rank{rank}", daemon=True,
                             args=(rank, world_size, local_world_size or world_size, fn, args,
                                   kwargs, backend, port_box, child_end, board, pg_timeout,
                                   min(init_timeout, timeout), threads, env, placements[rank],
                                   stderr_paths[rank], os.path.join(stderr_dir, "store"),
-                                  secret_in, stream_out))
+                                  secret_in, stream_out, relay_end))
             p.start()
-            for end in (child_end, secret_in, stream_out):
+            for end in (child_end, secret_in, stream_out, relay_end and relay_end[0]):
                 if end is not None:
                     end.close()
             procs.append(p)
@@ -268,6 +279,8 @@ def run_world(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwa
             secret_ends.append(secret_out)
             if stream_in is not None:
                 streams[stream_in] = rank
+        if hub is not None:
+            hub.start()
         drawn = None
         if secrets:
             # Drawn only now, after every rank was forked: no rank's memory ever held another's.
@@ -286,6 +299,8 @@ def run_world(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwa
         if recorder_dir:
             flight_dumps.dump_world(recorder_dir, procs, lambda r: board.read(r)[0], None, run_id)
         _end(procs)
+        if hub is not None:
+            hub.close()
         for path in stderr_paths:    # a world that worked: its ranks' stderr, where it belongs
             text = rankio.read_tail(path)
             if text:
@@ -293,9 +308,12 @@ def run_world(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwa
         return World(results, [channels.secret_of(v) for v in drawn] if drawn else None,
                      received if stream else None,
                      [len(got) == n for got, n in zip(received, counts)] if stream else None,
-                     [channels.key_of(v) for v in drawn] if drawn else None)
+                     [channels.key_of(v) for v in drawn] if drawn else None,
+                     hub.log if hub else None, hub.problems if hub else None)
     finally:
         _end(procs)
+        if hub is not None:
+            hub.close(wait=0.5)
         for c in list(conns) + list(streams) + [e for e in secret_ends if e is not None]:
             c.close()
         shutil.rmtree(stderr_dir, ignore_errors=True)

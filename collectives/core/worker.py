@@ -28,19 +28,20 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from . import channels, rankio, trace
+from . import channels, rankio, relay, trace
 from . import cluster as _cluster
 from . import flight_recorder as _recorder
 
 
 def _worker(rank, world_size, local_world_size, fn, args, kwargs, backend, port_box, conn,
             board, pg_timeout, init_timeout, threads, env, machine, stderr_path, store_path,
-            secret_conn=None, stream_conn=None):
+            secret_conn=None, stream_conn=None, relay_conn=None):
     rankio.die_with_parent(env.get(rankio.LAUNCHER_ENV))
     status = board.slot(rank)
     try:
         rankio.capture_stderr(stderr_path)
         channels._install(secret_conn, stream_conn)
+        relay._install(relay_conn)
         store_addr = "127.0.0.1"
         if machine is not None:
             # A rank of a simulated cluster: move into its machine's network namespace

@@ -13,9 +13,17 @@ process group round a gloo backend of its own. Every route to a collective ends 
   finds no backend under the group and fails;
 * ``ProcessGroup``'s own methods, taken from anywhere, call these methods back too.
 
+Sends and receives do not go through gloo: they travel through the grading process itself
+(:mod:`collectives.core.relay`), which writes down every message from the bytes that crossed,
+where no rank can reach. The rank's own record of its sends is held against that list
+(:func:`relay_problems`): a send recorded but never carried -- a record forged, even with the
+probe's signed sender found on the stack -- or a message carried but not recorded fails the
+task. Data moved any other way (files, a gloo backend of the rank's own built from the store)
+carries no message the judge counts.
+
 Each call is recorded (a :class:`~collectives.course.grading.tasks.tap.Call`, stamped with a
 clock taken when this module was imported, before any student's code) on the rank's signed
-stream, then either handed to the gloo backend or refused: the task's :data:`ROUTES` say
+stream, then either handed to the relay or the gloo backend, or refused: the task's :data:`ROUTES` say
 which calls its world offers (``P2P``: sends and receives, what ``batch_isend_irecv`` and
 the course's helpers are built from). Whatever the rank does to the routes in its own
 memory, the judge holds every recorded call against the task's routes
@@ -25,11 +33,16 @@ refused or not.
 
 from __future__ import annotations
 
+import itertools
+import math
+import threading
 import time
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+from ....core import relay
 
 BACKEND = "graded"
 P2P = frozenset({"send", "recv", "recv_anysource"})
@@ -70,6 +83,8 @@ class FencedGroup(dist.ProcessGroup):
         super().__init__(rank, size)
         self._gloo = _Gloo(store, rank, size, timeout)
         self._made = 0                    # operations this group handed to its gloo backend
+        self._seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
+        self._channel: tuple | None = None
         _GROUPS.append(self)
 
     def getBackendName(self) -> str:
@@ -89,6 +104,8 @@ class FencedGroup(dist.ProcessGroup):
         from .tap import record_call
         sink = _state["sink"]
         self.audit()
+        if name in ("send", "recv", "recv_anysource") and relay.available():
+            return self._relayed(name, args, kwargs, sink)
         if sink is not None:
             sink(record_call(_kind(name), self, args, _clock(), name in ("send", "recv")))
         routes = _state["routes"]
@@ -100,6 +117,41 @@ class FencedGroup(dist.ProcessGroup):
             raise RuntimeError(f"{name} is not offered in a graded world")
         self._made += 1
         return original(self._gloo, *args, **kwargs)
+
+    def _relayed(self, name: str, args: tuple, kwargs: dict, sink):
+        """A send or receive through the launcher (:mod:`collectives.core.relay`), which writes
+        down every message itself: the judge holds the rank's record of its sends against it."""
+        from .tap import record_call
+        given = dict(zip(("tensors", "tag") if name == "recv_anysource" else ("tensors", "peer", "tag"), args))
+        tensors, peer, tag = given.get("tensors"), given.get("peer"), given.get("tag", kwargs.get("tag", 0))
+        if not isinstance(tensors, (list, tuple)) or len(tensors) != 1 or not isinstance(tensors[0], torch.Tensor):
+            raise ValueError(f"{name} takes a list of one tensor")
+        tensor = tensors[0]
+        if tensor.layout != torch.strided or not tensor.is_contiguous() or tensor.device.type != "cpu":
+            raise ValueError(f"{name}: the tensor must be a dense, contiguous CPU tensor")
+        ranks = self._ranks()
+        if name != "recv_anysource" and not (type(peer) is int and 0 <= peer < len(ranks)):
+            raise ValueError(f"{name}: no rank {peer!r} in a group of {len(ranks)}")
+        if name == "send":
+            with _SENDING:          # recorded and carried in one order, whatever threads send
+                if sink is not None:
+                    sink(record_call("send", self, args, _clock(), True))
+                return relay.send(tensor, ranks[peer], int(tag), self._channel, self._seconds)
+        if sink is not None:
+            sink(record_call("recv", self, args, _clock(), name == "recv"))
+        return relay.recv(tensor, None if name == "recv_anysource" else ranks[peer], int(tag), self._channel,
+                          self._seconds, ranks.index)
+
+    def _ranks(self) -> list[int]:
+        """The group's global ranks; its channel on the relay: those ranks and how many groups
+        of the same ranks this rank made before it (every member makes them in one order)."""
+        if self._channel is None:
+            made: dict[tuple, int] = {}
+            for group in _GROUPS[:_GROUPS.index(self) + 1]:       # in the order this rank made them
+                ranks = tuple(dist.get_process_group_ranks(group))
+                group._channel = (ranks, made.get(ranks, 0))
+                made[ranks] = made.get(ranks, 0) + 1
+        return list(self._channel[0])
 
     def audit(self) -> None:
         """Record the operations the gloo backend ran that this group did not hand it (gloo
@@ -113,12 +165,43 @@ class FencedGroup(dist.ProcessGroup):
 
 
 _GROUPS: list[FencedGroup] = []
+_SENDING = threading.Lock()
 
 
 def audit() -> None:
     """:meth:`FencedGroup.audit` on every group of this rank (at the end of each case)."""
     for group in _GROUPS:
         group.audit()
+
+
+def relay_problems(stream: list[Any], carried: list[tuple], rank: int) -> list[str]:
+    """A rank's record of its sends held against the messages the launching process carried
+    for it (``launch.World.relayed``: destination, dtype, numel, fingerprint, in order): a
+    send recorded but never carried was forged on the record; a message carried but never
+    recorded went round the process group."""
+    from .tap import Call
+    sent = [c for c in stream if isinstance(c, Call) and c.kind == "send"]
+    for i, (c, m) in enumerate(itertools.zip_longest(sent, carried)):
+        if c is None:
+            return [f"rank {rank}: message {i + 1} it sent (to rank {m[0]}, {m[2]} × {m[1]}) is missing from "
+                    "its record: it went round the process group"]
+        if m is None:
+            return [f"rank {rank}: send {i + 1} of its record (to rank {c.peer}) never crossed: "
+                    "the record is not evidence"]
+        if (c.peer, c.dtype, c.numel) != tuple(m[:3]) or not _same_print(c.fingerprint, *m[3]):
+            return [f"rank {rank}: send {i + 1} of its record (to rank {c.peer}, {c.numel} × {c.dtype}) is not "
+                    f"what crossed (to rank {m[0]}, {m[2]} × {m[1]}, other contents): the record is not evidence"]
+    return []
+
+
+def _same_print(recorded, crossed: float, scale: float) -> bool:
+    """The fingerprint a rank recorded against the one the relay computed (the same function,
+    summed in another process: equal to rounding at the message's own scale)."""
+    if type(recorded) not in (float, int):
+        return False
+    if recorded == crossed or (recorded != recorded and crossed != crossed):
+        return True
+    return math.isfinite(recorded) and math.isfinite(crossed) and abs(recorded - crossed) <= 1e-9 * max(1.0, scale)
 
 
 _SAME_AS = {"all_to_all_single": "alltoall_base", "all_gather_single": "_allgather_base",

@@ -162,27 +162,28 @@ def _judge_stamps(run, size: int, verdict: Verdict) -> None:
             verdict.add(f"flag_barrier, world of {size}, rank {rank}: ws.epoch is {got['epoch']} after "
                         f"{BARRIERS} barriers; count them in ws.epoch")
             return
+    early, late, other = [], [], []     # a rank let through too early says most: it comes first
     for k in range(BARRIERS):
         where = f"flag_barrier, world of {size}, barrier {k}"
         last_in = max(r["stamps"][k][0] for r in run.results)
         for rank, got in enumerate(run.results):
             left, seen = got["stamps"][k][1], got["flags"][k]
             if left < last_in:
-                verdict.add(f"{where}: rank {rank} left {1e3 * (last_in - left):.1f} ms before the last rank "
-                            f"entered, having seen the epochs {_epochs(seen)}: a barrier lets nobody through "
-                            "until every flag has reached this barrier's epoch -- keep looking until then")
+                early.append(f"{where}: rank {rank} left {1e3 * (last_in - left):.1f} ms before the last rank "
+                             f"entered, having seen the epochs {_epochs(seen)}: a barrier lets nobody through "
+                             "until every flag has reached this barrier's epoch -- keep looking until then")
             elif left - last_in > LATE:
-                verdict.add(f"{where}: rank {rank} left {left - last_in:.2f} s after the last rank entered: "
+                late.append(f"{where}: rank {rank} left {left - last_in:.2f} s after the last rank entered: "
                             "it should leave as soon as every flag is up")
             if seen is None or (min(seen) < k + 1 and size > 1):
-                verdict.add(f"{where}: rank {rank} saw flags {seen} after it; they must hold the epoch "
-                            f"({k + 1}): a flag reset on the way out can hide an arrival from a slow peer")
+                other.append(f"{where}: rank {rank} saw flags {seen} after it; they must hold the epoch "
+                             f"({k + 1}): a flag reset on the way out can hide an arrival from a slow peer")
             calls = [c for c in run.of(rank, f"barrier {k}") if not c.kind.startswith(("store.", "backend."))]
             if calls:
-                verdict.add(f"{where}: rank {rank} called {sorted({c.kind for c in calls})} of "
-                            "torch.distributed: the barrier is made of flags in shared memory alone")
-        if len(verdict.problems) > 10:
-            return
+                other.append(f"{where}: rank {rank} called {sorted({c.kind for c in calls})} of "
+                             "torch.distributed: the barrier is made of flags in shared memory alone")
+    for problem in (early + late + other)[:11]:
+        verdict.add(problem)
 
 
 def _lonely(grading: Grading) -> str | None:

@@ -69,6 +69,14 @@ def fingerprint(values: torch.Tensor) -> float:
     return float((torch.nan_to_num(v) * torch.arange(1, v.numel() + 1, dtype=torch.float64).sin_()).sum())
 
 
+def digest(values: torch.Tensor) -> tuple[float, float]:
+    """What the relay writes down of a message (``launch.run_world(relay=digest)``): its
+    :func:`fingerprint`, and the sum of its finite magnitudes, the scale the fingerprint is
+    compared at."""
+    v = values.detach().reshape(-1).to("cpu", torch.float64)
+    return fingerprint(v), float(v.nan_to_num(0.0, 0.0, 0.0).abs().sum())
+
+
 def _tensors(arg) -> list[torch.Tensor]:
     items = arg if isinstance(arg, (list, tuple)) else [arg]
     out = []

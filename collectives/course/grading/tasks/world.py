@@ -303,16 +303,21 @@ class Grading:
         # on CPU the world's groups are the fence (GPU worlds keep NCCL, seen by the tap)
         backend = fence.BACKEND if self.backend == "gloo" else self.backend
         before = tree_state()
-        try:
+        try:     # the fence's messages go through this process, which writes each down (relay_problems)
             world = launch.run_world(probe_rank, world_size, args=(probe_target, self.spec, args, self.routes),
                                      timeout=timeout or self.timeout, check=self.check, secrets=True,
-                                     stream=True, machines=machines, backend=backend)
+                                     stream=True, machines=machines, backend=backend,
+                                     relay=_tap.digest if backend == fence.BACKEND else None)
         finally:
             wrote = tree_changes(before, tree_state())
         tampered = [f"a rank changed the course's own code ({', '.join(wrote[:3])}"
                     f"{', ...' if len(wrote) > 3 else ''}): a graded rank writes nothing there"] if wrote else []
-        split = [_split(channels.opened(raw, key), tampered, rank)
-                 for rank, (raw, key) in enumerate(zip(world.streams, world.keys))]
+        opened = [channels.opened(raw, key) for raw, key in zip(world.streams, world.keys)]
+        tampered += world.relay_problems[:3]
+        for rank, stream in enumerate(opened):
+            if world.relayed is not None:
+                tampered += fence.relay_problems(stream, world.relayed[rank], rank)
+        split = [_split(stream, tampered, rank) for rank, stream in enumerate(opened)]
         run = Run(world_size, world.secrets, world.results, [c for c, _, _ in split], [lo for _, lo, _ in split],
                   world.complete, check_traffic=self.check, notes=[n for _, _, n in split], routes=self.routes,
                   tampered=tampered)
