@@ -219,7 +219,8 @@ def test_a_gpu_target_reads_only_a_record_made_under_the_rule(tmp_path, monkeypa
     variants = {"old": base, "top": dict(base, launch="eager", inputs="copied"),
                 "meta": dict(base, meta=dict(base["meta"], launch="graph", inputs="resident")),
                 "rule": dict(base, rule={"launch": "eager", "inputs": {"nccl": "copied"}}),
-                "half": dict(base, launch="eager"), "cpu": dict(base, meta={"backend": "gloo"})}
+                "half": dict(base, launch="eager"), "cpu": dict(base, meta={"backend": "gloo"}),
+                "named": {"speedup": 1.38, "meta": {"device": "4x NVIDIA H100 80GB HBM3"}}}
     for name, record in variants.items():
         (data / f"{name}.json").write_text(json.dumps(record))
 
@@ -228,6 +229,7 @@ def test_a_gpu_target_reads_only_a_record_made_under_the_rule(tmp_path, monkeypa
 
     assert cells("old") == "≥ 1.50× | not measured under the rule | its record (`old`) predates the rule"
     assert cells("half").startswith("≥ 1.50× | not measured under the rule")
+    assert cells("named").startswith("≥ 1.50× | not measured under the rule")     # no backend, a GPU named
     assert cells("old", "speedup") == "not measured under the rule"
     for name in ("top", "meta", "rule", "cpu"):
         assert cells(name) == "≥ 1.50× | 1.38× | **missed**", name
@@ -251,4 +253,8 @@ def test_no_page_places_a_gpu_record_made_before_the_rule():
     unfair = sorted(n for n in names if (r := claim_pages.load(n)) is not None and not targets.under_rule(r))
     assert not unfair, f"pages place GPU records made before the rule: {unfair}"
     assert not any("{{ records: gpu }}" in text for text in texts)
+    hand = json.loads((ROOT / "docs" / "data" / "hand-claims.json").read_text(encoding="utf-8"))
+    read = {c["record"] for c in hand["claims"]}
+    unfair = sorted(r for r in read if not targets.under_rule(json.loads((ROOT / r).read_text(encoding="utf-8"))))
+    assert not unfair, f"hand-written numbers read GPU records made before the rule: {unfair}"
     assert not targets.under_rule(claim_pages.load("12-bench-gpu"))     # the check can fail

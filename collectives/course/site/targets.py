@@ -19,10 +19,11 @@ value and the status.
   holds it; without them the cells are the measured value alone.
 
 A missing record is "not measured"; a field the record lacks fails the build (the page and the
-record disagree about what was measured). A GPU record (backend ``nccl``) that does not name the
-rule for fair GPU comparisons' ``launch`` and ``inputs`` (``docs/benchmarks.md``;
-:func:`collectives.course.benchmarks.gpu_timing.fields`) was measured before the rule: its row
-is "not measured under the rule", with no value and no status read from it.
+record disagree about what was measured). A GPU record (backend ``nccl``, or a device naming a
+GPU) that does not name the rule for fair GPU comparisons' ``launch`` and ``inputs``
+(``docs/benchmarks.md``; :func:`collectives.course.benchmarks.gpu_timing.fields`) was measured
+before the rule: its row is "not measured under the rule", with no value and no status read
+from it.
 """
 
 from __future__ import annotations
@@ -75,12 +76,16 @@ def measure(record: dict, expr: str) -> list[float]:
     return [a / b for a, b in zip(*cols)]
 
 
+_GPU = re.compile(r"NVIDIA|\bGPUs?\b|\bcuda\b|\b[AHB]\d00\b")
+
+
 def under_rule(record: dict) -> bool:
     """Whether ``record`` may be read for a target: any record not made on GPUs (its backend is
-    not ``nccl``), or a GPU record that names the rule's ``launch`` and ``inputs``, at its top,
-    in its ``meta`` or in its ``rule``."""
+    not ``nccl`` and its device names no GPU), or a GPU record that names the rule's ``launch``
+    and ``inputs``, at its top, in its ``meta`` or in its ``rule``."""
     meta = record.get("meta") if isinstance(record.get("meta"), dict) else {}
-    if (meta.get("backend") or record.get("backend")) != "nccl":
+    device = str(meta.get("device") or record.get("device") or "")
+    if (meta.get("backend") or record.get("backend")) != "nccl" and not _GPU.search(device):
         return True
     rule = record.get("rule") if isinstance(record.get("rule"), dict) else {}
     return any(place.get("launch") and place.get("inputs") for place in (record, meta, rule))
