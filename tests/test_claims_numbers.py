@@ -4,6 +4,7 @@ The scan reads pages, snippets and labs as text (no world, no build): it takes w
 second. The planted pages below show what it fails on."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -204,3 +205,58 @@ def test_targets_stay_off_lesson_pages_and_every_one_on_the_benchmarks_page_read
     assert "{{ target:" not in expanded and expanded.count("**met**") + expanded.count("**missed**") >= 5
     lesson = "## Measured\n\nIt ran.\n\n| x | {{ target: 13-tp-cpu times.sequential[*] >= 1 }} |\n"
     assert any("targets live on the benchmarks page" in p for p in measured.problems(lesson, tmp_path))
+
+
+def test_a_gpu_target_reads_only_a_record_made_under_the_rule(tmp_path, monkeypatch):
+    """A GPU record (backend nccl) without the rule's ``launch`` and ``inputs`` gives its row
+    no value and no status; the same record naming them, at its top, in its meta or in its
+    ``rule``, is read; a CPU record needs neither."""
+    from collectives.course.site import claim_pages, targets
+
+    data = tmp_path / "data"
+    data.mkdir()
+    monkeypatch.setattr(claim_pages, "IMG", tmp_path / "img")
+    monkeypatch.setattr(claim_pages, "DATA", data)
+    base = {"bench": "g", "speedup": 1.38, "meta": {"backend": "nccl", "device": "2x NVIDIA H200"}}
+    variants = {"old": base, "top": dict(base, launch="eager", inputs="copied"),
+                "meta": dict(base, meta=dict(base["meta"], launch="graph", inputs="resident")),
+                "rule": dict(base, rule={"launch": "eager", "inputs": {"nccl": "copied"}}),
+                "half": dict(base, launch="eager"), "cpu": dict(base, meta={"backend": "gloo"}),
+                "named": {"speedup": 1.38, "meta": {"device": "4x NVIDIA H100 80GB HBM3"}}}
+    for name, record in variants.items():
+        (data / f"{name}.json").write_text(json.dumps(record))
+
+    def cells(name: str, rest: str = "speedup >= 1.5") -> str:
+        return targets.cells(name, rest, claim_pages.load)
+
+    assert cells("old") == "≥ 1.50× | not measured under the rule | its record (`old`) predates the rule"
+    assert cells("half").startswith("≥ 1.50× | not measured under the rule")
+    assert cells("named").startswith("≥ 1.50× | not measured under the rule")     # no backend, a GPU named
+    assert cells("old", "speedup") == "not measured under the rule"
+    for name in ("top", "meta", "rule", "cpu"):
+        assert cells(name) == "≥ 1.50× | 1.38× | **missed**", name
+    assert cells("top", "speedup") == "1.38×"
+
+
+def test_no_page_places_a_gpu_record_made_before_the_rule():
+    """Every record a page of the site or a lab places ({{ figure }}, {{ table }}, {{ claim }},
+    {{ value }}, {{ ratio }}, {{ target }}) is either not from GPUs or names the rule's launch
+    and inputs; no page places the GPU records folder wholesale."""
+    from collectives.course.site import claim_pages, claims, targets
+
+    texts = [p.read_text(encoding="utf-8") for p in (ROOT / "docs").rglob("*.md")]
+    texts += ["".join(c["source"]) for p in (ROOT / "notebooks").glob("*.ipynb")
+              for c in json.loads(p.read_text(encoding="utf-8"))["cells"] if c["cell_type"] == "markdown"]
+    # what the site expands: prose, not code (as tools/mkdocs_hooks.py does)
+    texts = [re.sub(r"`[^`\n]*`", "", re.sub(r"```.*?```", "", t, flags=re.S)) for t in texts]
+    names = {name for text in texts for _, name, _ in claims.placeholders(text)}
+    names |= {name for text in texts for name, _ in targets.PLACEHOLDER.findall(text)}
+    assert len(names) > 20
+    unfair = sorted(n for n in names if (r := claim_pages.load(n)) is not None and not targets.under_rule(r))
+    assert not unfair, f"pages place GPU records made before the rule: {unfair}"
+    assert not any("{{ records: gpu }}" in text for text in texts)
+    hand = json.loads((ROOT / "docs" / "data" / "hand-claims.json").read_text(encoding="utf-8"))
+    read = {c["record"] for c in hand["claims"]}
+    unfair = sorted(r for r in read if not targets.under_rule(json.loads((ROOT / r).read_text(encoding="utf-8"))))
+    assert not unfair, f"hand-written numbers read GPU records made before the rule: {unfair}"
+    assert not targets.under_rule(claim_pages.load("12-bench-gpu"))     # the check can fail

@@ -19,7 +19,11 @@ value and the status.
   holds it; without them the cells are the measured value alone.
 
 A missing record is "not measured"; a field the record lacks fails the build (the page and the
-record disagree about what was measured).
+record disagree about what was measured). A GPU record (backend ``nccl``, or a device naming a
+GPU) that does not name the rule for fair GPU comparisons' ``launch`` and ``inputs``
+(``docs/benchmarks.md``; :func:`collectives.course.benchmarks.gpu_timing.fields`) was measured
+before the rule: its row is "not measured under the rule", with no value and no status read
+from it.
 """
 
 from __future__ import annotations
@@ -72,6 +76,21 @@ def measure(record: dict, expr: str) -> list[float]:
     return [a / b for a, b in zip(*cols)]
 
 
+_GPU = re.compile(r"NVIDIA|\bGPUs?\b|\bcuda\b|\b[AHB]\d00\b")
+
+
+def under_rule(record: dict) -> bool:
+    """Whether ``record`` may be read for a target: any record not made on GPUs (its backend is
+    not ``nccl`` and its device names no GPU), or a GPU record that names the rule's ``launch``
+    and ``inputs``, at its top, in its ``meta`` or in its ``rule``."""
+    meta = record.get("meta") if isinstance(record.get("meta"), dict) else {}
+    device = str(meta.get("device") or record.get("device") or "")
+    if (meta.get("backend") or record.get("backend")) != "nccl" and not _GPU.search(device):
+        return True
+    rule = record.get("rule") if isinstance(record.get("rule"), dict) else {}
+    return any(place.get("launch") and place.get("inputs") for place in (record, meta, rule))
+
+
 def _ratio(values: list[float]) -> str:
     lo, hi = min(values), max(values)
     return f"{lo:.2f}×" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}–{hi:.2f}×"
@@ -93,10 +112,14 @@ def cells(name: str, rest: str, load) -> str:
     expr, op, bound = m.group(1), m.group(2), float(m.group(3)) if m.group(3) else None
     record = load(name)
     if op is None:
-        return "not measured" if record is None else _ratio(measure(record, expr))
+        if record is None:
+            return "not measured"
+        return _ratio(measure(record, expr)) if under_rule(record) else "not measured under the rule"
     target = (f"{OPS[op]} {bound:.2f}×" if op != "~" else f"{1 - bound:.2f}–{1 + bound:.2f}×")
     if record is None:
         return f"{target} | not measured | no record yet (`docs/data/{name}.json`)"
+    if not under_rule(record):
+        return f"{target} | not measured under the rule | its record (`{name}`) predates the rule"
     values = measure(record, expr)
     held = sum(_holds(v, op, bound) for v in values)
     status = ("**met**" if held == len(values) else
