@@ -66,6 +66,7 @@ def main(argv=None) -> int:
     record = claims.environment(backend="none", command="python3 " + " ".join(sys.argv),
                                 commit=claims.commit())
     record.update(device=torch.cuda.get_device_name(), rows=rows, default_spin_limit=triton_errors.SPIN_LIMIT,
+                  rule=dict(launch="eager", inputs="none: one kernel timed alone, compared with nothing"),
                   tries_per_second={b: top / next(r["seconds"] for r in rows if r["barrier"] == b
                                                   and r["spin_limit"] == top) for b in ta.BARRIERS})
     import triton
