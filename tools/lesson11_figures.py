@@ -226,7 +226,7 @@ def host_record(raw: dict, out: Path) -> None:
     if (was.get("linear") or {}).get("own_seconds") and lin.get("own_seconds"):
         record.fact("own-linear", f"On {p} ranks the linear all-to-all's own work -- a call's time minus its "
                     f"messages' alone, the slowest rank -- was {_us(was['linear']['own_seconds'])} before its plan "
-                    f"and {_us(lin['own_seconds'])} with it; the two runs were made on the same busy host.",
+                    f"and {_us(lin['own_seconds'])} with it; the two runs were made on the same host.",
                     before=was["linear"]["own_seconds"], now=lin["own_seconds"])
     lib = rows.get("dist.all_to_all_single")
     if lib:
