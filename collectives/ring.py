@@ -306,8 +306,7 @@ def multi_ring_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
     of their own (NVLink bridges, a mesh of point-to-point links), the link to the left
     neighbour idles; a second ring going the other way uses it, as NCCL does with its
     channels. On an NVSwitch machine there is no idle left link: each GPU reaches every
-    other through its connection to the switches, which both directions share (on 4 H200s
-    with registered memory the bidirectional ring fell behind one ring; docs/benchmarks-notes.md).
+    other through its connection to the switches, which both directions share.
     Posting all channels' sends and receives of a step in one
     ``batch_isend_irecv`` lets NCCL launch them as one group, so they run concurrently.
     Arrivals land in a landing buffer per channel (allocated once) and are combined in

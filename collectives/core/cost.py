@@ -150,8 +150,8 @@ def multi_ring_cost(n: float, p: int, channels: int = CHANNELS, links: int = 2) 
 @model("multi_ring")
 def multi_ring(n: float, p: int) -> Cost:
     """Two rings in opposite directions, each on a direct link of its own: half the ring's
-    β term. Only where neighbours have direct links: on a switch (NVSwitch: one ring 0.77×
-    NCCL, bidirectional 0.69× on 4 H200s) or one shared link (gloo over loopback) the
+    β term. Only where neighbours have direct links: on a switch (NVSwitch, where both
+    directions share each GPU's connection) or one shared link (gloo over loopback) the
     plain ring's model is the right one."""
     return multi_ring_cost(n, p, CHANNELS)
 

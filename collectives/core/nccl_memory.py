@@ -2,9 +2,8 @@
 
 NCCL moves a ``send``/``recv`` between GPUs through staging buffers of its own unless the
 user's buffer is registered with the communicator; then the transfer goes straight into
-the peer's tensor. For a hand-written ring on NVLink that is the difference between
-0.44× and 0.77× NCCL's own ``all_reduce`` at 4 GPUs, 0.83× and 0.95× at 2 (256 MiB,
-H200; tools/GPU_NOTES.md and the benchmarks page).
+the peer's tensor: for a hand-written ring on NVLink, one copy less per step
+(``tools/gpu_ring_check.py`` measures both against NCCL's own ``all_reduce``).
 
 Usage::
 
