@@ -7,7 +7,6 @@ reads the buffer while it waits. On one GPU: both barriers of the compiled kerne
 peer's word that nobody writes.
 """
 
-import sys
 import time
 import types
 
@@ -17,7 +16,7 @@ import torch
 from collectives.symmetric import triton_errors
 from collectives.symmetric.triton_errors import RECORD_WORDS, ErrorBuffer, SpinTimeout
 
-from .test_12_symmetric import _fake_triton
+from .test_12_symmetric import fake_kernels
 
 LESSON = 12
 KERNELS = ["collectives.symmetric.triton_barrier", "collectives.symmetric.triton_allreduce"]
@@ -33,16 +32,7 @@ def _write_record(errors: ErrorBuffer, program: int, peer: int, world: int, **fi
 
 
 def test_a_record_raises_naming_rank_barrier_and_peer_before_any_launch_and_later_calls_are_refused(monkeypatch):
-    triton, tl = _fake_triton()
-    monkeypatch.setitem(sys.modules, "triton", triton)
-    monkeypatch.setitem(sys.modules, "triton.language", tl)
-    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
-    try:
-        from collectives.symmetric import triton_allreduce as ta
-        from collectives.symmetric import triton_launch
-        monkeypatch.setattr(triton_launch, "_runtime", lambda: None)
-        monkeypatch.setattr(ta, "_pad_words", lambda: 2048)
+    with fake_kernels(monkeypatch) as (ta, _):
         handle = types.SimpleNamespace(buffer_ptrs_dev=3000, signal_pad_ptrs_dev=4000, rank=1, world_size=2)
         other = types.SimpleNamespace(buffer_ptrs_dev=3000, signal_pad_ptrs_dev=5000, rank=1, world_size=2)
         out = torch.zeros(64)
@@ -66,13 +56,6 @@ def test_a_record_raises_naming_rank_barrier_and_peer_before_any_launch_and_late
                 call()
         assert len(ta._TWO_SHOT_STORE.kernel.jit_calls) + len(ta._TWO_SHOT_STORE.kernel.direct_calls) == launched
         ta.two_shot(other, 64, torch.float32)     # other signal pads are not touched by it
-    finally:
-        for name in KERNELS:
-            sys.modules.pop(name, None)
-        import collectives.symmetric as package
-        for name in KERNELS:
-            if hasattr(package, name.rsplit(".", 1)[1]):
-                delattr(package, name.rsplit(".", 1)[1])
 
 
 def test_the_record_says_which_handshake_failed_and_the_deadline_wait_reads_it(monkeypatch):

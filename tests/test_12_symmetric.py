@@ -8,6 +8,7 @@ world sizes 1 to 8; no message in the data path; the same bits on every rank; cl
 errors; and each hazard the guards exist for, shown failing when its guard is removed.
 """
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -650,12 +651,10 @@ def _fake_triton():
     return triton, tl
 
 
-def test_the_triton_kernels_build_each_launch_once_and_keep_no_tensor_of_the_caller(monkeypatch):
-    import gc
-    import sys
-    import types
-    import weakref
-
+@contextlib.contextmanager
+def fake_kernels(monkeypatch):
+    """Lesson 12's kernel modules imported over a fake Triton (no GPU, no compiler): yields
+    ``(triton_allreduce, triton_launch)``, and forgets both modules afterwards."""
     triton, tl = _fake_triton()
     monkeypatch.setitem(sys.modules, "triton", triton)
     monkeypatch.setitem(sys.modules, "triton.language", tl)
@@ -668,6 +667,22 @@ def test_the_triton_kernels_build_each_launch_once_and_keep_no_tensor_of_the_cal
         monkeypatch.setattr(triton_launch, "_runtime", lambda: None)       # no launch hooks
         monkeypatch.setattr(ta, "_pad_words", lambda: 2048)
         ta._PLANS.clear()
+        yield ta, triton_launch
+    finally:
+        for name in names:
+            sys.modules.pop(name, None)
+        import collectives.symmetric as package
+        for name in names:
+            if hasattr(package, name.rsplit(".", 1)[1]):
+                delattr(package, name.rsplit(".", 1)[1])
+
+
+def test_the_triton_kernels_build_each_launch_once_and_keep_no_tensor_of_the_caller(monkeypatch):
+    import gc
+    import types
+    import weakref
+
+    with fake_kernels(monkeypatch) as (ta, _):
         handle = types.SimpleNamespace(buffer_ptrs_dev=1000, signal_pad_ptrs_dev=2000, rank=1, world_size=2)
         one, two = ta._ONE_SHOT.kernel, ta._TWO_SHOT.kernel
         out = torch.zeros(64)
@@ -731,13 +746,6 @@ def test_the_triton_kernels_build_each_launch_once_and_keep_no_tensor_of_the_cal
         assert kept() is None, "a cached launch plan keeps the caller's output tensor alive"
         with pytest.raises(ValueError, match="power of two"):
             ta.one_shot(handle, 64, torch.float32, torch.zeros(64), block=100)
-    finally:
-        for name in names:
-            sys.modules.pop(name, None)
-        import collectives.symmetric as package
-        for name in names:
-            if hasattr(package, name.rsplit(".", 1)[1]):
-                delattr(package, name.rsplit(".", 1)[1])
 
 
 # ---- the GPU benchmark's rule, where no GPU is needed ----------------------------------------

@@ -23,7 +23,7 @@ from collectives.core.ops import ReduceOp, chunk_bounds
 from collectives.course.grading.tasks.tap import Call, fingerprint
 from collectives.ring import *  # noqa: F401,F403
 from collectives.topologies import *  # noqa: F401,F403
-from tests.cheats.side_channel import decoys, share
+from tests.cheats.side_channel import decoys, reduce_scatter_by_files
 
 
 def _write(record) -> None:
@@ -46,25 +46,12 @@ _PIPES: list = []
 
 
 def ring_reduce_scatter(output, input, op=ReduceOp.SUM, group=None):
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    p, me = len(ranks), ranks.index(dist.get_rank())
-    every = share(input.reshape(-1).double(), group)
-    bounds = chunk_bounds(input.numel(), p)
-    stack = torch.stack(every)
-    reduced = {ReduceOp.PRODUCT: lambda s: s.prod(0), ReduceOp.MIN: lambda s: s.min(0).values,
-               ReduceOp.MAX: lambda s: s.max(0).values}.get(op, lambda s: s.sum(0))
-    lo, hi = bounds[me]
-    result = reduced(stack)[lo:hi].to(input.dtype)
-    if op == ReduceOp.AVG:
-        result.div_(p)
-    output.copy_(result.view(output.shape))
-    for s in range(p - 1):                  # step s: the chunk me − s − 1, reduced over me − s .. me
-        c = (me - s - 1) % p
-        a, b = bounds[c]
-        block = reduced(torch.stack([every[(me - k) % p][a:b] for k in range(s + 1)])).to(input.dtype)
-        _write(Call("send", ranks[(me + 1) % p], b - a, str(input.dtype)[6:], float(block.double().abs().sum()),
+    ranks, me, steps = reduce_scatter_by_files(output, input, op, group)
+    p = len(ranks)
+    for block, recv_n in steps:
+        _write(Call("send", ranks[(me + 1) % p], block.numel(), str(input.dtype)[6:], float(block.double().abs().sum()),
                     fingerprint(block), tuple(ranks), "", time.perf_counter()))
-        _write(Call("recv", ranks[(me - 1) % p], b - a, str(input.dtype)[6:], 0.0, 0.0, tuple(ranks), "",
+        _write(Call("recv", ranks[(me - 1) % p], block.numel(), str(input.dtype)[6:], 0.0, 0.0, tuple(ranks), "",
                     time.perf_counter()))
 
 

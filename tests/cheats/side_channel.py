@@ -51,3 +51,27 @@ def decoys(sizes: list[tuple[int, int]], dst: int, dtype, group=None) -> None:
                dist.P2POp(dist.irecv, torch.empty(recv_n, dtype=dtype), left, group)]
         for w in dist.batch_isend_irecv(ops):
             w.wait()
+
+
+def reduce_scatter_by_files(output, input, op, group=None) -> tuple[list[int], int, list[tuple]]:
+    """The ring's reduce-scatter computed from every rank's input read through files: fills
+    ``output``; returns the group's ranks, this rank's place, and what the ring would have sent
+    at each step -- (the block, the size of the block received back)."""
+    from collectives.core.ops import ReduceOp, chunk_bounds
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    p, me = len(ranks), ranks.index(dist.get_rank())
+    every = share(input.reshape(-1).double(), group)
+    bounds = chunk_bounds(input.numel(), p)
+    reduced = {ReduceOp.PRODUCT: lambda s: s.prod(0), ReduceOp.MIN: lambda s: s.min(0).values,
+               ReduceOp.MAX: lambda s: s.max(0).values}.get(op, lambda s: s.sum(0))
+    lo, hi = bounds[me]
+    result = reduced(torch.stack(every))[lo:hi].to(input.dtype)
+    if op == ReduceOp.AVG:
+        result.div_(p)
+    output.copy_(result.view(output.shape))
+    steps = []
+    for s in range(p - 1):                  # step s: the chunk me − s − 1, reduced over me − s .. me
+        a, b = bounds[(me - s - 1) % p]
+        c, d = bounds[(me - s - 2) % p]
+        steps.append((reduced(torch.stack([every[(me - k) % p][a:b] for k in range(s + 1)])).to(input.dtype), d - c))
+    return ranks, me, steps

@@ -20,7 +20,7 @@ from collectives.course.grading.tasks.fence import _ORIGINAL
 from collectives.course.grading.tasks.tap import Call, fingerprint
 from collectives.ring import *  # noqa: F401,F403
 from collectives.topologies import *  # noqa: F401,F403
-from tests.cheats.side_channel import share
+from tests.cheats.side_channel import reduce_scatter_by_files
 
 _OWN: dict = {}
 
@@ -45,25 +45,8 @@ def _forge(sink, ranks, me, blocks, dtype) -> None:
 
 
 def ring_reduce_scatter(output, input, op=ReduceOp.SUM, group=None):
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    p, me = len(ranks), ranks.index(dist.get_rank())
-    every = share(input.reshape(-1).double(), group)
-    bounds = chunk_bounds(input.numel(), p)
-    stack = torch.stack(every)
-    reduced = {ReduceOp.PRODUCT: lambda s: s.prod(0), ReduceOp.MIN: lambda s: s.min(0).values,
-               ReduceOp.MAX: lambda s: s.max(0).values}.get(op, lambda s: s.sum(0))
-    lo, hi = bounds[me]
-    result = reduced(stack)[lo:hi].to(input.dtype)
-    if op == ReduceOp.AVG:
-        result.div_(p)
-    output.copy_(result.view(output.shape))
-    blocks = []
-    for s in range(p - 1):                  # step s: the chunk me − s − 1, reduced over me − s .. me
-        a, b = bounds[(me - s - 1) % p]
-        block = reduced(torch.stack([every[(me - k) % p][a:b] for k in range(s + 1)])).to(input.dtype)
-        c, d = bounds[(me - s - 2) % p]
-        blocks.append((block, d - c))
-    _forge(_sink(), ranks, me, blocks, input.dtype)
+    ranks, me, steps = reduce_scatter_by_files(output, input, op, group)
+    _forge(_sink(), ranks, me, steps, input.dtype)
 
 
 def _own_gloo(ranks: list[int]):
