@@ -139,7 +139,7 @@ def record(result: dict, args: argparse.Namespace, nbytes: int, p: int, device: 
                 rule=rule.fields(args.launch, inputs, result["skipped"]),
                 env={k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
                 device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                backend=dist.get_backend(), torch=torch.__version__,
+                backend="nccl" if device.type == "cuda" else "gloo", torch=torch.__version__,
                 nccl=".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 command="torchrun --nproc-per-node %d tools/gpu_ring_check.py %s" % (p, " ".join(sys.argv[1:])),

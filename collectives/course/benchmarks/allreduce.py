@@ -30,15 +30,12 @@ tables (``--json FILE`` writes it there too).
 ``lessons/NN_topic/exercise.py`` ("ring (exercise)"), checked and timed the same way; a
 function that is still a stub is listed as not written yet.
 
-On NCCL the run follows the rule for fair GPU comparisons (``docs/benchmarks.md``,
-:mod:`.gpu_timing`): the rank is untraced and NCCL's all_reduce called directly; ``--launch
-eager`` issues every contender from Python, ``--launch graph`` captures each once in a CUDA
-graph and replays it, NCCL's included, and checks each replay against NCCL; each is timed in
-interleaved rounds (``--iters`` rounds of ``--batch`` runs issued back to back between CUDA
-events, the slowest rank's), the row keeping the median and the spread. Every contender
-reduces the same tensor in place: the record's ``inputs`` is ``copied`` on plain memory (the
-caller's ordinary tensor), ``resident`` on registered memory; ``launch``, ``inputs`` and the
-rule's other fields are in its ``meta`` and its ``rule``.
+On NCCL the run follows the rule for fair GPU comparisons (``docs/benchmarks.md``, :mod:`.gpu_timing`):
+the rank untraced, NCCL called directly, every contender launched alike (``--launch eager``, or
+``graph``: each captured once and replayed, NCCL's included, each replay checked against NCCL)
+and timed in interleaved rounds (``--iters`` rounds of ``--batch`` runs back to back between CUDA
+events), each row keeping the median and spread; the record's ``meta`` and ``rule`` name
+``launch`` and ``inputs`` (``copied`` on plain memory, ``resident`` on registered memory).
 
 Algorithms are named in :data:`ALGORITHMS` (name -> "module:function"); a
 "module:function" of your own works too.
@@ -149,8 +146,7 @@ def _bench_rank(names: list[str], sizes: list[int], dtype_name: str, warmup: int
                 options: dict, check: bool, progress_path: str | None,
                 registered: bool = False, launch: str | None = None, batch: int = 5) -> list[dict]:
     """Runs on every rank: every size, the baseline then each algorithm. Rank 0's rows count.
-    ``launch`` (``"eager"`` or ``"graph"``): under the rule for fair GPU comparisons, as the
-    module says; ``None``: every run barrier-aligned and timed alone (CPUs)."""
+    ``launch``: ``"eager"`` or ``"graph"`` under the rule; ``None``: each run timed alone (CPUs)."""
     if launch is not None:
         rule.check_launch(launch)
         rule.untrace_rank()             # the rule: no trace wrapper on either side
@@ -358,6 +354,15 @@ def render(rows: list[dict], title: str, file=None) -> None:
     say(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
 
 
+def rule_fields(launch_mode: str | None, registered: bool, rows: list[dict]) -> dict:
+    """``{"rule": ...}``, the record's words for the rule (:func:`.gpu_timing.fields`), every
+    contender dropped at a size under ``skipped``; ``{}`` for a run outside it (CPUs)."""
+    if launch_mode is None:
+        return {}
+    skipped = [f"{r['algo']} at {r['nbytes']} B: {r['missing']}" for r in rows if r.get("skipped")]
+    return {"rule": rule.fields(launch_mode, "resident" if registered else "copied", skipped)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=".venv/bin/python -m collectives bench",
                                      description=__doc__.splitlines()[0].split(": ", 1)[1])
@@ -429,10 +434,8 @@ def main(argv: list[str] | None = None) -> int:
                 device=(f"{args.world}× {torch.cuda.get_device_name(0)}" if backend == "nccl"
                         else environment("gloo")["device"]),
                 load_average_before=load, commit=commit(), **host())
-    said = {}
-    if mode:                            # the rule's fields, in the meta (a chart's record copies them) and whole
-        skipped = [f"{r['algo']} at {r['nbytes']} B: {r['missing']}" for r in rows if r.get("skipped")]
-        said = {"rule": rule.fields(mode, "resident" if args.registered_memory else "copied", skipped)}
+    said = rule_fields(mode, args.registered_memory, rows)
+    if said:                            # in the meta too: a chart's record copies the meta
         meta.update(launch=mode, inputs=said["rule"]["inputs"], batch=args.batch or 5)
     document = json.dumps({"meta": meta, "rows": rows, **said}, indent=1)
     (out / "allreduce.json").write_text(document)
