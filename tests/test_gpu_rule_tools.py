@@ -170,10 +170,11 @@ def test_the_lane_names_each_steps_rule_and_is_under_it_only_when_every_comparin
     steps = [dict(step="tests", data=None), dict(step="tour-p2", data=[{"verified": True}]),
              dict(step="ringcheck-p2-256M-graph", data=fair),
              dict(step="bench-p2", data={"meta": {"launch": "eager", "inputs": "copied"}, "rows": []}),
-             dict(step="fused-p2", data={"bench-fused.json": {"rule": rule.fields("eager", "copied", [])}})]
+             dict(step="fused-p2", data={"bench-fused.json": {"rule": rule.fields("eager", "copied", [])}}),
+             dict(step="probe-host", data={"rank0": {"rule": rule.fields("eager", "copied", [])}})]
     said = gpu_record.lane_rule(steps)
     assert said["outside"] == [] and said["launch"] == "per step"
-    assert set(said["steps"]) == {"ringcheck-p2-256M-graph", "bench-p2", "fused-p2"}
+    assert set(said["steps"]) == {"ringcheck-p2-256M-graph", "bench-p2", "fused-p2", "probe-host"}
     assert steps[2]["rule"]["launch"] == "graph" and "per file" in steps[4]["rule"]
     lane = dict(device="2× NVIDIA H200, NVLink (NV18)", rule=said)
     assert targets.under_rule(lane)
