@@ -31,7 +31,8 @@ RECORDS = {
 }
 LIBRARY = {"gloo": "gloo's all_reduce", "nccl": "NCCL's all_reduce"}
 META = ("command", "date", "device", "torch", "nccl", "commit", "backend", "world_size", "dtype",
-        "iters", "warmup", "registered_memory", "cpus", "load_average_before", "load_average", "commit_note")
+        "iters", "warmup", "registered_memory", "cpus", "load_average_before", "load_average", "commit_note",
+        "launch", "inputs", "batch")     # launch, inputs: the rule for fair GPU comparisons, read by the pages
 
 
 def load(path: Path) -> tuple[dict, list[int], dict[str, list[float | None]]]:

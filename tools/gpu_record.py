@@ -53,7 +53,16 @@ def headline(step: str, data, tail: list[str]) -> tuple[str, str]:
     if step.startswith("runner-"):
         last = next((line for line in reversed(tail) if "tasks pass" in line), "")
         return last.strip(), "every task passes on the reference"
-    if step.startswith("ringcheck") and isinstance(data, dict):
+    if step.startswith("ringcheck") and isinstance(data, dict) and isinstance(data.get("rule"), dict):
+        p4 = step.startswith("ringcheck-p4")
+        how = {"graph": "every side replayed", "eager": "every side eager"}[data["rule"]["launch"]]
+        speed = f"{data['ratio']:.3f}" if data.get("ratio") else "not timed"
+        host = f"{data['ring_host_s'] * 1e6:.1f} µs" if data.get("ring_host_s") else "-"
+        return (f"ring ÷ NCCL (speed) {speed} at {data['bytes'] >> 20} MiB, {data['memory']} memory, {how}, "
+                f"exact {data['exact']}; host per ring {host}"
+                + (f"; skipped: {'; '.join(data['rule']['skipped'])}" if data["rule"]["skipped"] else ""),
+                "speed ≥ 0.80 (p = 4)" if p4 else "speed ≥ 0.97 (p = 2)")
+    if step.startswith("ringcheck") and isinstance(data, dict):      # a record made before the rule
         p4 = step.startswith("ringcheck-p4")
         said = (f"ring ÷ NCCL (speed) {data['ratio']:.3f} at {data['bytes'] >> 20} MiB, "
                 f"{data.get('memory', 'registered')} memory, exact {data['exact']}; "
@@ -87,7 +96,9 @@ def headline(step: str, data, tail: list[str]) -> tuple[str, str]:
         parts = []
         for r in data.get("rows", []):
             parts.append(f"{tuple(r['layout'])} {r['name']} {r['nccl'] / r['seconds']:.2f}")
-        return ("speed ÷ NCCL: " + "; ".join(parts),
+        launched = (data.get("rule") or {}).get("launch") if isinstance(data.get("rule"), dict) else None
+        how = {"graph": ", every side replayed", "eager": ", every side eager"}.get(launched, "")
+        return (f"speed ÷ NCCL{how}: " + "; ".join(parts),
                 ("one slice ≥ 0.75 on (2, 2); " if step == "hier-p4" else "")
                 + "pipelined ≥ one slice; 16 in flight ≥ 0.67")
     if step.startswith("recorder") and isinstance(data, dict):
@@ -197,8 +208,9 @@ def figures(steps: list[dict]) -> dict:
     out = {}
     for p in sorted({int(s["step"].split("-p")[1].split("-")[0]) for s in steps if "-p" in s["step"]}):
         suffix = "" if p == 2 else f"_p{p}"
+        out.update(_ring_figures(by, p, suffix))       # under the rule; below, a record made before it
         ring = by.get(f"ringcheck-p{p}-256M")
-        if isinstance(ring, dict):
+        if isinstance(ring, dict) and "rule" not in ring:
             out.update({"ring_speed_vs_nccl" + suffix: ring["ratio"], "ring_host_s" + suffix: ring["ring_host_s"],
                         "ring_nccl_s" + suffix: ring["nccl_s"]})
             if isinstance(ring.get("replayed"), dict):      # registered memory, replayed from a graph
@@ -232,10 +244,12 @@ def figures(steps: list[dict]) -> dict:
         if isinstance(tour, list):
             out["tour_rows" + suffix] = len(tour)
             out["tour_verified" + suffix] = sum(bool(r.get("verified")) for r in tour)
-        hier = by.get(f"hier-p{p}")
-        if isinstance(hier, dict):
+        for graph in ("", "-graph"):           # hier-p2: every side eager; hier-graph-p2: every side replayed
+            hier = by.get(f"hier{graph}-p{p}")
+            if not isinstance(hier, dict):
+                continue
             for r in hier.get("rows", []):      # e.g. hier_2x2_one_slice_p4: NCCL's time over ours
-                name = r["name"].replace(",", "").replace(" ", "_")
+                name = r["name"].replace(",", "").replace(" ", "_") + ("_replayed" if graph else "")
                 out[f"hier_{r['layout'][0]}x{r['layout'][1]}_{name}{suffix}"] = r["nccl"] / r["seconds"]
     lesson10 = by.get("lesson10")
     if isinstance(lesson10, dict) and "10-sharded-nccl.json" in lesson10:
@@ -282,6 +296,57 @@ def figures(steps: list[dict]) -> dict:
                 out[f"symm_{dtype}_{name}_le1M_min"], out[f"symm_{dtype}_{name}_le1M_max"] = min(small), max(small)
                 if 256 << 20 in sizes and speed[sizes.index(256 << 20)]:
                     out[f"symm_{dtype}_{name}_256M"] = speed[sizes.index(256 << 20)]
+    return out
+
+
+def _ring_figures(by: dict, p: int, suffix: str) -> dict:
+    """The ring checks' figures under the rule: NCCL launched as the ring is in each."""
+    out = {}
+    for memory, key in (("256M", "ring"), ("256M-graph", "ring_registered_replayed"),
+                        ("plain", "ring_plain"), ("plain-graph", "ring_replayed")):
+        ring = by.get(f"ringcheck-p{p}-{memory}")
+        if isinstance(ring, dict) and isinstance(ring.get("rule"), dict):
+            out.update({f"{key}_speed_vs_nccl{suffix}": ring["ratio"], f"{key}_host_s{suffix}": ring["ring_host_s"],
+                        f"{key}_nccl_s{suffix}": ring["nccl_s"], f"{key}_exact{suffix}": ring["exact"]})
+    return out
+
+
+COMPARES_NOTHING = ("tests", "runner-", "tour-")     # steps that verify and time no contender against another
+RULE_FIELDS = ("launch", "inputs", "untraced", "multicast", "skipped")
+
+
+def step_rule(data) -> dict | None:
+    """The rule's fields a step's JSON names (in its ``rule``, its ``meta``, at its top or in
+    its ``rank0``'s ``rule``; a folder of records: in every one of them, one per file), or None
+    where it names none."""
+    if not isinstance(data, dict):
+        return None
+    rank0 = data.get("rank0") if isinstance(data.get("rank0"), dict) else {}     # tools/gpu_probe.py's
+    for place in (data.get("rule"), data.get("meta"), data, rank0.get("rule")):
+        if isinstance(place, dict) and place.get("launch") and place.get("inputs"):
+            return {k: place[k] for k in RULE_FIELDS if k in place}
+    files = {name: step_rule(v) for name, v in data.items() if name.endswith(".json")}
+    if files and all(files.values()):
+        return {"per file": files}
+    return None
+
+
+def lane_rule(steps: list[dict]) -> dict:
+    """Each comparing step's rule fields, and which steps name none. ``launch`` and ``inputs``
+    at the top (what the pages' check reads) only where every step that compares names them."""
+    said, outside = {}, []
+    for s in steps:
+        if s["step"].startswith(COMPARES_NOTHING):
+            continue
+        found = step_rule(s.get("data"))
+        s["rule"] = found
+        if found is None:
+            outside.append(s["step"])
+        else:
+            said[s["step"]] = found
+    out = {"steps": said, "outside": outside}
+    if said and not outside:
+        out.update(launch="per step", inputs="per step")
     return out
 
 
@@ -334,7 +399,7 @@ def gather(out: Path) -> dict:
         commit=os.environ.get("COLLECTIVES_COMMIT", "unknown"),
         command="tools/gpu_suite.sh " + str(out),
         multicast="off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1)",
-        steps=steps)
+        rule=lane_rule(steps), steps=steps)
 
 
 def again(record: dict) -> dict:
@@ -345,6 +410,7 @@ def again(record: dict) -> dict:
     record["rows"] = [dict(part=s["step"], result="PASS" if s["passed"] else f"FAIL (exit {s['exit']})",
                            seconds=s["seconds"], measured=s["headline"], target=s["target"]) for s in record["steps"]]
     record["figures"] = figures(record["steps"])
+    record["rule"] = lane_rule(record["steps"])
     return record
 
 

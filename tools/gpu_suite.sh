@@ -8,11 +8,15 @@
 #   env       the machine: GPUs, their links, torch, NCCL, the commit
 #   tests     the gpu-marked tests (pytest -m gpu)
 #   tour      the tour, every row verified, at 2 GPUs and at every larger count the machine has
+#             (on GPUs it times nothing: its timings are outside the rule for fair GPU comparisons)
 #   runners   every lesson's exercise runner on the reference, --backend nccl, at every count
 #             (GPU_RUNNERS="02 10": only those lessons' runners)
-#   bench     lessons 3-4: every algorithm 4 KiB .. 1 GiB against NCCL (plain memory), then ring
+#   bench     lessons 3-4: every algorithm 4 KiB .. 1 GiB against NCCL (plain memory), every one eager,
+#             then 4 KiB .. 256 MiB every one replayed from a CUDA graph; then ring
 #   ring      the ring against NCCL at 256 MiB (tools/gpu_ring_check.py): on registered memory
-#             with its host time, and on plain memory, each also replayed from a CUDA graph
+#             with its host time, and on plain memory, each eager and each replayed (NCCL's too)
+# Every comparison follows the rule for fair GPU comparisons (docs/benchmarks.md): both sides
+# launched alike, NCCL called directly, nothing traced; each record names its launch and inputs.
 #   fused     lesson 5      ddp    lesson 6      hier   lesson 7 (tools/gpu_hierarchical.py)
 #   sparse    lesson 8      recorder  lesson 9   lessons   lessons 9-12's GPU scripts, where they exist
 #             (GPU_LESSONS="10 12": only those)
@@ -54,13 +58,16 @@ step() {  # step NAME SECONDS command...: run it with a limit; its output into s
   echo "=== $name: exit $rc in $((SECONDS - t0)) s" | tee -a "$LOG"
 }
 on2() { CUDA_VISIBLE_DEVICES=0,1 "$@"; }
-ringchecks() {  # the ring against NCCL at 256 MiB: registered memory, then plain; each eager and replayed
+ringchecks() {  # the ring against NCCL at 256 MiB: registered memory, then plain; each eager, then replayed
   for p in $COUNTS; do
     pin=$([ "$p" = 2 ] && echo on2)
-    $pin step "ringcheck-p$p-256M" 120 torchrun --nproc-per-node "$p" tools/gpu_ring_check.py \
-         --size 256M --replay --json "$OUT/steps/ringcheck-p$p-256M.json"
-    $pin step "ringcheck-p$p-replay" 120 torchrun --nproc-per-node "$p" tools/gpu_ring_check.py \
-         --size 256M --plain --replay --json "$OUT/steps/ringcheck-p$p-replay.json"
+    for memory in 256M plain; do
+      for how in eager graph; do
+        name="ringcheck-p$p-$memory$([ "$how" = graph ] && echo -graph)"
+        $pin step "$name" 120 torchrun --nproc-per-node "$p" tools/gpu_ring_check.py --size 256M \
+             $([ "$memory" = plain ] && echo --plain) --launch "$how" --json "$OUT/steps/$name.json"
+      done
+    done
   done
 }
 
@@ -87,7 +94,11 @@ for part in $PARTS; do case $part in
     for p in $COUNTS; do
       pin=$([ "$p" = 2 ] && echo on2)
       $pin step "bench-p$p" 420 $PY -m collectives bench --backend nccl --world "$p" --sizes 4K..1G \
-           --iters 10 --warmup 3 --timeout 360 --json "$OUT/steps/bench-p$p.json" --out "$OUT/steps/bench-p$p"
+           --launch eager --iters 10 --warmup 3 --timeout 360 --json "$OUT/steps/bench-p$p.json" \
+           --out "$OUT/steps/bench-p$p"
+      $pin step "bench-graph-p$p" 420 $PY -m collectives bench --backend nccl --world "$p" --sizes 4K..256M \
+           --launch graph --iters 10 --warmup 3 --timeout 360 --json "$OUT/steps/bench-graph-p$p.json" \
+           --out "$OUT/steps/bench-graph-p$p"
     done
     ringchecks ;;
   ring)
@@ -111,7 +122,10 @@ for part in $PARTS; do case $part in
   hier)
     for p in $COUNTS; do
       pin=$([ "$p" = 2 ] && echo on2)
-      $pin step "hier-p$p" 300 $PY tools/gpu_hierarchical.py --world "$p" --size 256M --json "$OUT/steps/hier-p$p.json"
+      $pin step "hier-p$p" 300 $PY tools/gpu_hierarchical.py --world "$p" --size 256M --launch eager \
+           --json "$OUT/steps/hier-p$p.json"
+      $pin step "hier-graph-p$p" 300 $PY tools/gpu_hierarchical.py --world "$p" --size 256M --launch graph \
+           --json "$OUT/steps/hier-graph-p$p.json"
     done ;;
   sparse)
     for p in $COUNTS; do

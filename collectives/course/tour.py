@@ -7,6 +7,11 @@ against ``dist.all_reduce`` on the harness's quick cases, times it beside
 ``dist.all_reduce`` on the same bytes, and counts the bytes each rank sent from the
 trace. Multi-tensor algorithms (fusion, bucketing) give a ``runner`` of their own that
 returns the same fields.
+
+On GPUs (NCCL) the tour verifies and counts bytes but compares no speeds: its runners call
+``dist.all_reduce`` through the course's trace and time each side as it comes, outside the
+rule for fair GPU comparisons (``docs/benchmarks.md``), so its GPU rows keep no time and
+print no ratio (:data:`UNTIMED`); the benchmarks that follow the rule give GPU speeds.
 """
 
 from __future__ import annotations
@@ -155,13 +160,28 @@ def _run_entry(entry: TourEntry, nbytes: int) -> dict:
     return fields
 
 
+UNTIMED = ("not timed on GPUs: the tour's timings are outside the rule for fair GPU comparisons "
+           "(docs/benchmarks.md); the benchmarks give GPU speeds")
+
+
+def untimed(row: TourRow) -> TourRow:
+    """``row`` verified and counted, its times and ratios dropped (a GPU's row: :data:`UNTIMED`)."""
+    row.seconds = row.ref_seconds = float("nan")
+    row.extra.pop("ratios", None)
+    row.extra["timed"] = UNTIMED
+    return row
+
+
 def run_tour(world_size: int = 4, nbytes: int = 4 << 20, backend: str | None = None,
              only: list[str] | None = None, progress: bool = True, repeat: int = 1) -> list[TourRow]:
     """Run every entry in its own world (fork start-up is ~0.1 s); return the rows.
 
     ``repeat``: run each entry that many times, each in a world of its own; the row keeps the
-    run of median speed, and ``extra["ratios"]`` every run's speed, for the spread."""
+    run of median speed, and ``extra["ratios"]`` every run's speed, for the spread. On NCCL
+    every row is :func:`untimed`."""
     from rich.progress import Progress
+
+    gpus = (backend or launch.auto_backend(world_size)) == "nccl"
 
     todo = [e for e in entries() if not only or e.name in only]
     rows = []
@@ -179,7 +199,7 @@ def run_tour(world_size: int = 4, nbytes: int = 4 << 20, backend: str | None = N
                 row.detail = next((r.detail for r in made if r.detail), "")
                 if len(made) > 1:
                     row.extra["ratios"] = ratios
-                rows.append(row)
+                rows.append(untimed(row) if gpus else row)
             except (launch.RankError, launch.WorldTimeout) as exc:
                 rows.append(TourRow(entry.lesson, entry.name, False, str(exc).splitlines()[0]))
             bar.advance(task)
@@ -244,6 +264,8 @@ def render(rows: list[TourRow], world_size: int, backend: str, console=None) -> 
                   "from the trace, against the cost model's; why: what makes the row faster or slower."
                   + (" range: the slowest and fastest of the repeats." if spread else
                      " One run each: rerun with --repeat 5 to see how much a speed moves."), width=WIDTH)
+    if backend == "nccl":
+        console.print(f"No time and no speed on GPUs: {UNTIMED}.", width=WIDTH)
     cores = os.cpu_count() or 1
     if world_size > cores:
         console.print(f"[yellow]warning:[/] {world_size} ranks share {cores} cores: the ranks wait for a core, "
@@ -270,5 +292,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         import json
         with open(args.json, "w") as f:
-            json.dump([asdict(r) | {"ratio": r.ratio, "busbw": r.busbw} for r in rows], f, indent=1)
+            json.dump([asdict(r) | ({"ratio": None, "busbw": None} if "timed" in r.extra else
+                                    {"ratio": r.ratio, "busbw": r.busbw}) for r in rows], f, indent=1)
     return 0 if rows and all(r.verified for r in rows) else 1

@@ -7,6 +7,7 @@
     .venv/bin/python -m collectives bench --backend nccl --world 4 --algo ring,multi_ring --channels 4
     .venv/bin/python -m collectives bench --algo ring --impl exercise       # your lessons/04_ring/exercise.py beside it
     .venv/bin/python -m collectives bench --json                            # the rows as JSON on stdout
+    .venv/bin/python -m collectives bench --backend nccl --world 2 --launch graph   # every contender replayed
 
 One world runs everything: at each size, ``dist.all_reduce`` (the baseline, named after
 the backend: "gloo" or "nccl") and every chosen algorithm all-reduce the same tensor,
@@ -28,6 +29,13 @@ tables (``--json FILE`` writes it there too).
 ``--impl exercise`` adds, after each algorithm, the function of the same name from your
 ``lessons/NN_topic/exercise.py`` ("ring (exercise)"), checked and timed the same way; a
 function that is still a stub is listed as not written yet.
+
+On NCCL the run follows the rule for fair GPU comparisons (``docs/benchmarks.md``, :mod:`.gpu_timing`):
+the rank untraced, NCCL called directly, every contender launched alike (``--launch eager``, or
+``graph``: each captured once and replayed, NCCL's included, each replay checked against NCCL)
+and timed in interleaved rounds (``--iters`` rounds of ``--batch`` runs back to back between CUDA
+events), each row keeping the median and spread; the record's ``meta`` and ``rule`` name
+``launch`` and ``inputs`` (``copied`` on plain memory, ``resident`` on registered memory).
 
 Algorithms are named in :data:`ALGORITHMS` (name -> "module:function"); a
 "module:function" of your own works too.
@@ -52,6 +60,7 @@ import torch.distributed as dist
 from ...core import launch, nccl_memory, timing
 from .. import verify
 from ..site.claims import commit, environment, host
+from . import gpu_timing as rule
 
 ALGORITHMS = {
     "naive_ring": "collectives.naive_ring:naive_ring_all_reduce",
@@ -135,8 +144,12 @@ def _wrong_elements(fn, options, mine: torch.Tensor) -> int:
 
 def _bench_rank(names: list[str], sizes: list[int], dtype_name: str, warmup: int, iters: int,
                 options: dict, check: bool, progress_path: str | None,
-                registered: bool = False) -> list[dict]:
-    """Runs on every rank: every size, the baseline then each algorithm. Rank 0's rows count."""
+                registered: bool = False, launch: str | None = None, batch: int = 5) -> list[dict]:
+    """Runs on every rank: every size, the baseline then each algorithm. Rank 0's rows count.
+    ``launch``: ``"eager"`` or ``"graph"`` under the rule; ``None``: each run timed alone (CPUs)."""
+    if launch is not None:
+        rule.check_launch(launch)
+        rule.untrace_rank()             # the rule: no trace wrapper on either side
     device = verify.rank_device()
     dtype = getattr(torch, dtype_name)
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -178,13 +191,25 @@ def _bench_rank(names: list[str], sizes: list[int], dtype_name: str, warmup: int
     for nbytes in sizes:
         numel = max(nbytes // itemsize, 1)
         x = whole[:numel]
-        runs = {backend: lambda: dist.all_reduce(x)}
+        runs = {backend: (lambda: dist.all_reduce(x)) if launch is None else (lambda: rule.nccl_all_reduce(x))}
         wrongs = {backend: None}
         for name in names:
             if name not in BASELINES and name not in missing:
                 fn, kw = fns[name], options.get(name, {})
                 runs[name] = lambda fn=fn, kw=kw: fn(x, **kw)
                 wrongs[name] = _wrong_elements(fn, kw, checked[:numel]) if check else None
+        if launch is not None:
+            skipped = _as_launched(runs, wrongs, launch, check, x, backend)
+            for name, times in rule.rounds(runs, iters=batch, skipped=skipped, count=iters, device=device).items():
+                middle, spread = rule.summary(times)
+                note(_row(name, numel * itemsize, numel, middle, None, p, backend, dtype_name, wrongs[name])
+                     | {"spread": spread, "launch": launch})
+            gone = dict(line.split(": ", 1) for line in skipped) | {n: missing[n] for n in names if n in missing}
+            for name, why in gone.items():
+                note(dict(algo=name, nbytes=numel * itemsize, numel=numel, seconds=None, missing=why, ok=None,
+                          wrong=None, world_size=p, backend=backend, dtype=dtype_name, skipped=name not in missing))
+            _against_baseline(rows, backend, numel * itemsize)
+            continue
         for name, run in runs.items():      # warm-up (a checked run already counts as one)
             for _ in range(max(warmup - (wrongs[name] is not None), 0)):
                 run()
@@ -205,10 +230,36 @@ def _bench_rank(names: list[str], sizes: list[int], dtype_name: str, warmup: int
     return rows
 
 
+def _as_launched(runs: dict, wrongs: dict, launch: str, check: bool, x: torch.Tensor, backend: str) -> list[str]:
+    """``runs`` launched as ``launch`` has them (in place); with ``"graph"`` each is captured
+    now and, with ``check``, its replay checked against NCCL (a contender that cannot be
+    captured is dropped, saying why). Returns the skipped lines."""
+    launched, skipped = rule.launched(runs, launch), []
+    runs.clear()
+    for name, run in launched.items():
+        try:
+            run()                              # graph: captured here (the warm-up calls replay it)
+            if launch == "graph" and check and name != backend:
+                wrongs[name] = _wrong_elements(lambda _, run=run: run(), {}, x)
+            runs[name] = run
+        except RuntimeError as exc:
+            skipped.append(f"{name}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+    return skipped
+
+
+def _against_baseline(rows: list[dict], backend: str, nbytes: int) -> None:
+    """Fill in each timed row of size ``nbytes`` its speed over the baseline's row."""
+    base = next((r["seconds"] for r in rows if r["algo"] == backend and r["nbytes"] == nbytes and r["seconds"]), None)
+    for r in rows:
+        if r["nbytes"] == nbytes and r["seconds"] and base:
+            r.update(baseline_seconds=base, ratio=base / r["seconds"])
+
+
 def _row(algo, nbytes, numel, seconds, baseline, p, backend, dtype, wrong) -> dict:
     return dict(algo=algo, nbytes=nbytes, numel=numel, seconds=seconds,
                 algbw=timing.algbw(nbytes, seconds), busbw=timing.busbw(nbytes, seconds, p),
-                baseline_seconds=baseline, ratio=baseline / seconds if seconds > 0 else float("nan"),
+                baseline_seconds=baseline,
+                ratio=baseline / seconds if baseline is not None and seconds > 0 else float("nan"),
                 wrong=wrong, ok=None if wrong is None else wrong == 0, world_size=p, backend=backend,
                 dtype=dtype)
 
@@ -216,9 +267,11 @@ def _row(algo, nbytes, numel, seconds, baseline, p, backend, dtype, wrong) -> di
 def run_bench(names: list[str], world_size: int = 4, sizes: list[int] | None = None, *,
               backend: str = "gloo", iters: int = 5, warmup: int = 2, dtype: str = "float32",
               options: dict | None = None, check: bool = True, progress: bool = True,
-              timeout: float = 3600, registered: bool = False) -> list[dict]:
+              timeout: float = 3600, registered: bool = False, launch_mode: str | None = None,
+              batch: int = 5) -> list[dict]:
     """Measure ``names`` (keys of :data:`ALGORITHMS` or "module:function") against
-    ``dist.all_reduce`` on one world; return one dict per (size, algorithm), baseline first."""
+    ``dist.all_reduce`` on one world; return one dict per (size, algorithm), baseline first.
+    ``launch_mode``: under the rule for fair GPU comparisons (:func:`_bench_rank`)."""
     sizes = sizes or timing.parse_sizes("1K..64M")
     total = len(sizes) * (1 + sum(1 for n in names if n not in BASELINES))
     fd, progress_path = tempfile.mkstemp(prefix="collectives-bench-", suffix=".jsonl")
@@ -232,8 +285,9 @@ def run_bench(names: list[str], world_size: int = 4, sizes: list[int] | None = N
         try:
             outcome["rows"] = [row for group in worlds for row in launch.run(
                 _bench_rank, world_size, args=(names, group, dtype, warmup, iters, options or {},
-                                               check, progress_path, registered),
-                backend=backend, timeout=timeout)[0]]
+                                               check, progress_path, registered, launch_mode, batch),
+                backend=backend, timeout=timeout,
+                env=rule.rank_env(launch_mode) if launch_mode else None)[0]]
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             outcome["error"] = exc
 
@@ -300,6 +354,15 @@ def render(rows: list[dict], title: str, file=None) -> None:
     say(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
 
 
+def rule_fields(launch_mode: str | None, registered: bool, rows: list[dict]) -> dict:
+    """``{"rule": ...}``, the record's words for the rule (:func:`.gpu_timing.fields`), every
+    contender dropped at a size under ``skipped``; ``{}`` for a run outside it (CPUs)."""
+    if launch_mode is None:
+        return {}
+    skipped = [f"{r['algo']} at {r['nbytes']} B: {r['missing']}" for r in rows if r.get("skipped")]
+    return {"rule": rule.fields(launch_mode, "resident" if registered else "copied", skipped)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=".venv/bin/python -m collectives bench",
                                      description=__doc__.splitlines()[0].split(": ", 1)[1])
@@ -322,6 +385,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--registered-memory", action="store_true",
                         help="NCCL: time on memory registered with NCCL (zero-copy point-to-point); "
                              "one world per size, as registration is once per process")
+    parser.add_argument("--launch", choices=rule.LAUNCHES, default=None,
+                        help="NCCL: eager (the default) issues every contender from Python, graph replays "
+                             "every one, NCCL's included (the rule for fair GPU comparisons)")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="NCCL: runs issued back to back per contender and round (default 5)")
     parser.add_argument("--impl", choices=("reference", "exercise"), default="reference",
                         help="exercise: also time each algorithm from your lessons/NN_*/exercise.py")
     parser.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
@@ -329,6 +397,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     backend = args.backend or launch.auto_backend(args.world)
+    if backend != "nccl" and (args.launch or args.batch):
+        parser.error("--launch and --batch are for GPUs (--backend nccl): on CPUs every run is timed alone")
+    if args.batch is not None and args.batch < 1:
+        parser.error("--batch must be at least 1")
+    mode = (args.launch or "eager") if backend == "nccl" else None
     names = [n for n in args.algo.split(",") if n]
     if args.impl == "exercise":
         names = [m for n in names for m in ([n] if n in BASELINES else [n, n + EXERCISE])]
@@ -340,11 +413,13 @@ def main(argv: list[str] | None = None) -> int:
     load = [round(x, 1) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None   # before: others' work
     rows = run_bench(names, args.world, sizes, backend=backend, iters=args.iters, warmup=args.warmup,
                      dtype=args.dtype, options=options, check=not args.no_check,
-                     registered=args.registered_memory, timeout=args.timeout, progress=args.json != "-")
+                     registered=args.registered_memory, timeout=args.timeout, progress=args.json != "-",
+                     launch_mode=mode, batch=args.batch or 5)
     memory = (", NCCL-registered memory" if args.registered_memory else ", plain memory") \
         if backend == "nccl" else ""
     title = (f"all-reduce, {args.world} ranks, {backend}{memory}, {args.dtype}, "
-             f"median of {args.iters} after {args.warmup} warm-up")
+             + (f"every contender {mode}, median of {args.iters} rounds of {args.batch or 5}" if mode else
+                f"median of {args.iters} after {args.warmup} warm-up"))
     if args.json != "-":
         render(rows, title)
 
@@ -359,7 +434,10 @@ def main(argv: list[str] | None = None) -> int:
                 device=(f"{args.world}× {torch.cuda.get_device_name(0)}" if backend == "nccl"
                         else environment("gloo")["device"]),
                 load_average_before=load, commit=commit(), **host())
-    document = json.dumps({"meta": meta, "rows": rows}, indent=1)
+    said = rule_fields(mode, args.registered_memory, rows)
+    if said:                            # in the meta too: a chart's record copies the meta
+        meta.update(launch=mode, inputs=said["rule"]["inputs"], batch=args.batch or 5)
+    document = json.dumps({"meta": meta, "rows": rows, **said}, indent=1)
     (out / "allreduce.json").write_text(document)
     from ..site.plots import plot_busbw
     plot_busbw([r for r in rows if r["seconds"] is not None], title).savefig(out / "allreduce.png", dpi=110)
