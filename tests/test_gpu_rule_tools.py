@@ -113,11 +113,11 @@ def test_bench_on_nccl_times_every_contender_in_rounds_untraced_and_its_record_n
     assert ring["ratio"] == pytest.approx(base["seconds"] / ring["seconds"])
     assert ring["spread"][0] <= ring["seconds"] <= ring["spread"][1]
     assert rows["ring (exercise)"]["missing"].startswith("not written yet")
-    said = bench.rule_fields("graph", False, world["bench"] + [dict(algo="tree", nbytes=4096, missing="no capture",
+    said = rule.fields_of_rows("graph", "copied", world["bench"] + [dict(algo="tree", nbytes=4096, missing="no capture",
                                                                     skipped=True)])
     assert said["rule"] == rule.fields("graph", "copied", ["tree at 4096 B: no capture"])
-    assert bench.rule_fields(None, False, world["bench"]) == {}
-    assert bench.rule_fields("eager", True, [])["rule"]["inputs"] == "resident"
+    assert rule.fields_of_rows(None, "copied", world["bench"]) == {}
+    assert rule.fields_of_rows("eager", "resident", [])["rule"]["inputs"] == "resident"
     with pytest.raises(SystemExit) as stop:
         bench.main(["--backend", "gloo", "--launch", "graph", "--world", "2"])
     assert stop.value.code == 2 and "--launch and --batch are for GPUs" in capsys.readouterr().err

@@ -354,15 +354,6 @@ def render(rows: list[dict], title: str, file=None) -> None:
     say(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
 
 
-def rule_fields(launch_mode: str | None, registered: bool, rows: list[dict]) -> dict:
-    """``{"rule": ...}``, the record's words for the rule (:func:`.gpu_timing.fields`), every
-    contender dropped at a size under ``skipped``; ``{}`` for a run outside it (CPUs)."""
-    if launch_mode is None:
-        return {}
-    skipped = [f"{r['algo']} at {r['nbytes']} B: {r['missing']}" for r in rows if r.get("skipped")]
-    return {"rule": rule.fields(launch_mode, "resident" if registered else "copied", skipped)}
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=".venv/bin/python -m collectives bench",
                                      description=__doc__.splitlines()[0].split(": ", 1)[1])
@@ -434,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
                 device=(f"{args.world}× {torch.cuda.get_device_name(0)}" if backend == "nccl"
                         else environment("gloo")["device"]),
                 load_average_before=load, commit=commit(), **host())
-    said = rule_fields(mode, args.registered_memory, rows)
+    said = rule.fields_of_rows(mode, "resident" if args.registered_memory else "copied", rows)
     if said:                            # in the meta too: a chart's record copies the meta
         meta.update(launch=mode, inputs=said["rule"]["inputs"], batch=args.batch or 5)
     document = json.dumps({"meta": meta, "rows": rows, **said}, indent=1)
