@@ -26,7 +26,11 @@ def main(directory: str) -> None:
     dist.all_reduce(x, async_op=True).get_future().wait()
     dist.all_reduce(x, async_op=True).get_future().then(lambda fut: fut.value()).wait()
     dist.barrier()
-    if dist.get_rank() == 1:
+    rank = dist.get_rank()
+    # Closed on both ranks before either ends: a gloo connection still open when its peer's
+    # process exits can abort this one (SIGABRT from gloo's own thread) before it dumps.
+    dist.destroy_process_group()
+    if rank == 1:
         time.sleep(0.5)                       # rank 0 has written its exit dump by then
         raise ValueError("rank one gives up after its last step")
 
