@@ -12,8 +12,12 @@ command and git commit:
   DDP's all-reduces merged from torch's own Flight Recorder, and the merged calls' durations
   taken from CUDA events (``"duration_source": "cuda events"``); the analyzer must find
   nothing. ``ok`` says whether every check held, ``problems`` what did not;
-* ``recorder.json`` and ``09-bench-recorder.json`` -- ``bench-recorder`` on NCCL: torch's
-  call, the wrapped call and the recorded call per size, median and quartiles of the blocks.
+  It times nothing (``"compares": "nothing: ..."``);
+* ``recorder.json`` and ``09-bench-recorder.json`` -- ``bench-recorder`` on NCCL under the rule
+  for fair GPU comparisons (``docs/benchmarks.md``): NCCL called directly against the call a
+  user of the recorder makes (the trace wrapper and the recorder listening), the wrapped call
+  between them, every side eager, in interleaved blocks: median, quartiles and spread; each
+  record names the rule (``launch``, ``inputs``) and what each side includes.
 
 NVLink multicast stays off (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``,
 ``NVSHMEM_DISABLE_NVLS=1``).
@@ -39,6 +43,7 @@ import torch.distributed as dist  # noqa: E402
 from collectives import launch  # noqa: E402
 from collectives.core import flight_recorder  # noqa: E402
 from collectives.course.benchmarks import debugging as bench  # noqa: E402
+from collectives.course.benchmarks import gpu_timing as rule  # noqa: E402
 from collectives.course.site import claims  # noqa: E402
 from collectives.debugging import diagnose, read_dumps  # noqa: E402
 
@@ -100,7 +105,7 @@ def main() -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"meta": _meta(world), **check(world)}
+    result = {"meta": _meta(world), **rule.compares_nothing(), **check(world)}
     (out / "check.json").write_text(json.dumps(result, indent=1))
     print("check:", "ok" if result["ok"] else "; ".join(result["problems"]))
     code = bench.main(["--world", str(world), "--backend", "nccl", "--sizes", args.sizes, "--no-detail",

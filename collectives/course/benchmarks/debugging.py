@@ -9,7 +9,12 @@ command) to ``--out``, and as the lesson page's record with ``--record``:
   ``--iters`` calls: **plain** (torch's own functions, nothing wrapped), **wrapped** (the
   course's trace wrappers, no listener: what every launched world runs) and **recorded**
   (wrapped, with the flight recorder on). Each is given as the median and quartiles of its
-  blocks (slowest rank): the spread says how far a difference can be trusted;
+  blocks (slowest rank): the spread says how far a difference can be trusted. On NCCL the run
+  follows the rule for fair GPU comparisons (``docs/benchmarks.md``): **plain** is NCCL called
+  directly, **recorded** the call a rank of ``launch.run(..., flight_recorder=DIR)`` makes,
+  every side eager; each row adds ``paid`` (recorded − plain: what a user pays) and the
+  blocks' ``spread``, and the record names ``rule``, what each side ``includes`` and what it
+  ``excludes`` (:data:`INCLUDES`, :data:`EXCLUDES`);
 * **the recorder alone** (one rank, no communication, CPU time): the listener a traced call
   tells of its call, then of its start and its completion;
 * **torch's DETAIL check** on the same all-reduce loop (``TORCH_DISTRIBUTED_DEBUG=DETAIL``,
@@ -36,6 +41,7 @@ import torch.distributed as dist
 from ...core import cost, flight_recorder, launch, ops, timing, trace
 from .. import verify
 from ..site.claims import commit, host
+from . import gpu_timing
 
 DEFAULT_SIZES = "4,4K,1M"
 
@@ -71,8 +77,9 @@ def listener_seconds(calls: int = 20000) -> float:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def _loops(nbytes: int, device):
-    """``{name: fn}`` of the calls timed: one all-reduce; one ring exchange."""
+def _loops(nbytes: int, device, direct: bool = False):
+    """``{name: fn}`` of the calls timed: one all-reduce; one ring exchange. ``direct``: the
+    all-reduce is NCCL's, called without going through ``dist.*`` (the plain side on NCCL)."""
     x = torch.ones(max(nbytes // 4, 1), device=device)
     out, back = x.clone(), x.clone()
     rank, p = dist.get_rank(), dist.get_world_size()
@@ -82,7 +89,8 @@ def _loops(nbytes: int, device):
         # peer wait for each other there, and the ring of two never moved)
         for w in ops.post_exchange([(back, (rank - 1) % p)], [(out, (rank + 1) % p)]):
             w.wait()
-    return {"all_reduce": lambda: dist.all_reduce(x), "isend+irecv": exchange}
+    return {"all_reduce": (lambda: gpu_timing.nccl_all_reduce(x)) if direct else (lambda: dist.all_reduce(x)),
+            "isend+irecv": exchange}
 
 
 def _per_call(fn, iters: int, device) -> float:
@@ -91,6 +99,18 @@ def _per_call(fn, iters: int, device) -> float:
 
 
 MODES = ("plain", "wrapped", "recorded")
+# On NCCL, the rule for fair GPU comparisons (docs/benchmarks.md): every side eager (the recorder
+# is a Python listener: a replayed graph would skip it), each loop on its own tensor in place.
+LAUNCH, INPUTS = "eager", "resident"
+INCLUDES = {"plain": "NCCL called directly (torch.distributed.distributed_c10d.all_reduce; the exchange through "
+                     "torch's own functions), nothing wrapped: the call without the recorder",
+            "wrapped": "dist.all_reduce through the course's trace wrapper, no listener: a part of the recorded "
+                       "call's cost, shown apart",
+            "recorded": "dist.all_reduce as a rank of launch.run(..., flight_recorder=DIR) calls it: the trace "
+                        "wrapper and the flight recorder listening (posted, started, completed)",
+            "paid": "recorded − plain: what a user pays per call for the recorder, its wrapper included"}
+EXCLUDES = ("torch's own Flight Recorder (C++), which launch.run(..., flight_recorder=DIR) turns on before the "
+            "process group is made and which cannot be switched per call: off on both sides here")
 
 
 def _spread(times: list[float]) -> dict:
@@ -110,14 +130,18 @@ def _mode(mode: str, directory: str) -> None:
         flight_recorder.start(directory, buffer_size=2000)
 
 
-def compare_in_world(sizes: list[int], iters: int, blocks: int) -> dict:
-    """On every rank: each loop plain, wrapped and recorded, in rotating order per block."""
+def compare_in_world(sizes: list[int], iters: int, blocks: int, under_rule: bool | None = None) -> dict:
+    """On every rank: each loop plain, wrapped and recorded, in rotating order per block.
+    ``under_rule`` (default: on a GPU): the plain all-reduce is NCCL's called directly, and
+    each row adds ``paid`` (recorded − plain) and the blocks' ``spread``."""
     device = verify.rank_device()
     directory = tempfile.mkdtemp(prefix="collectives-bench-recorder-")
-    rows = []
+    rows, gpu = [], device.type == "cuda" if under_rule is None else under_rule
     try:
         for nbytes in sizes:
-            for name, fn in _loops(nbytes, device).items():
+            traced = _loops(nbytes, device)
+            plain = _loops(nbytes, device, direct=True) if gpu else traced
+            for name, fn in traced.items():
                 if name != "all_reduce" and dist.get_world_size() < 2:
                     continue
                 times: dict[str, list[float]] = {m: [] for m in MODES}
@@ -125,9 +149,12 @@ def compare_in_world(sizes: list[int], iters: int, blocks: int) -> dict:
                     for i in range(len(MODES)):
                         mode = MODES[(block + i) % len(MODES)]
                         _mode(mode, directory)
-                        times[mode].append(_per_call(fn, iters, device))
+                        times[mode].append(_per_call(plain[name] if mode == "plain" else fn, iters, device))
                 row = {"call": name, "nbytes": nbytes, **{m: _spread(times[m]) for m in MODES}}
                 row["added"] = row["recorded"]["median"] - row["wrapped"]["median"]
+                if gpu:               # the rule's comparison: what a user pays, with the spread of the rounds
+                    row["paid"] = row["recorded"]["median"] - row["plain"]["median"]
+                    row["spread"] = {m: gpu_timing.summary(times[m])[1] for m in MODES}
                 rows.append(row)
     finally:
         flight_recorder.stop()
@@ -225,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'call':>12} {'size':>8} " + " ".join(f"{m:>22}" for m in MODES) + f" {'added':>9} {'DETAIL':>10}")
     for r in result["rows"]:
         print(_row_text(r))
+    for r in (r for r in result["rows"] if "paid" in r):
+        print(f"{r['call']} {timing.human_bytes(r['nbytes'])}: a user pays {r['paid'] * 1e6:+.1f} µs per call for "
+              f"the recorder (recorded − NCCL called directly, both eager, untraced NCCL on the plain side)")
     print(f"the recorder alone: {result['listener'] * 1e6:.2f} µs of CPU per call (posted, started, completed)")
     arguments = sys.argv[2:] if argv is None else argv
     meta = dict(command=".venv/bin/python -m collectives bench-recorder " + " ".join(arguments),
@@ -235,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
                 nccl=".".join(map(str, torch.cuda.nccl.version())) if backend == "nccl" else None,
                 gpus=torch.cuda.device_count() if backend == "nccl" else 0, commit=commit(), **host())
     record = {"meta": meta, "listener_seconds": result["listener"], "rows": result["rows"]}
+    if backend == "nccl":
+        record.update(rule=gpu_timing.fields(LAUNCH, INPUTS, []), includes=dict(INCLUDES), excludes=EXCLUDES)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "recorder.json").write_text(json.dumps(record, indent=1))
@@ -259,7 +291,9 @@ def page_record(record: dict):
     from ..site import claims
 
     m = record["meta"]
-    page = claims.Record("09-bench-recorder", names=NAMES, meta=dict(m),
+    said = dict(record["rule"], includes=record["includes"],
+                excludes=record["excludes"]) if "rule" in record else {}      # on NCCL: the rule, in the meta
+    page = claims.Record("09-bench-recorder", names=NAMES, meta=dict(m, **said),
                          title="What the flight recorder costs per call")
     rows = [r for r in record["rows"] if r["call"] == "all_reduce"]
     small = min(rows, key=lambda r: r["nbytes"])

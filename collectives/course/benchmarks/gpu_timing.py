@@ -219,3 +219,12 @@ def fields_of_rows(launch: str | None, inputs: str, rows: list[dict], name: str 
         return {}
     skipped = [f"{r[name]} at {r['nbytes']} B: {r['missing']}" for r in rows if r.get("skipped")]
     return {"rule": fields(launch, inputs, skipped)}
+
+
+NO_COMPARISON = "nothing: it checks values and times no contender against another"
+
+
+def compares_nothing() -> dict:
+    """What a record that times nothing says beside the rule's records (a GPU script's checks
+    against NCCL): the GPU lane's record leaves it out of the rule's account."""
+    return {"compares": NO_COMPARISON}

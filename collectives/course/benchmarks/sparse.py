@@ -204,6 +204,10 @@ def compare_in_world(n: int, density: float, iters: int = 5, sweep=(), variants=
     x = _gradients(gradients, n)
     usual = "topk" if x.is_cuda else "sample"           # what selection="auto" picks here
     sweep_selection = usual if sweep_selection == "auto" else sweep_selection
+    if x.is_cuda:                     # NCCL: every contender under the rule for fair GPU comparisons
+        from .sparse_gpu import compare_on_gpu
+        return dict(compare_on_gpu(x, density, sweep, iters, variants if main else (), usual, impl, wire_bytes),
+                    gradients=gradients)
     y = x.clone()
     dense = _timed(lambda: dist.all_reduce(y), iters=iters, device=x.device)
     tiny = torch.zeros(1, device=x.device)
@@ -290,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         _print(result, f"{where}, {kind} gradients", args.link if args.cluster else None)
         results[where if i == 0 else f"{where}, {kind} gradients"] = result
+    if backend == "nccl":             # the rule's fields at the top, where the GPU lane's record reads them
+        from .sparse_gpu import record_rule
+        results["rule"] = record_rule(results)
     result = results[where]
     if sweep:
         measured = measured_crossover(result["sweep"], result["dense"])
