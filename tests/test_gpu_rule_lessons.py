@@ -34,11 +34,11 @@ def _both_in_one_world():
     trace.install(dist.get_rank())
     def listener(kind, peer, tensors, group):        # the timed all-reduce's 16 elements, not timing's own
         if kind == "all_reduce" and sum(t.numel() for t in tensors) == 16:
-            seen.append(kind)
+            seen.append(group is None)               # wrapped: the default group; recorded: the recorder's
     remove = trace.add_listener(listener)
     out["recorder"] = debugging.compare_in_world([64], 3, 2, under_rule=True)
     remove()
-    out["all_reduces_seen"] = len(seen)
+    out["all_reduces_seen"] = [seen.count(True), seen.count(False)]
     return out
 
 
@@ -74,8 +74,9 @@ def test_lesson9_on_nccl_sets_the_recorders_call_path_against_nccl_called_direct
     got = world["recorder"]
     (row,) = [r for r in got["rows"] if r["call"] == "all_reduce"]
     # the plain side never reaches the trace (NCCL's function called directly); wrapped and
-    # recorded do, every call: 2 blocks of (3 timed + 1 warm-up) calls each
-    assert world["all_reduces_seen"] == 2 * 2 * (3 + 1)
+    # recorded do, every call: 2 blocks of (3 timed + 1 warm-up) calls each; the recorded ones on
+    # a group of their own, made as a recorded world makes its group
+    assert world["all_reduces_seen"] == [2 * (3 + 1), 2 * (3 + 1)]
     assert row["paid"] == pytest.approx(row["recorded"]["median"] - row["plain"]["median"])
     assert row["added"] == pytest.approx(row["recorded"]["median"] - row["wrapped"]["median"])
     for mode in debugging.MODES:
@@ -93,6 +94,7 @@ def test_lesson9_on_nccl_sets_the_recorders_call_path_against_nccl_called_direct
               "09-bench-recorder.json": page}
     assert set(gpu_record.step_rule(folder)["per file"]) == {"recorder.json", "09-bench-recorder.json"}
     assert gpu_record.step_rule({"recorder.json": record})["per file"]["recorder.json"]["launch"] == "eager"
+    assert f"{row['paid'] * 1e6:+.1f} µs a call" in gpu_record.headline("lesson09", folder, [])[0]
     gloo = {k: v for k, v in record.items() if k not in ("rule", "includes", "excludes")}
     assert "launch" not in debugging.page_record(gloo).to_dict()["meta"]   # a CPU record stays as it was
     assert gpu_record.step_rule({"recorder.json": gloo}) is None

@@ -196,6 +196,7 @@ def _recorder_headline(rec: dict) -> tuple[str, str]:
     """bench-recorder's record: the recorded call's cost over torch's call, per size."""
     rows = rec.get("rows", []) if isinstance(rec, dict) else []
     parts = [f"{r['call']} {r['nbytes']} B {r['recorded']['median'] / r['plain']['median']:.2f}×"
+             + (f" ({r['paid'] * 1e6:+.1f} µs a call)" if "paid" in r else "")
              for r in rows if r.get("plain", {}).get("median") and r.get("recorded", {}).get("median")]
     return ("recorded call ÷ torch's call: " + ", ".join(parts) if parts else "recorder ran"), \
         "the recorder's cost per call measured"

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import shutil
 import statistics
@@ -38,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ...core import cost, flight_recorder, launch, ops, timing, trace
+from ...core import cost, flight_recorder, flight_torch, launch, ops, timing, trace
 from .. import verify
 from ..site.claims import commit, host
 from . import gpu_timing
@@ -77,9 +78,10 @@ def listener_seconds(calls: int = 20000) -> float:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def _loops(nbytes: int, device, direct: bool = False):
-    """``{name: fn}`` of the calls timed: one all-reduce; one ring exchange. ``direct``: the
-    all-reduce is NCCL's, called without going through ``dist.*`` (the plain side on NCCL)."""
+def _loops(nbytes: int, device, direct: bool = False, group=None):
+    """``{name: fn}`` of the calls timed: one all-reduce (on ``group``); one ring exchange.
+    ``direct``: the all-reduce is NCCL's, called without going through ``dist.*`` (the plain
+    side on NCCL)."""
     x = torch.ones(max(nbytes // 4, 1), device=device)
     out, back = x.clone(), x.clone()
     rank, p = dist.get_rank(), dist.get_world_size()
@@ -89,7 +91,8 @@ def _loops(nbytes: int, device, direct: bool = False):
         # peer wait for each other there, and the ring of two never moved)
         for w in ops.post_exchange([(back, (rank - 1) % p)], [(out, (rank + 1) % p)]):
             w.wait()
-    return {"all_reduce": (lambda: gpu_timing.nccl_all_reduce(x)) if direct else (lambda: dist.all_reduce(x)),
+    direct_call, call = (lambda: gpu_timing.nccl_all_reduce(x)), (lambda: dist.all_reduce(x, group=group))
+    return {"all_reduce": direct_call if direct else call,
             "isend+irecv": exchange}
 
 
@@ -107,10 +110,30 @@ INCLUDES = {"plain": "NCCL called directly (torch.distributed.distributed_c10d.a
             "wrapped": "dist.all_reduce through the course's trace wrapper, no listener: a part of the recorded "
                        "call's cost, shown apart",
             "recorded": "dist.all_reduce as a rank of launch.run(..., flight_recorder=DIR) calls it: the trace "
-                        "wrapper and the flight recorder listening (posted, started, completed)",
-            "paid": "recorded − plain: what a user pays per call for the recorder, its wrapper included"}
-EXCLUDES = ("torch's own Flight Recorder (C++), which launch.run(..., flight_recorder=DIR) turns on before the "
-            "process group is made and which cannot be switched per call: off on both sides here")
+                        "wrapper and the flight recorder listening (posted, started, completed), on a group made "
+                        "as that world makes its own (torch's recorder on, each NCCL call timed with CUDA events)",
+            "paid": "recorded − plain: what a user pays per all-reduce for the recorder, its wrapper and torch's "
+                    "timing included"}
+EXCLUDES = ("the exchange's recorded side runs on the default group, made without torch's CUDA-event timing: "
+            "its paid leaves that part out; dumps (written when a world ends or a call hangs) are not timed")
+
+
+def recorders_group():
+    """A group of every rank made the way a world of ``launch.run(..., flight_recorder=DIR)``
+    makes its own (:func:`collectives.core.flight_torch.enable`: torch's own recorder keeps
+    calls and, on NCCL, times each with CUDA events): the recorded all-reduce runs on it, so
+    that torch's part of the recorder's cost is counted; the environment is put back after."""
+    names = (flight_torch.ENV_BUFFER, "TORCH_NCCL_ENABLE_TIMING")
+    saved = {name: os.environ.get(name) for name in names}
+    flight_torch.enable(2000)
+    try:
+        return dist.new_group(list(range(dist.get_world_size())))
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _spread(times: list[float]) -> dict:
@@ -137,10 +160,12 @@ def compare_in_world(sizes: list[int], iters: int, blocks: int, under_rule: bool
     device = verify.rank_device()
     directory = tempfile.mkdtemp(prefix="collectives-bench-recorder-")
     rows, gpu = [], device.type == "cuda" if under_rule is None else under_rule
+    group = recorders_group() if gpu else None
     try:
         for nbytes in sizes:
             traced = _loops(nbytes, device)
             plain = _loops(nbytes, device, direct=True) if gpu else traced
+            recorded = _loops(nbytes, device, group=group) if gpu else traced
             for name, fn in traced.items():
                 if name != "all_reduce" and dist.get_world_size() < 2:
                     continue
@@ -149,7 +174,8 @@ def compare_in_world(sizes: list[int], iters: int, blocks: int, under_rule: bool
                     for i in range(len(MODES)):
                         mode = MODES[(block + i) % len(MODES)]
                         _mode(mode, directory)
-                        times[mode].append(_per_call(plain[name] if mode == "plain" else fn, iters, device))
+                        run = {"plain": plain, "wrapped": traced, "recorded": recorded}[mode][name]
+                        times[mode].append(_per_call(run, iters, device))
                 row = {"call": name, "nbytes": nbytes, **{m: _spread(times[m]) for m in MODES}}
                 row["added"] = row["recorded"]["median"] - row["wrapped"]["median"]
                 if gpu:               # the rule's comparison: what a user pays, with the spread of the rounds
