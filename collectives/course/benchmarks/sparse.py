@@ -6,7 +6,9 @@ Three measurements, each printed as a table:
   sort, kthvalue, reuse, sample) and of a threshold, at the benchmark's size -- the part of a
   sparse all-reduce that does not shrink with the bytes;
 * **loopback** (``--world`` local ranks): each transport at ``--density`` against the dense
-  all-reduce, with its selection time beside its total, so what remains is wire time;
+  all-reduce, with its selection time beside its total, so what remains is wire time; on
+  NCCL under the rule for fair GPU comparisons (:mod:`.sparse_gpu`: NCCL called directly,
+  every contender eager and untraced, interleaved rounds; the record's ``rule`` names it);
 * **cluster** (``--cluster``: 2 simulated machines × 2 ranks joined by a 1 Gbit/s link,
   :mod:`collectives.core.cluster`; needs root): the same, and a density sweep from 0.1 %
   to 50 % with the crossover measured against the one :mod:`collectives.sparse.cost`
