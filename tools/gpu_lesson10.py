@@ -9,7 +9,10 @@ and bf16 with fp32 masters), torch's DDP, and lesson 10's ZeRO-3 (ring and torch
 collectives, and bf16), ZeRO-1 and ZeRO-2; the largest parameter difference of each
 against torch's, and whether the bits are equal (``DIR/10-sharded-gpu-checks.json``). Then
 ``bench-sharded --backend nccl`` on all the GPUs (``DIR/10-sharded-nccl.json``, and the
-page's figure and claims under ``DIR/img``). Every record names the device, the GPU count,
+page's figure and claims under ``DIR/img``): its step times under the rule for fair GPU
+comparisons (every contender eager and untraced, interleaved rounds; the record's ``rule``),
+its peak memory measured with each contender alone. The checks' record times nothing
+(``"timed": false``). Every record names the device, the GPU count,
 torch and NCCL versions, the date, the command and the git commit.
 
 NVLink SHARP (multicast) stays off: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
@@ -197,7 +200,7 @@ def main(argv=None) -> int:
         print("no GPU: nothing to do")
         return 1
     n = torch.cuda.device_count() if not args.max_gpus else min(args.max_gpus, torch.cuda.device_count())
-    record = {"meta": _meta(argv), "checks": {}}
+    record = {"meta": _meta(argv), "timed": False, "checks": {}}     # values checked; bench-sharded times
     for p in range(1, n + 1):
         try:
             record["checks"][p] = launch.run(_checks, p, backend="nccl", timeout=600)

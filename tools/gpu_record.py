@@ -317,15 +317,16 @@ RULE_FIELDS = ("launch", "inputs", "untraced", "multicast", "skipped")
 
 def step_rule(data) -> dict | None:
     """The rule's fields a step's JSON names (in its ``rule``, its ``meta``, at its top or in
-    its ``rank0``'s ``rule``; a folder of records: in every one of them, one per file), or None
-    where it names none."""
+    its ``rank0``'s ``rule``; a folder of records: in every one of them, one per file, but for
+    records of checks that say they time nothing, ``"timed": false``), or None where it names none."""
     if not isinstance(data, dict):
         return None
     rank0 = data.get("rank0") if isinstance(data.get("rank0"), dict) else {}     # tools/gpu_probe.py's
     for place in (data.get("rule"), data.get("meta"), data, rank0.get("rule")):
         if isinstance(place, dict) and place.get("launch") and place.get("inputs"):
             return {k: place[k] for k in RULE_FIELDS if k in place}
-    files = {name: step_rule(v) for name, v in data.items() if name.endswith(".json")}
+    files = {name: step_rule(v) for name, v in data.items() if name.endswith(".json")
+             and not (isinstance(v, dict) and v.get("timed") is False)}     # a record of checks times nothing
     if files and all(files.values()):
         return {"per file": files}
     return None
