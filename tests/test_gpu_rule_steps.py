@@ -78,7 +78,7 @@ def test_bench_ddp_on_gpus_times_every_variant_untraced_in_rounds_and_names_the_
     assert saved["rule"] == rule.fields("eager", "copied", []) and saved["command"].endswith("--launch eager")
     lane = {"bench-ddp-mlp-nccl-p2.json": json.loads(json.dumps(saved))}
     assert gpu_record.step_rule(lane)["per file"]["bench-ddp-mlp-nccl-p2.json"]["launch"] == "eager"
-    assert "reducer ÷ torch DDP step" in gpu_record.headline("ddp-p2", lane, [])[0]
+    assert gpu_record.headline("ddp-p2", lane, [])[0].endswith(", every variant eager, in rounds")
     # the CPU record is as it was: no rule, and the lane would list such a step as outside it
     cpu = {k: v for k, v in DDP_CFG.items() if k != "launch"}
     plain = bucketing.record(dict(result, spread=None), cpu, [])
@@ -119,6 +119,11 @@ def test_bench_sharded_on_gpus_times_every_contender_in_rounds_and_measures_memo
     said = {k: v for k, v in steps_gpu.fields().items() if k in gpu_record.RULE_FIELDS}
     assert gpu_record.step_rule(lane) == {"per file": {path.name: said}}
     assert gpu_record.lane_rule([dict(step="lesson10", data=lane)])["outside"] == []
+    record = lane[path.name]
+    for r in record["rows"]:           # what a GPU's run holds besides: the allocator's peaks
+        r["max_memory_allocated"] = [2.0, 3.0]
+    line = gpu_record.headline("lesson10", lane, [])[0]
+    assert "ZeRO-3 (ring) ÷ FSDP2 (every contender eager, in rounds): step" in line
     # a record of checks that does not say it times nothing, or a folder of checks alone, names no rule
     assert gpu_record.step_rule({**lane, "10-sharded-gpu-checks.json": {"checks": {}}}) is None
     assert gpu_record.step_rule({"10-sharded-gpu-checks.json": checks}) is None

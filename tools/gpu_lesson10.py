@@ -215,8 +215,8 @@ def main(argv=None) -> int:
     record["failed"] = failed
     (out / "10-sharded-gpu-checks.json").write_text(json.dumps(record, indent=1) + "\n")
     print("every check holds its standard" if not failed else "FAILED: " + "; ".join(failed))
-    bench = [sys.executable, "-m", "collectives", "bench-sharded", "--backend", "nccl", "--out", str(out),
-             "--img", str(out / "img"), *args.bench_args.split()]
+    bench = [sys.executable, "-m", "collectives", "bench-sharded", "--backend", "nccl", "--world", str(n),
+             "--out", str(out), "--img", str(out / "img"), *args.bench_args.split()]
     print(" ".join(bench))
     code = subprocess.run(bench, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}).returncode
     return code or (1 if failed else 0)

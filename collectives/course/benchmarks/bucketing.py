@@ -173,6 +173,9 @@ def _render(result: dict, cfg: dict) -> None:
                   f"{paired['per-gradient / reducer']:.2f}× per round (the reducer's speed-up; "
                   f"target ≥ 1.15 where communication matters)")
     console.print(f"reducer buckets: {result['buckets']}; {cfg['steps']} rounds, one step of each variant per round")
+    if cfg.get("launch"):
+        console.print("the rule for fair GPU comparisons: every variant eager and untraced, in turn each round, "
+                      "CUDA events, the slowest rank's")
 
 
 def paired_ratios(times: dict) -> dict:
