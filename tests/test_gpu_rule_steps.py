@@ -62,7 +62,7 @@ def test_training_steps_are_timed_once_per_round_in_turn_and_a_broken_one_is_nam
     assert out["broken"] == "training steps that could not be timed: broken: no"
     with pytest.raises(ValueError, match="at least 1"):
         steps_gpu.in_rounds({}, 0, torch.device("cpu"))
-    assert steps_gpu.fields() == rule.fields("eager", "copied", [])
+    assert steps_gpu.fields() == dict(rule.fields("eager", "copied", []), why_eager=steps_gpu.NO_GRAPH)
 
 
 def test_bench_ddp_on_gpus_times_every_variant_untraced_in_rounds_and_names_the_rule(world):
@@ -75,7 +75,8 @@ def test_bench_ddp_on_gpus_times_every_variant_untraced_in_rounds_and_names_the_
         assert result["diff"][v] <= 1e-5, (v, result["diff"])
     assert world[1]["ddp"]["times"] == result["times"]       # every rank keeps the slowest rank's times
     saved = bucketing.record(result, DDP_CFG, ["--backend", "nccl", "--launch", "eager"])
-    assert saved["rule"] == rule.fields("eager", "copied", []) and saved["command"].endswith("--launch eager")
+    assert saved["rule"] == steps_gpu.fields() and saved["command"].endswith("--launch eager")
+    assert saved["rule"]["launch"] == "eager" and saved["rule"]["inputs"] == "copied" and saved["rule"]["untraced"]
     lane = {"bench-ddp-mlp-nccl-p2.json": json.loads(json.dumps(saved))}
     assert gpu_record.step_rule(lane)["per file"]["bench-ddp-mlp-nccl-p2.json"]["launch"] == "eager"
     assert gpu_record.headline("ddp-p2", lane, [])[0].endswith(", every variant eager, in rounds")
@@ -111,7 +112,7 @@ def test_bench_sharded_on_gpus_times_every_contender_in_rounds_and_measures_memo
                               batch=4, iters=2)
     result = sharded.run(args, [])
     assert called == [(sharded._rule_in_rank, rule.rank_env("eager"))]
-    assert result["rule"] == rule.fields("eager", "copied", []) and result["world_size"] == 2
+    assert result["rule"] == steps_gpu.fields() and result["world_size"] == 2
     assert [r["spread"] for r in result["rows"]] == [r["spread"] for r in rows[0]]
     path = sharded.write(args, ["--backend", "nccl"], result, tmp_path, None)
     checks = {"meta": {}, "timed": False, "checks": {"2": [{"ZeRO-3 (ring) vs DDP": {"bit_equal": True}}]}}

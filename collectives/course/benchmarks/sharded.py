@@ -383,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--iters", type=int, default=5, help="timed steps (median)")
+    parser.add_argument("--iters", type=int, default=5,
+                        help="timed steps (median); on GPUs, rounds of one step per contender")
     parser.add_argument("--only", default="", help="contenders, comma-separated: " + ",".join(NAMES))
     parser.add_argument("--out", default=str(DATA), help="folder of the JSON record (default docs/data)")
     parser.add_argument("--img", default="", help="folder of the page's figure and claims (e.g. docs/img)")

@@ -64,5 +64,6 @@ def in_rounds(steps: dict[str, Callable[[], object]], rounds: int, device: torch
 
 
 def fields() -> dict:
-    """The record's words on the rule (:func:`~gpu_timing.fields`): eager, copied, nothing skipped."""
-    return rule.fields(LAUNCH, INPUTS, [])
+    """The record's words on the rule (:func:`~gpu_timing.fields`): eager, copied, nothing
+    skipped, and why no contender is replayed (``why_eager``)."""
+    return dict(rule.fields(LAUNCH, INPUTS, []), why_eager=NO_GRAPH)
