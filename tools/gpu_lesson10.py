@@ -9,7 +9,10 @@ and bf16 with fp32 masters), torch's DDP, and lesson 10's ZeRO-3 (ring and torch
 collectives, and bf16), ZeRO-1 and ZeRO-2; the largest parameter difference of each
 against torch's, and whether the bits are equal (``DIR/10-sharded-gpu-checks.json``). Then
 ``bench-sharded --backend nccl`` on all the GPUs (``DIR/10-sharded-nccl.json``, and the
-page's figure and claims under ``DIR/img``). Every record names the device, the GPU count,
+page's figure and claims under ``DIR/img``): its step times under the rule for fair GPU
+comparisons (every contender eager and untraced, interleaved rounds; the record's ``rule``),
+its peak memory measured with each contender alone. The checks' record times nothing
+(``gpu_timing.compares_nothing()``). Every record names the device, the GPU count,
 torch and NCCL versions, the date, the command and the git commit.
 
 NVLink SHARP (multicast) stays off: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
@@ -37,6 +40,7 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from collectives import launch  # noqa: E402
+from collectives.course.benchmarks.gpu_timing import compares_nothing  # noqa: E402
 from collectives.sharded import FSDP, MixedPrecision, ZeRO  # noqa: E402
 
 STEPS = 3
@@ -197,7 +201,7 @@ def main(argv=None) -> int:
         print("no GPU: nothing to do")
         return 1
     n = torch.cuda.device_count() if not args.max_gpus else min(args.max_gpus, torch.cuda.device_count())
-    record = {"meta": _meta(argv), "checks": {}}
+    record = {"meta": _meta(argv), **compares_nothing(), "checks": {}}     # values checked; bench-sharded times
     for p in range(1, n + 1):
         try:
             record["checks"][p] = launch.run(_checks, p, backend="nccl", timeout=600)
@@ -212,8 +216,8 @@ def main(argv=None) -> int:
     record["failed"] = failed
     (out / "10-sharded-gpu-checks.json").write_text(json.dumps(record, indent=1) + "\n")
     print("every check holds its standard" if not failed else "FAILED: " + "; ".join(failed))
-    bench = [sys.executable, "-m", "collectives", "bench-sharded", "--backend", "nccl", "--out", str(out),
-             "--img", str(out / "img"), *args.bench_args.split()]
+    bench = [sys.executable, "-m", "collectives", "bench-sharded", "--backend", "nccl", "--world", str(n),
+             "--out", str(out), "--img", str(out / "img"), *args.bench_args.split()]
     print(" ".join(bench))
     code = subprocess.run(bench, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}).returncode
     return code or (1 if failed else 0)

@@ -116,8 +116,9 @@ for part in $PARTS; do case $part in
     for p in $COUNTS; do
       pin=$([ "$p" = 2 ] && echo on2)
       # 60 rounds: the reducer and DDP differ by less than one run's noise over 20 (±3 %)
+      # every variant eager and untraced, one step of each per round (a training step is not replayed)
       $pin step "ddp-p$p" 200 $PY -m collectives bench-ddp --backend nccl --world "$p" --steps 60 \
-          --out "$OUT/steps/ddp-p$p"
+          --launch eager --out "$OUT/steps/ddp-p$p"
     done ;;
   hier)
     for p in $COUNTS; do

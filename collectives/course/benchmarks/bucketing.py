@@ -18,6 +18,11 @@ variants so that drift in the machine's speed hits all of them alike.
 Bucket layouts: torch DDP given an explicit ``bucket_cap_mb`` uses that cap for its first
 bucket too, so the reducer is given ``first_bucket_cap_mb = bucket_cap_mb`` here
 (``--first-bucket-cap-mb`` to change it): both reduce the same buckets.
+
+On GPUs (``--backend nccl``) the steps follow the course's rule for fair GPU comparisons
+(:mod:`.steps_gpu`): every variant eager, the rank untraced so that the reducer's calls are
+NCCL's own, one step of each per round in turn, each timed between CUDA events (the slowest
+rank's), the median and spread of the rounds; the record names its ``rule``.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from ...bucketing import BucketedReducer, make_model
 from ...core import launch, timing, trace
 from .. import verify
 from ..site.claims import host
+from . import steps_gpu
 
 VARIANTS = ("bucketed reducer", "torch DDP", "per-gradient after backward")
 EXERCISE = "bucketed reducer (exercise)"     # --impl exercise: the student's BucketedReducer
@@ -99,7 +105,7 @@ def _max_param_diff(a, b) -> float:
 
 def run_rank(cfg: dict) -> dict:
     """On every rank: build the three variants, check they agree, time their steps."""
-    trace.uninstall()    # measure a plain program: no per-call tracing overhead
+    steps_gpu.untrace()  # measure a plain program: the reducer's calls are the backend's own, untraced
     device = verify.rank_device()
     torch.manual_seed(0)
     base = make_model(cfg["model"], **cfg["sizes"]).to(device)
@@ -126,14 +132,19 @@ def run_rank(cfg: dict) -> dict:
         for variant in variants:
             steps[variant]()
     diff = {v: _max_param_diff(models[v], models["torch DDP"]) for v in variants}
-    times = {v: [] for v in variants}
-    n = len(variants)
-    for r in range(cfg["steps"]):          # one step of each per round, starting variant rotated
-        for variant in variants[r % n:] + variants[:r % n]:
-            times[variant] += timing.measure(steps[variant], warmup=0, iters=1, device=device)
+    times, under_rule = {v: [] for v in variants}, {}
+    if cfg.get("launch"):                  # on GPUs: the rule's interleaved rounds (steps_gpu)
+        timed = steps_gpu.in_rounds({v: steps[v] for v in variants}, cfg["steps"], device)
+        times = {v: timed[v]["times"] for v in variants}
+        under_rule = dict(spread={v: timed[v]["spread"] for v in variants}, traced=trace.installed())
+    else:
+        n = len(variants)
+        for r in range(cfg["steps"]):      # one step of each per round, starting variant rotated
+            for variant in variants[r % n:] + variants[:r % n]:
+                times[variant] += timing.measure(steps[variant], warmup=0, iters=1, device=device)
     grads = sum(p.numel() * p.element_size() for p in base.parameters())
     return dict(times=times, diff=diff, buckets=len(reducer.buckets), grad_bytes=grads,
-                tensors=len(list(base.parameters())), device=str(device), missing=missing)
+                tensors=len(list(base.parameters())), device=str(device), missing=missing, **under_rule)
 
 
 def _render(result: dict, cfg: dict) -> None:
@@ -162,6 +173,9 @@ def _render(result: dict, cfg: dict) -> None:
                   f"{paired['per-gradient / reducer']:.2f}× per round (the reducer's speed-up; "
                   f"target ≥ 1.15 where communication matters)")
     console.print(f"reducer buckets: {result['buckets']}; {cfg['steps']} rounds, one step of each variant per round")
+    if cfg.get("launch"):
+        console.print("the rule for fair GPU comparisons: every variant eager and untraced, in turn each round, "
+                      "CUDA events, the slowest rank's")
 
 
 def paired_ratios(times: dict) -> dict:
@@ -187,27 +201,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="bench-results", help="directory for the JSON")
     parser.add_argument("--impl", choices=("reference", "exercise"), default="reference",
                         help="exercise: also time the BucketedReducer of your lessons/06_bucketing/exercise.py")
+    parser.add_argument("--launch", choices=steps_gpu.rule.LAUNCHES, default=None,
+                        help="on GPUs, how every variant is launched: eager (the default there; graph is refused)")
     args = parser.parse_args(argv)
+    if args.launch is not None and args.backend != "nccl":
+        parser.error("--launch is for --backend nccl (GPUs)")
+    if args.launch == "graph":
+        parser.error(steps_gpu.NO_GRAPH)
     cfg = dict(world=args.world, backend=args.backend, bucket_cap_mb=args.bucket_cap_mb, impl=args.impl,
                first_bucket_cap_mb=args.first_bucket_cap_mb or args.bucket_cap_mb,
                steps=args.steps, warmup=args.warmup, model=args.model,
                sizes=MODELS[args.model]["sizes"], batch=args.batch or MODELS[args.model]["batch"])
+    if args.backend == "nccl":
+        cfg["launch"] = steps_gpu.LAUNCH
     if args.backend == "gloo":
         importlib.import_module("torch._dynamo")  # DDP imports it on first use (3 s): once, before forking
-    result = launch.run(run_rank, args.world, args=(cfg,), backend=args.backend, timeout=600)[0]
+    env = {"env": steps_gpu.rule.rank_env(steps_gpu.LAUNCH)} if args.backend == "nccl" else {}
+    result = launch.run(run_rank, args.world, args=(cfg,), backend=args.backend, timeout=600, **env)[0]
     _render(result, cfg)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"bench-ddp-{args.model}-{args.backend}-p{args.world}.json")
     with open(path, "w") as f:
-        json.dump(dict(config=cfg, result=result, paired=paired_ratios(result["times"]),
-                       median={v: timing.median(xs) for v, xs in result["times"].items()},
-                       python=platform.python_version(), **host(),
-                       date=datetime.datetime.now().isoformat(timespec="seconds"),
-                       command=".venv/bin/python -m collectives bench-ddp "
-                       + " ".join(argv if argv is not None else sys.argv[1:])),
-                  f, indent=1)
+        json.dump(record(result, cfg, argv if argv is not None else sys.argv[1:]), f, indent=1)
     print(f"wrote {path}")
     return 0
+
+
+def record(result: dict, cfg: dict, argv: list[str]) -> dict:
+    """The JSON record of a run; on GPUs with the rule's fields (``rule``: launch, inputs, ...)."""
+    said = {"rule": steps_gpu.fields()} if cfg.get("launch") else {}
+    return dict(config=cfg, result=result, paired=paired_ratios(result["times"]),
+                median={v: timing.median(xs) for v, xs in result["times"].items()}, **said,
+                python=platform.python_version(), **host(),
+                date=datetime.datetime.now().isoformat(timespec="seconds"),
+                command=".venv/bin/python -m collectives bench-ddp " + " ".join(argv))
 
 
 # ---- the lab's experiments (run on every rank; plain data back) -------------------------

@@ -16,7 +16,8 @@ the peak of live tensor bytes above the start of one more step
 (:class:`~collectives.core.live_bytes.LiveBytes`, on CPU and GPU alike; on GPUs also
 ``torch.cuda.max_memory_allocated`` over the training steps after the first, above what was
 allocated before the contender was built: not the full model made before it is sharded, nor
-the first step, which builds the optimizer state).
+the first step, which builds the optimizer state). On GPUs the step times follow the rule for
+fair GPU comparisons (:mod:`.steps_gpu`); the memory is measured with each contender alone.
 
 ``--cluster`` runs on a simulated cluster (:class:`~collectives.core.cluster.Cluster`,
 needs root) and sets hybrid sharding (ZeRO-3 inside a machine, the gradient shards
@@ -39,13 +40,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...core import launch, live_bytes, netns, ops
+from ...core import launch, live_bytes, netns, ops, trace
 from ...core.cost import AlphaBeta, TwoTier
 from ...hierarchical.cost import DEFAULT_TIERS
 from ...sharded import FSDP, ZeRO, hybrid_groups, optimizer_state_bytes, tensor_bytes
 from ...sharded import cost as scost
 from ..catalog import ROOT
 from ..site import claims, plots
+from . import steps_gpu
 
 DATA = ROOT / "docs" / "data"
 NAMES = {"ddp": "torch DDP", "fsdp2": "torch FSDP2", "zero1": "ZeRO-1", "zero2": "ZeRO-2",
@@ -154,6 +156,20 @@ def _bench_in_rank(names, layers, width, batch, iters, backend, hybrid_rpm=2) ->
     return rows
 
 
+def _rule_in_rank(names, layers, width, batch, iters, backend) -> list[dict]:
+    """On GPUs: each contender's memory measured alone (:func:`_bench_in_rank`), then all built
+    again, side by side, and their steps timed in ``iters`` rounds (:func:`.steps_gpu.in_rounds`)."""
+    steps_gpu.untrace()
+    rows = _bench_in_rank(names, layers, width, batch, iters, backend)
+    device = _device(backend)
+    x = torch.randn(batch, width, generator=torch.Generator().manual_seed(dist.get_rank())).to(device)
+    built = {name: _contender(name, layers, width, device, 2)[:2] for name in names}
+    timed = steps_gpu.time_steps(built, x, iters, device)
+    for row in rows:
+        row.update(timed[row["name"]], traced=trace.installed())
+    return rows
+
+
 def _settled(device, base: int | None, patience: float = 5.0) -> int:
     """Bytes allocated on ``device`` once the earlier contender's memory is released (0 on CPU).
 
@@ -206,7 +222,7 @@ def predictions(psi_bytes: float, machines: int, rpm: int, link: str) -> dict:
 
 
 def run(args, argv) -> dict:
-    p = args.world
+    p = args.world or 4
     if args.cluster:
         from ...core.cluster import Cluster
         names = ["ddp", "full", "hybrid"]
@@ -220,11 +236,15 @@ def run(args, argv) -> dict:
         names = args.only.split(",") if args.only else ["ddp", "fsdp2", "zero1", "zero2", "zero3", "zero3_torch"]
         if not args.only and args.backend == "nccl":   # on CPU there is no stream to order by: the same row
             names.append("zero3_torch_so")
-        if args.backend == "nccl":
+        nccl = args.backend == "nccl"
+        if nccl and not args.world:
             p = torch.cuda.device_count()
-        rows = launch.run(_bench_in_rank, p, args=(names, args.layers, args.width, args.batch, args.iters,
-                                                   args.backend), backend=args.backend, timeout=1800)
+        rows = launch.run(_rule_in_rank if nccl else _bench_in_rank, p,
+                          args=(names, args.layers, args.width, args.batch, args.iters, args.backend),
+                          backend=args.backend, timeout=1800,
+                          **({"env": steps_gpu.rule.rank_env(steps_gpu.LAUNCH)} if nccl else {}))
     # a step lasts as long as its slowest rank: each contender's time is the slowest rank's median
+    # (under the rule every rank's rounds are already the slowest rank's, kept with their spread)
     out = []
     for k, name in enumerate(names):
         per_rank = [r[k] for r in rows]
@@ -234,10 +254,14 @@ def run(args, argv) -> dict:
                         max_memory_allocated=[r.get("max_memory_allocated") for r in per_rank],
                         allocated=[{k: r.get(f"allocated_{k}") for k in ("before", "steady", "after")}
                                    for r in per_rank]))
+        if "spread" in per_rank[0]:
+            out[-1].update(spread=per_rank[0]["spread"], times=per_rank[0]["times"])
     psi = sum(q.numel() for q in make_model(args.layers, args.width, "cpu").parameters())
     result = dict(world_size=p, layers=args.layers, width=args.width, batch=args.batch, iters=args.iters,
                   psi=psi, backend=args.backend, rows=out,
                   formula={s: scost.memory_bytes(psi, p, s, scost.FP32_ADAM) for s in (0, 1, 2, 3)})
+    if args.backend == "nccl":
+        result["rule"] = steps_gpu.fields()
     if args.cluster:
         result.update(cluster=dict(machines=args.machines, ranks_per_machine=args.ranks_per_machine, link=args.link),
                       predicted_comm_seconds=predictions(4 * psi, args.machines, args.ranks_per_machine, args.link))
@@ -344,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(argv or [])
     parser = argparse.ArgumentParser(prog=".venv/bin/python -m collectives bench-sharded",
                                      description=__doc__.split("\n")[0])
-    parser.add_argument("--world", type=int, default=4, help="local ranks (gloo)")
+    parser.add_argument("--world", type=int, default=None,
+                        help="local ranks (default: 4 on gloo, every GPU of this host on nccl)")
     parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     parser.add_argument("--cluster", action="store_true", help="the simulated cluster (needs root)")
     parser.add_argument("--machines", type=int, default=2)
@@ -353,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--iters", type=int, default=5, help="timed steps (median)")
+    parser.add_argument("--iters", type=int, default=5,
+                        help="timed steps (median); on GPUs, rounds of one step per contender")
     parser.add_argument("--only", default="", help="contenders, comma-separated: " + ",".join(NAMES))
     parser.add_argument("--out", default=str(DATA), help="folder of the JSON record (default docs/data)")
     parser.add_argument("--img", default="", help="folder of the page's figure and claims (e.g. docs/img)")
