@@ -3,7 +3,6 @@
 ``bench-alltoall`` and ``tools/gpu_probe.py`` run eagerly under gloo -- the same code a GPU
 runs, its checks, its interleaved rounds and its record."""
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,8 @@ import torch.distributed as dist
 
 from collectives import launch, trace
 from collectives.course.benchmarks import gpu_timing as rule
+
+from .tools_import import tool
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -171,11 +172,7 @@ def test_bench_alltoall_refuses_the_rules_switches_off_gpus_and_names_a_replayed
 
 
 def test_the_lessons_target_compares_rows_of_one_run_only():
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import gpu_lesson11
-    finally:
-        sys.path.remove(str(ROOT / "tools"))
+    gpu_lesson11 = tool("gpu_lesson11")
     rows = [dict(name=name, nbytes=n, seconds=s) for n, times in (
         (1 << 20, {"dist.all_to_all_single": 1.0, "linear": 2.0}),
         (64 << 20, {"dist.all_to_all_single": 8.0, "linear": 10.0, "pairwise": 9.0,
@@ -215,12 +212,7 @@ def test_a_probe_times_each_launch_in_rounds_of_its_own_and_compares_a_column_wi
 
 def test_the_probes_import_without_a_gpu_and_follow_the_rule_in_every_rank():
     import ast
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import gpu_fused_profile
-        import gpu_probe
-    finally:
-        sys.path.remove(str(ROOT / "tools"))
+    gpu_fused_profile, gpu_probe = tool("gpu_fused_profile"), tool("gpu_probe")
     profile = (ROOT / "tools" / "gpu_fused_profile.py").read_text()
     assert "rule.both_launches(" in profile and callable(gpu_fused_profile.main)
     source = (ROOT / "tools" / "gpu_probe.py").read_text()

@@ -4,8 +4,6 @@ gloo in one world with the trace installed -- the same code a GPU runs: NCCL's s
 directly, the rank untraced, every contender timed in interleaved rounds, the records naming
 the rule -- and the lane's record accepting each step's JSON."""
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,12 +12,9 @@ from collectives import launch, trace
 from collectives.course.benchmarks import debugging, sparse, sparse_gpu
 from collectives.course.benchmarks import gpu_timing as rule
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-try:
-    import gpu_record
-finally:
-    sys.path.remove(str(ROOT / "tools"))
+from .tools_import import tool
+
+gpu_record = tool("gpu_record")
 
 
 def _both_in_one_world():

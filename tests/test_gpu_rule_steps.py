@@ -6,8 +6,6 @@ records name the rule and the GPU lane's record accepts them."""
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,12 +16,9 @@ from collectives import launch, trace
 from collectives.course.benchmarks import bucketing, sharded, steps_gpu
 from collectives.course.benchmarks import gpu_timing as rule
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-try:
-    import gpu_record
-finally:
-    sys.path.remove(str(ROOT / "tools"))
+from .tools_import import tool
+
+gpu_record = tool("gpu_record")
 
 DDP_CFG = dict(world=2, backend="gloo", bucket_cap_mb=0.01, first_bucket_cap_mb=0.01, steps=3, warmup=2,
                model="mlp", sizes=dict(width=16, depth=2), batch=4, impl="reference", launch="eager")

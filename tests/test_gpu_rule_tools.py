@@ -5,8 +5,6 @@ GPU runs: every contender checked, the rank untraced, NCCL's side called directl
 
 import argparse
 import ast
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,14 +15,10 @@ from collectives.course.benchmarks import allreduce as bench
 from collectives.course.benchmarks import gpu_timing as rule
 from collectives.course.site import targets
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-try:
-    import gpu_hierarchical
-    import gpu_record
-    import gpu_ring_check
-finally:
-    sys.path.remove(str(ROOT / "tools"))
+from .tools_import import TOOLS, tool
+
+gpu_hierarchical, gpu_record, gpu_ring_check = (tool(name) for name in ("gpu_hierarchical", "gpu_record",
+                                                                          "gpu_ring_check"))
 
 
 def _three_in_one_world():
@@ -125,17 +119,12 @@ def test_bench_on_nccl_times_every_contender_in_rounds_untraced_and_its_record_n
 
 
 def _charts_meta():
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import bench_charts
-    finally:
-        sys.path.remove(str(ROOT / "tools"))
-    return bench_charts.META
+    return tool("bench_charts").META
 
 
 def test_once_the_rule_applies_nccl_is_called_directly_and_nothing_is_timed_one_run_at_a_time():
     for path, name in (("tools/gpu_ring_check.py", "in_rank"), ("tools/gpu_hierarchical.py", "_rank")):
-        source = (ROOT / path).read_text()
+        source = (TOOLS.parent / path).read_text()
         body = ast.get_source_segment(source, next(n for n in ast.parse(source).body
                                                    if isinstance(n, ast.FunctionDef) and n.name == name))
         timed = body[body.index("rule.untrace_rank()"):]
