@@ -1,8 +1,8 @@
 """Lesson 13's grader fails natural mistakes, naming them, and passes a student's own solution.
 
 ``tests/mistakes/lesson13_*.py`` are whole exercises: ``lesson13_none`` every task solved
-the way a student would write it (not the reference's code), ``lesson13_mistakes_a`` and
-``_b`` the same with one natural mistake in every task. Each mistake must cost its task,
+the way a student would write it (not the reference's code); ``lesson13_mistakes_a`` and
+``_b`` import it and redefine every task's functions with one natural mistake in each. Each mistake must cost its task,
 with a message that names it; the student's solution must score in full.
 (``tests/test_grader.py`` checks the stubs, the reference and every partial solution.)
 """

@@ -1,13 +1,14 @@
 """Lesson 14's grader fails the natural mistakes, each with a message that names it.
 
-``lesson14_mistakes_a`` and ``_b`` in ``tests/mistakes/`` are the whole exercise written as
-the reference writes it, with one mistake a student makes planted in every task, so that
+``lesson14_mistakes_a`` and ``_b`` in ``tests/mistakes/`` import the exercise written as the
+reference writes it (``tests/solutions/lesson14_written.py``) and redefine every task's
+function with one mistake a student makes planted in it, so that
 one grading run judges five: the shape sent before every activation, a stage's input sent
 on as its output, the loss gradient not divided by m, the backward run last micro-batch
 first, a warm-up that deadlocks, one forward too many, the full backward where the schedule
 splits it, blocking sends that hang under 1F1B, W's that fill no gap, every forward first.
-Each must score nothing on its task, with the judge saying why; the fixtures without their
-mistakes (``tests/solutions/lesson14_written.py``) pass every task.
+Each must score nothing on its task, with the judge saying why; the solution they import
+passes every task.
 """
 
 import pytest

@@ -1,4 +1,5 @@
-"""Whole exercise files with natural mistakes (and cheats) planted, one per task they target.
+"""Exercise files with natural mistakes (and cheats) planted, one per task they target: whole
+files, or (lessons 13 and 14) a solved exercise imported and the mistaken functions redefined.
 
 Each ``lessonNN_*.py`` says in its docstring which slip sits in which task; the lesson's
 grader test (``tests/test_grader_lessonNN.py``) grades it and holds every planted task to 0

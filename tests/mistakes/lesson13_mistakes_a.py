@@ -1,45 +1,6 @@
-"""Lesson 13 exercise: tensor and sequence parallelism, from the operators up to async TP.
-
-Five tasks. The first writes Megatron's two conjugate operators as autograd functions (f:
-identity forward, all-reduce backward; g: the mirror); the second builds the column- and
-row-parallel linear layers on them; the third is sequence parallelism's pair (all-gather
-forward / reduce-scatter backward, and its mirror); the fourth is the vocabulary-parallel
-cross-entropy, whose logits are never gathered; the fifth is async TP's all-gather →
-matmul, cut into p pieces, each piece's transfer running while the piece before it is
-multiplied.
-
-Check your work:
-
-    make check LESSON=13                                                # one PASS/FAIL line per task
-    .venv/bin/python lessons/13_tensor_parallel/exercise.py --task 2 --verbose    # one task, every problem
-    .venv/bin/torchrun --nproc-per-node 4 lessons/13_tensor_parallel/exercise.py  # the same, under torchrun
-    make grade LESSON=13                                                # the same verdicts, as points
-
-The checks are the grader's own judges, run outside your ranks: weights, inputs and
-gradients are drawn at random on every run, and every message you send is recorded where
-your code cannot reach it. Use lesson 4's ring (below), not ``dist.*`` collectives.
-
-Course functions you may call (the sheet is checked against the code):
-
-    collectives.ring.ring_all_reduce(tensor, op=ReduceOp.SUM, group=None) -> None
-        All-reduce ``tensor`` in place: ring reduce-scatter, then ring all-gather.
-    collectives.ring.ring_all_gather(output, input, group=None) -> None
-        ``output`` ← every rank's ``input``, concatenated in rank order.
-    collectives.ring.ring_reduce_scatter(output, input, op=ReduceOp.SUM, group=None) -> None
-        ``output`` ← chunk ``rank`` of the reduction of every rank's ``input`` (input
-        unchanged).
-    ops.group_rank_and_size(group=None) -> tuple[int, int]
-        This rank's index in ``group`` and the group's size (the world when ``group`` is
-        None).
-    ops.global_rank(group, group_rank) -> int
-        The global rank of ``group_rank`` in ``group``: what ``send``/``recv`` take.
-    ops.sendrecv(send_buf, dst, recv_buf, src, group=None, *, post_empty=False)
-        Post a receive of ``recv_buf`` from ``src`` and a send of ``send_buf`` to ``dst``;
-        return the ``(receive, send)`` handles. ``dst``/``src`` are global ranks.
-
-The reference is ``collectives/tensor_parallel/`` (``steps.py`` for these five); the lesson
-page is docs/lessons/13-tensor-parallel.md.
-"""
+"""Lesson 13 exercise, natural mistakes (set A): every task as ``lesson13_none`` writes it
+(imported below), but for the functions defined here, each with the one mistake the comment
+above them names (and those that call them, unchanged)."""
 
 from __future__ import annotations
 
@@ -53,24 +14,14 @@ from collectives import ops  # noqa: F401
 from collectives.core.ops import ReduceOp  # noqa: F401
 from collectives.course.grading.runner import run_tasks
 from collectives.ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter  # noqa: F401
-
-LESSON = 13
+from tests.mistakes.lesson13_none import *  # noqa: F401,F403 - every task as written there, but:
+from tests.mistakes.lesson13_none import _scatter1  # noqa: F401
 
 # Every task right but for one natural mistake each: g's backward sums the gradient; the row layer adds its bias
 # before the sum; the sequence gathered flat; no max before exp; the transfer waited for before the matmul.
 
 
-class _Copy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        out = grad.contiguous().clone()
-        ring_all_reduce(out, group=ctx.group)
-        return out, None
+LESSON = 13
 
 
 class _Reduce(torch.autograd.Function):
@@ -88,16 +39,8 @@ class _Reduce(torch.autograd.Function):
         return out, None
 
 
-def copy_to_parallel(x, group=None):
-    return _Copy.apply(x, group)
-
-
 def reduce_from_parallel(x, group=None):
     return _Reduce.apply(x, group)
-
-
-def column_parallel_linear(x, weight, bias, group=None):
-    return F.linear(copy_to_parallel(x, group), weight, bias)
 
 
 def row_parallel_linear(x, weight, bias, group=None):
@@ -109,14 +52,6 @@ def _gather1(x, group):
     out = x.new_empty((x.shape[0], p * x.shape[1]) + tuple(x.shape[2:]))
     ring_all_gather(out, x.detach().contiguous(), group=group)  # the mistake: gathered flat, batch interleaved
     return out
-
-
-def _scatter1(x, group):
-    p = ops.group_rank_and_size(group)[1]
-    front = x.detach().movedim(1, 0).contiguous()
-    out = front.new_empty((front.shape[0] // p,) + tuple(front.shape[1:]))
-    ring_reduce_scatter(out, front, group=group)
-    return out.movedim(0, 1)
 
 
 class _Gather(torch.autograd.Function):

@@ -9,45 +9,6 @@ that names it:
             while rank 1 waits for its activation, a deadlock
     task 4: B always runs the full backward (stage.backward) and the W steps are skipped
     task 5: each W runs at once after its B: no W is left to fill the gaps
-
-Original header follows.
-
-Lesson 14 exercise: pipeline parallelism from send and recv.
-
-Five functions, five tasks. Rank r of p holds stage r of a model cut into p stages (a
-``Stage``, handed to you); micro-batches enter at rank 0 and their targets wait at rank
-p − 1; every other rank is handed lists of m ``None``. A stage has four steps:
-
-    stage.forward(x, mb) -> y                F: keeps what the backward needs
-    stage.backward(grad_y, mb) -> grad_x     B and W at once: the plain backward
-    stage.backward_input(grad_y, mb) -> grad_x    B alone: the input gradient
-    stage.backward_weight(mb)                W alone: adds the weight gradients
-    stage.loss_grad(y, target, m) -> grad_y  where the last stage's backward starts
-    stage.loss_value(y, target, m) -> float  that micro-batch's loss
-    stage.output_shape(input_shape) -> tuple, stage.weights[0][0].dtype  (the activations' dtype)
-
-Check your work:
-
-    make check LESSON=14                                          # one PASS/FAIL line per task
-    .venv/bin/python lessons/14_pipeline/exercise.py --task 1 --verbose    # one task, every problem
-    .venv/bin/torchrun --nproc-per-node 4 lessons/14_pipeline/exercise.py  # the same, under torchrun
-    make grade LESSON=14                                          # the same verdicts, as points
-
-The checks are the grader's own judges, run outside your ranks, on weights and inputs drawn
-at random on every run; every message you send is recorded where your code cannot reach it
-and must carry what the design says (the activation of that micro-batch, its gradient),
-no more and no fewer messages. Only ``send``/``recv`` (and ``isend``/``irecv``): no
-library collective.
-
-Course functions you may call (the sheet is checked against the code):
-
-    ops.group_rank_and_size(group=None) -> tuple[int, int]
-        This rank's index in ``group`` and the group's size (the world when ``group`` is
-        None).
-    ops.global_rank(group, group_rank) -> int
-        The global rank of ``group_rank`` in ``group``: what ``send``/``recv`` take.
-
-The reference is ``collectives/pipeline/``; the lesson page is docs/lessons/14-pipeline.md.
 """
 
 from __future__ import annotations
@@ -57,20 +18,10 @@ import torch.distributed as dist
 
 from collectives import ops
 from collectives.course.grading.runner import run_tasks
+from tests.solutions.lesson14_written import *  # noqa: F401,F403 - every task as written there, but:
+from tests.solutions.lesson14_written import SHAPE_SLOTS, shape_from, shape_message  # noqa: F401
 
 LESSON = 14
-SHAPE_SLOTS = 4
-
-
-def shape_message(shape) -> torch.Tensor:
-    """Given: the int64 tensor that tells the next stage an activation's shape,
-    ``[ndim, d0, d1, d2]`` (unused slots 0)."""
-    return torch.tensor([len(shape), *shape] + [0] * (SHAPE_SLOTS - 1 - len(shape)), dtype=torch.int64)
-
-
-def shape_from(message: torch.Tensor) -> tuple[int, ...]:
-    """Given: the shape a :func:`shape_message` carries."""
-    return tuple(int(d) for d in message[1:1 + int(message[0])])
 
 
 def pipeline_forward(stage, micro_batches: list, group=None) -> list[torch.Tensor]:
