@@ -100,6 +100,22 @@ def _packable(dtype: torch.dtype) -> bool:
     return dtype in (torch.float32, torch.float64)
 
 
+def _copies_by_destination(meta_a: torch.Tensor, recv_a: list[int], p: int, k: int, El: int) -> tuple:
+    """Step B's copies of the rows that arrived across (``meta_a``: each row's k experts, -1
+    where none, then its k slots; ``recv_a`` rows from each source): a copy per (row, choice)
+    for an expert on this machine, with its destination rank and its sort key (expert, source
+    rank, slot), ordered by destination. Returns (row, choice, dest, key)."""
+    dev = meta_a.device
+    source = torch.repeat_interleave(torch.arange(p, device=dev), torch.tensor(recv_a, device=dev))   # its source
+    experts, slots = meta_a[:, :k], meta_a[:, k:]
+    row, choice = torch.nonzero(experts >= 0, as_tuple=True)                   # row-major: token, then choice
+    e = experts[row, choice]
+    dest = e // El
+    key = ((e - dest * El) * p + source[row]) << SLOT_BITS | slots[row, choice]
+    by_dest = torch.argsort(dest, stable=True)
+    return row[by_dest], choice[by_dest], dest[by_dest], key[by_dest]
+
+
 def machines_needed(routing: Routing, experts_per_rank: int, D: int) -> torch.Tensor:
     """[T, k]: the machine of each kept choice's expert, −1 where the choice was dropped."""
     machine = routing.expert // experts_per_rank // D
@@ -150,14 +166,7 @@ def dedup_dispatch(x: torch.Tensor, routing: Routing, num_experts: int, layout: 
         rows_a = all_to_all_autograd(torch.cat(parts, dim=1), recv_a, send_a)
         meta_a = rows_a[:, H + k:].detach().to(torch.int64) if pack else _plain_all_to_all(meta, recv_a, send_a)
     # B. inside: a copy per choice on this machine, to its expert's rank, with its sort key
-    source = torch.repeat_interleave(torch.arange(p, device=dev), torch.tensor(recv_a, device=dev))   # its source
-    experts, slots = meta_a[:, :k], meta_a[:, k:]
-    row, choice = torch.nonzero(experts >= 0, as_tuple=True)                   # row-major: token, then choice
-    e = experts[row, choice]
-    dest = e // El
-    key = ((e - dest * El) * p + source[row]) << SLOT_BITS | slots[row, choice]
-    by_dest = torch.argsort(dest, stable=True)
-    row, choice, dest, key = row[by_dest], choice[by_dest], dest[by_dest], key[by_dest]
+    row, choice, dest, key = _copies_by_destination(meta_a, recv_a, p, k, El)
     send_b = torch.bincount(dest, minlength=p).tolist()
     with trace.label("dedup B: the counts"):
         recv_b = _counts_with(list(range(m * D, (m + 1) * D)), send_b, rank, p)
@@ -192,14 +201,7 @@ def _streamed(x, routing, layout, rank, chunks, a, pack, El):
         else:
             gates_a = all_to_all_autograd(gates.to(x.dtype), recv_a, send_a)
             meta_a = _plain_all_to_all(meta, recv_a, send_a)
-    source = torch.repeat_interleave(torch.arange(p, device=dev), torch.tensor(recv_a, device=dev))
-    experts, slots = meta_a[:, :k], meta_a[:, k:]
-    row, choice = torch.nonzero(experts >= 0, as_tuple=True)                   # row-major: token, then choice
-    e = experts[row, choice]
-    dest = e // El
-    key = ((e - dest * El) * p + source[row]) << SLOT_BITS | slots[row, choice]
-    by_dest = torch.argsort(dest, stable=True)
-    row, choice, dest, key = row[by_dest], choice[by_dest], dest[by_dest], key[by_dest]
+    row, choice, dest, key = _copies_by_destination(meta_a, recv_a, p, k, El)
     recv_m = [recv_a[mm * D + i] for mm in range(M)]
     bounds = torch.tensor([a for a, _ in segment_rows(m, recv_m, chunks)], device=dev)
     S = bounds.numel()
