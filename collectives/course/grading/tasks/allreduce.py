@@ -107,8 +107,6 @@ def judge_cases(run: Run, cases: list[Case], verdict: Verdict, *, what: str,
     one case, or None. ``same_bits``: random-float results must be the same bits on every
     rank of the group (``dist.all_reduce`` promises it; the naive ring does not).
     """
-    for problem in run.problems():
-        verdict.add(problem)
     for case in cases:
         ranks = list(case.group) if case.group is not None else list(range(run.size))
         p = len(ranks)

@@ -167,8 +167,6 @@ def _judge_collective(grading: Grading, name: str) -> Verdict:
         stub = next((result[NOT_WRITTEN] for result in run.results if NOT_WRITTEN in result), None)
         if stub is not None:
             return Verdict(not_written=stub.not_written)
-        for problem in run.problems():
-            verdict.add(problem)
         for case in cases_of(name, size):
             _judge_case(run, name, case, verdict)
             if len(verdict.problems) > 20:

@@ -121,8 +121,6 @@ def _judge_halves(grading: Grading, reduce: bool) -> Verdict:
     what = "ring_reduce_scatter" if reduce else "ring_all_gather"
     for size in grading.sizes(*SIZES):
         run = grading.world(f"{HERE}:probe_halves", size, reduce)
-        for problem in run.problems():
-            verdict.add(problem)
         for case in _halves_cases(size, reduce):
             numel, dtype, op, _, _, group = case
             ranks = list(group) if group is not None else list(range(size))

@@ -89,8 +89,6 @@ def probe_plan(probe: Probe) -> dict:
 def _judge_plan(grading: Grading) -> Verdict:
     verdict = Verdict()
     run = grading.world(f"{HERE}:probe_plan", 1)
-    for problem in run.problems():
-        verdict.add(problem)
     for name, specs, threshold, buffer in layout_cases(run.seed(0, "layouts")):
         where = f"plan_layout, world of 1, rank 0, case {name}"
         outcome = run.results[0][name]
@@ -184,8 +182,6 @@ def _judge_copies(grading: Grading) -> Verdict:
     verdict = Verdict()
     for size in grading.sizes(WORLD):
         run = grading.world(f"{HERE}:probe_copies", size)
-        for problem in run.problems():
-            verdict.add(problem)
         for rank in range(size):
             for name, tensors, buffer in copy_in_cases(run.seed(rank, "copy_in")):
                 where = f"copy_in, world of {size}, rank {rank}, case {name}"
@@ -331,8 +327,6 @@ def _view_record(view, buffer: torch.Tensor):
 def _judge_slots(grading: Grading) -> Verdict:
     verdict = Verdict()
     run = grading.world(f"{HERE}:probe_slots", 1)
-    for problem in run.problems():
-        verdict.add(problem)
     results = run.results[0]
     for name, buffer, shapes in slot_cases(run.seed(0, "slots")):
         where = f"slot_views, world of 1, rank 0, case {name}"

@@ -72,8 +72,6 @@ def judge_fused(grading: Grading) -> Verdict:
     verdict = Verdict()
     for size in grading.sizes(WORLD):
         run = grading.world(f"{HERE}:probe_fused", size)
-        for problem in run.problems():
-            verdict.add(problem)
         _judge_lists(run, verdict, "fused_all_reduce")
         if not verdict.problems and not verdict.not_written:
             harness = Run(run.size, run.secrets, [r["harness"] for r in run.results], run.calls, run.loose,
@@ -206,8 +204,6 @@ def judge_reducer(grading: Grading) -> Verdict:
     what = "FusedAllReducer"
     for size in grading.sizes(WORLD):
         run = grading.world(f"{HERE}:probe_reducer", size)
-        for problem in run.problems():
-            verdict.add(problem)
         for mode in MODES:
             _judge_lists(run, verdict, f"{what} (double_buffer={mode == 'double'})", prefix=f"{mode}: ")
             if verdict.not_written or verdict.problems:

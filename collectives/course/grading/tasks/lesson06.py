@@ -121,8 +121,6 @@ def probe_assign(probe: Probe) -> dict:
 def _judge_assign(grading: Grading) -> Verdict:
     verdict = Verdict()
     run = grading.world(f"{HERE}:probe_assign", 1)
-    for problem in run.problems():
-        verdict.add(problem)
     for name, tensors, cap, first, order in assign_cases(run.seed(0, "assign")):
         where = f"assign_buckets, world of 1, rank 0, case {name}"
         outcome = run.results[0][name]
@@ -296,8 +294,6 @@ def _judge_training(task: int):
         verdict = Verdict()
         for size in grading.sizes(WORLD):
             run = grading.world(f"{HERE}:probe_train", size, task)
-            for problem in run.problems():
-                verdict.add(problem)
             for plan in PLANS[task]:
                 _judge_one_plan(run, plan, task, verdict)
                 if verdict.not_written or len(verdict.problems) > MAX_PROBLEMS:

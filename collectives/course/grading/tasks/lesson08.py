@@ -89,8 +89,6 @@ def _magnitudes(x: torch.Tensor) -> torch.Tensor:
 def _judge_selection(grading: Grading) -> Verdict:
     verdict = Verdict()
     run = grading.world(f"{HERE}:probe_selection", 1)
-    for problem in run.problems():
-        verdict.add(problem)
     inputs = _selection_inputs(run.seed(0, "selection"))
     got = run.results[0]
     for key, value in got.items():
@@ -168,8 +166,6 @@ def _judge_allgather(grading: Grading) -> Verdict:
     verdict = Verdict()
     for size in grading.sizes(1, 2, 4):
         run = grading.world(f"{HERE}:probe_allgather", size)
-        for problem in run.problems():
-            verdict.add(problem)
         for r in range(size):
             idx, vals = _ag_pairs(run.seed(r, "pack"), 6, torch.float32)
             where = f"pack_pairs, world of {size}, rank {r}, case 6 pairs in width 9"
@@ -238,8 +234,6 @@ def _judge_split(grading: Grading) -> Verdict:
     verdict = Verdict()
     for size in grading.sizes(2, 3):
         run = grading.world(f"{HERE}:probe_split", size)
-        for problem in run.problems():
-            verdict.add(problem)
         for name, dtype, counts in _split_cases(size):
             total = torch.zeros(SPLIT_N, dtype=torch.float64)
             pairs = {}

@@ -136,8 +136,6 @@ def judge_contract(grading: Grading, name: str, transports: tuple, sizes, *, wit
     verdict = verdict or Verdict()
     for size in grading.sizes(*sizes):
         run = grading.world(f"{HERE}:probe_contract", size, name, transports, with_refusals)
-        for problem in run.problems():
-            verdict.add(problem)
         for case in contract_cases(size, transports):
             _judge_case(run, name, case, verdict)
         if with_refusals:

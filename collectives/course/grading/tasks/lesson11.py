@@ -145,8 +145,6 @@ def _judge_flat(grading: Grading, name: str, uneven: bool, pattern, late: float 
     verdict = Verdict()
     for size in grading.sizes(*FLAT_SIZES):
         run = grading.world(f"{HERE}:probe_flat", size, name, uneven, late)
-        for problem in run.problems():
-            verdict.add(problem)
         for case in flat_cases(size, uneven):
             key = case[0]
             inputs = [_flat_input(case, size, s, run.seed(s, key)) for s in range(size)]
@@ -203,8 +201,6 @@ def _judge_splits(grading: Grading) -> Verdict:
     verdict = Verdict()
     for size in grading.sizes(*SIZES):
         run = grading.world(f"{HERE}:probe_splits", size)
-        for problem in run.problems():
-            verdict.add(problem)
         for key in SPLIT_KEYS:
             counts = [_counts(run.seed(s, key), size) for s in range(size)]
             for r in range(size):
@@ -261,8 +257,6 @@ def _judge_uneven(grading: Grading) -> Verdict:
     verdict = Verdict()
     for size in grading.sizes(*SIZES):
         run = grading.world(f"{HERE}:probe_uneven", size)
-        for problem in run.problems():
-            verdict.add(problem)
         for key, dtype, width in UNEVEN:
             made = [_uneven_input(key, dtype, width, size, run.seed(s, key)) for s in range(size)]
             for r in range(size):
@@ -333,8 +327,6 @@ def _judge_moe(grading: Grading) -> Verdict:
     verdict = Verdict()
     for size in grading.sizes(*SIZES):
         run = grading.world(f"{HERE}:probe_moe", size)
-        for problem in run.problems():
-            verdict.add(problem)
         for key, _ in MOE_CASES:
             made = [_moe_input(key, size, s, run.seed(s, key)) for s in range(size)]
             E = 2 * size

@@ -133,8 +133,6 @@ def _barrier(grading: Grading) -> Verdict:
     verdict = Verdict()
     for size in grading.sizes(*BARRIER_SIZES):
         run = grading.world(f"{HERE}:probe_barrier", size)
-        for problem in run.problems():
-            verdict.add(problem)
         for rank, got in enumerate(run.results):      # first the cause: a rank waiting for a flag gone past
             if got["outcome"].error and got.get("seen") and got.get("epoch") is not None \
                     and max(got["seen"]) > got["epoch"]:
@@ -289,8 +287,6 @@ def _judge_all_reduce(name: str):
             fresh = _fresh_secrets(run, verdict, size)
             if fresh is None:
                 break
-            for problem in run.problems():
-                verdict.add(problem)
             _judge_design(name, run, cases, extras, fresh, barriers, pattern, size, verdict)
             if verdict.not_written or verdict.problems:
                 break

@@ -55,7 +55,7 @@ def probe_operators(probe: Probe) -> dict:
 
 def _judge_operators(grading: Grading) -> Verdict:
     verdict = Verdict()
-    for run in _runs(grading, f"{HERE}:probe_operators", verdict):
+    for run in _runs(grading, f"{HERE}:probe_operators"):
         p = run.size
         xs = [_ints(run.seed(r, "x"), SHAPE1) for r in range(p)]
         gys = [_ints(run.seed(r, "gy"), SHAPE1) for r in range(p)]
@@ -144,7 +144,7 @@ def _expected_linear(seed: int, p: int):
 
 def _judge_linear(grading: Grading) -> Verdict:
     verdict = Verdict()
-    for run in _runs(grading, f"{HERE}:probe_linear", verdict):
+    for run in _runs(grading, f"{HERE}:probe_linear"):
         p = run.size
         col, row = _expected_linear(run.seed(0, "layers") % 1_000_000, p)
         for rank in range(p):

@@ -61,11 +61,10 @@ def _backward(probe, name: str, forward, upstream: torch.Tensor):
     return probe.call(name, lambda: (value * upstream).sum().backward())
 
 
-def _runs(grading, probe_target: str, verdict: Verdict):
-    """Each world a lesson-13 task is judged on (2 and 3 ranks, or ``--world``'s), with what the
-    run shows of the rank's conduct (routes, forged records, the tree) already in ``verdict``."""
+def _runs(grading, probe_target: str):
+    """Each world a lesson-13 task is judged on (2 and 3 ranks, or ``--world``'s); what a run
+    shows of the ranks' conduct (routes, forged records, the tree) ``run_task`` adds to every
+    verdict."""
     for p in grading.sizes(2, 3):
         run = grading.world(probe_target, p)
-        for problem in run.problems():
-            verdict.add(problem)
         yield run

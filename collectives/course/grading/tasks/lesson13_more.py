@@ -57,7 +57,7 @@ def probe_sequence(probe: Probe) -> dict:
 
 def _judge_sequence(grading: Grading) -> Verdict:
     verdict = Verdict()
-    for run in _runs(grading, f"{HERE}:probe_sequence", verdict):
+    for run in _runs(grading, f"{HERE}:probe_sequence"):
         p = run.size
         pieces = [_ints(run.seed(r, "piece"), (B, PIECE, H)) for r in range(p)]
         wholes = [_ints(run.seed(r, "whole"), (B, PIECE * p, H)) for r in range(p)]
@@ -135,7 +135,7 @@ def probe_loss(probe: Probe) -> dict:
 
 def _judge_loss(grading: Grading) -> Verdict:
     verdict = Verdict()
-    for run in _runs(grading, f"{HERE}:probe_loss", verdict):
+    for run in _runs(grading, f"{HERE}:probe_loss"):
         p = run.size
         seed = run.seed(0, "logits") % 1_000_000
         logits = _logits(seed, p).requires_grad_()
@@ -239,7 +239,7 @@ def probe_chunked(probe: Probe) -> dict:
 
 def _judge_chunked(grading: Grading) -> Verdict:
     verdict = Verdict()
-    for run in _runs(grading, f"{HERE}:probe_chunked", verdict):
+    for run in _runs(grading, f"{HERE}:probe_chunked"):
         p = run.size
         w = _ints(run.seed(0, "weight") % 1_000_000, (K, N))
         want = torch.cat([_ints(run.seed(r, "x"), (M, K)) for r in range(p)]) @ w

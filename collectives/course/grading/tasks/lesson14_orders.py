@@ -53,8 +53,6 @@ def _judge(grading: Grading, name: str, cases, kinds, check) -> Verdict:
     from ....pipeline import Deadlock, InvalidSchedule, from_orders, simulate
     verdict = Verdict()
     run = grading.world(f"{HERE}:probe_orders", 1, name, cases, kinds)
-    for problem in run.problems():
-        verdict.add(problem)
     for p, m in cases:
         key = f"p={p}, m={m}"
         where = f"{name}, {key}"
