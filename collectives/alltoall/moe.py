@@ -194,11 +194,11 @@ def make_expert(seed: int, expert: int, hidden: int, ffn: int) -> tuple[torch.Te
 
 def exchange_counts(counts, group=None) -> torch.Tensor:
     """[p, E/p]: row s holds how many rows rank s sends to each of this rank's experts.
-    ``counts``: a list (the result is on the CPU) or a device tensor (the result stays there:
+    ``counts``: a list (the result is on the CPU) or a tensor (the result stays on its device:
     no wait for the host)."""
     rank, p = ops.group_rank_and_size(group)
-    device = ops.rank_device()
     on_device = isinstance(counts, torch.Tensor)
+    device = counts.device if on_device else ops.rank_device()
     send = counts.to(device, torch.int64) if on_device else torch.tensor(counts, dtype=torch.int64, device=device)
     recv = torch.empty_like(send)
     with trace.label("moe: counts per expert"):

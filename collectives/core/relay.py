@@ -18,6 +18,11 @@ The semantics are gloo's, which the lessons teach:
   peer receives waits, as under gloo, and two ranks that both send first deadlock;
 * a message of another size or dtype than the receive expects fails both sides, naming them.
 
+A GPU tensor crosses through host memory: a send copies it out in the order of the caller's
+current stream (what NCCL's send would carry), a receive copies the message in on a stream of
+the transport's own, after the work the caller had queued when it posted the receive, and its
+work completes only once the copy has landed.
+
 Frames are ``header length | pickled header | payload``; the header says ``"m"`` (a message:
 destination, tag, group, id, dtype, shape) or ``"a"`` (the receipt of message ``id``).
 """
@@ -87,9 +92,10 @@ class Hub:
     def end_for(self, rank: int) -> tuple:
         """Rank ``rank``'s end of a new pipe, made just before the rank is started (so no
         rank started earlier holds it), and this process's ends of the earlier ranks' pipes,
-        which the new rank inherits and closes first thing (so it cannot speak as the hub)."""
+        which a forked rank inherits and closes first thing (so it cannot speak as the hub;
+        a spawned rank holds only what it is given)."""
         mine, theirs = self.ctx.Pipe(duplex=True)
-        inherited = list(self.ends)
+        inherited = list(self.ends) if self.ctx.get_start_method() == "fork" else []
         self.ends.append(mine)
         return theirs, inherited
 
@@ -181,6 +187,7 @@ class Work(dist.Work):
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._source = -1
+        self._ready = None          # a receive into a GPU tensor: what must run before it lands
 
     def _finish(self, error: BaseException | None = None, source: int = -1) -> None:
         self._error, self._source = error, source
@@ -226,7 +233,7 @@ class _Transport:
             self.conn.send_bytes(frame)
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int, group: tuple) -> Work:
-        payload = tensor.detach().reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+        payload = tensor.detach().reshape(-1).view(torch.uint8).cpu().numpy().tobytes() if tensor.numel() else b""
         work = Work(f"a send to rank {dst} (tag {tag})", self.timeout)
         with self.cond:
             mid, self.next = self.next, self.next + 1
@@ -239,6 +246,9 @@ class _Transport:
         peer = "any rank" if src is None else f"rank {src}"
         work = Work(f"a receive from {peer} (tag {tag})", self.timeout)
         work._local = local
+        if tensor.is_cuda:          # the message lands after what the caller queued before it
+            work._ready = torch.cuda.Event()
+            work._ready.record(torch.cuda.current_stream(tensor.device))
         with self.cond:
             message = self._take(group, src, tag)
             if message is None:
@@ -292,11 +302,27 @@ class _Transport:
         if dtype != str(tensor.dtype).replace("torch.", "") or numel != tensor.numel():
             error = (f"rank {src} sent {numel} elements of {dtype}; the receive on rank "
                      f"{dist.get_rank()} expects {tensor.numel()} of {str(tensor.dtype).replace('torch.', '')}")
+        elif tensor.is_cuda:
+            _land(tensor, as_tensor(payload, dtype, shape), work._ready)
         else:
             tensor.view(-1).copy_(as_tensor(payload, dtype, shape).view(-1))
         local = work._local(src) if callable(work._local) else src
         work._finish(RuntimeError(error) if error else None, local)
         self._put(_frame(dict(k="a", to=src, id=mid, error=error)))
+
+
+_streams: dict[int, Any] = {}
+
+
+def _land(tensor: torch.Tensor, message: torch.Tensor, ready) -> None:
+    """Copy a message into a GPU tensor on the transport's stream, after ``ready``; return
+    once it is there."""
+    index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+    stream = _streams.setdefault(index, torch.cuda.Stream(device=index))
+    stream.wait_event(ready)
+    with torch.cuda.stream(stream):
+        tensor.view(-1).copy_(message.view(-1))
+    stream.synchronize()
 
 
 def _get(timeout: float) -> _Transport:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from . import channels, rankio, relay, trace
 from . import cluster as _cluster
 from . import flight_recorder as _recorder
+from .ops import on_gpus
 
 
 def _worker(rank, world_size, local_world_size, fn, args, kwargs, backend, port_box, conn,
@@ -96,8 +97,9 @@ def _worker(rank, world_size, local_world_size, fn, args, kwargs, backend, port_
                           GROUP_RANK=str(rank // local_world_size), **rendezvous)
         store.set_timeout(datetime.timedelta(seconds=pg_timeout))
         device_id = None
-        if "nccl" in backend:
+        if on_gpus(backend):
             torch.cuda.set_device(rank % torch.cuda.device_count())
+        if "nccl" in backend:       # NCCL connects eagerly to it; a Python process group has none
             device_id = torch.device("cuda", torch.cuda.current_device())
         status.set("starting: init_process_group")
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,

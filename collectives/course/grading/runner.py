@@ -163,8 +163,9 @@ def run_tasks(number: int, tasks=None, argv: list[str] | None = None) -> None:
     parser.add_argument("--impl", choices=("exercise", "reference"), default=os.environ.get(IMPL_ENV, "exercise"),
                         help="check the exercise (default) or the reference solution")
     parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
-                        help="nccl: one GPU per rank; the cases drawn on a rank's device run on its GPU "
-                             "through NCCL, the rest through gloo")
+                        help="nccl: on GPUs; the cases drawn on a rank's device hold GPU tensors, "
+                             "whose messages still cross through the grader; the collectives a task "
+                             "allows run on NCCL (on gloo through host copies when ranks share GPUs)")
     args = parser.parse_args(argv)
     spec = exercise_spec(number, args.impl)
     timeout = args.timeout if args.timeout is not None else world_timeout()

@@ -21,6 +21,14 @@ probe's signed sender found on the stack -- or a message carried but not recorde
 task. Data moved any other way (files, a gloo backend of the rank's own built from the store)
 carries no message the judge counts.
 
+On GPUs (``GPU_BACKEND``, the runner's ``--backend nccl``) the fence is the same group:
+sends and receives of GPU tensors travel through the grading process too, through host
+memory (:mod:`collectives.core.relay` says in which stream order), so the evidence is the
+same as on CPU; the collectives a task allows run on GPU tensors through an NCCL backend the
+group keeps, on CPU tensors through its gloo backend. A world may have more ranks than the
+machine has GPUs (ranks share them; messages do not need NCCL): there a collective on GPU
+tensors runs on gloo, on host copies written back before the call returns.
+
 Each call is recorded (a :class:`~collectives.course.grading.tasks.tap.Call`, stamped with a
 clock taken when this module was imported, before any student's code) on the rank's signed
 stream, then either handed to the relay or the gloo backend, or refused: the task's :data:`ROUTES` say
@@ -45,6 +53,9 @@ import torch.distributed as dist
 from ....core import relay
 
 BACKEND = "graded"
+GPU_BACKEND = f"cpu:{BACKEND},cuda:{BACKEND}"
+"""A graded world on GPUs: the same fenced group for both devices (the ``cuda:`` in it is
+what makes ``ops.rank_device()`` answer the rank's GPU)."""
 P2P = frozenset({"send", "recv", "recv_anysource"})
 """The routes of a task built from messages: sends and receives (``dist.send``, ``isend``,
 ``batch_isend_irecv``, the course's helpers), nothing else."""
@@ -53,6 +64,7 @@ ANY = None
 
 _Backend = torch._C._distributed_c10d.Backend
 _Gloo = torch._C._distributed_c10d.ProcessGroupGloo
+_Nccl = getattr(torch._C._distributed_c10d, "ProcessGroupNCCL", None)
 _ORIGINAL = {name: getattr(_Backend, name) for name in dir(_Backend)
              if not name.startswith("__") and callable(getattr(_Backend, name))}
 _clock = time.perf_counter      # taken at import, before any student's code
@@ -83,6 +95,9 @@ class FencedGroup(dist.ProcessGroup):
         super().__init__(rank, size)
         self._gloo = _Gloo(store, rank, size, timeout)
         self._made = 0                    # operations this group handed to its gloo backend
+        self._store, self._timeout = store, timeout
+        self._nccl = None                 # made for the first collective on GPU tensors
+        self._made_nccl = 0
         self._seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
         self._channel: tuple | None = None
         _GROUPS.append(self)
@@ -115,8 +130,22 @@ class FencedGroup(dist.ProcessGroup):
         original = _ORIGINAL.get(_SAME_AS.get(name, name))
         if original is None:
             raise RuntimeError(f"{name} is not offered in a graded world")
+        if any(t.is_cuda for t in _flat(args)) and _Nccl is not None \
+                and torch.cuda.device_count() >= dist.get_world_size():
+            self._made_nccl += 1
+            return original(self._gpu_backend(), *args, **kwargs)
         self._made += 1
+        if any(t.is_cuda for t in _flat(args)):        # ranks share GPUs: NCCL cannot run here
+            return _staged(original, self._gloo, args, kwargs)
         return original(self._gloo, *args, **kwargs)
+
+    def _gpu_backend(self):
+        """The NCCL backend under this group, made the first time a collective gets GPU tensors."""
+        if self._nccl is None:
+            options = _Nccl.Options()
+            options._timeout = self._timeout
+            self._nccl = _Nccl(dist.PrefixStore("nccl", self._store), self.rank(), self.size(), options)
+        return self._nccl
 
     def _relayed(self, name: str, args: tuple, kwargs: dict, sink):
         """A send or receive through the launcher (:mod:`collectives.core.relay`), which writes
@@ -127,8 +156,8 @@ class FencedGroup(dist.ProcessGroup):
         if not isinstance(tensors, (list, tuple)) or len(tensors) != 1 or not isinstance(tensors[0], torch.Tensor):
             raise ValueError(f"{name} takes a list of one tensor")
         tensor = tensors[0]
-        if tensor.layout != torch.strided or not tensor.is_contiguous() or tensor.device.type != "cpu":
-            raise ValueError(f"{name}: the tensor must be a dense, contiguous CPU tensor")
+        if tensor.layout != torch.strided or not tensor.is_contiguous() or tensor.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{name}: the tensor must be a dense, contiguous CPU or GPU tensor")
         ranks = self._ranks()
         if name != "recv_anysource" and not (type(peer) is int and 0 <= peer < len(ranks)):
             raise ValueError(f"{name}: no rank {peer!r} in a group of {len(ranks)}")
@@ -156,12 +185,76 @@ class FencedGroup(dist.ProcessGroup):
     def audit(self) -> None:
         """Record the operations the gloo backend ran that this group did not hand it (gloo
         counts every operation it runs): code that reached round the fence."""
-        ran = _ORIGINAL["_get_sequence_number_for_group"](self._gloo)
-        if ran > self._made and _state["sink"] is not None:
+        count = _ORIGINAL["_get_sequence_number_for_group"]
+        ran = count(self._gloo)
+        ran_nccl = count(self._nccl) if self._nccl is not None else 0
+        extra = ran - self._made + ran_nccl - self._made_nccl
+        if extra > 0 and _state["sink"] is not None:
             from .tap import Call
-            _state["sink"](Call("backend.operations behind the process group", None, ran - self._made, "", 0.0,
+            _state["sink"](Call("backend.operations behind the process group", None, extra, "", 0.0,
                                 0.0, (), "", _clock()))
-        self._made = ran
+        self._made, self._made_nccl = ran, ran_nccl
+
+
+def _flat(args: tuple) -> list[torch.Tensor]:
+    """The tensors among a call's arguments (in lists, and lists of lists)."""
+    out: list[torch.Tensor] = []
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            out.append(arg)
+        elif isinstance(arg, (list, tuple)):
+            out += _flat(tuple(arg))
+    return out
+
+
+def _staged(original, gloo, args: tuple, kwargs: dict) -> dist.Work:
+    """A collective on GPU tensors run by gloo on host copies of them (a world whose ranks
+    share GPUs), waited on here; the copies of its outputs (every method's first argument,
+    the in-place ones' too) are written back into their GPU tensors before the call returns,
+    so the work it returns is complete. Only the outputs: an input may overlap an output (a
+    reduce-scatter in place), and its old values would overwrite the result."""
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def host(arg, output: bool):
+        if isinstance(arg, torch.Tensor) and arg.is_cuda:
+            copy = arg.detach().cpu()
+            if output:
+                pairs.append((arg, copy))
+            return copy
+        return type(arg)(host(a, output) for a in arg) if isinstance(arg, (list, tuple)) else arg
+
+    work = original(gloo, *(host(a, i == 0) for i, a in enumerate(args)), **kwargs)
+    work.wait()
+    back = {id(copy): gpu for gpu, copy in pairs}
+    for gpu, copy in pairs:
+        gpu.copy_(copy)
+    try:
+        value = work.get_future().value()
+    except RuntimeError:           # a work without a future: what it returns has no value either
+        value = []
+    return _Done([back.get(id(t), t) for t in value] if isinstance(value, list) else value)
+
+
+class _Done(dist.Work):
+    """A finished collective's work (:func:`_staged`)."""
+
+    def __init__(self, value):
+        super().__init__()
+        self._value = value
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        future = torch.futures.Future()
+        future.set_result(self._value)
+        return future
 
 
 _GROUPS: list[FencedGroup] = []
@@ -231,4 +324,4 @@ def _create(store, rank, size, timeout):
 
 
 if BACKEND.upper() not in dist.Backend._plugins:
-    dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
+    dist.Backend.register_backend(BACKEND, _create, devices=["cpu", "cuda"])

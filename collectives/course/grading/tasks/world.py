@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from ....core import channels, launch, trace
+from ....core.ops import on_gpus
 from ... import verify
 from ...impl import resolve
 from . import fence
@@ -278,9 +279,12 @@ class Grading:
 
     ``check`` turns check mode on in the worlds (the exercise runner does; the grader does
     not, so that no honest call touches the store). ``world_size`` forces one size on every
-    task that lets it choose (``--world``). ``backend`` is the worlds' (``--backend``): gloo,
-    or ``"cpu:gloo,cuda:nccl"`` on GPUs, where the cases the probes draw on the rank's device
-    (``verify.rank_device()``) run through NCCL and the rest through gloo.
+    task that lets it choose (``--world``). ``backend`` says where the worlds run
+    (``--backend``): ``"gloo"``, on CPUs, or a backend on GPUs (``"cpu:gloo,cuda:nccl"``),
+    where the cases the probes draw on the rank's device (``ops.rank_device()``) hold GPU
+    tensors. Either way the world's groups are the fence (:mod:`.fence`): messages cross
+    through this process, GPU tensors through host memory, and the collectives a task allows
+    run on NCCL for GPU tensors, on gloo for CPU ones.
     """
 
     def __init__(self, spec: str, *, timeout: float = 30.0, check: bool = False,
@@ -300,14 +304,14 @@ class Grading:
 
     def world(self, probe_target: str, world_size: int, *args, machines: int | None = None,
               timeout: float | None = None) -> Run:
-        # on CPU the world's groups are the fence (GPU worlds keep NCCL, seen by the tap)
-        backend = fence.BACKEND if self.backend == "gloo" else self.backend
+        # the world's groups are the fence, on CPUs or GPUs (ranks may share GPUs: see fence)
+        backend = fence.GPU_BACKEND if on_gpus(self.backend) else fence.BACKEND
         before = tree_state()
         try:     # the fence's messages go through this process, which writes each down (relay_problems)
             world = launch.run_world(probe_rank, world_size, args=(probe_target, self.spec, args, self.routes),
                                      timeout=timeout or self.timeout, check=self.check, secrets=True,
-                                     stream=True, machines=machines, backend=backend,
-                                     relay=_tap.digest if backend == fence.BACKEND else None)
+                                     stream=True, machines=machines, backend=backend, relay=_tap.digest,
+                                     share_gpus=True)
         finally:
             wrote = tree_changes(before, tree_state())
         tampered = [f"a rank changed the course's own code ({', '.join(wrote[:3])}"
