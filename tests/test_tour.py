@@ -2,6 +2,7 @@
 
 import io
 
+import pytest
 from rich.console import Console
 
 from collectives.course import tour
@@ -52,3 +53,11 @@ def test_the_table_gives_the_spread_of_repeats_and_warns_when_ranks_outnumber_co
     assert "4 ranks share 2 cores" in words
     assert "gloo's ring is C++" in words and "one call instead of many" in words     # slower and faster rows
     assert max(len(line) for line in buf.getvalue().splitlines()) <= tour.WIDTH
+
+
+def test_a_tour_of_one_rank_is_refused_before_anything_runs(capsys):
+    with pytest.raises(ValueError, match="at least 2 ranks"):
+        tour.run_tour(world_size=1, progress=False)
+    with pytest.raises(SystemExit):
+        tour.main(["--world", "1"])
+    assert "at least 2 ranks" in capsys.readouterr().err

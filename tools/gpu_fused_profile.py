@@ -160,6 +160,7 @@ def main():
                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   "command": "python3 " + " ".join(sys.argv),
                   "commit": os.environ.get("COLLECTIVES_COMMIT", "unknown")}
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(record, f, indent=1)
     prof = cProfile.Profile()

@@ -198,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     for line in skipped:
         print(f"skipped: {line}")
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(dict(
             command=".venv/bin/python tools/gpu_hierarchical.py " + " ".join(sys.argv[1:] if argv is None else argv),
             device=device, backend="nccl", torch=torch.__version__,

@@ -128,6 +128,7 @@ def main() -> int:
         if k.startswith("profile"):
             print(f"==== {k}\n{v}")
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(res, indent=1))
     return 0
 

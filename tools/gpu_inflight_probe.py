@@ -189,6 +189,7 @@ def main() -> int:
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   command="python3 tools/gpu_inflight_probe.py " + " ".join(sys.argv[1:]), runs=runs)
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(record, indent=1))
     return 0
 

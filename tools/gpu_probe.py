@@ -453,6 +453,7 @@ def main() -> int:
                   ranks=res if args.what == "host" else None)
     print(json.dumps(record["rank0"], indent=1))
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(record, indent=1))
     return 0
 

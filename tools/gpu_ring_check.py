@@ -161,6 +161,7 @@ def main():
         said = record(result, args, nbytes, p, device)
         print(json.dumps(said), flush=True)
         if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             with open(args.json, "w") as f:
                 json.dump(said, f, indent=1)
     # No destroy_process_group() and no interpreter teardown: with registered memory alive,

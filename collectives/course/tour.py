@@ -181,6 +181,9 @@ def run_tour(world_size: int = 4, nbytes: int = 4 << 20, backend: str | None = N
     every row is :func:`untimed`."""
     from rich.progress import Progress
 
+    if world_size < 2:
+        raise ValueError(f"the tour needs at least 2 ranks, got {world_size}: one rank sends no message "
+                         "(on a machine with one GPU, run it on CPU ranks: --backend gloo)")
     gpus = (backend or launch.auto_backend(world_size)) == "nccl"
 
     todo = [e for e in entries() if not only or e.name in only]
@@ -285,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="comma-separated algorithm names")
     parser.add_argument("--json", default="", help="also write the rows to this file")
     args = parser.parse_args(argv)
+    if args.world < 2:
+        parser.error(f"--world {args.world}: the tour needs at least 2 ranks (one rank sends no message); "
+                     "on a machine with one GPU, run it on CPU ranks (--backend gloo)")
     backend = args.backend or launch.auto_backend(args.world)
     rows = run_tour(args.world, timing.parse_size(args.size), backend,
                     [s for s in args.only.split(",") if s] or None, repeat=args.repeat)

@@ -436,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         print(document)
     else:
         if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(document)
         print(f"wrote {out / 'allreduce.json'}, {out / 'allreduce.png'}" + (f" and {args.json}" if args.json else ""))
     bad = [r for r in rows if r["ok"] is False]
