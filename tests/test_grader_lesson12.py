@@ -1,6 +1,6 @@
 """Lesson 12's grader against natural mistakes: each fixture FAILS each task with a message naming it.
 
-Each fixture in ``tests/mistakes/`` is a full copy of the exercise with the reference's
+Each fixture in ``tests/mistakes/`` is the exercise's functions with the reference's
 approach filled in and one realistic mistake planted per graded task, so that one grading
 run judges three mistakes. As ``tests/test_grader.py`` runs the cheats: the fixture replaces
 the exercise in a copy of ``lessons/``, and the grader judges it.

@@ -9,107 +9,18 @@ that points at it:
     task 5: each expert called once per source rank, not once on all its rows
     task 6: an off-by-one capacity (`<=`): one row too many per full expert
     task 7: the bias moved the wrong way (busy experts up)
-
-Original header follows.
-
-Lesson 11 exercise: all-to-all, uneven splits, and a mixture-of-experts dispatch.
-
-Seven functions, seven tasks. Every all-to-all has ``dist.all_to_all_single``'s contract:
-blocks are cut along dim 0 (equal, or ``*_split_sizes`` rows each), rank r's output block s
-is rank s's input block r, any dtype, any world size (graded on 1 to 6 ranks: 3, 5 and 6
-are not powers of two), empty blocks allowed.
-
-Check your work:
-
-    make check LESSON=11                                          # one PASS/FAIL line per task
-    .venv/bin/python lessons/11_alltoall/exercise.py --task 1 --verbose    # one task, every problem
-    .venv/bin/torchrun --nproc-per-node 4 lessons/11_alltoall/exercise.py  # the same, under torchrun
-    make grade LESSON=11                                          # the same verdicts, as points
-
-The checks are the grader's own judges, run outside your ranks, on inputs drawn at random
-on every run; every message you send is recorded where your code cannot reach it. A
-library collective (``dist.all_to_all_single``, ``dist.all_gather``...) does not pass:
-build everything from ``send``/``recv``.
-
-Course functions you may call (the sheet is checked against the code):
-
-    ops.group_rank_and_size(group=None) -> tuple[int, int]
-        This rank's index in ``group`` and the group's size (the world when ``group`` is
-        None).
-    ops.global_rank(group, group_rank) -> int
-        The global rank of ``group_rank`` in ``group``: what ``send``/``recv`` take.
-    ops.sendrecv(send_buf, dst, recv_buf, src, group=None, *, post_empty=False)
-        Post a receive of ``recv_buf`` from ``src`` and a send of ``send_buf`` to ``dst``;
-        return the ``(receive, send)`` handles. ``dst``/``src`` are global ranks.
-    ops.rank_device() -> torch.device
-        The device this rank's tensors belong on: its GPU under NCCL, else the CPU.
-
-The reference is ``collectives/alltoall/``; the lesson page is docs/lessons/11-alltoall.md.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.distributed as dist  # noqa: F401 - the exercise's own imports
 
 from collectives import ops, trace  # noqa: F401
 from collectives.course.grading.runner import run_tasks
+from tests.mistakes.lesson11_given import _exchange, _pairwise, _schedule, _uneven, _wait, blocks  # noqa: F401
 
 LESSON = 11
-
-
-def blocks(tensor: torch.Tensor, split_sizes, p: int) -> list[torch.Tensor]:
-    """Given: ``tensor`` (contiguous) cut along dim 0 into p blocks -- ``split_sizes[i]`` rows
-    each, or equal blocks when ``split_sizes`` is None -- each block a flat, contiguous view."""
-    rows = [tensor.shape[0] // p] * p if split_sizes is None else list(split_sizes)
-    row = math.prod(tensor.shape[1:])
-    flat, out, at = tensor.reshape(-1), [], 0
-    for r in rows:
-        out.append(flat[at * row:(at + r) * row])
-        at += r
-    return out
-
-
-def _wait(handles) -> None:
-    for handle in handles:
-        handle.wait()
-
-
-def _schedule(rank: int, p: int, k: int) -> tuple[int, int]:
-    if p & (p - 1) == 0:
-        return rank ^ k, rank ^ k
-    return (rank + k) % p, (rank - k) % p
-
-
-def _pairwise(output, input, output_split_sizes=None, input_split_sizes=None, group=None) -> None:
-    """A correct pairwise all-to-all, for the tasks built on task 1."""
-    rank, p = ops.group_rank_and_size(group)
-    src = input.contiguous()
-    dst = output if output.is_contiguous() else torch.empty(output.shape, dtype=output.dtype)
-    ins, outs = blocks(src, input_split_sizes, p), blocks(dst, output_split_sizes, p)
-    outs[rank].copy_(ins[rank])
-    for k in range(1, p):
-        to, frm = _schedule(rank, p, k)
-        _wait(ops.sendrecv(ins[to], ops.global_rank(group, to), outs[frm], ops.global_rank(group, frm), group))
-    if dst is not output:
-        output.copy_(dst)
-
-
-def _exchange(counts: list[int], group=None) -> list[int]:
-    rank, p = ops.group_rank_and_size(group)
-    send = torch.tensor(counts, dtype=torch.int64, device=ops.rank_device())
-    recv = torch.empty(p, dtype=torch.int64, device=ops.rank_device())
-    _pairwise(recv, send, group=group)
-    return recv.tolist()
-
-
-def _uneven(input, input_split_sizes, group=None):
-    sizes = _exchange(list(input_split_sizes), group)
-    output = torch.empty((sum(sizes), *input.shape[1:]), dtype=input.dtype, device=input.device)
-    _pairwise(output, input, sizes, list(input_split_sizes), group)
-    return output, sizes
 
 
 def pairwise_all_to_all(output: torch.Tensor, input: torch.Tensor, output_split_sizes=None,
