@@ -1,45 +1,5 @@
-"""Lesson 13 exercise: tensor and sequence parallelism, from the operators up to async TP.
-
-Five tasks. The first writes Megatron's two conjugate operators as autograd functions (f:
-identity forward, all-reduce backward; g: the mirror); the second builds the column- and
-row-parallel linear layers on them; the third is sequence parallelism's pair (all-gather
-forward / reduce-scatter backward, and its mirror); the fourth is the vocabulary-parallel
-cross-entropy, whose logits are never gathered; the fifth is async TP's all-gather →
-matmul, cut into p pieces, each piece's transfer running while the piece before it is
-multiplied.
-
-Check your work:
-
-    make check LESSON=13                                                # one PASS/FAIL line per task
-    .venv/bin/python lessons/13_tensor_parallel/exercise.py --task 2 --verbose    # one task, every problem
-    .venv/bin/torchrun --nproc-per-node 4 lessons/13_tensor_parallel/exercise.py  # the same, under torchrun
-    make grade LESSON=13                                                # the same verdicts, as points
-
-The checks are the grader's own judges, run outside your ranks: weights, inputs and
-gradients are drawn at random on every run, and every message you send is recorded where
-your code cannot reach it. Use lesson 4's ring (below), not ``dist.*`` collectives.
-
-Course functions you may call (the sheet is checked against the code):
-
-    collectives.ring.ring_all_reduce(tensor, op=ReduceOp.SUM, group=None) -> None
-        All-reduce ``tensor`` in place: ring reduce-scatter, then ring all-gather.
-    collectives.ring.ring_all_gather(output, input, group=None) -> None
-        ``output`` ← every rank's ``input``, concatenated in rank order.
-    collectives.ring.ring_reduce_scatter(output, input, op=ReduceOp.SUM, group=None) -> None
-        ``output`` ← chunk ``rank`` of the reduction of every rank's ``input`` (input
-        unchanged).
-    ops.group_rank_and_size(group=None) -> tuple[int, int]
-        This rank's index in ``group`` and the group's size (the world when ``group`` is
-        None).
-    ops.global_rank(group, group_rank) -> int
-        The global rank of ``group_rank`` in ``group``: what ``send``/``recv`` take.
-    ops.sendrecv(send_buf, dst, recv_buf, src, group=None, *, post_empty=False)
-        Post a receive of ``recv_buf`` from ``src`` and a send of ``send_buf`` to ``dst``;
-        return the ``(receive, send)`` handles. ``dst``/``src`` are global ranks.
-
-The reference is ``collectives/tensor_parallel/`` (``steps.py`` for these five); the lesson
-page is docs/lessons/13-tensor-parallel.md.
-"""
+"""Lesson 13 exercise, written: every task as the reference writes it, in the exercise's own
+functions, their docstrings left out (the base of lesson 13's mistake fixtures)."""
 
 from __future__ import annotations
 
