@@ -53,6 +53,9 @@ def headline(step: str, data, tail: list[str]) -> tuple[str, str]:
     if step.startswith("runner-"):
         last = next((line for line in reversed(tail) if "tasks pass" in line), "")
         return last.strip(), "every task passes on the reference"
+    if step == "cheats":
+        last = next((line for line in reversed(tail) if "cheat fixtures" in line), "")
+        return last.strip(), "every cheat fixture scores nothing on its tasks"
     if step.startswith("ringcheck") and isinstance(data, dict) and isinstance(data.get("rule"), dict):
         p4 = step.startswith("ringcheck-p4")
         how = {"graph": "every side replayed", "eager": "every side eager"}[data["rule"]["launch"]]
@@ -315,7 +318,7 @@ def _ring_figures(by: dict, p: int, suffix: str) -> dict:
     return out
 
 
-COMPARES_NOTHING = ("tests", "runner-", "tour-")     # steps that verify and time no contender against another
+COMPARES_NOTHING = ("tests", "runner-", "tour-", "cheats")     # steps that verify and time no contender against another
 RULE_FIELDS = ("launch", "inputs", "untraced", "multicast", "skipped")
 
 

@@ -11,6 +11,8 @@
 #             (on GPUs it times nothing: its timings are outside the rule for fair GPU comparisons)
 #   runners   every lesson's exercise runner on the reference, --backend nccl, at every count
 #             (GPU_RUNNERS="02 10": only those lessons' runners)
+#   cheats    every cheat fixture of tests/test_grader.py through the runner on GPUs: each scores
+#             nothing on its tasks (tools/gpu_cheats.py)
 #   bench     lessons 3-4: every algorithm 4 KiB .. 1 GiB against NCCL (plain memory), every one eager,
 #             then 4 KiB .. 256 MiB every one replayed from a CUDA graph; then ring
 #   ring      the ring against NCCL at 256 MiB (tools/gpu_ring_check.py): on registered memory
@@ -29,7 +31,7 @@
 # tools/gpu_record.py gathers every step into DIR/lane.json: the record the benchmarks page reads.
 set -uo pipefail
 OUT=${1:-build/gpu}; shift || true
-PARTS=${*:-env tests tour runners bench fused ddp hier sparse recorder lessons probe}
+PARTS=${*:-env tests tour runners cheats bench fused ddp hier sparse recorder lessons probe}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT/steps"
 LOG="$OUT/log.txt"
@@ -90,6 +92,8 @@ for part in $PARTS; do case $part in
         $pin step "runner-$nn$tag" 240 $PY "$ex" --impl reference --backend nccl --world "$p" --timeout 60
       done
     done ;;
+  cheats)
+    step cheats 900 $PY tools/gpu_cheats.py "$OUT/steps/cheats" ;;
   bench)
     for p in $COUNTS; do
       pin=$([ "$p" = 2 ] && echo on2)
