@@ -1,5 +1,5 @@
 """The rule for fair GPU comparisons in the ring check, lesson 7's GPU benchmark, ``bench`` on
-NCCL, the tour and the GPU lane's record, where no GPU is needed: their refusals, their records'
+NCCL, the tour, the GPU lane's record and its cheat sweep, where no GPU is needed: their refusals, their records'
 rule fields, and their GPU code paths run eagerly under gloo in one world -- the same code a
 GPU runs: every contender checked, the rank untraced, NCCL's side called directly."""
 
@@ -197,3 +197,20 @@ def test_the_three_gpu_paths_check_every_contender_as_launched_on_gpus():
     rows, skipped = out["hier graph"]
     assert rows and all(r["exact"] and r["launch"] == "graph" for r in rows), (rows, skipped)
     assert all(r["ok"] and r["launch"] == "graph" for r in out["bench graph"] if r["algo"] != "nccl"), out
+
+
+
+def test_the_cheat_sweep_judges_as_the_grader_test_expects_and_keeps_tree_writers_apart(tmp_path, monkeypatch):
+    """``tools/gpu_cheats.py`` under gloo: fixtures judged as ``CHEAT_TARGETS`` expects, a verdict
+    against the expectation is BAD, and a fixture that writes into the course's tree is judged
+    after the others (beside them it failed their control tasks; here it is not run at all)."""
+    gpu_cheats = tool("gpu_cheats")
+    ok, line = gpu_cheats.judge("lesson09_any_cycle", tmp_path, "gloo")
+    assert ok and line.startswith("OK "), line
+    monkeypatch.setitem(gpu_cheats.CHEAT_TARGETS, "lesson09_any_cycle", (9, (1,), None))   # its task 1 is honest
+    ok, line = gpu_cheats.judge("lesson09_any_cycle", tmp_path, "gloo")
+    assert not ok and line.startswith("BAD"), line
+    order = []
+    monkeypatch.setattr(gpu_cheats, "judge", lambda name, out, backend: (order.append(name) or True, name))
+    assert gpu_cheats.main([str(tmp_path), "planted_module,lesson09_any_cycle,patched_judge_at_import"]) == 0
+    assert order[-1] == "planted_module" and sorted(order[:-1]) == ["lesson09_any_cycle", "patched_judge_at_import"]
