@@ -130,12 +130,12 @@ class FencedGroup(dist.ProcessGroup):
         original = _ORIGINAL.get(_SAME_AS.get(name, name))
         if original is None:
             raise RuntimeError(f"{name} is not offered in a graded world")
-        if any(t.is_cuda for t in _flat(args)) and _Nccl is not None \
-                and torch.cuda.device_count() >= dist.get_world_size():
+        on_gpu = any(t.is_cuda for t in _flat(args))
+        if on_gpu and _Nccl is not None and torch.cuda.device_count() >= dist.get_world_size():
             self._made_nccl += 1
             return original(self._gpu_backend(), *args, **kwargs)
         self._made += 1
-        if any(t.is_cuda for t in _flat(args)):        # ranks share GPUs: NCCL cannot run here
+        if on_gpu:                      # ranks share GPUs: NCCL cannot run here
             return _staged(original, self._gloo, args, kwargs)
         return original(self._gloo, *args, **kwargs)
 
