@@ -252,8 +252,10 @@ def on_gpus(backend: str) -> bool:
 
 
 def rank_device() -> torch.device:
-    """The device this rank's tensors belong on: its GPU when the world is on GPUs
-    (:func:`on_gpus`), else the CPU."""
+    """The device this rank's tensors belong on: its GPU when the world runs on GPUs, else
+    the CPU.
+
+    The world's backend says which (:func:`on_gpus`)."""
     if dist.is_initialized() and on_gpus(str(dist.get_backend())):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -28,7 +28,8 @@ Course functions you may call (the sheet is checked against the code):
         Post a receive of ``recv_buf`` from ``src`` and a send of ``send_buf`` to ``dst``;
         return the ``(receive, send)`` handles. ``dst``/``src`` are global ranks.
     ops.rank_device() -> torch.device
-        The device this rank's tensors belong on: its GPU under NCCL, else the CPU.
+        The device this rank's tensors belong on: its GPU when the world runs on GPUs, else
+        the CPU.
 
 The reference is ``collectives/alltoall/``; the lesson page is docs/lessons/11-alltoall.md.
 """
