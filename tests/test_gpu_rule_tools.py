@@ -208,7 +208,7 @@ def test_the_cheat_sweep_judges_as_the_grader_test_expects_and_keeps_tree_writer
     ok, line = gpu_cheats.judge("lesson09_any_cycle", tmp_path, "gloo")
     assert ok and line.startswith("OK "), line
     monkeypatch.setitem(gpu_cheats.CHEAT_TARGETS, "lesson09_any_cycle", (9, (1,), None))   # its task 1 is honest
-    ok, line = gpu_cheats.judge("lesson09_any_cycle", tmp_path, "gloo")
+    ok, line = gpu_cheats.verdict("lesson09_any_cycle", (tmp_path / "lesson09_any_cycle.log").read_text())
     assert not ok and line.startswith("BAD"), line
     order = []
     monkeypatch.setattr(gpu_cheats, "judge", lambda name, out, backend: (order.append(name) or True, name))

@@ -47,9 +47,16 @@ def judge(name: str, out: Path, backend: str = "nccl") -> tuple[bool, str]:
     except subprocess.TimeoutExpired as exc:
         text = f"timed out: {exc}"
     (out / f"{name}.log").write_text(text)
+    return verdict(name, text, time.time() - started)
+
+
+def verdict(name: str, text: str, seconds: float = 0.0) -> tuple[bool, str]:
+    """The runner's lines ``text`` for fixture ``name`` held to ``CHEAT_TARGETS``: every target
+    task FAILs, the control task (if any) PASSes; (as expected, one line)."""
+    number, targets, control = CHEAT_TARGETS[name]
     got = {int(m[1]): m[2] == "PASS" for m in LINE.finditer(text)}
     ok = all(got.get(t) is False for t in targets) and (control is None or got.get(control) is True)
-    return ok, f"{'OK ' if ok else 'BAD'} {name} (lesson {number}) {got} ({time.time() - started:.0f} s)"
+    return ok, f"{'OK ' if ok else 'BAD'} {name} (lesson {number}) {got} ({seconds:.0f} s)"
 
 
 def main(argv: list[str]) -> int:
