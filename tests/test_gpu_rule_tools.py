@@ -134,9 +134,13 @@ def test_once_the_rule_applies_nccl_is_called_directly_and_nothing_is_timed_one_
 
 def test_the_tour_on_gpus_keeps_no_time_and_prints_no_speed(monkeypatch):
     fields = dict(verified=True, seconds=2.0, ref_seconds=1.0, nbytes=1 << 20, bytes_sent=1.0, bytes_theory=1.0)
-    monkeypatch.setattr(tour.launch, "run", lambda *a, **k: [dict(fields, world_size=2)])
+    backends = []
+    monkeypatch.setattr(tour.launch, "run",
+                        lambda *a, **k: backends.append(k["backend"]) or [dict(fields, world_size=2)])
     gpu = tour.run_tour(2, 1 << 20, "nccl", only=["ring"], progress=False, repeat=3)
-    cpu = tour.run_tour(2, 1 << 20, "gloo", only=["ring"], progress=False, repeat=3)
+    assert backends == ["nccl"]             # untimed: one run, not three
+    cpu = tour.run_tour(2, 1 << 20, None, only=["ring"], progress=False, repeat=3)
+    assert backends[1:] == ["gloo"] * 3     # no backend named: gloo, as launch.run, timed
     assert cpu[0].ratio == 0.5 and cpu[0].extra["ratios"] == [0.5, 0.5, 0.5]
     row = gpu[0]
     assert row.verified and row.ratio != row.ratio and row.seconds != row.seconds

@@ -49,8 +49,7 @@ def _messages() -> dict:
 
 
 def test_gpu_messages_cross_through_the_grader_in_stream_order():
-    world = launch.run_world(_messages, 2, backend=fence.GPU_BACKEND, relay=tap.digest, share_gpus=True,
-                             timeout=120)
+    world = launch.run_world(_messages, 2, backend=fence.GPU_BACKEND, relay=tap.digest, timeout=120)
     for rank, got in enumerate(world.results):
         assert got["device"] == "cuda"
         sender = 2 - rank                                       # the peer's rank + 1
@@ -83,7 +82,7 @@ def test_a_collective_on_gpu_tensors_runs_on_nccl_or_on_host_copies_when_ranks_s
     size = torch.cuda.device_count()
     for ranks in (size, size + 1):               # NCCL; then more ranks than GPUs: gloo, through the host
         world = launch.run_world(_collectives, ranks, backend=fence.GPU_BACKEND, relay=tap.digest,
-                                 share_gpus=True, timeout=120)
+                                 timeout=120)
         total = [float(v * ranks) for v in (1, 2, 3, 4)]
         for got in world.results:
             assert got[0] == total

@@ -12,7 +12,18 @@ from collectives.core import launch
 from collectives.course.grading.tasks import fence, tap
 
 
-def _messages():
+class _Planted:
+    """Unpickled, it would make a folder: in the launcher, if the relay unpickled what ranks write."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        import os
+        return os.mkdir, (self.path,)
+
+
+def _messages(planted: str):
     r, p = dist.get_rank(), dist.get_world_size()
     out = {}
     x = torch.arange(5, dtype=torch.int64) + 100 * r
@@ -36,8 +47,11 @@ def _messages():
         dist.recv(got_odd, 1, tag=7)
         out["bits"] = (got_odd.view(torch.int16).tolist() == odd.view(torch.int16).tolist(),
                        got_flags.tolist())
-        anyone = sorted(dist.recv(t := torch.empty(1)) + 0 * int(t.item()) for _ in range(2))
-        out["any"] = anyone
+        anyone = []
+        for _ in range(2):
+            src = dist.recv(t := torch.empty(1))
+            anyone.append((src, t.item()))
+        out["any"] = sorted(anyone)
     me = torch.tensor([float(r)])
     back = torch.empty(1)
     works = [dist.isend(me, r), dist.irecv(back, r)]    # to itself
@@ -53,6 +67,13 @@ def _messages():
         else:
             dist.recv(v, 1, group=g, tag=5)
         out["group"] = v.item()
+    if r == 2:                                   # a pickle written straight into the relay's pipe
+        import pickle
+        import struct
+
+        from collectives.core import relay
+        head = pickle.dumps({"k": "m", "dst": 0, "x": _Planted(planted)})
+        relay._conn.send_bytes(struct.pack("<I", len(head)) + head)
     return out
 
 
@@ -69,12 +90,14 @@ def _both_send_first():
     dist.recv(torch.ones(2), 1 - r)
 
 
-def test_messages_cross_as_under_gloo_and_the_launcher_writes_each_down():
-    world = launch.run_world(_messages, 3, backend=fence.BACKEND, relay=tap.digest, timeout=60)
+def test_messages_cross_as_under_gloo_and_the_launcher_writes_each_down(tmp_path):
+    planted = tmp_path / "planted"
+    world = launch.run_world(_messages, 3, args=(str(planted),), backend=fence.BACKEND, relay=tap.digest,
+                             timeout=60)
     res = world.results
     assert [r["ring"] for r in res] == [[200 + i for i in range(5)], [i for i in range(5)], [100 + i for i in range(5)]]
     assert res[0]["bits"] == (True, [True, False, True])
-    assert res[0]["any"] == [1, 2]
+    assert res[0]["any"] == [(1, 11.0), (2, 22.0)]
     assert [r["self"] for r in res] == [0.0, 1.0, 2.0]
     assert res[2]["group"] == 1.0
     # the launcher's record: rank 1 sent, in order, the ring's message, bf16, bool, one float, the group's
@@ -82,7 +105,10 @@ def test_messages_cross_as_under_gloo_and_the_launcher_writes_each_down():
     assert sent == [(2, "int64", 5), (0, "bfloat16", 4), (0, "bool", 3), (0, "float32", 1), (1, "float32", 1),
                     (2, "float32", 1)]
     assert world.relayed[1][0][3] == tap.digest(torch.arange(5, dtype=torch.int64) + 100)
-    assert world.relay_problems == []
+    # what a rank writes into its pipe is read as data, never run: the launcher read no pickle
+    assert not planted.exists()
+    assert len(world.relay_problems) == 1 and world.relay_problems[0].startswith("rank 2: wrote a frame the relay "
+                                                                                 "cannot read"), world.relay_problems
 
 
 def test_a_size_mismatch_fails_naming_both_ranks_and_two_first_sends_deadlock_as_under_gloo():

@@ -169,7 +169,7 @@ def run_world(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwa
               burst: str = "256kb", rails: bool = False,
               cluster: "_cluster.Cluster | None" = None, secrets: bool = False,
               stream: bool = False, flight_recorder: str | os.PathLike | None = None,
-              relay: Callable[[torch.Tensor], Any] | None = None, share_gpus: bool = False) -> World:
+              relay: Callable[[torch.Tensor], Any] | None = None) -> World:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return a :class:`World`.
 
     Args:
@@ -202,9 +202,6 @@ def run_world(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwa
             and write each down with ``relay(tensor)`` of what it carried; ``World.relayed``
             holds them. Only a process group that sends through the relay uses it (the
             grader's fenced group).
-        share_gpus: on GPUs, let ranks share them (rank ``r`` on GPU ``r % count``) when there
-            are fewer GPUs than ranks: for a process group whose messages do not go through
-            NCCL (the grader's, on the relay); NCCL itself needs one GPU per rank.
         flight_recorder: a directory: every rank records its calls there and dumps them
             (``rank<r>.json``) as the world ends, however it ends, with ``world.json``
             (default ``COLLECTIVES_FLIGHT_RECORDER``; see :mod:`collectives.core.flight_recorder`).
@@ -217,9 +214,11 @@ def run_world(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwa
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     backend = backend or "gloo"
     gpus = on_gpus(backend)
-    if gpus and torch.cuda.device_count() < (1 if share_gpus else world_size):
-        raise RuntimeError(f"backend={backend!r} needs {1 if share_gpus else world_size} GPUs, "
-                           f"found {torch.cuda.device_count()}")
+    # NCCL needs a GPU per rank; a backend of GPUs without NCCL (the grader's: its messages go
+    # through the relay) lets ranks share them, rank r on GPU r mod count
+    needed = world_size if "nccl" in backend else 1
+    if gpus and torch.cuda.device_count() < needed:
+        raise RuntimeError(f"backend={backend!r} needs {needed} GPUs, found {torch.cuda.device_count()}")
     if start_method is None:
         start_method = "spawn" if gpus else "fork"
     if cluster is None and machines is not None:
@@ -232,7 +231,7 @@ def run_world(fn: Callable[..., Any], world_size: int = 4, args: tuple = (), kwa
                              start_method=start_method, local_world_size=local_world_size,
                              threads=threads, env=env, init_timeout=init_timeout, check=check,
                              cluster=made, secrets=secrets, stream=stream,
-                             flight_recorder=flight_recorder, relay=relay, share_gpus=share_gpus)
+                             flight_recorder=flight_recorder, relay=relay)
     placements = [None] * world_size
     if cluster is not None:
         if world_size % cluster.n_machines:

@@ -23,14 +23,15 @@ current stream (what NCCL's send would carry), a receive copies the message in o
 the transport's own, after the work the caller had queued when it posted the receive, and its
 work completes only once the copy has landed.
 
-Frames are ``header length | pickled header | payload``; the header says ``"m"`` (a message:
+Frames are ``header length | JSON header | payload`` (JSON: the launcher reads what a rank
+wrote, and a pickle would run code there); the header says ``"m"`` (a message:
 destination, tag, group, id, dtype, shape) or ``"a"`` (the receipt of message ``id``).
 """
 
 from __future__ import annotations
 
+import json
 import os
-import pickle
 import queue
 import struct
 import threading
@@ -44,16 +45,28 @@ _LEN = struct.Struct("<I")
 
 
 def _frame(head: dict, payload: bytes = b"") -> bytes:
-    data = pickle.dumps(head)
+    data = json.dumps(head).encode()
     return _LEN.pack(len(data)) + data + payload
 
 
 def _unframe(frame: bytes) -> tuple[dict, memoryview]:
     (n,) = _LEN.unpack_from(frame)
-    head = pickle.loads(frame[_LEN.size:_LEN.size + n])
+    head = json.loads(bytes(frame[_LEN.size:_LEN.size + n]))
     if not isinstance(head, dict):
         raise ValueError("a frame without a header")
     return head, memoryview(frame)[_LEN.size + n:]
+
+
+def _hashable(value):
+    """A group as JSON brings it back (lists) as the tuple it was sent as."""
+    return tuple(_hashable(v) for v in value) if isinstance(value, list) else value
+
+
+def _int(head: dict, name: str) -> int:
+    value = head.get(name)
+    if type(value) is not int:
+        raise ValueError(f"{name} is {value!r}, not an integer")
+    return value
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -88,6 +101,7 @@ class Hub:
         self.problems: list[str] = []
         self._out = [queue.SimpleQueue() for _ in range(size)]
         self._threads: list[threading.Thread] = []
+        self._closed = False
 
     def end_for(self, rank: int) -> tuple:
         """Rank ``rank``'s end of a new pipe, made just before the rank is started (so no
@@ -115,22 +129,37 @@ class Hub:
                 frame = conn.recv_bytes()
             except (EOFError, OSError):
                 return
-            try:
+            try:        # what goes on is rebuilt here from the fields it needs, nothing else
                 head, payload = _unframe(frame)
-                to = head["dst"] if head["k"] == "m" else head["to"]
-                if type(to) is not int or not 0 <= to < self.size:
+                to = _int(head, "dst" if head.get("k") == "m" else "to")
+                if not 0 <= to < self.size:
                     raise ValueError(f"no rank {to!r}")
-                if head["k"] == "m":
-                    tensor = as_tensor(payload, head["dtype"], head["shape"])
-                    self.log[rank].append((to, head["dtype"], tensor.numel(), self.digest(tensor)))
-                    head["src"] = rank
-                    frame = _frame(head, bytes(payload))
-                elif head["k"] != "a":
-                    raise ValueError(f"a frame of kind {head['k']!r}")
+                if head.get("k") == "m":
+                    shape, error = head.get("shape"), None
+                    if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+                        raise ValueError(f"a shape {shape!r}")
+                    tensor = as_tensor(payload, str(head.get("dtype")), shape)
+                    try:
+                        digest = self.digest(tensor)
+                    except Exception as exc:  # noqa: BLE001 - the message still crosses; the log says why
+                        digest, error = None, exc
+                    self.log[rank].append((to, head["dtype"], tensor.numel(), digest))
+                    frame = _frame(dict(k="m", src=rank, dst=to, tag=_int(head, "tag"), g=head.get("g"),
+                                        id=_int(head, "id"), dtype=head["dtype"], shape=shape), bytes(payload))
+                    if error is not None:
+                        self._problem(f"rank {rank}: a message could not be written down ({error})")
+                elif head.get("k") == "a":
+                    said = head.get("error")
+                    frame = _frame(dict(k="a", to=to, id=_int(head, "id"), error=None if said is None else str(said)))
+                else:
+                    raise ValueError(f"a frame of kind {head.get('k')!r}")
                 self._out[to].put(frame)
             except Exception as exc:  # noqa: BLE001 - whatever a rank wrote is its problem, not ours
-                if len(self.problems) < 5:
-                    self.problems.append(f"rank {rank}: wrote a frame the relay cannot read ({exc})")
+                self._problem(f"rank {rank}: wrote a frame the relay cannot read ({exc})")
+
+    def _problem(self, text: str) -> None:
+        if len(self.problems) < 5:          # the first few say it; a flood would bury the verdict
+            self.problems.append(text)
 
     def _writer(self, rank: int) -> None:
         while (frame := self._out[rank].get()) is not None:
@@ -140,7 +169,10 @@ class Hub:
                 pass                        # the rank has ended: what was for it is dropped
 
     def close(self, wait: float = 10.0) -> None:
-        """After the ranks have ended: read what their pipes still hold, then stop."""
+        """After the ranks have ended: read what their pipes still hold, then stop (once)."""
+        if self._closed:
+            return
+        self._closed = True
         readers = self._threads[0::2]
         for t in readers:
             t.join(wait)
@@ -274,24 +306,38 @@ class _Transport:
                 head, payload = _unframe(self.conn.recv_bytes())
             except (EOFError, OSError):
                 return
-            if head["k"] == "a":
-                with self.cond:
-                    work = self.sends.pop(head["id"], None)
-                if work is not None:
-                    work._finish(RuntimeError(head["error"]) if head.get("error") else None)
-                continue
-            message = (arrivals, head["src"], head["id"], head["dtype"], head["shape"], bytes(payload))
-            arrivals += 1
-            key = (head["g"], head["src"], head["tag"])
+            try:
+                arrivals = self._take_frame(head, payload, arrivals)
+            except Exception as exc:  # noqa: BLE001 - every wait still pending ends with it, not a timeout
+                self._fail_all(RuntimeError(f"the relay could not take a message: {exc}"))
+
+    def _take_frame(self, head: dict, payload, arrivals: int) -> int:
+        if head["k"] == "a":
             with self.cond:
-                for i, (want, work, tensor) in enumerate(self.posted):
-                    if want == key or (want[1] is None and (want[0], want[2]) == (key[0], key[2])):
-                        del self.posted[i]
-                        break
-                else:
-                    self.mail.setdefault(key, deque()).append(message)
-                    continue
-            self._deliver(work, tensor, message)
+                work = self.sends.pop(head["id"], None)
+            if work is not None:
+                work._finish(RuntimeError(head["error"]) if head.get("error") else None)
+            return arrivals
+        message = (arrivals, head["src"], head["id"], head["dtype"], head["shape"], payload)
+        key = (_hashable(head["g"]), head["src"], head["tag"])
+        with self.cond:
+            for i, (want, work, tensor) in enumerate(self.posted):
+                if want == key or (want[1] is None and (want[0], want[2]) == (key[0], key[2])):
+                    del self.posted[i]
+                    break
+            else:
+                self.mail.setdefault(key, deque()).append(message)
+                return arrivals + 1
+        self._deliver(work, tensor, message)
+        return arrivals + 1
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self.cond:
+            pending = [work for _, work, _ in self.posted] + list(self.sends.values())
+            self.posted.clear()
+            self.sends.clear()
+        for work in pending:
+            work._finish(error)
 
     def _deliver(self, work: Work, tensor: torch.Tensor, message: tuple) -> None:
         _, src, mid, dtype, shape, payload = message
@@ -302,10 +348,14 @@ class _Transport:
         if dtype != str(tensor.dtype).replace("torch.", "") or numel != tensor.numel():
             error = (f"rank {src} sent {numel} elements of {dtype}; the receive on rank "
                      f"{dist.get_rank()} expects {tensor.numel()} of {str(tensor.dtype).replace('torch.', '')}")
-        elif tensor.is_cuda:
-            _land(tensor, as_tensor(payload, dtype, shape), work._ready)
         else:
-            tensor.view(-1).copy_(as_tensor(payload, dtype, shape).view(-1))
+            try:
+                if tensor.is_cuda:
+                    _land(tensor, as_tensor(payload, dtype, shape), work._ready)
+                else:
+                    tensor.view(-1).copy_(as_tensor(payload, dtype, shape).view(-1))
+            except Exception as exc:  # noqa: BLE001 - both sides hear of it, as of a size mismatch
+                error = f"the message from rank {src} could not land: {exc}"
         local = work._local(src) if callable(work._local) else src
         work._finish(RuntimeError(error) if error else None, local)
         self._put(_frame(dict(k="a", to=src, id=mid, error=error)))
@@ -318,7 +368,9 @@ def _land(tensor: torch.Tensor, message: torch.Tensor, ready) -> None:
     """Copy a message into a GPU tensor on the transport's stream, after ``ready``; return
     once it is there."""
     index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
-    stream = _streams.setdefault(index, torch.cuda.Stream(device=index))
+    if index not in _streams:
+        _streams[index] = torch.cuda.Stream(device=index)
+    stream = _streams[index]
     stream.wait_event(ready)
     with torch.cuda.stream(stream):
         tensor.view(-1).copy_(message.view(-1))

@@ -184,7 +184,9 @@ def run_tour(world_size: int = 4, nbytes: int = 4 << 20, backend: str | None = N
     if world_size < 2:
         raise ValueError(f"the tour needs at least 2 ranks, got {world_size}: one rank sends no message "
                          "(on a machine with one GPU, run it on CPU ranks: --backend gloo)")
-    gpus = (backend or launch.auto_backend(world_size)) == "nccl"
+    backend = backend or "gloo"         # as launch.run's default: the command line picks NCCL itself
+    gpus = backend == "nccl"
+    repeat = 1 if gpus else repeat      # untimed on GPUs: a repeat would only run the row again
 
     todo = [e for e in entries() if not only or e.name in only]
     rows = []

@@ -61,9 +61,6 @@ class Task:
     check: object = None
 
 
-WORLD_BACKENDS = {"gloo": "gloo", "nccl": "cpu:gloo,cuda:nccl"}
-"""What ``--backend`` starts: on GPUs both, so that the probes' CPU tensors still have a backend."""
-
 IMPL_ENV = "COLLECTIVES_EXERCISE_IMPL"
 """``reference``: exercise scripts check the reference solution instead of the stubs."""
 
@@ -174,7 +171,7 @@ def run_tasks(number: int, tasks=None, argv: list[str] | None = None) -> None:
     if _ran_as_script(number):
         _judge_elsewhere(number, spec, sys.argv[1:] if argv is None else argv)
     passed = total = 0
-    grading = Grading(spec, timeout=timeout, check=True, world_size=args.world, backend=WORLD_BACKENDS[args.backend])
+    grading = Grading(spec, timeout=timeout, check=True, world_size=args.world, gpus=args.backend == "nccl")
     for task in _pick(tasks_of(number), args.task):
         verdict = run_task(task, grading)
         passed += verdict.ok

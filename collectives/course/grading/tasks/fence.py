@@ -188,7 +188,7 @@ class FencedGroup(dist.ProcessGroup):
         count = _ORIGINAL["_get_sequence_number_for_group"]
         ran = count(self._gloo)
         ran_nccl = count(self._nccl) if self._nccl is not None else 0
-        extra = ran - self._made + ran_nccl - self._made_nccl
+        extra = max(0, ran - self._made) + max(0, ran_nccl - self._made_nccl)    # each backend on its own
         if extra > 0 and _state["sink"] is not None:
             from .tap import Call
             _state["sink"](Call("backend.operations behind the process group", None, extra, "", 0.0,
@@ -281,7 +281,7 @@ def relay_problems(stream: list[Any], carried: list[tuple], rank: int) -> list[s
         if m is None:
             return [f"rank {rank}: send {i + 1} of its record (to rank {c.peer}) never crossed: "
                     "the record is not evidence"]
-        if (c.peer, c.dtype, c.numel) != tuple(m[:3]) or not _same_print(c.fingerprint, *m[3]):
+        if (c.peer, c.dtype, c.numel) != tuple(m[:3]) or m[3] is None or not _same_print(c.fingerprint, *m[3]):
             return [f"rank {rank}: send {i + 1} of its record (to rank {c.peer}, {c.numel} × {c.dtype}) is not "
                     f"what crossed (to rank {m[0]}, {m[2]} × {m[1]}, other contents): the record is not evidence"]
     return []

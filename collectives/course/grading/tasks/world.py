@@ -40,7 +40,6 @@ import torch
 import torch.distributed as dist
 
 from ....core import channels, launch, trace
-from ....core.ops import on_gpus
 from ... import verify
 from ...impl import resolve
 from . import fence
@@ -279,22 +278,21 @@ class Grading:
 
     ``check`` turns check mode on in the worlds (the exercise runner does; the grader does
     not, so that no honest call touches the store). ``world_size`` forces one size on every
-    task that lets it choose (``--world``). ``backend`` says where the worlds run
-    (``--backend``): ``"gloo"``, on CPUs, or a backend on GPUs (``"cpu:gloo,cuda:nccl"``),
-    where the cases the probes draw on the rank's device (``ops.rank_device()``) hold GPU
-    tensors. Either way the world's groups are the fence (:mod:`.fence`): messages cross
+    task that lets it choose (``--world``). ``gpus`` (``--backend nccl``): the worlds run on
+    GPUs, where the cases the probes draw on the rank's device (``ops.rank_device()``) hold
+    GPU tensors. Either way the world's groups are the fence (:mod:`.fence`): messages cross
     through this process, GPU tensors through host memory, and the collectives a task allows
     run on NCCL for GPU tensors, on gloo for CPU ones.
     """
 
     def __init__(self, spec: str, *, timeout: float = 30.0, check: bool = False,
-                 world_size: int | None = None, backend: str = "gloo"):
+                 world_size: int | None = None, gpus: bool = False):
         private_bytecode()
         self.spec = spec
         self.timeout = timeout
         self.check = check
         self.world_size = world_size
-        self.backend = backend
+        self.gpus = gpus
         self.routes: frozenset | None = None    # the task's (run_task sets them)
         self.runs: list[Run] = []               # every world of the task being judged
 
@@ -305,22 +303,20 @@ class Grading:
     def world(self, probe_target: str, world_size: int, *args, machines: int | None = None,
               timeout: float | None = None) -> Run:
         # the world's groups are the fence, on CPUs or GPUs (ranks may share GPUs: see fence)
-        backend = fence.GPU_BACKEND if on_gpus(self.backend) else fence.BACKEND
+        backend = fence.GPU_BACKEND if self.gpus else fence.BACKEND
         before = tree_state()
         try:     # the fence's messages go through this process, which writes each down (relay_problems)
             world = launch.run_world(probe_rank, world_size, args=(probe_target, self.spec, args, self.routes),
                                      timeout=timeout or self.timeout, check=self.check, secrets=True,
-                                     stream=True, machines=machines, backend=backend, relay=_tap.digest,
-                                     share_gpus=True)
+                                     stream=True, machines=machines, backend=backend, relay=_tap.digest)
         finally:
             wrote = tree_changes(before, tree_state())
         tampered = [f"a rank changed the course's own code ({', '.join(wrote[:3])}"
                     f"{', ...' if len(wrote) > 3 else ''}): a graded rank writes nothing there"] if wrote else []
         opened = [channels.opened(raw, key) for raw, key in zip(world.streams, world.keys)]
-        tampered += world.relay_problems[:3]
+        tampered += world.relay_problems
         for rank, stream in enumerate(opened):
-            if world.relayed is not None:
-                tampered += fence.relay_problems(stream, world.relayed[rank], rank)
+            tampered += fence.relay_problems(stream, world.relayed[rank], rank)
         split = [_split(stream, tampered, rank) for rank, stream in enumerate(opened)]
         run = Run(world_size, world.secrets, world.results, [c for c, _, _ in split], [lo for _, lo, _ in split],
                   world.complete, check_traffic=self.check, notes=[n for _, _, n in split], routes=self.routes,
