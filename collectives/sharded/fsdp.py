@@ -47,7 +47,7 @@ from .groups import reshard_groups
 from .shard import ShardGroup, all_gather, reduce_scatter
 from .side import SideStream
 from .state import check_layout, clip_grad_norm_, load_sharded, save_sharded
-from .usage import across
+from .usage import across, first_partial
 from .zero import _rank_and_size, optimizer_state_bytes, tensor_bytes
 
 
@@ -348,6 +348,10 @@ class FSDP:
 
     def _make_grad_ready(self, u: _Unit):
         def hook(param):
+            if u.reduced:       # reduced already (with zeros for the unused): a second would not match
+                raise RuntimeError(f"FSDP on rank {self.rank}: a gradient reached unit {u.index} "
+                                   f"({self.names.get(id(param), '?')}) after its reduce-scatter; a parameter "
+                                   "used by a later unit's backward must belong to that unit")
             u.ready += 1
             if u.ready == len(u.trainable):
                 self._reduce(u, u.trainable)
@@ -358,16 +362,14 @@ class FSDP:
         the backward's collectives (one all-gather of a flag per unit, in the side's order)."""
         every = self.side.submit(lambda: [across([u.ran for u in self.units], self.group, self.use_torch,
                                                  self.device)]).result()[0]
-        for u in self.units:
-            ran = [r for r, row in enumerate(every) if row[u.index]]
-            if ran and len(ran) < self.p:
-                self._abandon()
-                raise RuntimeError(
-                    f"FSDP on rank {self.rank}: unit {u.index} ({self.names[id(u.params[0])]}, ...) ran its forward "
-                    f"on rank(s) {ran} and not on rank(s) {[r for r in range(self.p) if r not in ran]}: its "
-                    "all-gathers and reduce-scatter cannot match across ranks. A branch some ranks skip must sit "
-                    "inside a unit that runs on every rank (its parameters then get zeros from the ranks that "
-                    "skip it)")
+        partial = first_partial([f"unit {u.index} ({self.names[id(u.params[0])]}, ...)" for u in self.units],
+                                every, "ran its forward")
+        if partial:
+            self._abandon()
+            raise RuntimeError(
+                f"FSDP on rank {self.rank}: {partial}: its all-gathers and reduce-scatter cannot match across "
+                "ranks. A branch some ranks skip must sit inside a unit that runs on every rank (its parameters "
+                "then get zeros from the ranks that skip it)")
 
     def _abandon(self) -> None:
         """Back to between steps, nothing reduced: in-flight gathers drained, every unit freed."""

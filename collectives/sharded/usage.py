@@ -46,12 +46,13 @@ def across(flags, group=None, use_torch: bool = False, device=None) -> list[list
     return [[bool(x) for x in row] for row in every.view(p, -1).tolist()]
 
 
-def first_partial(names, every) -> str | None:
+def first_partial(names, every, did: str = "was used") -> str | None:
     """The first of ``names`` some ranks flagged and others did not, said with both lists of
-    ranks; None when every rank flagged the same ones."""
+    ranks ("NAME ``did`` on rank(s) [...] and not on rank(s) [...]"); None when every rank
+    flagged the same ones."""
     p = len(every)
     for j, name in enumerate(names):
         used = [r for r in range(p) if every[r][j]]
         if used and len(used) < p:
-            return f"{name} was used on rank(s) {used} and not on rank(s) {[r for r in range(p) if r not in used]}"
+            return f"{name} {did} on rank(s) {used} and not on rank(s) {[r for r in range(p) if r not in used]}"
     return None
