@@ -47,7 +47,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from ...core import launch, timing
 from ...symmetric import gpu
-from .gpu_timing import INPUTS, LAUNCHES, RULE, Replayed, nccl_window, rounds, summary  # noqa: F401
+from .gpu_timing import INPUTS, LAUNCHES, RULE, Replayed, check_launch, fields, nccl_window, rank_env, rounds, summary  # noqa: F401
 
 GPU_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M,1G"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -181,14 +181,14 @@ def check_rank(dtypes: list[str], capacity: int = 1 << 22, exercise: bool = Fals
 
 def gpu_rank(sizes: list[int], dtypes: list[str], iters: int, launch_mode: str = "eager",
              inputs: str = "copied") -> dict:
-    if launch_mode not in LAUNCHES:
-        raise ValueError(f"launch must be one of {LAUNCHES}, got {launch_mode!r}")
+    check_launch(launch_mode)
     torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     runs, spreads, checked, skipped, host = {}, {}, {}, [], {}
     for dtype_name in dtypes:
         dtype = DTYPES[dtype_name]
         size = torch.empty(0, dtype=dtype).element_size()
-        checking, skipped, src = contenders(max(max(sizes) // size, max(CHECK_SIZES)), dtype)
+        checking, found, src = contenders(max(max(sizes) // size, max(CHECK_SIZES)), dtype)
+        skipped += [why for why in found if why not in skipped]     # every dtype's, each once
         checked[dtype_name] = check(checking, src, dtype)
         del checking
         timed, _, _ = contenders(max(sizes) // size, dtype, inputs)
@@ -236,11 +236,9 @@ def run_gpu(args) -> dict:
     sizes = timing.parse_sizes(args.sizes or GPU_SIZES)
     dtypes = [d for d in args.dtypes.split(",") if d]
     launch_mode, inputs = getattr(args, "launch", "eager"), getattr(args, "inputs", "copied")
-    env = dict(gpu.NO_MULTICAST, **(timing.graph_env() if launch_mode == "graph" else {}))
     results = launch.run(gpu_rank, world, args=(sizes, dtypes, args.iters, launch_mode, inputs), backend="nccl",
-                         timeout=args.timeout, env=env)
+                         timeout=args.timeout, env=rank_env(launch_mode))
     first = results[0]
     return {"backend": "nccl", "world": world, "sizes": sizes, "runs": first["runs"], "spread": first["spread"],
-            "checked": first["checked"], "skipped": first["skipped"], "iters": args.iters, "host": first["host"],
-            "launcher": first["launcher"], "launch": launch_mode, "inputs": inputs,
-            "rule": RULE}
+            "checked": first["checked"], "iters": args.iters, "host": first["host"], "launcher": first["launcher"],
+            **fields(launch_mode, inputs, first["skipped"])}
