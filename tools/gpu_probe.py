@@ -434,17 +434,18 @@ def main() -> int:
         res = launch.run(host_rank, args.world, args=(64 << 20, 256 << 20), backend="nccl", timeout=80)
     elif args.what == "graph":
         res = launch.run(graph_rank, args.world, args=([1 << 20, 16 << 20, 256 << 20], 64 << 20),
-                         backend="nccl", timeout=80, env=timing.graph_env())
-    elif args.what == "barrier":
+                         backend="nccl", timeout=80, env=rule.rank_env("graph"))
+    elif args.what == "barrier":        # captures its contenders too: the rule's graph settings
         res = launch.run(barrier_rank, args.world, args=([4 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20],),
-                         backend="nccl", timeout=150)
+                         backend="nccl", timeout=150, env=rule.rank_env("graph"))
     elif args.what == "launch":
         res = launch.run(launch_rank, args.world, args=(8192,), backend="nccl", timeout=80)
     else:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else None
         algos = tuple(args.algos.split(",")) if args.algos else ("one_shot", "two_shot", "two_shot_store")
         res = launch.run(triton_rank, args.world, args=([64 << 10, 1 << 20, 16 << 20, 256 << 20], shapes, algos,
-                                                         args.dtype), backend="nccl", timeout=400)
+                                                         args.dtype), backend="nccl", timeout=400,
+                         env=rule.rank_env("graph"))
     record = dict(claims.environment(backend="nccl", commit=claims.commit(), gpus=args.world),
                   what=args.what, label=args.label,
                   device=f"{args.world}× {torch.cuda.get_device_name(0)}, NVLink",
