@@ -160,7 +160,8 @@ def _rule_in_rank(names, layers, width, batch, iters, backend) -> list[dict]:
     """On GPUs: each contender's memory measured alone (:func:`_bench_in_rank`), then all built
     again, side by side, and their steps timed in ``iters`` rounds (:func:`.steps_gpu.in_rounds`)."""
     steps_gpu.untrace()
-    rows = _bench_in_rank(names, layers, width, batch, iters, backend)
+    # one step after the first is all the memory needs; the times are the rounds' below
+    rows = _bench_in_rank(names, layers, width, batch, 1, backend)
     device = _device(backend)
     x = torch.randn(batch, width, generator=torch.Generator().manual_seed(dist.get_rank())).to(device)
     built = {name: _contender(name, layers, width, device, 2)[:2] for name in names}
