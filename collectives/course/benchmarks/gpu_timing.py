@@ -212,12 +212,12 @@ def fields(launch: str, inputs: str | dict[str, str], skipped: list[str]) -> dic
             "untraced": True, "multicast": MULTICAST, "skipped": list(skipped)}
 
 
-def fields_of_rows(launch: str | None, inputs: str, rows: list[dict], name: str = "algo") -> dict:
+def fields_of_rows(launch: str | None, inputs: str, rows: list[dict]) -> dict:
     """``{"rule": ...}`` for a record of rows (:func:`fields`), every contender dropped at a
     size (a row with ``skipped``) under ``skipped``; ``{}`` for a run outside the rule (CPUs)."""
     if launch is None:
         return {}
-    skipped = [f"{r[name]} at {r['nbytes']} B: {r['missing']}" for r in rows if r.get("skipped")]
+    skipped = [f"{r['algo']} at {r['nbytes']} B: {r['missing']}" for r in rows if r.get("skipped")]
     return {"rule": fields(launch, inputs, skipped)}
 
 
