@@ -33,19 +33,20 @@ LINE = re.compile(r"^task (\d+) .*?: (PASS|FAIL)(?:: (.*))?$", re.M)
 def judge(name: str, out: Path, backend: str = "nccl") -> tuple[bool, str]:
     """Run fixture ``name``'s tasks through the runner; (as expected, its line)."""
     number, targets, control = CHEAT_TARGETS[name]
-    student = with_exercise(number, CHEATS / f"{name}.py", Path(tempfile.mkdtemp()) / name)
-    script = student / lesson(number).exercise.parent.name / "exercise.py"
     tasks = sorted(set(targets) | ({control} if control else set()))
     args = [a for t in tasks for a in ("--task", str(t))] + (["--world", "4"] if name in QUICK else [])
     started = time.time()
-    try:
-        done = subprocess.run([sys.executable, "-m", "collectives.course.grading.runner", "--check-lesson",
-                               str(number), "--exercise", str(script), "--backend", backend, *args],
-                              capture_output=True, text=True, timeout=float(os.environ.get("LIM", "240")),
-                              env={**os.environ, "COLLECTIVES_TIMEOUT": "30"})
-        text = done.stdout + done.stderr[-2000:]
-    except subprocess.TimeoutExpired as exc:
-        text = f"timed out: {exc}"
+    with tempfile.TemporaryDirectory() as folder:
+        student = with_exercise(number, CHEATS / f"{name}.py", Path(folder) / name)
+        script = student / lesson(number).exercise.parent.name / "exercise.py"
+        try:
+            done = subprocess.run([sys.executable, "-m", "collectives.course.grading.runner", "--check-lesson",
+                                   str(number), "--exercise", str(script), "--backend", backend, *args],
+                                  capture_output=True, text=True, timeout=float(os.environ.get("LIM", "240")),
+                                  env={**os.environ, "COLLECTIVES_TIMEOUT": "30"})
+            text = done.stdout + done.stderr[-2000:]
+        except subprocess.TimeoutExpired as exc:
+            text = f"timed out: {exc}"
     (out / f"{name}.log").write_text(text)
     return verdict(name, text, time.time() - started)
 
