@@ -60,8 +60,18 @@ def _rounds_in_rank():
     return samples, skipped, order, calls["a"]
 
 
-def test_rounds_interleave_the_contenders_and_drop_one_that_raises():
-    samples, skipped, order, a_calls = launch.run(_rounds_in_rank, 2, timeout=60)[0]
+def _three_in_one_world():
+    """The rounds, lesson 5's GPU path (eager) and a probe's two launches, in one gloo world."""
+    return {"rounds": _rounds_in_rank(), "fused": _fused_in_rank("eager"), "both": _both_in_rank()}
+
+
+@pytest.fixture(scope="module")
+def world():
+    return launch.run(_three_in_one_world, 2, timeout=120)[0]
+
+
+def test_rounds_interleave_the_contenders_and_drop_one_that_raises(world):
+    samples, skipped, order, a_calls = world["rounds"]
     assert sorted(samples) == ["a", "b"] and all(len(v) == 3 and min(v) > 0 for v in samples.values())
     assert skipped == ["broken (float32): refused at this size"]
     # measure_back_to_back: one untimed run, then the batch; a round times a, then b, in turn
@@ -82,10 +92,10 @@ def _fused_in_rank(launch_mode: str):
     return out
 
 
-def test_bench_fused_gpu_path_checks_every_case_times_it_untraced_and_names_the_rule():
+def test_bench_fused_gpu_path_checks_every_case_times_it_untraced_and_names_the_rule(world):
     from collectives.course.benchmarks import fused_gpu
 
-    out = launch.run(_fused_in_rank, 2, args=("eager",), timeout=120)[0]
+    out = world["fused"]
     rows = {r["case"]: r for r in out["rows"]}
     assert list(rows) == ["separate calls", "flat all_reduce", "flat + 2 copies", "cat + copy_ loop", *fused_gpu.FUSED,
                           "fused (exercise)"]
@@ -193,8 +203,8 @@ def _both_in_rank():
     return timed, skipped
 
 
-def test_a_probe_times_each_launch_in_rounds_of_its_own_and_compares_a_column_with_itself():
-    timed, skipped = launch.run(_both_in_rank, 2, timeout=60)[0]
+def test_a_probe_times_each_launch_in_rounds_of_its_own_and_compares_a_column_with_itself(world):
+    timed, skipped = world["both"]
     assert set(timed["nccl"]) == {"b2b_s", "b2b_spread", "graph_s", "graph_spread"}
     assert set(timed["ring"]) == {"b2b_s", "b2b_spread"}
     assert skipped == ["ring (graph): operation not permitted when stream is capturing"]
