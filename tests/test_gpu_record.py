@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
+from .tools_import import tool as load_tool
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _gpu_record():
-    spec = importlib.util.spec_from_file_location("gpu_record", ROOT / "tools" / "gpu_record.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _lane(commit: str, date: str, runners: dict, hardware="2× NVIDIA H200, NVLink (NV18)") -> dict:
@@ -28,7 +22,7 @@ def _lane(commit: str, date: str, runners: dict, hardware="2× NVIDIA H200, NVLi
 
 
 def test_a_merged_lane_keeps_each_steps_latest_run_and_names_its_commit(tmp_path):
-    tool = _gpu_record()
+    tool = load_tool("gpu_record")
     old = _lane("aaa1111", "2026-11-28T04:00:00+00:00", {"01": True, "02": False})
     new = _lane("bbb2222", "2026-11-28T06:00:00+00:00", {"02": True, "03": True})
     paths = []
@@ -57,7 +51,7 @@ def test_a_merged_lane_keeps_each_steps_latest_run_and_names_its_commit(tmp_path
 
 
 def test_records_of_different_machines_are_not_merged():
-    tool = _gpu_record()
+    tool = load_tool("gpu_record")
     with pytest.raises(ValueError, match="different machines"):
         tool.merge([_lane("a", "2026-11-28", {"01": True}),
                     _lane("b", "2026-11-28", {"01": True}, hardware="4× NVIDIA H100, NVLink (NV18)")])
@@ -67,7 +61,7 @@ def test_lesson10_peaks_are_not_compared_when_a_baseline_moved():
     """A contender whose steps began below what was allocated before it (an earlier
     contender's memory freed during its run) has a peak that reads too low: the record says
     so and gives no peak ratio, where a clean run gives one."""
-    tool = _gpu_record()
+    tool = load_tool("gpu_record")
 
     def row(name, peak, steady):
         return dict(name=name, seconds=1.0, max_memory_allocated=[peak, peak],
@@ -86,7 +80,7 @@ def test_lesson10_peaks_are_not_compared_when_a_baseline_moved():
 
 
 def test_a_merged_lanes_table_names_each_commit_short_and_its_steps_in_full(tmp_path):
-    tool = _gpu_record()
+    tool = load_tool("gpu_record")
     full = "0123456789abcdef0123456789abcdef01234567"
     path = tmp_path / "lane.json"
     path.write_text(json.dumps(_lane(full, "2026-11-28T09:00:00+00:00", {"01": True})))
@@ -101,7 +95,7 @@ def test_the_all_to_all_target_sets_replayed_against_replayed_and_eager_against_
     """The lane's all-to-all figures come from two runs, each launching every contender the
     same way (the rule for fair GPU comparisons): the best exchange called from Python against
     NCCL called from Python, and the best replayed from a CUDA graph against NCCL replayed."""
-    tool = _gpu_record()
+    tool = load_tool("gpu_record")
     eager = dict(launch="eager", target=[dict(nbytes=64 << 20, best="pairwise", fraction_of_nccl=0.78)])
     graph = dict(launch="graph", target=[dict(nbytes=64 << 20, best="linear", fraction_of_nccl=0.97),
                                          dict(nbytes=256 << 20, best=None, why_none="skipped")])
@@ -116,7 +110,7 @@ def test_the_all_to_all_target_sets_replayed_against_replayed_and_eager_against_
 
 
 def test_the_fused_figures_keep_the_replayed_run_apart_from_the_eager_one():
-    tool = _gpu_record()
+    tool = load_tool("gpu_record")
 
     def run(launch, fused):
         rows = [dict(case="flat all_reduce", seconds=1e-4), dict(case="fused", seconds=fused),
@@ -131,7 +125,7 @@ def test_the_fused_figures_keep_the_replayed_run_apart_from_the_eager_one():
 
 
 def test_the_ring_checks_headline_names_its_memory_and_the_replayed_ring():
-    tool = _gpu_record()
+    tool = load_tool("gpu_record")
     data = dict(ratio=0.85, bytes=256 << 20, memory="plain", exact=True, ring_host_s=2.6e-4,
                 replayed=dict(ratio=0.96, exact=True, host_s=1.76e-5, seconds=1.05e-3))
     said, target = tool.headline("ringcheck-p2-replay", data, [])
@@ -144,7 +138,7 @@ def test_the_ring_checks_headline_names_its_memory_and_the_replayed_ring():
 def test_the_replayed_ring_has_figures_of_its_own_beside_the_registered_ring():
     """The page quotes the replayed ring from the lane record: its own fields, at each count,
     never in place of the registered-memory ring's."""
-    tool = _gpu_record()
+    tool = load_tool("gpu_record")
     replay = dict(ratio=0.77, memory="plain", exact=True, ring_host_s=2.4e-4, nccl_s=1e-3,
                   replayed=dict(ratio=0.92, exact=True, host_s=9.6e-6, seconds=1.07e-3))
     registered = dict(replay, ratio=0.86, memory="registered", replayed=None)

@@ -11,24 +11,20 @@ import json
 import os
 import re
 import shutil
-import sys
 
 import pytest
 import yaml
 
 from collectives.course.catalog import LESSONS, ROOT
 
-_spec = importlib.util.spec_from_file_location("check_site", ROOT / "tools" / "check_site.py")
-check_site = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("check_site", check_site)  # its dataclasses look their module up
-_spec.loader.exec_module(check_site)
+from .tools_import import tool
+
+check_site = tool("check_site")    # imported by name: its dataclasses look their module up
 
 REFERENCE = ROOT / "docs" / "reference"
 
 
-_hooks_spec = importlib.util.spec_from_file_location("mkdocs_hooks", ROOT / "tools" / "mkdocs_hooks.py")
-mkdocs_hooks = importlib.util.module_from_spec(_hooks_spec)
-_hooks_spec.loader.exec_module(mkdocs_hooks)
+mkdocs_hooks = tool("mkdocs_hooks")
 _nav_files = mkdocs_hooks._nav_files   # the walk the build's own nav check uses
 
 
@@ -54,16 +50,13 @@ def test_nav_lists_every_lesson_page_and_notebook():
 def test_nav_reads_lesson_then_its_lab():
     # "Next" from lesson N is lab N, from lab N lesson N + 1: the hook that fails the
     # build otherwise agrees with the nav as written.
-    _spec = importlib.util.spec_from_file_location("mkdocs_hooks", ROOT / "tools" / "mkdocs_hooks.py")
-    hooks = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(hooks)
     nav = _mkdocs_yml()["nav"]
-    assert hooks.nav_problems(nav) == []
+    assert mkdocs_hooks.nav_problems(nav) == []
     files = _nav_files(nav)
     swapped = list(files)
     i = swapped.index(f"lessons/{LESSONS[0].page.name}")
     swapped[i], swapped[i + 1] = swapped[i + 1], swapped[i]
-    assert hooks.nav_problems(swapped), "a lab before its lesson must be reported"
+    assert mkdocs_hooks.nav_problems(swapped), "a lab before its lesson must be reported"
 
 
 def test_notebooks_are_reachable_from_docs():
@@ -416,13 +409,6 @@ def test_a_measured_section_of_generated_sentences_aims_or_many_numbers_fails(tm
 
 # --------------------------------------------------------------------------- figures that read
 
-def _load_tool(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_figure_check_finds_overlapping_sticking_out_and_unfitting_labels():
     from collectives.course.site import plots
 
@@ -459,10 +445,10 @@ def test_lesson_10s_timeline_and_lesson_12s_chart_read():
                    dict(what="all_gather", unit=unit, start=t + 0.0009, end=t + 0.0012),
                    dict(what="reduce_scatter", unit=unit, start=t + 0.02, end=t + 0.0203)]
         t += 0.0205
-    assert plots.text_problems(_load_tool("lesson10_figures").draw(events)) == []
+    assert plots.text_problems(tool("lesson10_figures").draw(events)) == []
     record = claims.load("12-bench-gpu")
     assert record is not None
-    assert plots.text_problems(_load_tool("lesson12_figures").draw(record)) == []
+    assert plots.text_problems(tool("lesson12_figures").draw(record)) == []
 
 
 # --------------------------------------------------------------------------- records from a quiet host
