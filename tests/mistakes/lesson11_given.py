@@ -4,23 +4,12 @@ fixture's mistake in a later task is judged alone)."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
 from collectives import ops
-from collectives.course.catalog import lesson
+from tests.mistakes.given import given
 
-
-def _given(name: str):
-    """A function the exercise gives the student, taken from the exercise itself."""
-    spec = importlib.util.spec_from_file_location("lesson11_exercise_as_given", lesson(11).exercise)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return getattr(module, name)
-
-
-blocks = _given("blocks")
+blocks = given(11, "blocks")
 
 
 def _wait(handles) -> None:
