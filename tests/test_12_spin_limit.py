@@ -19,7 +19,6 @@ from collectives.symmetric.triton_errors import RECORD_WORDS, ErrorBuffer, SpinT
 from .test_12_symmetric import fake_kernels
 
 LESSON = 12
-KERNELS = ["collectives.symmetric.triton_barrier", "collectives.symmetric.triton_allreduce"]
 
 
 def _write_record(errors: ErrorBuffer, program: int, peer: int, world: int, **fields) -> None:
