@@ -112,10 +112,9 @@ def for_handle(handle, device: int, records: int) -> ErrorBuffer:
     as the launch plans are, by the handle's pointers, rank and world size: a handle made
     later at exactly the same addresses counts as the same one (and is refused if it was)."""
     key = (handle.signal_pad_ptrs_dev, handle.buffer_ptrs_dev, handle.rank, handle.world_size, device)
-    buffer = _BUFFERS.get(key)
-    if buffer is None or buffer.records < records:
-        buffer = _BUFFERS[key] = ErrorBuffer(records, handle.rank)
-    return buffer
+    if key not in _BUFFERS:             # a buffer is never replaced: its failed state stays with it
+        _BUFFERS[key] = ErrorBuffer(records, handle.rank)
+    return _BUFFERS[key]
 
 
 def wait(errors: ErrorBuffer, timeout: float, nap: float = 1e-3) -> None:
