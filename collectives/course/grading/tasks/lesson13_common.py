@@ -62,9 +62,5 @@ def _backward(probe, name: str, forward, upstream: torch.Tensor):
 
 
 def _runs(grading, probe_target: str):
-    """Each world a lesson-13 task is judged on (2 and 3 ranks, or ``--world``'s); what a run
-    shows of the ranks' conduct (routes, forged records, the tree) ``run_task`` adds to every
-    verdict."""
-    for p in grading.sizes(2, 3):
-        run = grading.world(probe_target, p)
-        yield run
+    """Each world a lesson-13 task is judged on: 2 and 3 ranks, or ``--world``'s."""
+    return (grading.world(probe_target, p) for p in grading.sizes(2, 3))
