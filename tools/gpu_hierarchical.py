@@ -137,7 +137,7 @@ def _rank(layouts, numel, bucket_numel, launch_mode, rounds, iters):
                     torch.cuda.synchronize(device)
                 checked[name] = exact(name)
             except Exception as exc:  # noqa: BLE001 - the contender is skipped, saying why; the others stand
-                skipped.append(f"{name} {layout}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+                skipped.append(f"{name} {layout}: {rule.said(exc)}")
                 del runs[name]
         samples = rule.rounds(runs, iters=iters, skipped=skipped, where=f" {layout}", count=rounds, device=device)
         timed_at = {name: rule.summary(times) for name, times in samples.items()}

@@ -163,7 +163,7 @@ def graph_rank(sizes: list[int], a2a_bytes: int) -> dict:
         out["pair_exact"] = bool(torch.all(b == ((rank - 1) % p) + 1))
         stage("pair: replayed")
     except Exception as exc:  # noqa: BLE001
-        out["pair_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        out["pair_error"] = rule.said(exc)
     rows = []
     for nbytes in sizes:
         n = nbytes // 4
@@ -187,11 +187,11 @@ def graph_rank(sizes: list[int], a2a_bytes: int) -> dict:
             replays["ring"] = g_ring.replay
             row["host_ring_graph_s"] = _host(g_ring.replay, device)
         except Exception as exc:  # noqa: BLE001 - a probe reports what failed
-            row["ring_graph_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            row["ring_graph_error"] = rule.said(exc)
         try:
             replays["nccl"] = _graph(lambda: rule.nccl_all_reduce(x), device).replay
         except Exception as exc:  # noqa: BLE001
-            row["nccl_graph_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            row["nccl_graph_error"] = rule.said(exc)
         x.zero_()                                   # zeros: summed in place they stay zeros
         timed = rule.both_launches({"nccl": lambda: rule.nccl_all_reduce(x), "ring": lambda: ring_all_reduce(x)},
                                    replays, iters=10, skipped=skipped, device=device)
@@ -221,7 +221,7 @@ def graph_rank(sizes: list[int], a2a_bytes: int) -> dict:
                                    device=device)
         out["a2a"] = {"bytes": a2a_bytes, "exact": exact, **rule.columns(timed, ("nccl", "linear")), "skipped": skipped}
     except Exception as exc:  # noqa: BLE001
-        out["a2a_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        out["a2a_error"] = rule.said(exc)
     out["rule"] = rule.fields(rule.BOTH, "copied", [])
     return out
 

@@ -105,7 +105,7 @@ def in_rank(nbytes: int, plain: bool, pieces: int, launch: str, replay_pieces: l
                 torch.cuda.synchronize(device)
             exact[name] = bool(torch.equal(x, expected))
         except RuntimeError as exc:
-            skipped.append(f"{name}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+            skipped.append(f"{name}: {rule.first_line(exc)}")
             del runs[name]
     samples = rule.rounds(runs, iters=iters, skipped=skipped, count=rounds, device=device)
     seconds, spread = {}, {}

@@ -244,7 +244,7 @@ def _as_launched(runs: dict, wrongs: dict, launch: str, check: bool, x: torch.Te
                 wrongs[name] = _wrong_elements(lambda _, run=run: run(), {}, x)
             runs[name] = run
         except RuntimeError as exc:
-            skipped.append(f"{name}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+            skipped.append(f"{name}: {rule.first_line(exc)}")
     return skipped
 
 

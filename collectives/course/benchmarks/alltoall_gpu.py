@@ -95,7 +95,7 @@ def check(runs: dict, places: dict, n: int) -> dict[str, object]:
             _synchronize(x)
             ok[name] = bool(torch.equal(dst[:n], expected))
         except Exception as exc:  # noqa: BLE001 - reported: the contender is then not timed at this size
-            ok[name] = f"raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            ok[name] = f"raised {rule.said(exc)}"
         src[:n].zero_()                     # zeros from here: every timed run moves the same values
         _synchronize(x)
         dist.barrier()

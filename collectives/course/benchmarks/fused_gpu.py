@@ -152,7 +152,7 @@ def check(runs: dict, cases: dict) -> dict[str, object]:
             _synchronize(tensors)
             ok[name] = all(torch.equal(t, e) for t, e in zip(tensors, expected))
         except Exception as exc:  # noqa: BLE001 - reported in the record, the case then dropped
-            ok[name] = f"raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            ok[name] = f"raised {rule.said(exc)}"
         for t in tensors:
             t.zero_()
         _synchronize(tensors)

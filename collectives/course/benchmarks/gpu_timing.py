@@ -44,6 +44,16 @@ ROUNDS = 5          # batches per contender, interleaved across the contenders
 MULTICAST = "off: NVLink multicast and with it NCCL's NVLS algorithms are disabled in every rank"
 
 
+def first_line(exc: BaseException) -> str:
+    """An error's first line, or its type where it says nothing: what a skipped contender's line says."""
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def said(exc: BaseException) -> str:
+    """``"Type: first line"`` (the type alone where it says nothing): a failed check's words."""
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0]}" if str(exc) else type(exc).__name__
+
+
 def check_launch(launch: str) -> str:
     """``launch`` if it is one of :data:`LAUNCHES`; else a ValueError saying which are."""
     if launch not in LAUNCHES:
@@ -102,7 +112,7 @@ def nccl_window(capacity: int, dtype: torch.dtype, group) -> tuple[torch.Tensor 
         tensor._collectives_pool = pool      # the pool lives as long as the tensor
         return tensor, None
     except (AttributeError, RuntimeError) as exc:
-        return None, f"NCCL window registration ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        return None, f"NCCL window registration ({said(exc)})"
 
 
 class Replayed:
@@ -148,7 +158,7 @@ def rounds(runs: dict[str, Callable[[], object]], *, iters: int | dict[str, int]
             try:
                 samples[name].append(timing.measure_back_to_back(run, iters=n, device=device))
             except RuntimeError as exc:
-                skipped.append(f"{name}{where}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+                skipped.append(f"{name}{where}: {first_line(exc)}")
                 del live[name], samples[name]
     return samples
 

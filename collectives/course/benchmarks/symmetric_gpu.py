@@ -47,7 +47,19 @@ from torch.distributed import distributed_c10d as c10d
 
 from ...core import launch, timing
 from ...symmetric import gpu
-from .gpu_timing import INPUTS, LAUNCHES, RULE, Replayed, check_launch, fields, nccl_window, rank_env, rounds, summary  # noqa: F401
+from .gpu_timing import (  # noqa: F401
+    INPUTS,
+    LAUNCHES,
+    RULE,
+    Replayed,
+    check_launch,
+    fields,
+    nccl_window,
+    rank_env,
+    rounds,
+    said,
+    summary,
+)
 
 GPU_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M,1G"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -137,7 +149,7 @@ def check(runs: dict, src: torch.Tensor, dtype: torch.dtype) -> dict[str, object
                 run(n)
                 torch.cuda.synchronize()
             except Exception as exc:  # noqa: BLE001 - reported: torch's ops refuse some sizes
-                good = f"n={n}: raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                good = f"n={n}: raised {said(exc)}"
                 break
             if not torch.equal(src[:n], expected):
                 good = False
